@@ -1,0 +1,43 @@
+# The README's commands. `make demo` sets up and runs the main job; `make test`
+# sets up and passes the tests. TORCH pins the CPU build that lies on this
+# machine's disk; a plain `torch` would pull a multi-GB CUDA build.
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.parc-installed
+TEST_STAMP := $(VENV)/.parc-test-installed
+
+.PHONY: setup demo test lint bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install --quiet "$(TORCH)"
+	$(PY) -m pip install --quiet -e .
+	touch $(STAMP)
+
+$(TEST_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $(TEST_STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/parc demo
+
+lint: $(TEST_STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy parc dsl compiler runtime
+
+test: lint
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) bench/run_all.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,362 @@
+"""The `.par` abstract syntax tree: frozen values that print as the `.par` you would type.
+
+Every statement keeps its `Span` (line and columns in the file) so later errors
+can point at it; spans do not take part in equality, so a spec printed with
+`str(spec)` and parsed back compares equal to the original.
+
+    >>> from parc.dsl import parse_spec
+    >>> spec = parse_spec("mesh dp=2 tp=2\\nshard mlp.fc1 col tp\\n")
+    >>> print(spec)
+    mesh dp=2 tp=2
+    shard mlp.fc1 col tp
+    >>> spec.mesh.size("tp")
+    2
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TypeAlias
+
+from parc.errors import SourceSpan
+
+__all__ = [
+    "AXIS_DP",
+    "AXIS_PP",
+    "AXIS_TP",
+    "Axis",
+    "GradAccum",
+    "IndexAll",
+    "IndexRange",
+    "Mesh",
+    "Microbatches",
+    "Name",
+    "Pattern",
+    "Recompute",
+    "Schedule",
+    "ScheduleKind",
+    "Segment",
+    "Shard",
+    "ShardKind",
+    "Span",
+    "Spec",
+    "Stage",
+    "StageAuto",
+    "Statement",
+    "Star",
+    "Zero",
+]
+
+# Axis names with a built-in meaning (DESIGN.md §2). Other names are free for
+# tensor-parallel axes named by `shard` statements.
+AXIS_DP = "dp"
+AXIS_PP = "pp"
+AXIS_TP = "tp"
+
+
+class ShardKind(str, Enum):
+    """How a `shard` statement splits a module's parameters over an axis."""
+
+    COL = "col"  # Linear out_features (and bias) split; output sharded on the last dim
+    ROW = "row"  # Linear in_features split; output is a pending sum, all-reduced
+    VOCAB = "vocab"  # Embedding rows split; language feature not yet compiled
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class ScheduleKind(str, Enum):
+    """Pipeline schedules (DESIGN.md §6, Pipeline)."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """1-based line and column of a node in its file; `end_column` is exclusive."""
+
+    line: int
+    column: int
+    end_column: int
+
+
+_NO_SPAN = Span(0, 0, 0)
+
+
+def _span() -> Span:
+    return field(default=_NO_SPAN, compare=False, repr=False)  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------- patterns
+
+
+@dataclass(frozen=True, slots=True)
+class Name:
+    """One literal name segment: `mlp`, `fc1`, or an index such as `3`."""
+
+    text: str
+
+    def __str__(self) -> str:
+        return self.text
+
+
+@dataclass(frozen=True, slots=True)
+class Star:
+    """`*`: any one name segment."""
+
+    def __str__(self) -> str:
+        return "*"
+
+
+@dataclass(frozen=True, slots=True)
+class IndexRange:
+    """`layers[a:b]`: the two segments `layers.i` for a <= i < b."""
+
+    name: str
+    start: int
+    stop: int
+
+    def __str__(self) -> str:
+        return f"{self.name}[{self.start}:{self.stop}]"
+
+
+@dataclass(frozen=True, slots=True)
+class IndexAll:
+    """`layers[*]`: the two segments `layers.i` for every integer i."""
+
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.name}[*]"
+
+
+Segment: TypeAlias = Name | Star | IndexRange | IndexAll
+
+
+@dataclass(frozen=True, slots=True)
+class Pattern:
+    """A dotted pattern over module qualified names; matches a dotted suffix."""
+
+    segments: tuple[Segment, ...]
+    span: Span = _span()
+
+    def __str__(self) -> str:
+        return ".".join(str(s) for s in self.segments)
+
+
+# ---------------------------------------------------------------- statements
+
+
+@dataclass(frozen=True, slots=True)
+class Axis:
+    name: str
+    size: int
+    span: Span = _span()
+
+    def __str__(self) -> str:
+        return f"{self.name}={self.size}"
+
+
+@dataclass(frozen=True, slots=True)
+class Mesh:
+    """`mesh pp=2 dp=2 tp=2`: named axes, row-major in the order written."""
+
+    axes: tuple[Axis, ...]
+    span: Span = _span()
+
+    def __str__(self) -> str:
+        return "mesh " + " ".join(str(a) for a in self.axes)
+
+    def size(self, name: str) -> int:
+        """The size of axis `name`; a missing axis has size 1."""
+        for axis in self.axes:
+            if axis.name == name:
+                return axis.size
+        return 1
+
+    def has(self, name: str) -> bool:
+        return any(axis.name == name for axis in self.axes)
+
+    @property
+    def world_size(self) -> int:
+        n = 1
+        for axis in self.axes:
+            n *= axis.size
+        return n
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """`shard PATTERN KIND AXIS`."""
+
+    pattern: Pattern
+    kind: ShardKind
+    axis: str
+    span: Span = _span()
+    kind_span: Span = _span()
+    axis_span: Span = _span()
+
+    def __str__(self) -> str:
+        return f"shard {self.pattern} {self.kind} {self.axis}"
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    """`stage PATTERN, PATTERN -> ID`."""
+
+    patterns: tuple[Pattern, ...]
+    stage: int
+    span: Span = _span()
+    stage_span: Span = _span()
+
+    def __str__(self) -> str:
+        return f"stage {', '.join(str(p) for p in self.patterns)} -> {self.stage}"
+
+
+@dataclass(frozen=True, slots=True)
+class StageAuto:
+    """`stage auto`: cut points chosen by cost (DESIGN.md §5.4)."""
+
+    span: Span = _span()
+
+    def __str__(self) -> str:
+        return "stage auto"
+
+
+@dataclass(frozen=True, slots=True)
+class Microbatches:
+    count: int
+    span: Span = _span()
+
+    def __str__(self) -> str:
+        return f"microbatches {self.count}"
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    kind: ScheduleKind
+    span: Span = _span()
+
+    def __str__(self) -> str:
+        return f"schedule {self.kind}"
+
+
+@dataclass(frozen=True, slots=True)
+class Zero:
+    level: int
+    span: Span = _span()
+
+    def __str__(self) -> str:
+        return f"zero {self.level}"
+
+
+@dataclass(frozen=True, slots=True)
+class GradAccum:
+    steps: int
+    span: Span = _span()
+
+    def __str__(self) -> str:
+        return f"grad_accum {self.steps}"
+
+
+@dataclass(frozen=True, slots=True)
+class Recompute:
+    """`recompute PATTERN`: activation checkpointing of the matched modules."""
+
+    pattern: Pattern
+    span: Span = _span()
+
+    def __str__(self) -> str:
+        return f"recompute {self.pattern}"
+
+
+Statement: TypeAlias = (
+    Mesh | Shard | Stage | StageAuto | Microbatches | Schedule | Zero | GradAccum | Recompute
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Spec:
+    """A whole `.par` file: its statements in order, plus where it came from.
+
+    `filename` and `source` do not take part in equality; they let errors quote
+    the spec line (see `span_of`).
+    """
+
+    statements: tuple[Statement, ...]
+    filename: str = field(default="<spec>", compare=False)
+    source: str = field(default="", compare=False, repr=False)
+
+    def __str__(self) -> str:
+        return "".join(f"{s}\n" for s in self.statements)
+
+    def _all(self, kind: type) -> list:
+        return [s for s in self.statements if isinstance(s, kind)]
+
+    def _one(self, kind: type):  # type: ignore[no-untyped-def]
+        found = self._all(kind)
+        return found[0] if found else None
+
+    @property
+    def mesh(self) -> Mesh:
+        """The mesh statement; a spec without one is a single device."""
+        found: Mesh | None = self._one(Mesh)
+        return found if found is not None else Mesh(())
+
+    @property
+    def shards(self) -> tuple[Shard, ...]:
+        return tuple(self._all(Shard))
+
+    @property
+    def stages(self) -> tuple[Stage, ...]:
+        return tuple(self._all(Stage))
+
+    @property
+    def stage_auto(self) -> StageAuto | None:
+        found: StageAuto | None = self._one(StageAuto)
+        return found
+
+    @property
+    def recomputes(self) -> tuple[Recompute, ...]:
+        return tuple(self._all(Recompute))
+
+    @property
+    def microbatches(self) -> int:
+        found: Microbatches | None = self._one(Microbatches)
+        return found.count if found else 1
+
+    @property
+    def schedule(self) -> ScheduleKind:
+        found: Schedule | None = self._one(Schedule)
+        return found.kind if found else ScheduleKind.ONE_F_ONE_B
+
+    @property
+    def zero(self) -> int:
+        found: Zero | None = self._one(Zero)
+        return found.level if found else 0
+
+    @property
+    def grad_accum(self) -> int:
+        found: GradAccum | None = self._one(GradAccum)
+        return found.steps if found else 1
+
+    def statement(self, kind: type) -> Statement | None:
+        """The first statement of `kind`, for error locations."""
+        found: Statement | None = self._one(kind)
+        return found
+
+    def line_text(self, line: int) -> str:
+        lines = self.source.splitlines()
+        return lines[line - 1] if 0 < line <= len(lines) else ""
+
+    def locate(self, span: Span) -> SourceSpan | None:
+        """`span` as a `SourceSpan` for errors; None for a spec built in code."""
+        if span.line == 0:
+            return None
+        return SourceSpan(self.filename, span.line, span.column, span.end_column,
+                          self.line_text(span.line))

@@ -1,0 +1,180 @@
+"""The one error hierarchy of parc.
+
+Every error parc raises for a user's mistake is a `ParcError`; the CLI prints
+its `str()` without a traceback and exits 2. Each message says what failed, the
+values seen, what is required and how to fix it.
+
+    ParcError
+    ├── SpecError      a .par file is malformed (file:line:col with a caret)
+    ├── PlanError      a spec does not fit the model (names the spec line)
+    ├── CompileError   a model cannot be traced or compiled (names the fx node)
+    ├── ModelError     a model file breaks the model convention
+    └── RuntimeFault   a run failed (rank, step, collective)
+
+This module imports nothing from torch: `parc.dsl` uses it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "CompileError",
+    "ModelError",
+    "ParcError",
+    "PlanError",
+    "RuntimeFault",
+    "SourceSpan",
+    "SpecError",
+    "format_caret",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class SourceSpan:
+    """A place in a `.par` file: 1-based line and column, exclusive end column."""
+
+    file: str
+    line: int
+    column: int
+    end_column: int
+    text: str  # the whole source line, without its newline
+
+    def header(self) -> str:
+        return f"{self.file}:{self.line}:{self.column}"
+
+
+def format_caret(span: SourceSpan) -> str:
+    """The source line indented by four spaces and a caret line under the span."""
+    width = max(1, span.end_column - span.column)
+    pad = " " * (span.column - 1)
+    return f"    {span.text}\n    {pad}{'^' * width}"
+
+
+class ParcError(Exception):
+    """Base of every error parc raises for a user's mistake."""
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        self.message = message
+        self.hint = hint
+        super().__init__(message)
+
+    def _hint_line(self) -> str:
+        return f"\n  hint: {self.hint}" if self.hint else ""
+
+    def __str__(self) -> str:
+        return f"error: {self.message}{self._hint_line()}"
+
+
+class _SpannedError(ParcError):
+    """An error anchored at a place in a spec file, printed like a compiler's."""
+
+    def __init__(
+        self, message: str, span: SourceSpan | None = None, *, hint: str | None = None
+    ) -> None:
+        super().__init__(message, hint=hint)
+        self.span = span
+
+    @property
+    def line(self) -> int | None:
+        return self.span.line if self.span else None
+
+    @property
+    def column(self) -> int | None:
+        return self.span.column if self.span else None
+
+    def __str__(self) -> str:
+        if self.span is None:
+            return f"error: {self.message}{self._hint_line()}"
+        return (
+            f"{self.span.header()}: error: {self.message}\n"
+            f"{format_caret(self.span)}{self._hint_line()}"
+        )
+
+
+class SpecError(_SpannedError):
+    """A `.par` file that does not parse or states something twice."""
+
+
+class PlanError(_SpannedError):
+    """A spec that parses but does not fit the model or itself.
+
+    `names` lists the model names involved (modules, parameters, nodes).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        span: SourceSpan | None = None,
+        *,
+        hint: str | None = None,
+        names: tuple[str, ...] = (),
+    ) -> None:
+        super().__init__(message, span, hint=hint)
+        self.names = names
+
+
+class ModelError(ParcError):
+    """A model file that breaks the model convention (DESIGN.md §4)."""
+
+    def __init__(self, message: str, *, file: str, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.file = file
+
+    def __str__(self) -> str:
+        return f"{self.file}: error: {self.message}{self._hint_line()}"
+
+
+class CompileError(ParcError):
+    """A model that cannot be traced or compiled.
+
+    `node` is `node.format_node()` of the fx node involved; `source` the user's
+    source line (``file:line`` plus code) when fx recorded it.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        node: str | None = None,
+        source: str | None = None,
+        hint: str | None = None,
+    ) -> None:
+        super().__init__(message, hint=hint)
+        self.node = node
+        self.source = source
+
+    def __str__(self) -> str:
+        parts = [f"error: {self.message}"]
+        if self.source:
+            parts.append(f"  at {self.source}")
+        if self.node:
+            parts.append(f"  fx node: {self.node}")
+        return "\n".join(parts) + self._hint_line()
+
+
+class RuntimeFault(ParcError):
+    """A failure during a run, located by rank, step and collective."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int | None = None,
+        step: int | None = None,
+        collective: str | None = None,
+        hint: str | None = None,
+    ) -> None:
+        super().__init__(message, hint=hint)
+        self.rank = rank
+        self.step = step
+        self.collective = collective
+
+    def __str__(self) -> str:
+        where = [
+            f"{k} {v}"
+            for k, v in (("rank", self.rank), ("step", self.step), ("in", self.collective))
+            if v is not None
+        ]
+        prefix = f"[{', '.join(where)}] " if where else ""
+        return f"error: {prefix}{self.message}{self._hint_line()}"

@@ -1,0 +1,78 @@
+"""The compiler's front end: spec + model file -> traced graph, Plan and cost estimate.
+
+Nothing here needs a process group. The model is built on the `meta` device
+unless real weights are asked for, so planning a large model allocates nothing.
+
+    >>> a = analyse("specs/gpt_tp.par", "examples/gpt.py", batch=8)   # doctest: +SKIP
+    >>> print(a.plan)                                                   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+import torch.fx
+from parc.dsl import load_spec, parse_spec
+from parc.dsl.ast import Spec
+
+from .estimate import Estimate, estimate
+from .model import ModelSource, load_model
+from .plan import Plan
+from .resolve import check_batch, resolve
+from .trace import propagate_shapes, trace_model
+
+__all__ = ["Analysis", "analyse", "as_spec", "default_batch"]
+
+
+@dataclass(frozen=True, slots=True)
+class Analysis:
+    """Everything the front end learned about one spec and one model."""
+
+    spec: Spec
+    source: ModelSource
+    model: torch.nn.Module
+    gm: torch.fx.GraphModule
+    plan: Plan
+    estimate: Estimate
+
+
+def as_spec(spec: Spec | str | Path) -> Spec:
+    """A parsed spec from a Spec, a path to a `.par` file, or `.par` text."""
+    if isinstance(spec, Spec):
+        return spec
+    if isinstance(spec, Path) or (
+        isinstance(spec, str) and spec.endswith(".par") and "\n" not in spec
+    ):
+        return load_spec(spec)
+    return parse_spec(spec)
+
+
+def default_batch(spec: Spec, at_least: int = 8) -> int:
+    """The smallest valid global batch of at least `at_least` samples."""
+    split = spec.mesh.size("dp") * spec.grad_accum * spec.microbatches
+    return split * max(1, -(-at_least // split))
+
+
+def analyse(
+    spec: Spec | str | Path,
+    model: str | Path | ModuleType | ModelSource,
+    *,
+    batch: int | None = None,
+    device: str | torch.device = "meta",
+    seed: int = 0,
+) -> Analysis:
+    """Trace, shape-propagate at the micro-batch size, resolve and estimate."""
+    spec = as_spec(spec)
+    source = model if isinstance(model, ModelSource) else load_model(model)
+    batch = batch if batch is not None else default_batch(spec)
+    batch_plan = check_batch(spec, batch)
+    torch.manual_seed(seed)
+    built = source.build(device=device)
+    gm = trace_model(built)
+    inputs, _ = source.batch(batch_plan.micro, 0)
+    propagate_shapes(gm, inputs if isinstance(inputs, tuple | list) else (inputs,))
+    plan = resolve(spec, built, gm, batch=batch)
+    return Analysis(spec, source, built, gm, plan, estimate(plan, gm, built))

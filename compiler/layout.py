@@ -1,0 +1,172 @@
+"""Where every parameter lives: its tensor-parallel slice, its stages, its flat ZeRO unit.
+
+The compiler's report and the runtime both read this one layout, so the
+memory and traffic the report predicts are the ones a run has.
+
+- A parameter sharded over the tp axis keeps one slice along `dim`
+  (Linear col: weight and bias dim 0; Linear row: weight dim 1, the bias stays
+  whole and is added once after the reduction; Embedding col: weight dim 1).
+- A parameter used by two stages (a tied embedding and LM head) lives on both.
+- ZeRO units are flat buffers padded to a multiple of dp: one per module (or
+  raw parameter) for ZeRO-3, so each is gathered just before its use; for DP
+  and ZeRO-1/2, buckets of about `bucket_elems` elements filled in reverse order
+  of use (the order gradients become ready in backward).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+from parc.dsl.ast import ShardKind
+
+from parc.errors import PlanError
+
+from .cost import params_of_node
+from .plan import Plan
+
+__all__ = [
+    "DEFAULT_BUCKET_ELEMS",
+    "FlatUnit",
+    "ParamSlice",
+    "flat_units",
+    "local_shape",
+    "param_slices",
+    "stage_params",
+]
+
+# DDP's default bucket is 25 MiB; in fp32 elements:
+DEFAULT_BUCKET_ELEMS = 25 * 2**20 // 4
+
+
+@dataclass(frozen=True, slots=True)
+class ParamSlice:
+    """A parameter split along `dim` into `parts` equal slices over the tp axis."""
+
+    dim: int
+    parts: int
+
+
+@dataclass(frozen=True, slots=True)
+class FlatUnit:
+    """Parameters flattened together (in order) and padded to a multiple of dp."""
+
+    params: tuple[str, ...]
+    numel: int
+    padded: int
+    dp: int
+
+    @property
+    def shard(self) -> int:
+        """Elements of this unit each dp rank keeps under ZeRO."""
+        return self.padded // self.dp
+
+
+def param_slices(plan: Plan, model: torch.nn.Module) -> dict[str, ParamSlice]:
+    """Canonical parameter name -> its tp slice; tied parameters must agree."""
+    canonical = _canonical_names(model)
+    out: dict[str, tuple[ParamSlice | None, str]] = {}
+    modules = dict(model.named_modules())
+    for name, module in modules.items():
+        shard = plan.shard_of(name)
+        for leaf, _ in module.named_parameters(recurse=False):
+            full = f"{name}.{leaf}" if name else leaf
+            slice_ = _slice_for(shard.kind, leaf, module, plan.tp) if shard else None
+            key = canonical[full]
+            if key in out and out[key][0] != slice_:
+                raise _tie_conflict(key, out[key][1], name, plan)
+            out.setdefault(key, (slice_, name))
+    return {k: v[0] for k, v in out.items() if v[0] is not None}
+
+
+def _slice_for(kind: ShardKind, leaf: str, module: torch.nn.Module, tp: int) -> ParamSlice | None:
+    if isinstance(module, torch.nn.Embedding):
+        return ParamSlice(1, tp)
+    if kind is ShardKind.COL:
+        return ParamSlice(0, tp)
+    return ParamSlice(1, tp) if leaf == "weight" else None
+
+
+def _tie_conflict(param: str, first: str, second: str, plan: Plan) -> PlanError:
+    def describe(module: str) -> str:
+        shard = plan.shard_of(module)
+        return f"'{module}' ({shard.kind} {shard.axis})" if shard else f"'{module}' (replicated)"
+
+    line = next((s.line for s in plan.shards if s.module in (first, second)), None)
+    return PlanError(
+        f"parameter '{param}' is shared by {describe(first)} and {describe(second)}, which "
+        "slice it differently",
+        None,
+        hint="a tied weight must be split the same way by every module that uses it: e.g. "
+        "shard the Embedding `col` and the tied LM head `row`, or untie them"
+        + (f" (spec line {line})" if line else ""),
+        names=(param, first, second),
+    )
+
+
+def _canonical_names(model: torch.nn.Module) -> dict[str, str]:
+    """Every parameter name (tied ones included) -> the first name of that tensor."""
+    first: dict[int, str] = {}
+    out: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        out[name] = first.setdefault(id(p), name)
+    return out
+
+
+def local_shape(shape: tuple[int, ...], slice_: ParamSlice | None) -> tuple[int, ...]:
+    if slice_ is None:
+        return shape
+    dims = list(shape)
+    dims[slice_.dim] //= slice_.parts
+    return tuple(dims)
+
+
+def stage_params(plan: Plan, gm: torch.fx.GraphModule, model: torch.nn.Module) -> list[list[str]]:
+    """Per stage, the canonical names of the parameters its nodes read, in order of first use."""
+    canonical = _canonical_names(model)
+    stage_of = plan.stage_of()
+    out: list[list[str]] = [[] for _ in range(plan.pp)]
+    for node in gm.graph.nodes:
+        for name in params_of_node(node, gm):
+            key = canonical.get(name, name)
+            seen = out[stage_of[node.name]]
+            if key not in seen:
+                seen.append(key)
+    return out
+
+
+def _pad(n: int, dp: int) -> int:
+    return math.ceil(n / dp) * dp if n else 0
+
+
+def flat_units(
+    params: list[tuple[str, int, str]], *, zero: int, dp: int, bucket_elems: int
+) -> tuple[FlatUnit, ...]:
+    """Group (name, local numel, owner module) in order of first use into flat units.
+
+    ZeRO-3: one unit per owner module, in order of use. Otherwise: buckets in
+    reverse order of use, each closed once it reaches `bucket_elems`.
+    """
+    groups: list[list[tuple[str, int]]] = []
+    if zero == 3:
+        owners: dict[str, list[tuple[str, int]]] = {}
+        for name, numel, owner in params:
+            owners.setdefault(owner, []).append((name, numel))
+        groups = list(owners.values())
+    else:
+        current: list[tuple[str, int]] = []
+        for name, numel, _ in reversed(params):
+            current.append((name, numel))
+            if sum(n for _, n in current) >= bucket_elems:
+                groups.append(current)
+                current = []
+        if current:
+            groups.append(current)
+    units = []
+    for group in groups:
+        numel = sum(n for _, n in group)
+        padded = _pad(numel, dp)
+        units.append(FlatUnit(tuple(n for n, _ in group), numel, padded, dp))
+    return tuple(units)

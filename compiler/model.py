@@ -1,0 +1,198 @@
+"""Load a model file that follows the model convention (DESIGN.md §4).
+
+A model file is plain Python that defines:
+
+    build_model() -> torch.nn.Module            required; deterministic under torch.manual_seed
+    sample_batch(batch_size, step) -> (inputs, targets)   required; deterministic in step
+    loss_fn(output, targets) -> Tensor          optional; default cross-entropy over the last dim
+    configure_optimizer(params) -> Optimizer    optional; default AdamW(lr=3e-4)
+
+Loading a model file runs it as Python code: only load files you trust.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+import traceback
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from parc.errors import ModelError
+
+__all__ = ["ModelSource", "default_loss", "load_model"]
+
+Batch = tuple[Any, torch.Tensor]
+
+
+def default_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over the last dim, averaged over every other position."""
+    return F.cross_entropy(output.reshape(-1, output.shape[-1]), targets.reshape(-1))
+
+
+def _default_optimizer(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=3e-4)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """The four functions of a model file, checked, plus where they came from."""
+
+    path: str
+    module: ModuleType
+    build_model: Callable[[], torch.nn.Module]
+    sample_batch: Callable[[int, int], Batch]
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
+    configure_optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+
+    def build(self, *, device: torch.device | str | None = None) -> torch.nn.Module:
+        """Call `build_model()` (under `device` when given, e.g. "meta") and check the result."""
+        try:
+            if device is None:
+                model = self.build_model()
+            else:
+                with torch.device(device):
+                    model = self.build_model()
+        except Exception as exc:
+            raise self._error_in("build_model()", exc) from exc
+        if not isinstance(model, torch.nn.Module):
+            raise ModelError(
+                f"build_model() returned {type(model).__name__}; it must return a torch.nn.Module",
+                file=self.path,
+                hint="end build_model() with `return MyModel(...)`",
+            )
+        return model
+
+    def batch(self, batch_size: int, step: int) -> Batch:
+        """Call `sample_batch(batch_size, step)` and check it returns (inputs, targets)."""
+        try:
+            result = self.sample_batch(batch_size, step)
+        except Exception as exc:
+            raise self._error_in(f"sample_batch({batch_size}, {step})", exc) from exc
+        if not (isinstance(result, tuple | list) and len(result) == 2):
+            raise ModelError(
+                f"sample_batch({batch_size}, {step}) returned {_describe(result)}; "
+                "it must return a pair (inputs, targets)",
+                file=self.path,
+                hint="end sample_batch with `return inputs, targets`",
+            )
+        inputs, targets = result
+        for what, value in (("inputs", inputs), ("targets", targets)):
+            tensors = value if isinstance(value, tuple | list) else (value,)
+            bad = [t for t in tensors if not isinstance(t, torch.Tensor)]
+            if bad or not tensors:
+                raise ModelError(
+                    f"sample_batch({batch_size}, {step}) returned {what} of type "
+                    f"{_describe(value)}; {what} must be a tensor (or a tuple of tensors)",
+                    file=self.path,
+                )
+            wrong = [t for t in tensors if t.dim() == 0 or t.shape[0] != batch_size]
+            if wrong:
+                raise ModelError(
+                    f"sample_batch({batch_size}, {step}) returned {what} of shape "
+                    f"{tuple(wrong[0].shape)}; dim 0 must be the batch size {batch_size}",
+                    file=self.path,
+                    hint="parc splits every batch along dim 0 across data-parallel "
+                    "ranks and microbatches",
+                )
+        return inputs, targets
+
+    @property
+    def digest(self) -> str:
+        """A short hash of the model file's text, recorded in plans and checkpoints."""
+        return hashlib.sha256(Path(self.path).read_bytes()).hexdigest()[:16]
+
+    def _error_in(self, call: str, exc: BaseException) -> ModelError:
+        where = _user_frame(exc, self.path)
+        at = f" at {where}" if where else ""
+        return ModelError(f"{call} raised {type(exc).__name__}: {exc}{at}", file=self.path)
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    if isinstance(value, tuple | list):
+        return f"a {type(value).__name__} of {len(value)} items"
+    return type(value).__name__
+
+
+def _user_frame(exc: BaseException, path: str) -> str | None:
+    """`file:line: code` of the innermost traceback frame inside the model file."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == path]
+    if not frames:
+        return None
+    last = frames[-1]
+    return f"{last.filename}:{last.lineno}: {(last.line or '').strip()}"
+
+
+def _import_file(path: Path) -> ModuleType:
+    """Import a model file as a module with a name unique to its path."""
+    resolved = str(path.resolve())
+    name = "parc_model_" + hashlib.sha1(resolved.encode()).hexdigest()[:12]
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, resolved)
+    if spec is None or spec.loader is None:
+        raise ModelError("cannot be imported as a Python file", file=str(path))
+    module = importlib.util.module_from_spec(spec)
+    # Registered before exec so pickling functions by reference and dataclasses work.
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as exc:
+        del sys.modules[name]
+        raise ModelError(f"syntax error at line {exc.lineno}: {exc.msg}", file=str(path)) from exc
+    except Exception as exc:
+        del sys.modules[name]
+        where = _user_frame(exc, resolved)
+        raise ModelError(
+            f"importing the model file raised {type(exc).__name__}: {exc}"
+            + (f" at {where}" if where else ""),
+            file=str(path),
+        ) from exc
+    return module
+
+
+def _function(module: ModuleType, name: str, path: str, required: bool) -> Any:
+    fn = getattr(module, name, None)
+    if fn is None:
+        if required:
+            raise ModelError(
+                f"defines no `{name}`; a parc model file must define build_model() "
+                "and sample_batch(batch_size, step)",
+                file=path,
+                hint="see the model convention in the README, or examples/mlp.py",
+            )
+        return None
+    if not callable(fn):
+        raise ModelError(f"`{name}` is a {type(fn).__name__}, not a function", file=path)
+    return fn
+
+
+def load_model(source: str | Path | ModuleType) -> ModelSource:
+    """Load a model file by path (or take an already imported module) and check it."""
+    if isinstance(source, ModuleType):
+        module = source
+        path = str(getattr(module, "__file__", "") or module.__name__)
+    else:
+        file = Path(source)
+        if not file.is_file():
+            raise ModelError("no such model file", file=str(source))
+        module = _import_file(file)
+        path = str(file.resolve())
+    return ModelSource(
+        path=path,
+        module=module,
+        build_model=_function(module, "build_model", path, True),
+        sample_batch=_function(module, "sample_batch", path, True),
+        loss_fn=_function(module, "loss_fn", path, False) or default_loss,
+        configure_optimizer=_function(module, "configure_optimizer", path, False)
+        or _default_optimizer,
+    )

@@ -1,0 +1,229 @@
+"""The Plan: what a spec means for one model, as frozen data.
+
+`resolve` builds it from a spec and a traced graph; the passes and the runtime
+read it. It prints as a readable table and serialises to JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from parc.dsl.ast import AXIS_DP, AXIS_PP, ScheduleKind, ShardKind
+
+from parc.errors import SourceSpan
+
+__all__ = ["BatchPlan", "MeshPlan", "ModuleShard", "Plan", "PlanWarning", "compress_names"]
+
+
+@dataclass(frozen=True, slots=True)
+class MeshPlan:
+    """Named axes, row-major in the order written (the last axis varies fastest)."""
+
+    axes: tuple[tuple[str, int], ...]
+
+    @property
+    def world_size(self) -> int:
+        n = 1
+        for _, size in self.axes:
+            n *= size
+        return n
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.axes)
+
+    def size(self, axis: str) -> int:
+        """The size of `axis`; a missing axis has size 1."""
+        return dict(self.axes).get(axis, 1)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Rank -> its coordinate on every axis."""
+        out: dict[str, int] = {}
+        for name, size in reversed(self.axes):
+            out[name] = rank % size
+            rank //= size
+        return {name: out[name] for name, _ in self.axes}
+
+    def rank_of(self, coords: dict[str, int]) -> int:
+        rank = 0
+        for name, size in self.axes:
+            rank = rank * size + coords.get(name, 0)
+        return rank
+
+    def group(self, axis: str, rank: int) -> tuple[int, ...]:
+        """The ranks that share every coordinate of `rank` except `axis`, in axis order."""
+        base = self.coords(rank)
+        if axis not in base:
+            return (rank,)
+        return tuple(self.rank_of({**base, axis: i}) for i in range(self.size(axis)))
+
+    def __str__(self) -> str:
+        return " ".join(f"{n}={s}" for n, s in self.axes) or "(one device)"
+
+
+@dataclass(frozen=True, slots=True)
+class ModuleShard:
+    """One module split over one tensor-parallel axis, and the spec line that said so."""
+
+    module: str
+    kind: ShardKind
+    axis: str
+    module_type: str
+    line: int
+
+
+@dataclass(frozen=True, slots=True)
+class BatchPlan:
+    """global = micro × microbatches × grad_accum × dp."""
+
+    global_batch: int
+    dp: int
+    grad_accum: int
+    microbatches: int
+
+    @property
+    def micro(self) -> int:
+        return self.global_batch // (self.dp * self.grad_accum * self.microbatches)
+
+    @property
+    def per_replica(self) -> int:
+        return self.global_batch // self.dp
+
+    def __str__(self) -> str:
+        return (
+            f"global {self.global_batch} = micro-batch {self.micro} × microbatches "
+            f"{self.microbatches} × grad_accum {self.grad_accum} × dp {self.dp}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PlanWarning:
+    """Something valid but probably not what the user meant."""
+
+    message: str
+    span: SourceSpan | None = None
+
+    def __str__(self) -> str:
+        where = f"{self.span.header()}: " if self.span else ""
+        return f"{where}warning: {self.message}"
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What a spec means for one model.
+
+    `node_stages` gives the pipeline stage of every fx node by name (all 0
+    without a pp axis); `tp_axis` is the one axis named by `shard` statements.
+    """
+
+    mesh: MeshPlan
+    shards: tuple[ModuleShard, ...]
+    node_stages: tuple[tuple[str, int], ...]
+    stage_modules: tuple[tuple[str, ...], ...]
+    batch: BatchPlan
+    zero: int
+    schedule: ScheduleKind
+    recompute: tuple[str, ...]
+    tp_axis: str | None
+    stage_auto: bool = False
+    warnings: tuple[PlanWarning, ...] = ()
+
+    @property
+    def dp(self) -> int:
+        return self.mesh.size(AXIS_DP)
+
+    @property
+    def pp(self) -> int:
+        return self.mesh.size(AXIS_PP)
+
+    @property
+    def tp(self) -> int:
+        return self.mesh.size(self.tp_axis) if self.tp_axis else 1
+
+    @property
+    def microbatches(self) -> int:
+        return self.batch.microbatches
+
+    @property
+    def grad_accum(self) -> int:
+        return self.batch.grad_accum
+
+    def stage_of(self) -> dict[str, int]:
+        return dict(self.node_stages)
+
+    def shard_of(self, module: str) -> ModuleShard | None:
+        for shard in self.shards:
+            if shard.module == module:
+                return shard
+        return None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "mesh": dict(self.mesh.axes),
+            "world_size": self.mesh.world_size,
+            "shards": [
+                {"module": s.module, "kind": str(s.kind), "axis": s.axis, "type": s.module_type}
+                for s in self.shards
+            ],
+            "stages": [list(m) for m in self.stage_modules],
+            "stage_auto": self.stage_auto,
+            "batch": {
+                "global": self.batch.global_batch,
+                "dp": self.batch.dp,
+                "grad_accum": self.batch.grad_accum,
+                "microbatches": self.batch.microbatches,
+                "micro": self.batch.micro,
+            },
+            "zero": self.zero,
+            "schedule": str(self.schedule),
+            "recompute": list(self.recompute),
+            "tp_axis": self.tp_axis,
+            "warnings": [str(w) for w in self.warnings],
+        }
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=2)
+
+    def __str__(self) -> str:
+        lines = [f"mesh      {self.mesh}  (world size {self.mesh.world_size})"]
+        lines.append(f"batch     {self.batch}")
+        lines.append(f"zero      {self.zero}    schedule {self.schedule}")
+        for shard in self.shards:
+            lines.append(
+                f"shard     {shard.module:<28} {shard.kind!s:<4} {shard.axis:<4} "
+                f"{shard.module_type}"
+            )
+        if self.pp > 1:
+            for i, modules in enumerate(self.stage_modules):
+                lines.append(f"stage {i}   {compress_names(modules)}")
+        for name in self.recompute:
+            lines.append(f"recompute {name}")
+        return "\n".join(lines)
+
+
+def compress_names(names: tuple[str, ...]) -> str:
+    """`layers.0, layers.1, layers.2` -> `layers[0:3]`, for readable stage lists."""
+    out: list[str] = []
+    run: tuple[str, int, int] | None = None
+    for name in names:
+        base, _, last = name.rpartition(".")
+        if base and last.isdigit() and run and run[0] == base and run[2] == int(last):
+            run = (base, run[1], int(last) + 1)
+            continue
+        if run:
+            out.append(_fmt_run(run))
+            run = None
+        if base and last.isdigit():
+            run = (base, int(last), int(last) + 1)
+        else:
+            out.append(name)
+    if run:
+        out.append(_fmt_run(run))
+    return ", ".join(out)
+
+
+def _fmt_run(run: tuple[str, int, int]) -> str:
+    base, start, stop = run
+    return f"{base}.{start}" if stop - start == 1 else f"{base}[{start}:{stop}]"

@@ -1,0 +1,245 @@
+"""The plan report `parc compile` prints: what will run where, and what it costs.
+
+`format_report` renders text for a terminal; `report_json` the same facts as one
+JSON-serialisable dict.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from .estimate import Estimate
+from .plan import Plan, compress_names
+
+__all__ = ["format_report", "human_bytes", "human_count", "report_json"]
+
+
+def human_count(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def human_bytes(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _table(header: list[str], rows: list[list[str]], indent: str = "  ") -> list[str]:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    fmt = [
+        (lambda c, w: c.ljust(w))
+        if i == 0 or not rows or not _numeric(rows, i)
+        else (lambda c, w: c.rjust(w))
+        for i in range(len(header))
+    ]
+    out = []
+    for row in [header, *rows]:
+        out.append(indent + "  ".join(f(c, w) for f, c, w in zip(fmt, row, widths)).rstrip())
+    return out
+
+
+_NUMBER = re.compile(r"^-?[\d.]+ ?([KMGT]|[KMG]iB|B|%)?$")
+
+
+def _numeric(rows: list[list[str]], i: int) -> bool:
+    return all(_NUMBER.match(r[i]) for r in rows)
+
+
+def _mesh_lines(plan: Plan, max_ranks: int = 64) -> list[str]:
+    names = list(plan.mesh.names)
+    lines = [f"Mesh  {plan.mesh}  (world size {plan.mesh.world_size}, last axis fastest)"]
+    if not names:
+        return lines
+    rows = []
+    for rank in range(min(plan.mesh.world_size, max_ranks)):
+        coords = plan.mesh.coords(rank)
+        rows.append([str(rank), *(str(coords[n]) for n in names)])
+    lines += _table(["rank", *names], rows)
+    if plan.mesh.world_size > max_ranks:
+        lines.append(f"  ... {plan.mesh.world_size - max_ranks} more ranks")
+    return lines
+
+
+def _placement_lines(plan: Plan) -> list[str]:
+    if not plan.shards:
+        return ["Placements  every module replicated (no shard statements)"]
+    groups: dict[tuple[int, str, str, str], list[str]] = {}
+    for s in plan.shards:
+        groups.setdefault((s.line, str(s.kind), s.axis, s.module_type), []).append(s.module)
+    rows = [
+        [group_names(names), kind, axis, f"{len(names)} × {mtype}", str(line)]
+        for (line, kind, axis, mtype), names in groups.items()
+    ]
+    header = ["modules", "kind", "axis", "type", "spec line"]
+    return ["Placements (everything else replicated)", *_table(header, rows)]
+
+
+def group_names(names: list[str]) -> str:
+    """`layers.0.mlp.fc1, layers.1.mlp.fc1` -> `layers[0:2].mlp.fc1` where indices are a run."""
+    shapes: dict[tuple[str, ...], list[int]] = {}
+    order: list[tuple[str, ...]] = []
+    for name in names:
+        parts = name.split(".")
+        idx = next((i for i, p in enumerate(parts) if p.isdigit()), None)
+        if idx is None:
+            key: tuple[str, ...] = (name,)
+            shapes.setdefault(key, [])
+        else:
+            key = (".".join(parts[:idx]), ".".join(parts[idx + 1 :]))
+            shapes.setdefault(key, []).append(int(parts[idx]))
+        if key not in order:
+            order.append(key)
+    out = []
+    for key in order:
+        found = shapes[key]
+        if len(key) == 1:
+            out.append(key[0])
+            continue
+        head, tail = key
+        rng = sorted(found)
+        if rng == list(range(rng[0], rng[-1] + 1)) and len(rng) > 1:
+            name = f"{head}[{rng[0]}:{rng[-1] + 1}]"
+        else:
+            name = ", ".join(f"{head}.{i}" for i in rng) if len(rng) > 1 else f"{head}.{rng[0]}"
+        out.append(name + (f".{tail}" if tail else ""))
+    text = ", ".join(out)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _stage_lines(plan: Plan, est: Estimate) -> list[str]:
+    rows = []
+    for cost, modules in zip(est.stages, plan.stage_modules):
+        rows.append(
+            [
+                str(cost.stage),
+                human_count(cost.params),
+                human_count(cost.flops_per_sample),
+                human_bytes(cost.activation_bytes),
+                _short(modules),
+            ]
+        )
+    title = "Stages (stage auto)" if plan.stage_auto else "Stages"
+    header = ["stage", "params", "FLOPs/sample", "activations/microbatch", "modules"]
+    return [title, *_table(header, rows)]
+
+
+def _short(modules: tuple[str, ...]) -> str:
+    text = compress_names(modules)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _memory_lines(est: Estimate) -> list[str]:
+    rows = [
+        [
+            str(m.rank),
+            human_bytes(m.params),
+            human_bytes(m.grads),
+            human_bytes(m.optimizer),
+            human_bytes(m.activations),
+            human_bytes(m.total),
+        ]
+        for m in est.memory
+    ]
+    header = ["rank", "params", "grads", "optimizer", "activations", "total"]
+    return [
+        "Memory per rank (fp32; optimizer AdamW: 2 states per parameter)",
+        *_table(header, rows),
+    ]
+
+
+def _collective_lines(plan: Plan, est: Estimate) -> list[str]:
+    lines = ["Collectives per step (seen from one rank of each stage)"]
+    rows = []
+    for stage, comms in est.collectives:
+        for c in comms:
+            rows.append(
+                [str(stage), c.kind, c.axis, str(c.count), human_count(c.elements), c.purpose]
+            )
+    if not rows:
+        return [*lines, "  none: a single device"]
+    header = ["stage", "kind", "axis", "count", "elements", "purpose"]
+    return [*lines, *_table(header, rows)]
+
+
+def _pipeline_lines(plan: Plan, est: Estimate, grid: str | None) -> list[str]:
+    if plan.pp == 1:
+        return []
+    lines = [
+        f"Pipeline  schedule {plan.schedule}, {plan.microbatches} microbatches, "
+        f"bubble {est.bubble:.1%} ((p-1)/(m+p-1) with p={plan.pp}, m={plan.microbatches}); "
+        f"microbatches in flight per stage: {', '.join(map(str, est.in_flight))}",
+    ]
+    if grid:
+        lines += ["  " + line for line in grid.splitlines()]
+    return lines
+
+
+def format_report(
+    plan: Plan,
+    est: Estimate,
+    *,
+    title: str,
+    grid: str | None = None,
+    extra: list[str] | None = None,
+) -> str:
+    """The whole report as text."""
+    sections = [
+        [title],
+        _mesh_lines(plan),
+        [f"Batch  {plan.batch}"],
+        _placement_lines(plan),
+        _stage_lines(plan, est),
+        _memory_lines(est),
+        _collective_lines(plan, est),
+        _pipeline_lines(plan, est, grid),
+        extra or [],
+        [str(w) for w in plan.warnings],
+    ]
+    return "\n\n".join("\n".join(s) for s in sections if s) + "\n"
+
+
+def report_json(plan: Plan, est: Estimate) -> dict[str, Any]:
+    """The report's facts as plain data."""
+    return {
+        "plan": plan.to_json(),
+        "ranks": [{"rank": r, **plan.mesh.coords(r)} for r in range(plan.mesh.world_size)],
+        "stages": [
+            {
+                "stage": c.stage,
+                "params": c.params,
+                "flops_per_sample": c.flops_per_sample,
+                "activation_bytes_per_microbatch": c.activation_bytes,
+                "modules": list(plan.stage_modules[c.stage]),
+            }
+            for c in est.stages
+        ],
+        "memory": [
+            {
+                "rank": m.rank,
+                "params": m.params,
+                "grads": m.grads,
+                "optimizer": m.optimizer,
+                "activations": m.activations,
+                "total": m.total,
+            }
+            for m in est.memory
+        ],
+        "collectives": [
+            {
+                "stage": stage,
+                "kind": c.kind,
+                "axis": c.axis,
+                "count": c.count,
+                "elements": c.elements,
+                "purpose": c.purpose,
+            }
+            for stage, comms in est.collectives
+            for c in comms
+        ],
+        "bubble": est.bubble,
+    }

@@ -1,0 +1,233 @@
+"""resolve: a spec plus a traced model becomes a `Plan`, or a `PlanError` naming the spec line.
+
+Algorithm:
+1. Mesh: every axis has a role (dp, pp, or a tensor-parallel axis named by a
+   `shard` statement); at most one tensor-parallel axis.
+2. Shards: each pattern matches at least one module (else did-you-mean); the
+   matched modules are Linear (col/row) or Embedding (col); no module is both
+   col and row; the split dim divides by the axis size.
+3. Stages: explicit `stage` lines assign nodes (compiler/stages.py), checked
+   against pp; `stage auto` is balanced by cost.
+4. Batch: the global batch divides by dp × grad_accum × microbatches.
+5. zero, schedule, recompute; warnings for valid-but-odd choices.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+from parc.compiler.stages import assign_stages, auto_stages
+from parc.dsl import match_names, suggest
+from parc.dsl.ast import (
+    AXIS_DP,
+    AXIS_PP,
+    GradAccum,
+    Microbatches,
+    Pattern,
+    Shard,
+    ShardKind,
+    Spec,
+    Zero,
+)
+
+from parc.errors import PlanError
+
+from .plan import BatchPlan, MeshPlan, ModuleShard, Plan, PlanWarning
+
+__all__ = ["check_batch", "match_modules", "resolve"]
+
+
+def resolve(spec: Spec, model: torch.nn.Module, gm: torch.fx.GraphModule, *, batch: int) -> Plan:
+    """Check `spec` against `model` (and its traced graph `gm`) and build the Plan."""
+    warnings: list[PlanWarning] = []
+    modules = dict(model.named_modules())
+    modules.pop("", None)
+    # Step 1
+    tp_axis = _check_axes(spec)
+    mesh = MeshPlan(tuple((a.name, a.size) for a in spec.mesh.axes))
+    # Step 2
+    shards = _resolve_shards(spec, modules, warnings)
+    # Step 3
+    if spec.stage_auto is not None:
+        node_stages, stage_modules = auto_stages(spec, gm, modules)
+    else:
+        node_stages, stage_modules = assign_stages(spec, gm, modules)
+    # Step 4
+    batch_plan = check_batch(spec, batch)
+    # Step 5
+    _check_zero(spec, warnings)
+    recompute = _resolve_recompute(spec, modules)
+    return Plan(
+        mesh=mesh,
+        shards=shards,
+        node_stages=node_stages,
+        stage_modules=stage_modules,
+        batch=batch_plan,
+        zero=spec.zero,
+        schedule=spec.schedule,
+        recompute=recompute,
+        tp_axis=tp_axis,
+        stage_auto=spec.stage_auto is not None,
+        warnings=tuple(warnings),
+    )
+
+
+def match_modules(spec: Spec, pattern: Pattern, modules: dict[str, torch.nn.Module]) -> list[str]:
+    """Module names matched by `pattern`; none is a PlanError with suggestions."""
+    names = match_names(pattern, modules)
+    if names:
+        return names
+    close = suggest(pattern, modules)
+    hint = f"did you mean {', '.join(repr(c) for c in close)}?" if close else None
+    raise PlanError(
+        f"pattern '{pattern}' matches no module of the model",
+        spec.locate(pattern.span),
+        hint=hint,
+    )
+
+
+def _check_axes(spec: Spec) -> str | None:
+    """Step 1: every axis has a role; returns the tensor-parallel axis, if any."""
+    mesh = spec.mesh
+    tp_axes: dict[str, Shard] = {}
+    for shard in spec.shards:
+        if shard.axis in (AXIS_DP, AXIS_PP):
+            role = "data-parallel" if shard.axis == AXIS_DP else "pipeline"
+            raise PlanError(
+                f"axis '{shard.axis}' is the {role} axis; `shard` needs a tensor-parallel axis",
+                spec.locate(shard.axis_span),
+                hint="add one to the mesh (e.g. `mesh dp=2 tp=2`) and write `shard ... tp`",
+            )
+        if not mesh.has(shard.axis):
+            known = ", ".join(a.name for a in mesh.axes) or "none"
+            raise PlanError(
+                f"axis '{shard.axis}' is not in the mesh (axes: {known})",
+                spec.locate(shard.axis_span),
+                hint=f"add it to the mesh line, e.g. `mesh {shard.axis}=2`",
+            )
+        tp_axes.setdefault(shard.axis, shard)
+    if len(tp_axes) > 1:
+        second = list(tp_axes.values())[1]
+        raise PlanError(
+            f"shards over more than one tensor-parallel axis ({', '.join(tp_axes)}) are not "
+            "supported yet",
+            spec.locate(second.axis_span),
+            hint="use one tensor-parallel axis for every shard statement",
+        )
+    for axis in mesh.axes:
+        if axis.name not in (AXIS_DP, AXIS_PP) and axis.name not in tp_axes:
+            raise PlanError(
+                f"mesh axis '{axis.name}' has no role: it is not dp or pp and no `shard` "
+                "statement uses it",
+                spec.locate(axis.span),
+                hint=f"shard modules over it (`shard mlp.fc1 col {axis.name}`), rename it to "
+                "dp or pp, or remove it",
+            )
+    return next(iter(tp_axes), None)
+
+
+def _resolve_shards(
+    spec: Spec, modules: dict[str, torch.nn.Module], warnings: list[PlanWarning]
+) -> tuple[ModuleShard, ...]:
+    """Step 2: patterns to modules, kinds checked, split dims divisible."""
+    found: dict[str, ModuleShard] = {}
+    for shard in spec.shards:
+        if shard.kind is ShardKind.VOCAB:
+            raise PlanError(
+                "`vocab` sharding (splitting an Embedding's vocabulary) is part of the "
+                "language but not supported by the compiler yet",
+                spec.locate(shard.kind_span),
+                hint="shard the embedding `col` (its embedding dim) or leave it replicated",
+            )
+        for name in match_modules(spec, shard.pattern, modules):
+            module = modules[name]
+            _check_shardable(spec, shard, name, module)
+            previous = found.get(name)
+            if previous is not None and previous.kind is not shard.kind:
+                raise PlanError(
+                    f"module '{name}' is sharded both {previous.kind} (line {previous.line}) "
+                    f"and {shard.kind}",
+                    spec.locate(shard.kind_span),
+                    hint="a Linear is split either by output features (col) or by input "
+                    "features (row); remove one of the two statements",
+                    names=(name,),
+                )
+            found[name] = ModuleShard(
+                name, shard.kind, shard.axis, type(module).__name__, shard.span.line
+            )
+    return tuple(found.values())
+
+
+def _check_shardable(spec: Spec, shard: Shard, name: str, module: torch.nn.Module) -> None:
+    size = spec.mesh.size(shard.axis)
+    if isinstance(module, torch.nn.Linear):
+        dim, what = (
+            (module.out_features, "out_features")
+            if shard.kind is ShardKind.COL
+            else (module.in_features, "in_features")
+        )
+    elif isinstance(module, torch.nn.Embedding) and shard.kind is ShardKind.COL:
+        dim, what = module.embedding_dim, "embedding_dim"
+    else:
+        allowed = "a Linear or an Embedding" if shard.kind is ShardKind.COL else "a Linear"
+        raise PlanError(
+            f"`{shard.kind}` applies to {allowed}; '{name}' is a {type(module).__name__}",
+            spec.locate(shard.pattern.span),
+            hint="name the Linear layers inside it, e.g. `shard "
+            f"{name}.<linear> {shard.kind} {shard.axis}`",
+            names=(name,),
+        )
+    if dim % size:
+        raise PlanError(
+            f"'{name}' has {what}={dim}, which is not divisible by {shard.axis}={size}",
+            spec.locate(shard.pattern.span),
+            hint=f"use a {shard.axis} size that divides {dim}, or leave '{name}' replicated",
+            names=(name,),
+        )
+
+
+def check_batch(spec: Spec, batch: int) -> BatchPlan:
+    """Step 4: global = micro × microbatches × grad_accum × dp, with micro ≥ 1."""
+    plan = BatchPlan(batch, spec.mesh.size(AXIS_DP), spec.grad_accum, spec.microbatches)
+    split = plan.dp * plan.grad_accum * plan.microbatches
+    if batch >= split and batch % split == 0:
+        return plan
+    anchor = (
+        spec.statement(Microbatches)
+        or spec.statement(GradAccum)
+        or (spec.mesh if spec.mesh.axes else None)
+    )
+    raise PlanError(
+        f"global batch {batch} is not divisible by dp {plan.dp} × grad_accum "
+        f"{plan.grad_accum} × microbatches {plan.microbatches} = {split}",
+        spec.locate(anchor.span) if anchor is not None else None,
+        hint=f"use a batch that is a multiple of {split} (e.g. --batch "
+        f"{split * max(1, -(-batch // split))})",
+    )
+
+
+def _check_zero(spec: Spec, warnings: list[PlanWarning]) -> None:
+    node = spec.statement(Zero)
+    if spec.zero and spec.mesh.size(AXIS_DP) == 1 and node is not None:
+        warnings.append(
+            PlanWarning(
+                f"zero {spec.zero} shards over the dp axis, which has size 1 here: "
+                "nothing is sharded",
+                spec.locate(node.span),
+            )
+        )
+
+
+def _resolve_recompute(spec: Spec, modules: dict[str, torch.nn.Module]) -> tuple[str, ...]:
+    names: list[str] = []
+    for stmt in spec.recomputes:
+        names.extend(n for n in match_modules(spec, stmt.pattern, modules) if n not in names)
+    if names:
+        first = spec.recomputes[0]
+        raise PlanError(
+            "`recompute` (activation checkpointing) is part of the language but not "
+            "supported by the compiler yet",
+            spec.locate(first.span),
+            hint="remove the recompute line for now",
+        )
+    return tuple(names)

@@ -1,0 +1,261 @@
+"""Pipeline stage of every fx node: from explicit `stage` lines or balanced by cost.
+
+Vocabulary: an *activation* node computes from a parameter (transitively); the
+others depend only on the model inputs, buffers and constants (sizes, position
+ids, masks, rotary tables) and are cheap, so every stage that needs one
+recomputes it from the inputs, which every rank has. Only activations cross
+stage boundaries.
+
+Explicit stages (`assign_stages`):
+1. Each `stage` pattern names modules; a module named by two statements with
+   different ids is an overlap; ids must be below pp and every stage non-empty;
+   ranges over the same list (`layers[0:4]`, `layers[6:12]`) must not leave a gap.
+2. Nodes inside a named module take its stage; other activation nodes join the
+   latest stage among their inputs (so parameters used before the first named
+   stage land in stage 0 and after the last one in the last); other nodes take
+   the earliest stage among their users.
+3. Every activation edge must go forward (stage of input ≤ stage of user).
+
+`stage auto` (`auto_stages`): legal cuts are the activation nodes that dominate
+the output in the activation dataflow graph (networkx), e.g. the residual
+stream between blocks; a small dynamic program over that chain picks the pp−1
+cuts that minimise the slowest stage's training FLOPs.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.fx
+from parc.dsl.ast import AXIS_PP, IndexRange, Spec, Stage
+
+from parc.errors import PlanError
+
+from .cost import node_costs
+from .trace import module_path, node_source
+
+__all__ = ["activation_nodes", "assign_stages", "auto_stages", "stage_module_names"]
+
+NodeStages = tuple[tuple[str, int], ...]
+StageModules = tuple[tuple[str, ...], ...]
+
+
+def activation_nodes(gm: torch.fx.GraphModule) -> set[str]:
+    """Names of nodes whose value depends on a parameter (directly or transitively)."""
+    params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
+    out: set[str] = set()
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            continue
+        reads_param = node.op == "get_attr" and str(node.target) in params
+        if node.op == "call_module":
+            reads_param = any(True for _ in gm.get_submodule(str(node.target)).parameters())
+        if reads_param or any(a.name in out for a in node.all_input_nodes):
+            out.add(node.name)
+    return out
+
+
+def assign_stages(
+    spec: Spec, gm: torch.fx.GraphModule, modules: dict[str, torch.nn.Module]
+) -> tuple[NodeStages, StageModules]:
+    """Stages from explicit `stage` lines (all 0 without a pp axis)."""
+    pp = spec.mesh.size(AXIS_PP)
+    if not spec.stages:
+        if pp > 1:
+            raise PlanError(
+                f"the mesh has pp={pp} but no `stage` statement says which modules go where",
+                spec.locate(spec.mesh.span),
+                hint="add `stage auto`, or lines like `stage layers[0:6] -> 0`",
+            )
+        flat = {n.name: 0 for n in gm.graph.nodes}
+        return tuple(flat.items()), stage_module_names(gm, flat, modules, 1)
+    if pp == 1:
+        raise PlanError(
+            "`stage` statements need a pp axis in the mesh",
+            spec.locate(spec.stages[0].span),
+            hint="add pp to the mesh, e.g. `mesh pp=2`",
+        )
+    # Step 1
+    named = _named_modules(spec, modules, pp)
+    _check_range_gaps(spec)
+    # Step 2
+    explicit: dict[str, tuple[int, Stage]] = {}
+    for node in gm.graph.nodes:
+        for name in reversed(module_path(node)):
+            if name in named:
+                explicit[node.name] = named[name]
+                break
+    stages = _fill(gm, {k: v[0] for k, v in explicit.items()}, activation_nodes(gm))
+    # Step 3
+    _check_forward(spec, gm, stages, explicit)
+    _check_nonempty(spec, gm, stages, pp)
+    return tuple(stages.items()), stage_module_names(gm, stages, modules, pp)
+
+
+def _named_modules(
+    spec: Spec, modules: dict[str, torch.nn.Module], pp: int
+) -> dict[str, tuple[int, Stage]]:
+    from .resolve import match_modules  # resolve imports this module
+
+    named: dict[str, tuple[int, Stage]] = {}
+    for stmt in spec.stages:
+        if not 0 <= stmt.stage < pp:
+            raise PlanError(
+                f"stage {stmt.stage} does not exist: the mesh has pp={pp}, so stages are "
+                f"0..{pp - 1}",
+                spec.locate(stmt.stage_span),
+                hint=f"use a stage id below {pp}, or raise pp in the mesh",
+            )
+        for pattern in stmt.patterns:
+            for name in match_modules(spec, pattern, modules):
+                prior = _overlapping(named, name)
+                if prior is not None and prior[1][0] != stmt.stage:
+                    raise PlanError(
+                        f"'{name}' is in stage {stmt.stage} here and in stage {prior[1][0]} "
+                        f"(line {prior[1][1].span.line}, as '{prior[0]}'): stages overlap",
+                        spec.locate(pattern.span),
+                        hint="give every module exactly one stage",
+                        names=(name, prior[0]),
+                    )
+                named[name] = (stmt.stage, stmt)
+    return named
+
+
+def _overlapping(
+    named: dict[str, tuple[int, Stage]], name: str
+) -> tuple[str, tuple[int, Stage]] | None:
+    """A named module equal to, inside, or containing `name`."""
+    for other, value in named.items():
+        if other == name or name.startswith(other + ".") or other.startswith(name + "."):
+            return other, value
+    return None
+
+
+def _check_range_gaps(spec: Spec) -> None:
+    ranges: dict[str, list[tuple[int, int, Stage]]] = {}
+    for stmt in spec.stages:
+        for pattern in stmt.patterns:
+            segs = pattern.segments
+            if segs and isinstance(segs[-1], IndexRange):
+                key = ".".join(str(s) for s in (*segs[:-1], segs[-1].name))
+                ranges.setdefault(key, []).append((segs[-1].start, segs[-1].stop, stmt))
+    for key, found in ranges.items():
+        found.sort(key=lambda r: r[0])
+        for (_, stop, first), (start, _, second) in itertools.pairwise(found):
+            if start > stop:
+                base = key.rpartition(".")[2] if "." in key else key
+                raise PlanError(
+                    f"{base}[{stop}:{start}] is in no stage: the ranges on lines "
+                    f"{first.span.line} and {second.span.line} leave a gap",
+                    spec.locate(second.span),
+                    hint=f"extend one of the ranges to cover {base}[{stop}:{start}]",
+                )
+
+
+def _fill(
+    gm: torch.fx.GraphModule, explicit: dict[str, int], activations: set[str]
+) -> dict[str, int]:
+    """Step 2: activations join their latest input; the rest their earliest user."""
+    stages: dict[str, int] = {}
+    nodes = list(gm.graph.nodes)
+    for node in nodes:
+        if node.name in explicit:
+            stages[node.name] = explicit[node.name]
+        elif node.name in activations or node.op == "output":
+            ins = [stages[a.name] for a in node.all_input_nodes if a.name in activations]
+            stages[node.name] = max(ins, default=0)
+    for node in reversed(nodes):
+        if node.name not in stages:
+            users = [stages[u.name] for u in node.users if u.name in stages]
+            stages[node.name] = min(users, default=0)
+    return {n.name: stages[n.name] for n in nodes}
+
+
+def _check_forward(
+    spec: Spec,
+    gm: torch.fx.GraphModule,
+    stages: dict[str, int],
+    explicit: dict[str, tuple[int, Stage]],
+) -> None:
+    activations = activation_nodes(gm)
+    for node in gm.graph.nodes:
+        for arg in node.all_input_nodes:
+            if arg.name in activations and stages[arg.name] > stages[node.name]:
+                stmt = explicit.get(node.name, explicit.get(arg.name, (0, None)))[1]
+                source = node_source(node)
+                raise PlanError(
+                    f"data flows backward between stages: node '{node.name}' (stage "
+                    f"{stages[node.name]}) uses '{arg.name}' from stage {stages[arg.name]}"
+                    + (f" at {source}" if source else ""),
+                    spec.locate(stmt.span) if stmt is not None else None,
+                    hint="stages must follow the order of the forward pass; give later "
+                    "layers higher stage ids",
+                    names=(node.name, arg.name),
+                )
+
+
+def _check_nonempty(spec: Spec, gm: torch.fx.GraphModule, stages: dict[str, int], pp: int) -> None:
+    activations = activation_nodes(gm)
+    used = {stages[n] for n in activations}
+    for stage in range(pp):
+        if stage not in used:
+            raise PlanError(
+                f"stage {stage} has no layers: the stage lines leave it empty (pp={pp})",
+                spec.locate(spec.stages[-1].span),
+                hint=f"assign some modules to stage {stage}, or use pp={len(used)}",
+            )
+
+
+def stage_module_names(
+    gm: torch.fx.GraphModule, stages: dict[str, int], modules: dict[str, torch.nn.Module], pp: int
+) -> StageModules:
+    """Per stage, the outermost modules all of whose nodes sit in that stage."""
+    where: dict[str, set[int]] = {}
+    for node in gm.graph.nodes:
+        for name in module_path(node):
+            where.setdefault(name, set()).add(stages[node.name])
+    out: list[list[str]] = [[] for _ in range(pp)]
+    for name in modules:
+        homes = where.get(name)
+        if not homes or len(homes) != 1:
+            continue
+        parent = name.rpartition(".")[0]
+        if parent and where.get(parent) == homes:
+            continue
+        out[next(iter(homes))].append(name)
+    return tuple(tuple(names) for names in out)
+
+
+def auto_stages(
+    spec: Spec, gm: torch.fx.GraphModule, modules: dict[str, torch.nn.Module]
+) -> tuple[NodeStages, StageModules]:
+    """`stage auto`: cut the dominator chain of the output to balance training FLOPs."""
+    from .auto_stage import balanced_cuts
+
+    pp = spec.mesh.size(AXIS_PP)
+    auto = spec.stage_auto
+    assert auto is not None
+    if pp == 1:
+        raise PlanError(
+            "`stage auto` needs a pp axis in the mesh",
+            spec.locate(auto.span),
+            hint="add pp to the mesh, e.g. `mesh pp=2`",
+        )
+    activations = activation_nodes(gm)
+    cuts = balanced_cuts(gm, activations, node_costs(gm), pp)
+    if cuts is None:
+        raise PlanError(
+            f"`stage auto` found fewer than {pp - 1} places to cut the model into {pp} stages",
+            spec.locate(auto.span),
+            hint="lower pp, or write explicit `stage` lines",
+        )
+    explicit: dict[str, int] = {}
+    stage = 0
+    for node in gm.graph.nodes:
+        if node.name in activations:
+            explicit[node.name] = stage
+            if stage < len(cuts) and node.name == cuts[stage]:
+                stage += 1
+    stages = _fill(gm, explicit, activations)
+    return tuple(stages.items()), stage_module_names(gm, stages, modules, pp)

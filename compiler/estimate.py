@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx
+
 from parc.dsl.ast import AXIS_DP, AXIS_PP, ScheduleKind
 
 from .cost import NodeCost, node_costs, output_numel

@@ -15,6 +15,7 @@ from types import ModuleType
 
 import torch
 import torch.fx
+
 from parc.dsl import load_spec, parse_spec
 from parc.dsl.ast import Spec
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx
-from parc.dsl.ast import ShardKind
 
+from parc.dsl.ast import ShardKind
 from parc.errors import PlanError
 
 from .cost import params_of_node

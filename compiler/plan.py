@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from parc.dsl.ast import AXIS_DP, AXIS_PP, ScheduleKind, ShardKind
-
 from parc.errors import SourceSpan
 
 __all__ = ["BatchPlan", "MeshPlan", "ModuleShard", "Plan", "PlanWarning", "compress_names"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx
+
 from parc.compiler.stages import assign_stages, auto_stages
 from parc.dsl import match_names, suggest
 from parc.dsl.ast import (
@@ -29,7 +30,6 @@ from parc.dsl.ast import (
     Spec,
     Zero,
 )
-
 from parc.errors import PlanError
 
 from .plan import BatchPlan, MeshPlan, ModuleShard, Plan, PlanWarning

@@ -28,8 +28,8 @@ import itertools
 
 import torch
 import torch.fx
-from parc.dsl.ast import AXIS_PP, IndexRange, Spec, Stage
 
+from parc.dsl.ast import AXIS_PP, IndexRange, Spec, Stage
 from parc.errors import PlanError
 
 from .cost import node_costs

@@ -1,0 +1,71 @@
+"""The device mesh of a run: process groups by axis, backend and device choice.
+
+`build_comm(mesh, rank)` is called on every rank after the default process
+group exists (torchrun, or the test pool); it creates one group per axis with
+`init_device_mesh` (every rank must call it, in the same order).
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from parc.compiler.plan import MeshPlan
+from parc.errors import RuntimeFault
+
+from .collectives import Comm
+
+__all__ = ["DEFAULT_TIMEOUT_S", "backend", "build_comm", "device_for_rank", "init_world"]
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def backend() -> str:
+    """NCCL when CUDA is available, gloo otherwise."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def device_for_rank() -> torch.device:
+    """`cuda:LOCAL_RANK` under NCCL, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def init_world(mesh: MeshPlan, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Join the default process group from torchrun's environment; check WORLD_SIZE."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != mesh.world_size:
+        raise RuntimeFault(
+            f"WORLD_SIZE is {world} but the mesh '{mesh}' needs {mesh.world_size} processes",
+            hint=f"start {mesh.world_size} processes (torchrun --nproc-per-node ...), or "
+            "change the mesh",
+        )
+    if not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(device_for_rank())
+        dist.init_process_group(backend(), timeout=timedelta(seconds=timeout_s))
+
+
+def build_comm(mesh: MeshPlan) -> Comm:
+    """This rank's process groups by axis (None for size-1 axes) and its coordinates."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if world != mesh.world_size:
+        raise RuntimeFault(
+            f"the process group has {world} ranks but the mesh '{mesh}' needs {mesh.world_size}",
+            rank=rank,
+        )
+    sizes = dict(mesh.axes)
+    groups: dict[str, object] = {}
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        device = "cuda" if backend() == "nccl" else "cpu"
+        dm = init_device_mesh(device, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
+        for name, size in sizes.items():
+            groups[name] = dm.get_group(name) if size > 1 else None
+    return Comm(groups, sizes, mesh.coords(rank), mesh.rank_of, rank=rank)

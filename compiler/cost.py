@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 import torch.nn.functional as F
+from torch.fx.passes.shape_prop import TensorMetadata
 
 __all__ = [
     "NodeCost",
@@ -68,7 +69,7 @@ class NodeCost:
     param_names: tuple[str, ...]
 
 
-def tensor_metas(node: torch.fx.Node) -> Iterator[object]:
+def tensor_metas(node: torch.fx.Node) -> Iterator[TensorMetadata]:
     """The TensorMetadata entries of a node's output (a tuple output yields several)."""
     meta = node.meta.get("tensor_meta")
     if meta is None:
@@ -83,21 +84,18 @@ def tensor_metas(node: torch.fx.Node) -> Iterator[object]:
 
 
 def output_numel(node: torch.fx.Node) -> int:
-    return sum(math.prod(m.shape) for m in tensor_metas(node))  # type: ignore[attr-defined]
+    return sum(math.prod(m.shape) for m in tensor_metas(node))
 
 
 def _output_bytes(node: torch.fx.Node) -> int:
-    return sum(
-        math.prod(m.shape) * m.dtype.itemsize  # type: ignore[attr-defined]
-        for m in tensor_metas(node)
-    )
+    return sum(math.prod(m.shape) * m.dtype.itemsize for m in tensor_metas(node))
 
 
 def _shape(arg: object) -> tuple[int, ...] | None:
     if isinstance(arg, torch.fx.Node):
         metas = list(tensor_metas(arg))
         if len(metas) == 1:
-            return tuple(metas[0].shape)  # type: ignore[attr-defined]
+            return tuple(metas[0].shape)
     return None
 
 

@@ -54,12 +54,13 @@ def _cmd_compile(args: argparse.Namespace) -> int:
 
 def _grid(plan: object) -> str | None:
     from parc.compiler.plan import Plan
-    from parc.runtime.schedule import format_grid, generate
+    from parc.runtime.schedule import format_grid, generate, lower_comms
+    from parc.runtime.schedule_sim import simulate
 
     assert isinstance(plan, Plan)
     if plan.pp == 1:
         return None
-    return format_grid(generate(plan.schedule, plan.pp, plan.microbatches))
+    return format_grid(simulate(lower_comms(generate(plan.schedule, plan.pp, plan.microbatches))))
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -271,19 +271,19 @@ class _Slice(torch.autograd.Function):
 
 def tp_enter(x: torch.Tensor, axis: str) -> torch.Tensor:
     """Replicate → rank-local use: identity forward, all-reduce of the gradient backward."""
-    return _Enter.apply(x, axis)  # type: ignore[no-any-return]
+    return _Enter.apply(x, axis)
 
 
 def tp_all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
     """Partial → Replicate: all-reduce (sum) forward, identity backward."""
-    return _AllReduce.apply(x, axis)  # type: ignore[no-any-return]
+    return _AllReduce.apply(x, axis)
 
 
 def tp_all_gather(x: torch.Tensor, dim: int, axis: str, blocks: int = 1) -> torch.Tensor:
     """Shard(dim, blocks) → Replicate: all-gather forward, local slice backward."""
-    return _AllGather.apply(x, dim, axis, blocks)  # type: ignore[no-any-return]
+    return _AllGather.apply(x, dim, axis, blocks)
 
 
 def tp_slice(x: torch.Tensor, dim: int, axis: str, blocks: int = 1) -> torch.Tensor:
     """Replicate → Shard(dim, blocks): local slice forward, all-gather backward."""
-    return _Slice.apply(x, dim, axis, blocks)  # type: ignore[no-any-return]
+    return _Slice.apply(x, dim, axis, blocks)

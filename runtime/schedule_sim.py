@@ -1,0 +1,396 @@
+"""Run a pipeline schedule under the executor's rules (`simulate`) and prove it (`validate`).
+
+The rules, which the pipeline executor implements exactly:
+
+1. Stage s runs on pp rank s. Each rank runs its list in order, one item at a time.
+2. A maximal run of consecutive comm actions (SEND_F, RECV_F, SEND_B, RECV_B) is one
+   *batch*: the rank posts all of its ops together (one ``batch_isend_irecv``), waits for
+   all of them, and only then goes on. A compute action (F, B) is an item of its own.
+   `parc.runtime.schedule.execution_items` does this grouping for the executor too.
+3. SEND_F of stage s goes to stage s+1, which takes it with RECV_F; SEND_B of stage s
+   goes to stage s-1, which takes it with RECV_B. The messages from rank a to rank b form
+   a *channel* matched in order, as NCCL and gloo match point-to-point ops: the k-th send
+   on a channel pairs with its k-th receive, and the two must name the same microbatch.
+4. An op is *matched* once it and its pair have both been posted (sends are not buffered:
+   a send waits for its receive). A batch completes when every op in it is matched.
+5. Time: F takes `forward_cost` units, B `backward_cost`; comms take no time. A batch
+   posted at t completes at the latest of t and its pairs' post times.
+6. A compute schedule (no comm actions at all) is simulated with free, buffered
+   transfers instead: F(s, m) starts once F(s-1, m) has finished, B(s, m) once
+   B(s+1, m) has.
+7. If no rank can move while some still have actions, the schedule deadlocks:
+   `simulate` raises `ScheduleError` naming what each stuck rank waits for, with the
+   grid and the stuck cells marked ``>…<``.
+
+A schedule that completes under these rules also completes when the backend buffers
+sends, since buffering only lets ops complete earlier.
+
+    >>> from parc.runtime.schedule import format_grid, gpipe, lower_comms
+    >>> timeline = simulate(lower_comms(gpipe(2, 2)))
+    >>> print(format_grid(timeline))
+    t       0     1     2     3     4     5
+    rank 0  0F0   0F1   .     .     0B0   0B1
+    rank 1  .     1F0   1F1   1B0   1B1   .
+    >>> validate(gpipe(2, 2), stages=2, microbatches=2)
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import NoReturn
+
+from parc.runtime.schedule import (
+    Action,
+    ActionKind,
+    ScheduleError,
+    Slot,
+    Timeline,
+    execution_items,
+    format_grid,
+    gpipe,
+    is_lowered,
+    lower_comms,
+    num_stages,
+    peer_stage,
+)
+
+__all__ = ["simulate", "validate"]
+
+_Cell = tuple[int, int]  # (rank, position in its list)
+_Plan = Mapping[int, Sequence[Action]]
+
+_HINT_DEADLOCK = (
+    "each rank runs its list in order and a batch of consecutive comm actions waits until "
+    "every op in it is matched; put the ops two ranks exchange in the same batch "
+    "(e.g. SEND_F then RECV_B back to back), or generate the schedule with lower_comms"
+)
+_HINT_ORDER = "order each rank's list as gpipe or one_f_one_b do, by microbatch"
+
+
+def _fail(message: str, schedule: _Plan, marks: Sequence[_Cell] = (), hint: str = "") -> NoReturn:
+    raise ScheduleError(message, grid=format_grid(schedule, marks=marks), hint=hint or None)
+
+
+# ---------------------------------------------------------------------------- simulate
+
+
+def simulate(schedule: _Plan, *, forward_cost: int = 1, backward_cost: int = 1) -> Timeline:
+    """Run `schedule` under the rules above and return when each action ran.
+
+    Raises `ScheduleError` on a deadlock, and on what the times need: actions on their
+    stage's rank and comm ops paired on their channels. Completeness and local order
+    are `validate`'s job.
+    """
+    _check_placement(schedule)
+    pairs = _pair_channels(schedule)
+    sim = _Simulation(schedule, pairs, {ActionKind.F: forward_cost, ActionKind.B: backward_cost})
+    sim.run()
+    if any(sim.items[r][sim.pos[r] :] for r in schedule):
+        _fail(*sim.deadlock_report(), hint=_HINT_ORDER if sim.buffered else _HINT_DEADLOCK)
+    slots = {r: tuple(sim.slots[r]) for r in schedule}
+    return Timeline(slots, max((s.end for r in slots for s in slots[r]), default=0))
+
+
+@dataclass
+class _Simulation:
+    """Mutable state of one run of `simulate`; see the module docstring for the rules."""
+
+    schedule: _Plan
+    pairs: dict[_Cell, _Cell]
+    costs: dict[ActionKind, int]
+    items: dict[int, list[tuple[int, ...]]] = field(init=False)  # rank -> positions per item
+    pos: dict[int, int] = field(init=False)  # rank -> index of its next item
+    clock: dict[int, int] = field(init=False)  # rank -> time it is free
+    posted: dict[_Cell, int] = field(default_factory=dict)  # comm op -> time posted
+    finished: dict[Action, int] = field(default_factory=dict)  # compute -> end time
+    slots: dict[int, list[Slot]] = field(default_factory=lambda: defaultdict(list))
+    buffered: bool = field(init=False)  # a compute schedule: transfers are free (rule 6)
+    last: int = field(init=False)  # the last stage
+
+    def __post_init__(self) -> None:
+        self.items = {r: execution_items(actions) for r, actions in self.schedule.items()}
+        self.pos = dict.fromkeys(self.schedule, 0)
+        self.clock = dict.fromkeys(self.schedule, 0)
+        self.buffered = not is_lowered(self.schedule)
+        self.last = num_stages(self.schedule) - 1
+
+    def run(self) -> None:
+        moved = True
+        while moved:
+            moved = False
+            for rank in self.schedule:
+                while self._step(rank):
+                    moved = True
+
+    def _step(self, rank: int) -> bool:
+        if self.pos[rank] == len(self.items[rank]):
+            return False
+        item = self.items[rank][self.pos[rank]]
+        if self.schedule[rank][item[0]].kind.is_compute:
+            return self._compute(rank, item[0])
+        return self._batch(rank, item)
+
+    def _compute(self, rank: int, index: int) -> bool:
+        action = self.schedule[rank][index]
+        upstream = self._upstream(action)
+        if upstream is not None and upstream not in self.finished:
+            return False
+        start = max(self.clock[rank], self.finished.get(upstream, 0) if upstream else 0)
+        end = start + self.costs[action.kind]
+        self.slots[rank].append(Slot(action, start, end))
+        self.finished.setdefault(action, end)
+        self.clock[rank] = end
+        self.pos[rank] += 1
+        return True
+
+    def _batch(self, rank: int, item: tuple[int, ...]) -> bool:
+        cells = [(rank, i) for i in item]
+        if cells[0] not in self.posted:  # step 1: post every op of the batch together
+            self.posted.update(dict.fromkeys(cells, self.clock[rank]))
+            return True
+        peers = [self.posted.get(self.pairs[c]) for c in cells]
+        if None in peers:
+            return False
+        done = max([self.clock[rank], *(t for t in peers if t is not None)])
+        self.slots[rank] += [Slot(self.schedule[rank][i], self.clock[rank], done) for i in item]
+        self.clock[rank] = done
+        self.pos[rank] += 1
+        return True
+
+    def _upstream(self, action: Action) -> Action | None:
+        """The compute action whose output `action` consumes, in a buffered run."""
+        if not self.buffered:
+            return None  # the receive before it already waited for the data
+        s, m = action.stage, action.microbatch
+        if action.kind is ActionKind.F and s > 0:
+            return Action(s - 1, ActionKind.F, m)
+        if action.kind is ActionKind.B and s < self.last:
+            return Action(s + 1, ActionKind.B, m)
+        return None
+
+    def deadlock_report(self) -> tuple[str, _Plan, list[_Cell]]:
+        lines, marks = [], []
+        for rank in self.schedule:
+            if self.pos[rank] == len(self.items[rank]):
+                continue
+            item = self.items[rank][self.pos[rank]]
+            marks += [(rank, i) for i in item]
+            lines += [f"  rank {rank} is stuck at step {item[0]}: {w}" for w in self._waits(rank)]
+        why = (
+            "; a stage's F must follow the previous stage's F of that microbatch and its B "
+            "the next stage's B, and the ranks' orders make that impossible"
+            if self.buffered
+            else ""
+        )
+        message = f"deadlock: no rank can proceed{why}\n" + "\n".join(lines)
+        return message, self.schedule, marks
+
+    def _waits(self, rank: int) -> list[str]:
+        item = self.items[rank][self.pos[rank]]
+        action = self.schedule[rank][item[0]]
+        if action.kind.is_compute:
+            need = self._upstream(action)
+            return (
+                [f"{action} needs {need} from rank {need.stage}, which has not run"] if need else []
+            )
+        waits = []
+        for i in item:
+            peer = self.pairs[(rank, i)]
+            if peer not in self.posted:  # so the peer has not finished: it is stuck too
+                their = self.items[peer[0]][self.pos[peer[0]]][0]
+                waits.append(
+                    f"{self.schedule[rank][i]} waits for {self.schedule[peer[0]][peer[1]]} "
+                    f"(rank {peer[0]}, step {peer[1]}), but rank {peer[0]} is stuck at step {their}"
+                )
+        return waits
+
+
+def _check_placement(schedule: _Plan) -> None:
+    for rank, actions in schedule.items():
+        for i, a in enumerate(actions):
+            if a.stage != rank:
+                _fail(
+                    f"wrong rank: {a} is on rank {rank}, but stage {a.stage} runs on "
+                    f"rank {a.stage} (one stage per pp rank)",
+                    schedule,
+                    [(rank, i)],
+                )
+
+
+def _pair_channels(schedule: _Plan) -> dict[_Cell, _Cell]:
+    """Pair each comm op with its peer's op: the k-th send on a channel with its k-th receive."""
+    sends: dict[tuple[int, int], list[_Cell]] = defaultdict(list)
+    recvs: dict[tuple[int, int], list[_Cell]] = defaultdict(list)
+    for rank, actions in schedule.items():
+        for i, a in enumerate(actions):
+            if a.kind.is_compute:
+                continue
+            peer = peer_stage(a)
+            if peer not in schedule:
+                _fail(
+                    f"{a} on rank {rank} has no peer: there is no stage {peer}",
+                    schedule,
+                    [(rank, i)],
+                )
+            if a.kind.is_send:
+                sends[(rank, peer)].append((rank, i))
+            else:
+                recvs[(peer, rank)].append((rank, i))
+    pairs: dict[_Cell, _Cell] = {}
+    for channel in sorted(sends.keys() | recvs.keys()):
+        _check_channel(schedule, channel, sends[channel], recvs[channel])
+        pairs.update(zip(sends[channel], recvs[channel], strict=True))
+        pairs.update(zip(recvs[channel], sends[channel], strict=True))
+    return pairs
+
+
+def _check_channel(
+    schedule: _Plan, channel: tuple[int, int], sends: list[_Cell], recvs: list[_Cell]
+) -> None:
+    src, dst = channel
+
+    def mb(cell: _Cell) -> int:
+        return schedule[cell[0]][cell[1]].microbatch
+
+    unmatched_s = Counter(map(mb, sends)) - Counter(map(mb, recvs))
+    unmatched_r = Counter(map(mb, recvs)) - Counter(map(mb, sends))
+    for cells, missing, side in ((sends, unmatched_s, "receive"), (recvs, unmatched_r, "send")):
+        bad = [c for c in cells if mb(c) in missing]
+        if bad:
+            a = schedule[bad[0][0]][bad[0][1]]
+            _fail(
+                f"{a} on rank {bad[0][0]} has no matching {side} on channel {src}→{dst}",
+                schedule,
+                bad[:1],
+            )
+    for k, (s, r) in enumerate(zip(sends, recvs, strict=True)):
+        if mb(s) != mb(r):
+            _fail(
+                f"mismatched microbatch on channel {src}→{dst}: send #{k} is "
+                f"{schedule[s[0]][s[1]]} but receive #{k} is {schedule[r[0]][r[1]]}; "
+                "sends and receives between two ranks pair up in order",
+                schedule,
+                [s, r],
+            )
+
+
+# ---------------------------------------------------------------------------- validate
+
+
+def validate(schedule: _Plan, stages: int, microbatches: int) -> None:
+    """Raise `ScheduleError` unless `schedule` is a correct pipeline schedule.
+
+    Works on compute schedules and lowered ones; the error shows the grid with the
+    offending cells marked. The checks, in order:
+
+    1. Ranks are 0..stages-1 and every action sits on its stage's rank.
+    2. Completeness: one F and one B per (stage, microbatch) and, once lowered, exactly
+       the comms `lower_comms` adds; no duplicates, nothing else.
+    3. Order on each rank: F before B, a receive before the compute that needs it, a
+       compute before the send that ships its result.
+    4. Each channel's sends pair with its receives in order, for the same microbatch.
+    5. `simulate` completes: F(s, m) after F(s-1, m), B(s, m) after B(s+1, m), no deadlock.
+    6. A compute schedule is checked again after `lower_comms`, since that is what runs.
+
+    >>> from parc.runtime.schedule import Action
+    >>> bad = {0: [Action.parse("0B0"), Action.parse("0F0")]}
+    >>> validate(bad, stages=1, microbatches=1)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    parc.runtime.schedule.ScheduleError: error: order: 0B0 (step 0) comes before 0F0 (step 1) ...
+        step    0     1
+        rank 0 >0B0< >0F0<
+    """
+    if stages < 1 or microbatches < 1:
+        raise ScheduleError(f"need stages ≥ 1 and microbatches ≥ 1; got {stages}, {microbatches}")
+    extra = sorted(set(schedule) - set(range(stages)))
+    if extra:
+        _fail(f"rank {extra[0]} has actions but there are only {stages} stages", schedule)
+    full = {r: list(schedule.get(r, ())) for r in range(stages)}
+    _check_placement(full)
+    lowered = is_lowered(full)
+    _check_complete(full, stages, microbatches, lowered)
+    _check_local_order(full)
+    simulate(full)
+    if lowered or stages == 1:
+        return
+    try:
+        validate(lower_comms(full), stages, microbatches)
+    except ScheduleError as e:
+        raise ScheduleError(f"after lower_comms: {e.message}", grid=e.grid, hint=e.hint) from e
+
+
+_OPPOSITE = {
+    ActionKind.SEND_F: ActionKind.RECV_F,
+    ActionKind.RECV_F: ActionKind.SEND_F,
+    ActionKind.SEND_B: ActionKind.RECV_B,
+    ActionKind.RECV_B: ActionKind.SEND_B,
+}
+
+
+def _check_complete(schedule: _Plan, stages: int, microbatches: int, lowered: bool) -> None:
+    every = gpipe(stages, microbatches)  # the set of actions, in one valid order
+    expected = {
+        a for actions in (lower_comms(every) if lowered else every).values() for a in actions
+    }
+    seen: dict[Action, int] = {}
+    for rank, actions in schedule.items():
+        for i, a in enumerate(actions):
+            if a not in expected:
+                _fail(
+                    f"unexpected {a} on rank {rank}: {_why_unexpected(a, microbatches)}",
+                    schedule,
+                    [(rank, i)],
+                )
+            if a in seen:
+                _fail(
+                    f"duplicate: {a} appears twice on rank {rank} (steps {seen[a]} and {i})",
+                    schedule,
+                    [(rank, seen[a]), (rank, i)],
+                )
+            seen[a] = i
+    missing = sorted(expected - seen.keys(), key=lambda a: (a.stage, a.microbatch, a.kind.value))
+    if missing:
+        a, more = missing[0], f" ({len(missing) - 1} more missing)" if len(missing) > 1 else ""
+        if a.kind.is_compute:
+            why = "every microbatch needs one F and one B on every stage"
+        else:
+            pair = Action(peer_stage(a), _OPPOSITE[a.kind], a.microbatch)
+            why = f"so {pair} has no matching {'receive' if pair.kind.is_send else 'send'}"
+        _fail(f"missing: rank {a.stage} has no {a}, {why}{more}", schedule)
+
+
+def _why_unexpected(a: Action, microbatches: int) -> str:
+    if not 0 <= a.microbatch < microbatches:
+        return f"microbatch {a.microbatch} is out of range 0..{microbatches - 1}"
+    return f"stage {a.stage} has no neighbour stage {peer_stage(a)} to exchange with"
+
+
+# kind -> (kind that must come earlier on the same rank for the same microbatch, why)
+_BEFORE: dict[ActionKind, tuple[tuple[ActionKind, str], ...]] = {
+    ActionKind.F: ((ActionKind.RECV_F, "a forward needs the activation from the previous stage"),),
+    ActionKind.B: (
+        (ActionKind.F, "a backward needs the activations of its forward"),
+        (ActionKind.RECV_B, "a backward needs the output gradient from the next stage"),
+    ),
+    ActionKind.SEND_F: ((ActionKind.F, "a send ships what its forward computed"),),
+    ActionKind.SEND_B: ((ActionKind.B, "a send ships what its backward computed"),),
+}
+
+
+def _check_local_order(schedule: _Plan) -> None:
+    for rank, actions in schedule.items():
+        where = {a: i for i, a in enumerate(actions)}
+        for i, a in enumerate(actions):
+            for kind, why in _BEFORE.get(a.kind, ()):
+                before = Action(a.stage, kind, a.microbatch)
+                j = where.get(before)
+                if j is not None and j > i:
+                    _fail(
+                        f"order: {a} (step {i}) comes before {before} (step {j}) on rank "
+                        f"{rank}: {why}",
+                        schedule,
+                        [(rank, i), (rank, j)],
+                    )

@@ -6,7 +6,7 @@ can point at it; spans do not take part in equality, so a spec printed with
 
     >>> from parc.dsl import parse_spec
     >>> spec = parse_spec("mesh dp=2 tp=2\\nshard mlp.fc1 col tp\\n")
-    >>> print(spec)
+    >>> print(spec, end="")
     mesh dp=2 tp=2
     shard mlp.fc1 col tp
     >>> spec.mesh.size("tp")
@@ -43,8 +43,8 @@ __all__ = [
     "Spec",
     "Stage",
     "StageAuto",
-    "Statement",
     "Star",
+    "Statement",
     "Zero",
 ]
 
@@ -89,7 +89,7 @@ _NO_SPAN = Span(0, 0, 0)
 
 
 def _span() -> Span:
-    return field(default=_NO_SPAN, compare=False, repr=False)  # type: ignore[return-value]
+    return field(default=_NO_SPAN, compare=False, repr=False)
 
 
 # ---------------------------------------------------------------- patterns
@@ -298,7 +298,7 @@ class Spec:
     def _all(self, kind: type) -> list:
         return [s for s in self.statements if isinstance(s, kind)]
 
-    def _one(self, kind: type):  # type: ignore[no-untyped-def]
+    def _one(self, kind: type):
         found = self._all(kind)
         return found[0] if found else None
 
@@ -358,5 +358,6 @@ class Spec:
         """`span` as a `SourceSpan` for errors; None for a spec built in code."""
         if span.line == 0:
             return None
-        return SourceSpan(self.filename, span.line, span.column, span.end_column,
-                          self.line_text(span.line))
+        return SourceSpan(
+            self.filename, span.line, span.column, span.end_column, self.line_text(span.line)
+        )

@@ -43,10 +43,15 @@ DEFAULT_BUCKET_ELEMS = 25 * 2**20 // 4
 
 @dataclass(frozen=True, slots=True)
 class ParamSlice:
-    """A parameter split along `dim` into `parts` equal slices over the tp axis."""
+    """A parameter split along `dim` into `parts` slices over the tp axis.
+
+    With `blocks` = k > 1 the dim is k equal blocks (a fused q/k/v weight) and each
+    rank keeps its slice of every block.
+    """
 
     dim: int
     parts: int
+    blocks: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,11 +134,13 @@ def stage_params(plan: Plan, gm: torch.fx.GraphModule, model: torch.nn.Module) -
     stage_of = plan.stage_of()
     out: list[list[str]] = [[] for _ in range(plan.pp)]
     for node in gm.graph.nodes:
+        # A get_attr is copied into every stage whose nodes read it.
+        homes = {stage_of[u.name] for u in node.users} if node.op == "get_attr" else set()
         for name in params_of_node(node, gm):
             key = canonical.get(name, name)
-            seen = out[stage_of[node.name]]
-            if key not in seen:
-                seen.append(key)
+            for stage in sorted(homes or {stage_of[node.name]}):
+                if key not in out[stage]:
+                    out[stage].append(key)
     return out
 
 
@@ -142,22 +149,33 @@ def _pad(n: int, dp: int) -> int:
 
 
 def flat_units(
-    params: list[tuple[str, int, str]], *, zero: int, dp: int, bucket_elems: int
+    params: list[tuple[str, int, str]],
+    *,
+    zero: int,
+    dp: int,
+    bucket_elems: int,
+    solo: frozenset[str] = frozenset(),
 ) -> tuple[FlatUnit, ...]:
     """Group (name, local numel, owner module) in order of first use into flat units.
 
     ZeRO-3: one unit per owner module, in order of use. Otherwise: buckets in
-    reverse order of use, each closed once it reaches `bucket_elems`.
+    reverse order of use, each closed once it reaches `bucket_elems`. A name in
+    `solo` (a weight tied across stages) is a unit of its own, so every stage
+    holding it lays it out the same way and their gradients can be summed.
     """
     groups: list[list[tuple[str, int]]] = []
     if zero == 3:
         owners: dict[str, list[tuple[str, int]]] = {}
         for name, numel, owner in params:
-            owners.setdefault(owner, []).append((name, numel))
+            key = f"solo:{name}" if name in solo else owner
+            owners.setdefault(key, []).append((name, numel))
         groups = list(owners.values())
     else:
         current: list[tuple[str, int]] = []
         for name, numel, _ in reversed(params):
+            if name in solo:
+                groups.append([(name, numel)])
+                continue
             current.append((name, numel))
             if sum(n for _, n in current) >= bucket_elems:
                 groups.append(current)

@@ -35,23 +35,35 @@ from parc.errors import PlanError
 from .cost import node_costs
 from .trace import module_path, node_source
 
-__all__ = ["activation_nodes", "assign_stages", "auto_stages", "stage_module_names"]
+__all__ = [
+    "activation_nodes",
+    "assign_stages",
+    "auto_stages",
+    "fill_stages",
+    "stage_module_names",
+]
 
 NodeStages = tuple[tuple[str, int], ...]
 StageModules = tuple[tuple[str, ...], ...]
 
 
 def activation_nodes(gm: torch.fx.GraphModule) -> set[str]:
-    """Names of nodes whose value depends on a parameter (directly or transitively)."""
+    """Names of nodes that compute from a parameter (directly or transitively).
+
+    A `get_attr` of a parameter is not itself an activation: like the input-only
+    nodes it is copied into every stage that reads it (a tied weight lives on
+    every stage that uses it).
+    """
     params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
+    sources = {n.name for n in gm.graph.nodes if n.op == "get_attr" and str(n.target) in params}
     out: set[str] = set()
     for node in gm.graph.nodes:
-        if node.op == "output":
+        if node.op in ("output", "get_attr"):
             continue
-        reads_param = node.op == "get_attr" and str(node.target) in params
-        if node.op == "call_module":
-            reads_param = any(True for _ in gm.get_submodule(str(node.target)).parameters())
-        if reads_param or any(a.name in out for a in node.all_input_nodes):
+        reads_param = node.op == "call_module" and any(
+            True for _ in gm.get_submodule(str(node.target)).parameters()
+        )
+        if reads_param or any(a.name in out or a.name in sources for a in node.all_input_nodes):
             out.add(node.name)
     return out
 
@@ -86,7 +98,7 @@ def assign_stages(
             if name in named:
                 explicit[node.name] = named[name]
                 break
-    stages = _fill(gm, {k: v[0] for k, v in explicit.items()}, activation_nodes(gm))
+    stages = fill_stages(gm, {k: v[0] for k, v in explicit.items()}, activation_nodes(gm))
     # Step 3
     _check_forward(spec, gm, stages, explicit)
     _check_nonempty(spec, gm, stages, pp)
@@ -153,7 +165,7 @@ def _check_range_gaps(spec: Spec) -> None:
                 )
 
 
-def _fill(
+def fill_stages(
     gm: torch.fx.GraphModule, explicit: dict[str, int], activations: set[str]
 ) -> dict[str, int]:
     """Step 2: activations join their latest input; the rest their earliest user."""
@@ -257,5 +269,5 @@ def auto_stages(
             explicit[node.name] = stage
             if stage < len(cuts) and node.name == cuts[stage]:
                 stage += 1
-    stages = _fill(gm, explicit, activations)
+    stages = fill_stages(gm, explicit, activations)
     return tuple(stages.items()), stage_module_names(gm, stages, modules, pp)

@@ -1,0 +1,40 @@
+"""parc: a declarative parallelism compiler for PyTorch.
+
+program = parc.compile("specs/gpt_dp.par", "examples/gpt.py", batch=8)
+loss = program.step(inputs, targets)      # on every rank
+state = program.state_dict()              # the full, unsharded model
+"""
+
+from parc.errors import (
+    CompileError,
+    ModelError,
+    ParcError,
+    PlanError,
+    RuntimeFault,
+    SpecError,
+)
+
+__all__ = [
+    "CompileError",
+    "ModelError",
+    "ParcError",
+    "PlanError",
+    "Program",
+    "RuntimeFault",
+    "SpecError",
+    "compile",
+]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    # Imported lazily: `import parc` (e.g. for the CLI's error types) stays cheap.
+    if name == "compile":
+        from parc.api import compile
+
+        return compile
+    if name == "Program":
+        from parc.runtime.program import Program
+
+        return Program
+    raise AttributeError(f"module 'parc' has no attribute {name!r}")

@@ -1,0 +1,183 @@
+"""Assemble one rank's program from the front end's analysis and the rank's Comm.
+
+Algorithm:
+1. Tensor parallel: analyse placements, rewrite the graph for this rank's tp index.
+2. Pipeline: split into stages; keep this rank's stage.
+3. Parameters: the stage's parameters by canonical name (a tied weight has one
+   name), in order of first use, exactly as the compiler's layout lists them.
+4. Tied weights held by several stages: one process group per set of holders.
+5. Flat units (buckets, or ZeRO-3 units) from the shared layout function.
+6. Gradient synchronisation (DP / ZeRO-1/2) or ZeRO-3 sharding for this rank.
+7. The optimizer: the model's `configure_optimizer`, rebuilt over the flat
+   shards under ZeRO (one parameter group required, elementwise optimizers).
+8. The pipeline actions of this rank, lowered with send/recv.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from parc.compiler.frontend import Analysis
+from parc.compiler.layout import flat_units, local_shape, param_slices, stage_params
+from parc.compiler.passes.pipeline_split import StageGraph, pipeline_split
+from parc.dsl.ast import AXIS_DP, AXIS_PP
+from parc.errors import ParcError
+
+from .collectives import Comm
+from .grad_sync import GradSync
+from .program import ProgramParts
+from .schedule import generate, lower_comms
+
+__all__ = ["assemble"]
+
+OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+def assemble(
+    analysis: Analysis,
+    comm: Comm,
+    *,
+    optimizer: OptimizerFactory,
+    strict: bool,
+    bucket_elems: int,
+    device: torch.device,
+) -> ProgramParts:
+    plan, model = analysis.plan, analysis.model
+    # Step 1
+    gm = _tensor_parallel(analysis, comm, strict)
+    # Step 2
+    stage = pipeline_split(gm, plan)[comm.index(AXIS_PP)]
+    stage.gm.to(device)
+    # Step 3
+    canonical = _canonical_names(model)
+    per_stage = stage_params(plan, analysis.gm, model)
+    names = per_stage[stage.stage]
+    local = _local_params(stage, canonical, names)
+    slices = param_slices(plan, model)
+    # Step 4
+    tied = _tied_groups(plan, comm, per_stage)
+    # Step 5
+    full_shapes = {canonical[n]: tuple(p.shape) for n, p in model.named_parameters()}
+    triples = [
+        (n, math.prod(local_shape(full_shapes[n], slices.get(n))), n.rpartition(".")[0])
+        for n in names
+    ]
+    units = flat_units(
+        triples, zero=plan.zero, dp=plan.dp, bucket_elems=bucket_elems, solo=frozenset(tied)
+    )
+    # Step 6
+    if plan.zero == 3:
+        raise ParcError("zero 3 is being built; use zero 0, 1 or 2")
+    sync: Any = GradSync(local, units, comm, zero=plan.zero, axis=AXIS_DP, tied=frozenset(tied))
+    # Step 7
+    opt = _optimizer(optimizer, list(local.values()), sync.optimizer_params(), plan.zero)
+    # Step 8
+    actions = lower_comms(generate(plan.schedule, plan.pp, plan.microbatches))[stage.stage]
+    holders = {n: min(s for s, ns in enumerate(per_stage) if n in ns) for n in full_shapes}
+    inputs = [n for n in analysis.gm.graph.nodes if n.op == "placeholder"]
+    return ProgramParts(
+        plan=plan,
+        comm=comm,
+        stage=stage,
+        actions=tuple(actions),
+        loss_fn=analysis.source.loss_fn,
+        sync=sync,
+        optimizer=opt,
+        device=device,
+        input_shapes=tuple(tuple(n.meta["tensor_meta"].shape) for n in inputs),
+        full_shapes=full_shapes,
+        local_params=local,
+        slices=slices,
+        holders=holders,
+        tied=tied,
+    )
+
+
+def _tensor_parallel(analysis: Analysis, comm: Comm, strict: bool) -> torch.fx.GraphModule:
+    plan = analysis.plan
+    if plan.tp_axis is None or plan.tp == 1:
+        return analysis.gm
+    from parc.compiler.passes.tensor_parallel import tensor_parallel
+    from parc.compiler.passes.tp_analysis import analyse_tensor_parallel
+
+    analyse_tensor_parallel(analysis.gm, plan, analysis.spec, strict=strict)
+    return tensor_parallel(analysis.gm, plan, tp_index=comm.index(plan.tp_axis))
+
+
+def _canonical_names(model: torch.nn.Module) -> dict[str, str]:
+    first: dict[int, str] = {}
+    return {
+        name: first.setdefault(id(p), name)
+        for name, p in model.named_parameters(remove_duplicate=False)
+    }
+
+
+def _local_params(
+    stage: StageGraph, canonical: dict[str, str], names: list[str]
+) -> dict[str, torch.nn.Parameter]:
+    """Canonical name -> this stage's Parameter object, for every name the layout lists."""
+    found: dict[str, torch.nn.Parameter] = {}
+    for name, p in stage.gm.named_parameters(remove_duplicate=False):
+        key = canonical.get(name)
+        if key is None:
+            raise AssertionError(f"stage parameter '{name}' has no name in the original model")
+        found.setdefault(key, p)
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise AssertionError(f"stage {stage.stage} lacks parameters {missing}")
+    return {n: found[n] for n in names}
+
+
+def _tied_groups(plan: Any, comm: Comm, per_stage: list[list[str]]) -> dict[str, Any]:
+    """A process group per weight held by several stages, over exactly those stages' ranks.
+
+    Every rank creates every group, in the same order (torch.distributed requires it).
+    """
+    mine: dict[str, Any] = {}
+    shared = sorted(
+        {n for names in per_stage for n in names if sum(n in other for other in per_stage) > 1}
+    )
+    if not shared or not dist.is_initialized():
+        return {n: None for n in shared}
+    others = [a for a in plan.mesh.names if a != AXIS_PP]
+    for name in shared:
+        holders = [s for s, names in enumerate(per_stage) if name in names]
+        for coords in _all_coords(plan, others):
+            ranks = [plan.mesh.rank_of({**coords, AXIS_PP: s}) for s in holders]
+            group = dist.new_group(ranks)
+            if comm.rank in ranks:
+                mine[name] = group
+    return mine
+
+
+def _all_coords(plan: Any, axes: list[str]) -> list[dict[str, int]]:
+    out: list[dict[str, int]] = [{}]
+    for axis in axes:
+        out = [{**c, axis: i} for c in out for i in range(plan.mesh.size(axis))]
+    return out
+
+
+def _optimizer(
+    factory: OptimizerFactory,
+    params: list[torch.nn.Parameter],
+    shards: list[torch.nn.Parameter],
+    zero: int,
+) -> torch.optim.Optimizer:
+    opt = factory(params)
+    if zero == 0:
+        return opt
+    if len(opt.param_groups) != 1:
+        raise ParcError(
+            f"configure_optimizer made {len(opt.param_groups)} parameter groups; ZeRO shards "
+            "flatten all parameters into one buffer and needs exactly one group",
+            hint="use one parameter group (e.g. the same weight decay for every parameter) "
+            "or zero 0",
+        )
+    hyper = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
+    rebuild: Any = type(opt)
+    return rebuild([{"params": shards, **hyper}])  # type: ignore[no-any-return]

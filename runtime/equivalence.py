@@ -1,0 +1,173 @@
+"""The equivalence check (DESIGN.md §7): a parallel run against single-device training.
+
+Reference: the unmodified model on one process, same initial weights (same
+seed), same global batches, same optimizer. Parallel: the compiled program on a
+gloo world. Compare the loss at every step and every parameter after the last.
+
+Tolerances (fp32), calibrated on this machine and kept here once:
+- losses: rtol 1e-5. A parallel run sums the same products in another order
+  (split matmuls, all-reduces, microbatches); fp32 reorderings move a loss by
+  a few ulps, ~1e-7 relative; 1e-5 leaves room over many steps and catches any
+  real error (a missing gradient reduction changes the loss at step 1 by >1e-3).
+- parameters after K SGD steps: rtol 1e-4, atol 1e-6, for the same reason,
+  compounded over K updates.
+- AdamW divides by √v: where a gradient is near zero a 1e-7 difference changes
+  the update by up to lr, so AdamW runs compare losses and bound parameters by
+  atol 5 × lr × steps (documented, looser).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from parc.compiler.model import ModelSource, load_model
+
+__all__ = [
+    "Comparison",
+    "Tolerance",
+    "compare_runs",
+    "make_optimizer",
+    "parallel_case",
+    "reference_run",
+]
+
+LOSS_RTOL = 1e-5
+PARAM_RTOL, PARAM_ATOL = 1e-4, 1e-6
+SGD_LR, SGD_MOMENTUM = 0.1, 0.9
+ADAMW_LR = 1e-3
+
+
+def make_optimizer(name: str) -> Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]:
+    """The optimizers equivalence runs use, by name (picklable across processes)."""
+    if name == "sgd":
+        return lambda params: torch.optim.SGD(params, lr=SGD_LR, momentum=SGD_MOMENTUM)
+    if name == "adamw":
+        return lambda params: torch.optim.AdamW(params, lr=ADAMW_LR)
+    raise ValueError(f"unknown optimizer '{name}'; expected sgd or adamw")
+
+
+@dataclass(frozen=True, slots=True)
+class Tolerance:
+    loss_rtol: float = LOSS_RTOL
+    param_rtol: float = PARAM_RTOL
+    param_atol: float = PARAM_ATOL
+
+    @staticmethod
+    def for_optimizer(name: str, steps: int) -> Tolerance:
+        if name == "adamw":
+            return Tolerance(param_rtol=PARAM_RTOL, param_atol=5 * ADAMW_LR * steps)
+        return Tolerance()
+
+
+def _set_env(env: dict[str, str] | None) -> None:
+    for key, value in (env or {}).items():
+        os.environ[key] = value
+
+
+def _optimizer_for(source: ModelSource, name: str) -> Any:
+    return source.configure_optimizer if name == "model" else make_optimizer(name)
+
+
+def reference_run(
+    model_file: str,
+    *,
+    steps: int,
+    batch: int,
+    seed: int = 0,
+    optimizer: str = "sgd",
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """Train the unmodified model on one process; losses per step and final parameters."""
+    _set_env(env)
+    source = load_model(model_file)
+    torch.manual_seed(seed)
+    model = source.build()
+    opt = _optimizer_for(source, optimizer)(model.parameters())
+    losses = []
+    for step in range(steps):
+        inputs, targets = source.batch(batch, step)
+        xs = inputs if isinstance(inputs, tuple | list) else (inputs,)
+        opt.zero_grad(set_to_none=True)
+        loss = source.loss_fn(model(*xs), targets)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "params": params}
+
+
+def parallel_case(
+    spec_text: str,
+    model_file: str,
+    *,
+    steps: int,
+    batch: int,
+    seed: int = 0,
+    optimizer: str = "sgd",
+    env: dict[str, str] | None = None,
+    want_params: bool = True,
+) -> dict[str, Any]:
+    """One rank's side of a parallel run (call on every rank of a process group)."""
+    import torch.distributed as dist
+
+    from parc.api import compile as parc_compile
+
+    _set_env(env)
+    source = load_model(model_file)
+    program = parc_compile(
+        spec_text, source, batch=batch, seed=seed, optimizer=_optimizer_for(source, optimizer)
+    )
+    losses, stats = [], []
+    for step in range(steps):
+        inputs, targets = source.batch(batch, step)
+        losses.append(program.step(inputs, targets))
+        stats.append(program.comm_stats())
+    params = program.state_dict() if want_params else {}
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return {"losses": losses, "params": params if rank == 0 else {}, "stats": stats}
+
+
+@dataclass(frozen=True, slots=True)
+class Comparison:
+    """The outcome of comparing a parallel run with the reference."""
+
+    ok: bool
+    rows: list[tuple[int, float, float, float]] = field(default_factory=list)
+    max_param_diff: float = 0.0
+    worst_param: str = ""
+    first_bad_step: int | None = None
+    bad_param: str | None = None
+
+    def describe(self) -> str:
+        if self.ok:
+            return "equivalent"
+        if self.first_bad_step is not None:
+            return f"losses diverge at step {self.first_bad_step}"
+        return f"parameter '{self.bad_param}' diverges (max |diff| {self.max_param_diff:.3g})"
+
+
+def compare_runs(ref: dict[str, Any], par: dict[str, Any], tol: Tolerance) -> Comparison:
+    rows, first_bad = [], None
+    for step, (a, b) in enumerate(zip(ref["losses"], par["losses"], strict=True)):
+        rel = abs(a - b) / max(abs(a), 1e-12)
+        rows.append((step, a, b, rel))
+        if rel > tol.loss_rtol and first_bad is None:
+            first_bad = step
+    worst, worst_name, bad = 0.0, "", None
+    for name, expected in ref["params"].items():
+        got = par["params"].get(name)
+        if got is None or got.shape != expected.shape:
+            bad = bad or name
+            continue
+        diff = float((got - expected).abs().max()) if got.numel() else 0.0
+        if diff > worst:
+            worst, worst_name = diff, name
+        if not torch.allclose(got, expected, rtol=tol.param_rtol, atol=tol.param_atol):
+            bad = bad or name
+    ok = first_bad is None and bad is None
+    return Comparison(ok, rows, worst, worst_name, first_bad, bad)

@@ -1,0 +1,165 @@
+"""Run one rank's pipeline actions: compute, send and receive, microbatch by microbatch.
+
+The executor follows the rules of `parc.runtime.schedule_sim` exactly: the
+rank's lowered action list runs in order; a maximal run of consecutive comm
+actions is one `batch_isend_irecv` (posted together, all waited for).
+
+Forward of microbatch m on stage s: `gm(*received, *model_inputs)` returns
+`(output?, *sends)`; the last stage computes `loss_fn(output, targets) × scale`.
+Backward: the last stage calls `backward` on its scaled loss, the others on
+their sent tensors with the gradients received for them; the gradients of the
+received tensors are sent back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from parc.compiler.passes.pipeline_split import Boundary, StageGraph
+from parc.dsl.ast import AXIS_PP
+
+from .collectives import Comm, CommKind
+from .schedule import Action, ActionKind, execution_items
+
+__all__ = ["MicroState", "StageExecutor"]
+
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class MicroState:
+    """What one microbatch keeps between its forward and its backward."""
+
+    received: list[torch.Tensor] = field(default_factory=list)
+    sent: list[torch.Tensor] = field(default_factory=list)
+    loss: torch.Tensor | None = None
+    grads_in: list[torch.Tensor] = field(default_factory=list)
+    grads_out: list[torch.Tensor] = field(default_factory=list)
+
+
+class StageExecutor:
+    """Executes a lowered action list for one stage of the pipeline."""
+
+    def __init__(
+        self,
+        stage: StageGraph,
+        comm: Comm,
+        loss_fn: LossFn,
+        *,
+        device: torch.device,
+        before_last_backward: Callable[[], None] | None = None,
+        forward_context: Callable[[], Any] | None = None,
+    ) -> None:
+        self.stage = stage
+        self.comm = comm
+        self.loss_fn = loss_fn
+        self.device = device
+        self.before_last_backward = before_last_backward
+        self.forward_context = forward_context
+        coords = dict(comm.coords)
+        s = coords.get(AXIS_PP, 0)
+        self.prev = comm.rank_of({**coords, AXIS_PP: s - 1}) if s > 0 else None
+        self.next = comm.rank_of({**coords, AXIS_PP: s + 1}) if not stage.is_last else None
+
+    def run(
+        self,
+        actions: Sequence[Action],
+        inputs: Sequence[Sequence[torch.Tensor]],
+        targets: Sequence[Any],
+        *,
+        scale: float,
+        last_round: bool,
+    ) -> list[float]:
+        """Run the actions for len(inputs) microbatches; the unscaled losses (last stage)."""
+        states = [MicroState() for _ in inputs]
+        losses: list[float] = []
+        last_b = max((i for i, a in enumerate(actions) if a.kind is ActionKind.B), default=-1)
+        for item in execution_items(actions):
+            first = actions[item[0]]
+            if first.kind is ActionKind.F:
+                loss = self._forward(
+                    states[first.microbatch],
+                    inputs[first.microbatch],
+                    targets[first.microbatch],
+                    scale,
+                )
+                if loss is not None:
+                    losses.append(loss)
+            elif first.kind is ActionKind.B:
+                if last_round and item[0] == last_b and self.before_last_backward:
+                    self.before_last_backward()
+                self._backward(states[first.microbatch])
+            else:
+                self._communicate([actions[i] for i in item], states)
+        return losses
+
+    def _forward(
+        self, state: MicroState, inputs: Sequence[torch.Tensor], targets: Any, scale: float
+    ) -> float | None:
+        args = [*state.received, *(inputs[i] for i in self.stage.model_inputs)]
+        if self.forward_context is not None:
+            with self.forward_context():
+                outs = self.stage.gm(*args)
+        else:
+            outs = self.stage.gm(*args)
+        outs = list(outs)
+        if self.stage.is_last:
+            loss = self.loss_fn(outs[0], targets)
+            state.loss = loss * scale
+            state.sent = outs[1:]
+            return float(loss.detach())
+        state.sent = outs
+        return None
+
+    def _backward(self, state: MicroState) -> None:
+        if state.loss is not None:
+            state.loss.backward()
+        else:
+            pairs = [(t, g) for t, g in zip(state.sent, state.grads_in) if t.requires_grad]
+            if pairs:
+                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        if self.stage.stage > 0:
+            state.grads_out = [
+                r.grad if r.grad is not None else torch.zeros_like(r) for r in state.received
+            ]
+        state.sent, state.loss, state.grads_in = [], None, []
+        if self.stage.stage == 0:
+            state.received = []
+
+    def _communicate(self, batch: list[Action], states: list[MicroState]) -> None:
+        ops: list[tuple[CommKind, torch.Tensor, int]] = []
+        received: list[tuple[MicroState, list[torch.Tensor], bool]] = []
+        for action in batch:
+            state = states[action.microbatch]
+            if action.kind is ActionKind.SEND_F:
+                assert self.next is not None
+                ops += [(CommKind.SEND, t.detach().contiguous(), self.next) for t in state.sent]
+            elif action.kind is ActionKind.SEND_B:
+                assert self.prev is not None
+                ops += [(CommKind.SEND, g.contiguous(), self.prev) for g in state.grads_out]
+                state.grads_out, state.received = [], []
+            elif action.kind is ActionKind.RECV_F:
+                assert self.prev is not None
+                bufs = _buffers(self.stage.recv, self.device)
+                ops += [(CommKind.RECV, b, self.prev) for b in bufs]
+                received.append((state, bufs, True))
+            elif action.kind is ActionKind.RECV_B:
+                assert self.next is not None
+                bufs = _buffers(self.stage.send, self.device)
+                ops += [(CommKind.RECV, b, self.next) for b in bufs]
+                received.append((state, bufs, False))
+        if ops:
+            self.comm.p2p(ops, AXIS_PP)
+        for state, bufs, forward in received:
+            if forward:
+                state.received = [b.requires_grad_(b.is_floating_point()) for b in bufs]
+            else:
+                state.grads_in = bufs
+
+
+def _buffers(contract: Sequence[Boundary], device: torch.device) -> list[torch.Tensor]:
+    return [torch.empty(b.shape, dtype=b.dtype, device=device) for b in contract]

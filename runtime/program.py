@@ -1,0 +1,165 @@
+"""A compiled program on one rank: `step` trains one global batch, `state_dict` gathers the model.
+
+    program = parc.compile("specs/gpt_dp.par", "examples/gpt.py", batch=8)
+    for step in range(100):
+        loss = program.step(*source.batch(8, step))   # the same global batch on every rank
+
+Every rank gets the whole global batch; it keeps its dp slice, splits it into
+`grad_accum` rounds of `microbatches` microbatches, runs its pipeline actions,
+synchronises gradients over dp (and tied weights over pp), and steps its
+optimizer. The loss returned is the mean over the global batch, the same on
+every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from parc.compiler.layout import ParamSlice
+from parc.compiler.passes.pipeline_split import StageGraph
+from parc.compiler.plan import Plan
+from parc.dsl.ast import AXIS_DP, AXIS_PP
+from parc.errors import RuntimeFault
+
+from .collectives import Comm, CommKind
+from .executor import StageExecutor
+from .schedule import Action
+
+__all__ = ["Program", "ProgramParts"]
+
+OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProgramParts:
+    """What `parc.compile` assembled for this rank (see parc/api.py)."""
+
+    plan: Plan
+    comm: Comm
+    stage: StageGraph
+    actions: tuple[Action, ...]
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
+    sync: Any  # GradSync or Zero3
+    optimizer: torch.optim.Optimizer
+    device: torch.device
+    input_shapes: tuple[tuple[int, ...], ...]  # traced model inputs at the micro-batch size
+    full_shapes: dict[str, tuple[int, ...]]  # canonical parameter name -> full shape
+    local_params: dict[str, torch.nn.Parameter]  # canonical name -> this rank's tensor
+    slices: dict[str, ParamSlice]
+    holders: dict[str, int]  # canonical name -> first pp stage holding it
+    tied: dict[str, Any]  # canonical name -> process group over the stages holding it
+    forward_context: Callable[[], Any] | None = None
+
+
+class Program:
+    """One rank's compiled program."""
+
+    def __init__(self, parts: ProgramParts) -> None:
+        self.parts = parts
+        self.plan = parts.plan
+        self.comm = parts.comm
+        self.optimizer = parts.optimizer
+        self.steps_done = 0
+        self._stats: dict[tuple[str, str], tuple[int, int]] = {}
+        self.executor = StageExecutor(
+            parts.stage,
+            parts.comm,
+            parts.loss_fn,
+            device=parts.device,
+            before_last_backward=lambda: parts.sync.arm(True),
+            forward_context=parts.forward_context,
+        )
+
+    # ------------------------------------------------------------ training
+
+    def step(self, inputs: Any, targets: Any) -> float:
+        """Forward, backward, gradient sync and optimizer step for one global batch."""
+        plan, comm = self.plan, self.comm
+        comm.stats.reset()
+        comm.step = self.steps_done
+        xs = list(inputs) if isinstance(inputs, tuple | list) else [inputs]
+        self._check_batch(xs, targets)
+        d = comm.index(AXIS_DP)
+        per_replica = plan.batch.per_replica
+        xs = [x[d * per_replica : (d + 1) * per_replica].to(self.parts.device) for x in xs]
+        ys = targets[d * per_replica : (d + 1) * per_replica].to(self.parts.device)
+        rounds, m = plan.grad_accum, plan.microbatches
+        chunk = plan.batch.micro
+        scale = 1.0 / (rounds * m)
+        losses: list[float] = []
+        for r in range(rounds):
+            micro_x = [
+                [x[(r * m + i) * chunk : (r * m + i + 1) * chunk] for x in xs] for i in range(m)
+            ]
+            micro_y = [ys[(r * m + i) * chunk : (r * m + i + 1) * chunk] for i in range(m)]
+            losses += self.executor.run(
+                self.parts.actions, micro_x, micro_y, scale=scale, last_round=r == rounds - 1
+            )
+        self.parts.sync.finish(self._tied_reduce)
+        self.parts.sync.arm(False)
+        self.optimizer.step()
+        self.parts.sync.after_step()
+        self.parts.sync.prepare()
+        self._stats = comm.stats.snapshot()
+        self.steps_done += 1
+        return self._global_loss(losses)
+
+    def _check_batch(self, xs: Sequence[torch.Tensor], targets: torch.Tensor) -> None:
+        """The batch must match the traced contract; every rank raises the same error."""
+        expected = self.plan.batch.global_batch
+        problems = []
+        if len(xs) != len(self.parts.input_shapes):
+            problems.append(
+                f"{len(xs)} inputs given, the model was traced with {len(self.parts.input_shapes)}"
+            )
+        for i, (x, traced) in enumerate(zip(xs, self.parts.input_shapes)):
+            if x.shape[0] != expected or tuple(x.shape[1:]) != tuple(traced[1:]):
+                problems.append(
+                    f"input {i} has shape {tuple(x.shape)}; the program was compiled for "
+                    f"({expected}, {', '.join(map(str, traced[1:]))})"
+                )
+        if targets.shape[0] != expected:
+            problems.append(f"targets have batch {targets.shape[0]}, expected {expected}")
+        if problems:
+            raise RuntimeFault(
+                "the batch does not match the compiled program: " + "; ".join(problems),
+                rank=self.comm.rank,
+                step=self.steps_done,
+                hint="sample_batch must return the same shapes every step (the pipeline "
+                "boundaries and shards were sized for them); compile with the batch you train",
+            )
+
+    def _tied_reduce(self, name: str, grad: torch.Tensor) -> None:
+        group = self.parts.tied.get(name)
+        if group is not None:
+            self.comm.stats.add(CommKind.ALL_REDUCE, AXIS_PP, grad.numel())
+            dist.all_reduce(grad, group=group)
+
+    def _global_loss(self, losses: list[float]) -> float:
+        plan, comm = self.plan, self.comm
+        mine = self.parts.stage.is_last and all(
+            comm.index(a) == 0 for a in plan.mesh.names if a not in (AXIS_DP, AXIS_PP)
+        )
+        total = torch.tensor([sum(losses) if mine else 0.0], dtype=torch.float64)
+        comm.metric_sum(total)
+        return float(total.item()) / (plan.dp * plan.microbatches * plan.grad_accum)
+
+    # ------------------------------------------------------------ inspection
+
+    def comm_stats(self) -> dict[tuple[str, str], tuple[int, int]]:
+        """(kind, axis) -> (calls, elements) this rank issued during the last step."""
+        return dict(self._stats)
+
+    def state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        """The full, unsharded model parameters by their names in the original model."""
+        from .gather import gather_full_state
+
+        state = gather_full_state(self.parts)
+        if rank0_only and self.comm.rank != 0:
+            return {}
+        return state

@@ -12,7 +12,7 @@ from typing import Any
 from .estimate import Estimate
 from .plan import Plan, compress_names
 
-__all__ = ["format_report", "human_bytes", "human_count", "report_json"]
+__all__ = ["format_report", "human_bytes", "human_count", "report_json", "stage_lines"]
 
 
 def human_count(n: float) -> str:
@@ -125,7 +125,20 @@ def _stage_lines(plan: Plan, est: Estimate) -> list[str]:
         )
     title = "Stages (stage auto)" if plan.stage_auto else "Stages"
     header = ["stage", "params", "FLOPs/sample", "activations/microbatch", "modules"]
-    return [title, *_table(header, rows)]
+    lines = [title, *_table(header, rows)]
+    if plan.stage_auto:
+        lines.append("  the same split as stage lines (replace `stage auto` with them to pin it):")
+        lines += [f"    {line}" for line in stage_lines(plan)]
+    return lines
+
+
+def stage_lines(plan: Plan) -> list[str]:
+    """`stage ... -> i` lines that assign the modules as `plan` does, e.g. after `stage auto`."""
+    return [
+        f"stage {compress_names(modules)} -> {stage}"
+        for stage, modules in enumerate(plan.stage_modules)
+        if modules
+    ]
 
 
 def _short(modules: tuple[str, ...]) -> str:

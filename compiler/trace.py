@@ -17,7 +17,12 @@ nothing and works on a model built on the `meta` device:
 
 from __future__ import annotations
 
+import contextlib
+import io
+import itertools
+import os
 import re
+import sys
 import traceback
 from collections.abc import Sequence
 from typing import Any
@@ -32,6 +37,8 @@ from parc.errors import CompileError
 __all__ = ["module_path", "node_source", "propagate_shapes", "trace_model"]
 
 _CONTROL_FLOW = "cannot be used as inputs to control flow"
+# Frames in these folders are torch's or parc's, never the user's source line.
+_LIBRARY_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)\n\s*(?P<code>.*)')
 
 
@@ -105,7 +112,8 @@ def node_source(node: torch.fx.Node) -> str | None:
     trace = node.stack_trace
     if not trace:
         return None
-    frames = list(_FRAME.finditer(trace))
+    # fx also records the frames of the tracer itself (torch.fx and this module).
+    frames = [f for f in _FRAME.finditer(trace) if not f["file"].startswith(_LIBRARY_DIRS)]
     if not frames:
         return None
     last = frames[-1]
@@ -128,8 +136,12 @@ class _ShapeProp(ShapeProp):
     """ShapeProp that reports the failing node as a CompileError."""
 
     def run_node(self, n: torch.fx.Node) -> Any:
+        # ShapeProp prints the traceback of a failing node itself; the CLI must
+        # not show it (the CompileError's chain keeps it for --debug).
+        captured = io.StringIO()
         try:
-            return super().run_node(n)
+            with contextlib.redirect_stderr(captured):
+                result = super().run_node(n)
         except CompileError:
             raise
         except Exception as exc:
@@ -141,10 +153,20 @@ class _ShapeProp(ShapeProp):
                 source=node_source(n),
                 hint="check that sample_batch returns inputs the model accepts",
             ) from exc
+        sys.stderr.write(captured.getvalue())  # what the model itself printed
+        return result
 
 
 def propagate_shapes(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> None:
-    """Record `node.meta["tensor_meta"]` (global shapes) for every node, allocating nothing."""
+    """Record `node.meta["tensor_meta"]` (global shapes) for every node, allocating nothing.
+
+    A model built on the `meta` device gets its inputs on `meta` too: fake
+    tensors refuse to mix devices (a cpu input times a meta weight).
+    """
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fake_inputs = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in inputs]
+    on_meta = any(p.is_meta for p in itertools.chain(gm.parameters(), gm.buffers()))
+    fake_inputs = [
+        mode.from_tensor(t.to("meta") if on_meta else t) if isinstance(t, torch.Tensor) else t
+        for t in inputs
+    ]
     _ShapeProp(gm, fake_mode=mode).propagate(*fake_inputs)

@@ -13,17 +13,15 @@ column and a caret, never a lark exception or a lark terminal name.
 
 from __future__ import annotations
 
-import difflib
 import re
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 from enum import Enum
 from functools import cache
 from pathlib import Path
 from typing import Any, TypeVar
 
 from lark import Lark, Token, Transformer, v_args
-from lark.exceptions import UnexpectedCharacters, UnexpectedInput, VisitError
+from lark.exceptions import UnexpectedInput, VisitError
 from lark.tree import Meta
 
 from parc.dsl.ast import (
@@ -49,20 +47,17 @@ from parc.dsl.ast import (
     Statement,
     Zero,
 )
-from parc.errors import SourceSpan, SpecError
+from parc.dsl.syntax_errors import (
+    STATEMENT_KEYWORDS,
+    SourceText,
+    did_you_mean,
+    syntax_error,
+    token_span,
+)
+from parc.errors import SpecError
 
 __all__ = ["STATEMENT_KEYWORDS", "load_spec", "parse_spec"]
 
-STATEMENT_KEYWORDS = (
-    "mesh",
-    "shard",
-    "stage",
-    "microbatches",
-    "schedule",
-    "zero",
-    "grad_accum",
-    "recompute",
-)
 # Statements that may appear once; a second one is an error naming the first.
 _SINGLETONS = (Mesh, Microbatches, Schedule, Zero, GradAccum, StageAuto)
 _MAX_DIGITS = 18  # int() refuses very long digit strings; no real spec needs more
@@ -72,13 +67,13 @@ _E = TypeVar("_E", bound=Enum)
 
 def parse_spec(text: str, filename: str = "<spec>") -> Spec:
     """Parse the text of a `.par` file; `filename` only labels error messages."""
-    source = _Source(filename, tuple(line.removesuffix("\r") for line in text.split("\n")))
+    source = SourceText(filename, tuple(line.removesuffix("\r") for line in text.split("\n")))
     try:
         # The grammar ends every statement with a newline; a last line without
         # one is still a statement.
         tree = _parser().parse(text if text.endswith("\n") else text + "\n")
     except UnexpectedInput as err:
-        raise _syntax_error(err, source) from None
+        raise syntax_error(err, source) from None
     except _SpaceInPattern as err:
         raise err.error(source) from None
     try:
@@ -123,8 +118,8 @@ class _SpaceInPattern(Exception):
         super().__init__()
         self.before, self.after = before, after
 
-    def error(self, source: _Source) -> SpecError:
-        before, after = _token_span(self.before), _token_span(self.after)
+    def error(self, source: SourceText) -> SpecError:
+        before, after = token_span(self.before), token_span(self.after)
         return source.error(
             f"a pattern cannot contain spaces (found one between '{self.before}' and "
             f"'{self.after}')",
@@ -160,35 +155,8 @@ class _NoSpacesInPatterns:
         return glued and not across_lines and after.start_pos != before.end_pos
 
 
-@dataclass(frozen=True, slots=True)
-class _Source:
-    """The text being parsed, to build errors that quote a line."""
-
-    filename: str
-    lines: tuple[str, ...]
-
-    def line(self, number: int) -> str:
-        return self.lines[number - 1] if 0 < number <= len(self.lines) else ""
-
-    def error(self, message: str, span: Span, hint: str | None = None) -> SpecError:
-        where = SourceSpan(
-            self.filename, span.line, span.column, span.end_column, self.line(span.line)
-        )
-        return SpecError(message, where, hint=hint)
-
-
-def _token_span(token: Token) -> Span:
-    assert token.line is not None and token.column is not None and token.end_column is not None
-    return Span(token.line, token.column, token.end_column)
-
-
 def _meta_span(meta: Meta) -> Span:
     return Span(meta.line, meta.column, meta.end_column)
-
-
-def _did_you_mean(word: str, choices: Iterable[str]) -> str | None:
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f"did you mean '{close[0]}'?" if close else None
 
 
 # ---------------------------------------------------------------- tree -> AST
@@ -198,7 +166,7 @@ def _did_you_mean(word: str, choices: Iterable[str]) -> str | None:
 class _Builder(Transformer[Token, Any]):
     """Builds AST nodes with spans; checks values the grammar reads as plain words."""
 
-    def __init__(self, source: _Source) -> None:
+    def __init__(self, source: SourceText) -> None:
         super().__init__()
         self._source = source
 
@@ -209,7 +177,7 @@ class _Builder(Transformer[Token, Any]):
         keyword, *axes = children
         if not axes:
             raise self._source.error(
-                "mesh needs at least one axis, such as 'mesh dp=2 tp=2'", _token_span(keyword)
+                "mesh needs at least one axis, such as 'mesh dp=2 tp=2'", token_span(keyword)
             )
         first: dict[str, Axis] = {}
         for axis in axes:
@@ -234,26 +202,26 @@ class _Builder(Transformer[Token, Any]):
             self._choice(kind, ShardKind, "a shard kind"),
             str(axis),
             _meta_span(meta),
-            kind_span=_token_span(kind),
-            axis_span=_token_span(axis),
+            kind_span=token_span(kind),
+            axis_span=token_span(axis),
         )
 
     def stage(self, meta: Meta, children: list[Any]) -> Stage:
         patterns = tuple(child for child in children if isinstance(child, Pattern))
         number = children[-1]
         value = self._integer(number, "the stage number", minimum=0)
-        return Stage(patterns, value, _meta_span(meta), stage_span=_token_span(number))
+        return Stage(patterns, value, _meta_span(meta), stage_span=token_span(number))
 
     def stage_auto(self, meta: Meta, children: list[Token]) -> StageAuto:
         _, word = children
         if word != "auto":
             # The grammar reads `stage foo` as a misspelt `stage auto`; to the
             # user it is as likely a pattern missing its `-> N`.
-            end = _token_span(word).end_column
+            end = token_span(word).end_column
             raise self._source.error(
                 f"expected '->' and a stage number after '{word}'",
                 Span(meta.line, end, end + 1),
-                hint="did you mean 'stage auto'?" if _did_you_mean(word, ["auto"]) else None,
+                hint="did you mean 'stage auto'?" if did_you_mean(word, ["auto"]) else None,
             )
         return StageAuto(_meta_span(meta))
 
@@ -309,7 +277,7 @@ class _Builder(Transformer[Token, Any]):
 
     def _integer(self, token: Token, what: str, *, minimum: int, maximum: int | None = None) -> int:
         text = str(token)
-        span = _token_span(token)
+        span = token_span(token)
         if not re.fullmatch(r"-?[0-9]+", text):
             raise self._source.error(f"{what} must be a whole number, got '{text}'", span)
         if len(text.lstrip("-")) > _MAX_DIGITS:
@@ -328,8 +296,8 @@ class _Builder(Transformer[Token, Any]):
             return kind(str(token))
         raise self._source.error(
             f"'{token}' is not {what}; expected one of {', '.join(allowed)}",
-            _token_span(token),
-            hint=_did_you_mean(str(token), allowed),
+            token_span(token),
+            hint=did_you_mean(str(token), allowed),
         )
 
 
@@ -340,7 +308,7 @@ def _keyword(statement: Statement) -> str:
     return "stage auto" if isinstance(statement, StageAuto) else str(statement).split(" ")[0]
 
 
-def _check_statements(statements: Sequence[Statement], source: _Source) -> None:
+def _check_statements(statements: Sequence[Statement], source: SourceText) -> None:
     """Singletons appear once; `stage auto` excludes explicit stages."""
     first: dict[type, Statement] = {}
     for statement in statements:
@@ -361,111 +329,3 @@ def _check_statements(statements: Sequence[Statement], source: _Source) -> None:
                 hint="use either 'stage auto' or explicit stage lines",
             )
         first.setdefault(kind, statement)
-
-
-# ---------------------------------------------------------------- syntax errors
-
-# What each grammar terminal means to a user, in the order messages list them.
-_TERMINAL_WORDS = {
-    "ARROW": "'->' and a stage number",
-    "EQUAL": "'=' and a size",
-    "NUMBER": "a number",
-    "WORD": "a module pattern",
-    "STAR": "'*'",
-    "DOT": "'.'",
-    "LSQB": "'['",
-    "COLON": "':'",
-    "RSQB": "']'",
-    "COMMA": "','",
-    "NAME": "a name",
-    "_NL": "end of line",
-    "$END": "end of file",
-}
-# `NAME` means different things per statement; see `_terminal_word`.
-_NAME_WORDS = {
-    "mesh": "an axis such as 'dp=2'",
-    "shard": "a shard kind (col, row or vocab)",
-}
-_PREVIOUS = re.compile(r"(->|[A-Za-z0-9_.*\[\]:]+|\S)\s*$")
-_FIRST_WORD = re.compile(r"\s*([A-Za-z0-9_]+)")
-
-
-def _syntax_error(err: UnexpectedInput, source: _Source) -> SpecError:
-    """Turn a lark error into a `SpecError` that says what was expected, in words."""
-    # lark gives '?' for a position it does not know; blame the last line then.
-    line = err.line if isinstance(err.line, int) else len(source.lines)
-    column = err.column if isinstance(err.column, int) else 1
-    text = source.line(line)
-    accepts = _accepts(err)
-    token = getattr(err, "token", None)
-    ends_line = not isinstance(token, Token) or token.type in ("_NL", "$END")
-    if isinstance(err, UnexpectedCharacters):
-        bad = f"unexpected character {text[column - 1 : column]!r}"
-    else:
-        bad = "" if ends_line else f"unexpected '{token}'"
-    span = Span(line, column, column + (1 if ends_line else len(str(token))))
-    if accepts & {"MESH", "SHARD", "STAGE"}:
-        return _statement_start_error(token, bad, span, source)
-    keyword = _FIRST_WORD.match(text)
-    expected = _expected(accepts, keyword.group(1) if keyword else "", _after_shard_kind(err))
-    before = text[: column - 1].split("#")[0]  # no token contains '#': the rest is a comment
-    previous = _PREVIOUS.search(before)
-    if previous:
-        expected += f" after '{previous.group(1)}'"
-    return source.error(f"{bad}; {expected}" if bad else expected, span)
-
-
-def _statement_start_error(token: Any, bad: str, span: Span, source: _Source) -> SpecError:
-    allowed = ", ".join(STATEMENT_KEYWORDS)
-    if isinstance(token, Token) and re.fullmatch(r"[A-Za-z0-9_]+", token):
-        return source.error(
-            f"unknown statement '{token}'; expected one of {allowed}",
-            span,
-            hint=_did_you_mean(str(token), STATEMENT_KEYWORDS),
-        )
-    return source.error(f"{bad} at the start of a statement; expected one of {allowed}", span)
-
-
-def _accepts(err: UnexpectedInput) -> set[str]:
-    """The terminals the parser could take here (lark's `expected` can be wider)."""
-    interactive = getattr(err, "interactive_parser", None)
-    if interactive is not None:
-        return set(interactive.accepts())
-    return set(getattr(err, "expected", None) or getattr(err, "allowed", None) or ())
-
-
-def _after_shard_kind(err: UnexpectedInput) -> bool:
-    """Whether the parser has just read `shard PATTERN KIND` (so the axis is next)."""
-    interactive = getattr(err, "interactive_parser", None)
-    stack = interactive.parser_state.value_stack if interactive is not None else []
-    return bool(stack) and isinstance(stack[-1], Token) and stack[-1].type == "NAME"
-
-
-def _expected(accepts: set[str], keyword: str, after_shard_kind: bool) -> str:
-    if "ARROW" in accepts:  # the rest (',' '.' '[') would only distract
-        return "expected '->' and a stage number"
-    if "_NL" in accepts:
-        accepts = accepts - {"$END"}
-    if "WORD" in accepts:  # '*' is part of "a module pattern"
-        accepts = accepts - {"STAR"}
-    words: list[str] = []
-    for terminal in _TERMINAL_WORDS:
-        if terminal in accepts:
-            words.append(_terminal_word(terminal, keyword, after_shard_kind))
-    if not words:
-        words = ["something else"]
-    return "expected " + _join_or(words)
-
-
-def _terminal_word(terminal: str, keyword: str, after_shard_kind: bool) -> str:
-    if terminal == "NAME":
-        if keyword == "shard" and after_shard_kind:
-            return "a mesh axis name"
-        return _NAME_WORDS.get(keyword, "a name")
-    if terminal == "WORD" and keyword == "schedule":
-        return "a schedule (gpipe or 1f1b)"
-    return _TERMINAL_WORDS[terminal]
-
-
-def _join_or(words: list[str]) -> str:
-    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"

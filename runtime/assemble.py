@@ -180,4 +180,5 @@ def _optimizer(
         )
     hyper = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
     rebuild: Any = type(opt)
-    return rebuild([{"params": shards, **hyper}])  # type: ignore[no-any-return]
+    new: torch.optim.Optimizer = rebuild([{"params": shards, **hyper}])
+    return new

@@ -29,3 +29,36 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+# --- gloo worker pools (runtime/pool.py) ------------------------------------
+# One pool per world size for the whole session: a rank starts in ~0.05 s, but
+# reusing it costs ~2 ms a case. A failed case rebuilds its pool by itself.
+
+from typing import TYPE_CHECKING  # noqa: E402  (an appended section keeps its imports)
+
+import pytest  # noqa: E402
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+
+    from parc.runtime.pool import WorkerPool
+
+
+@pytest.fixture(scope="session")
+def gloo_pool() -> Iterator[Callable[[int], WorkerPool]]:
+    """`gloo_pool(world_size)`: the session's `WorkerPool` of that size, started on first use."""
+    from parc.runtime.pool import WorkerPool  # imports torch; only tests that need a pool pay
+
+    pools: dict[int, WorkerPool] = {}
+
+    def pool(world_size: int) -> WorkerPool:
+        if world_size not in pools:
+            # Every collective and case gets 120 s: generous on 2 shared cores,
+            # well under pytest's 300 s so a hang fails as a WorkerError.
+            pools[world_size] = WorkerPool(world_size, timeout=120.0)
+        return pools[world_size]
+
+    yield pool
+    for each in pools.values():
+        each.close()

@@ -19,15 +19,17 @@ from .cost import NodeCost, node_costs, output_numel
 from .layout import (
     DEFAULT_BUCKET_ELEMS,
     FlatUnit,
+    canonical_names,
     flat_units,
     local_shape,
     param_slices,
     stage_params,
 )
 from .plan import Plan
+from .saved import SavedTensors
 from .stages import activation_nodes
 
-__all__ = ["Collective", "Estimate", "RankMemory", "StageCost", "estimate"]
+__all__ = ["Collective", "Estimate", "RankMemory", "StageCost", "estimate", "stage_units"]
 
 ADAMW_STATES = 2  # exp_avg and exp_avg_sq, each the size of the parameter
 
@@ -87,39 +89,34 @@ def estimate(
     plan: Plan,
     gm: torch.fx.GraphModule,
     model: torch.nn.Module,
+    saved: SavedTensors,
     *,
     bucket_elems: int = DEFAULT_BUCKET_ELEMS,
 ) -> Estimate:
-    """Per-stage costs, memory for every rank, and collectives per stage."""
+    """Per-stage costs, memory for every rank, and collectives per stage.
+
+    Bytes held per rank (fp32), with N the rank's local parameter elements and
+    P = Σ units padded to a multiple of dp:
+        zero 0: params N, grads N, AdamW 2N
+        zero 1: params P (flat buffer), grads P, AdamW 2P/dp
+        zero 2: params P, grads P/dp, AdamW 2P/dp
+        zero 3: params P/dp, grads P/dp, AdamW 2P/dp
+    """
     costs = node_costs(gm)
-    slices = param_slices(plan, model)
-    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    owners = {n: n.rpartition(".")[0] for n in shapes}
     stage_of = plan.stage_of()
     per_stage = stage_params(plan, gm, model)
+    canonical = canonical_names(model)
+    saved_params = {canonical.get(n, n) for n in saved.params}
     stages, memory, comms = [], [], []
     for s in range(plan.pp):
-        names = per_stage[s]
-        local = [(n, math.prod(local_shape(shapes[n], slices.get(n))), owners[n]) for n in names]
-        units = flat_units(local, zero=plan.zero, dp=plan.dp, bucket_elems=bucket_elems)
-        act = _stage_activation_bytes(gm, costs, stage_of, s, plan.tp)
-        stages.append(_stage_cost(gm, costs, stage_of, s, names, shapes, plan))
-        itemsize = 4
-        n_local = sum(n for _, n, _ in local)
-        shard = sum(u.shard for u in units)
-        p, g, o = n_local, n_local, ADAMW_STATES * n_local
-        if plan.zero >= 1:
-            o = ADAMW_STATES * shard
-        if plan.zero >= 2:
-            g = shard
-        if plan.zero >= 3:
-            p = shard
-        held = act * _in_flight(plan, s)
+        units, n_local, tied = stage_units(plan, model, per_stage, s, bucket_elems)
+        stages.append(_stage_cost(costs, saved, stage_of, s, per_stage[s], model, plan))
+        p, g, o = _resident(plan.zero, n_local, units)
+        held = _stage_activation_bytes(gm, saved, stage_of, s, plan.tp) * _in_flight(plan, s)
         for rank in range(plan.mesh.world_size):
             if plan.mesh.coords(rank).get(AXIS_PP, 0) == s:
-                memory.append(RankMemory(rank, p * itemsize, g * itemsize, o * itemsize, held))
-        tied = sum(n for name, n, _ in local if sum(name in other for other in per_stage) > 1)
-        comms.append((s, _collectives(plan, gm, stage_of, s, units, tied)))
+                memory.append(RankMemory(rank, 4 * p, 4 * g, 4 * o, held))
+        comms.append((s, _collectives(plan, gm, stage_of, s, units, saved_params, tied)))
     memory.sort(key=lambda m: m.rank)
     p, m = plan.pp, plan.microbatches
     bubble = (p - 1) / (m + p - 1) if p > 1 else 0.0
@@ -132,36 +129,65 @@ def estimate(
     )
 
 
+def stage_units(
+    plan: Plan, model: torch.nn.Module, per_stage: list[list[str]], s: int, bucket_elems: int
+) -> tuple[tuple[FlatUnit, ...], int, frozenset[str]]:
+    """Stage `s`'s flat units (as the runtime builds them), local elements, tied weights."""
+    slices = param_slices(plan, model)
+    canonical = canonical_names(model)
+    shapes = {canonical[n]: tuple(p.shape) for n, p in model.named_parameters()}
+    tied = frozenset(n for n in per_stage[s] if sum(n in other for other in per_stage) > 1)
+    local = [
+        (n, math.prod(local_shape(shapes[n], slices.get(n))), n.rpartition(".")[0])
+        for n in per_stage[s]
+    ]
+    units = flat_units(local, zero=plan.zero, dp=plan.dp, bucket_elems=bucket_elems, solo=tied)
+    return units, sum(n for _, n, _ in local), tied
+
+
+def _resident(zero: int, n_local: int, units: tuple[FlatUnit, ...]) -> tuple[int, int, int]:
+    """Elements of parameters, gradients and AdamW state one rank holds between steps."""
+    padded = sum(u.padded for u in units)
+    shard = sum(u.shard for u in units)
+    if zero == 0:
+        return n_local, n_local, ADAMW_STATES * n_local
+    if zero == 1:
+        return padded, padded, ADAMW_STATES * shard
+    if zero == 2:
+        return padded, shard, ADAMW_STATES * shard
+    return shard, shard, ADAMW_STATES * shard
+
+
 def _stage_cost(
-    gm: torch.fx.GraphModule,
     costs: dict[str, NodeCost],
+    saved: SavedTensors,
     stage_of: dict[str, int],
     s: int,
     names: list[str],
-    shapes: dict[str, tuple[int, ...]],
+    model: torch.nn.Module,
     plan: Plan,
 ) -> StageCost:
     fwd = sum(c.flops for n, c in costs.items() if stage_of.get(n) == s)
     micro = max(1, plan.batch.micro)
-    act = _stage_activation_bytes(gm, costs, stage_of, s, 1)
-    return StageCost(s, sum(math.prod(shapes[n]) for n in names), 3 * fwd // micro, act)
+    shapes = dict(model.named_parameters())
+    act = sum(b for n, b in saved.node_bytes.items() if stage_of.get(n) == s)
+    params = sum(shapes[n].numel() for n in names if n in shapes)
+    return StageCost(s, params, 3 * fwd // micro, act)
 
 
 def _stage_activation_bytes(
     gm: torch.fx.GraphModule,
-    costs: dict[str, NodeCost],
+    saved: SavedTensors,
     stage_of: dict[str, int],
     s: int,
     tp: int,
 ) -> int:
-    """Output bytes of the stage's activation nodes per microbatch, tp slices divided."""
-    acts = activation_nodes(gm)
+    """Bytes saved for backward by the stage's nodes per microbatch; tp slices divided."""
+    sharded = {n.name for n in gm.graph.nodes if n.meta.get("parc_sharded", False)}
     total = 0
-    for node in gm.graph.nodes:
-        if node.name in acts and stage_of.get(node.name) == s:
-            bytes_ = costs[node.name].activation_bytes
-            sharded = node.meta.get("parc_sharded", False)
-            total += bytes_ // tp if sharded else bytes_
+    for name, bytes_ in saved.node_bytes.items():
+        if stage_of.get(name) == s:
+            total += bytes_ // tp if name in sharded else bytes_
     return total
 
 
@@ -171,7 +197,8 @@ def _collectives(
     stage_of: dict[str, int],
     s: int,
     units: tuple[FlatUnit, ...],
-    tied: int,
+    saved_params: set[str],
+    tied_names: frozenset[str],
 ) -> tuple[Collective, ...]:
     out: list[Collective] = []
     micro_steps = plan.microbatches * plan.grad_accum
@@ -185,13 +212,17 @@ def _collectives(
             out.append(Collective("reduce_scatter", AXIS_DP, n, padded, "gradient shards"))
             out.append(Collective("all_gather", AXIS_DP, n, padded, "updated parameters"))
         else:
+            # Backward gathers again only the units whose parameters autograd saved.
+            again = [u for u in units if any(p in saved_params for p in u.params)]
+            gathers = (n + len(again)) * micro_steps
+            gathered = (padded + sum(u.padded for u in again)) * micro_steps
             out.append(
                 Collective(
                     "all_gather",
                     AXIS_DP,
-                    2 * n * micro_steps,
-                    2 * padded * micro_steps,
-                    "parameters, forward + backward",
+                    gathers,
+                    gathered,
+                    "parameters: forward, and again in backward",
                 )
             )
             out.append(
@@ -205,8 +236,16 @@ def _collectives(
             )
     out.extend(_tp_collectives(plan, gm, stage_of, s, micro_steps))
     out.extend(_pp_collectives(plan, gm, stage_of, s, micro_steps))
+    tied = [u for u in units if any(p in tied_names for p in u.params)]
     if tied:
-        out.append(Collective("all_reduce", AXIS_PP, 1, tied, "tied parameter gradients"))
+        size = {0: sum(u.numel for u in tied), 3: sum(u.shard for u in tied)}.get(
+            plan.zero, sum(u.padded for u in tied)
+        )
+        out.append(
+            Collective(
+                "all_reduce", AXIS_PP, len(tied), size, "gradients of weights tied across stages"
+            )
+        )
     return tuple(out)
 
 

@@ -23,6 +23,7 @@ from .estimate import Estimate, estimate
 from .model import ModelSource, load_model
 from .plan import Plan
 from .resolve import check_batch, resolve
+from .saved import SavedTensors, saved_tensors
 from .trace import propagate_shapes, trace_model
 
 __all__ = ["Analysis", "analyse", "as_spec", "default_batch"]
@@ -38,6 +39,7 @@ class Analysis:
     gm: torch.fx.GraphModule
     plan: Plan
     estimate: Estimate
+    saved: SavedTensors
 
 
 def as_spec(spec: Spec | str | Path) -> Spec:
@@ -76,4 +78,5 @@ def analyse(
     inputs, _ = source.batch(batch_plan.micro, 0)
     propagate_shapes(gm, inputs if isinstance(inputs, tuple | list) else (inputs,))
     plan = resolve(spec, built, gm, batch=batch)
-    return Analysis(spec, source, built, gm, plan, estimate(plan, gm, built))
+    saved = saved_tensors(gm, inputs if isinstance(inputs, tuple | list) else (inputs,))
+    return Analysis(spec, source, built, gm, plan, estimate(plan, gm, built, saved), saved)

@@ -31,6 +31,7 @@ __all__ = [
     "DEFAULT_BUCKET_ELEMS",
     "FlatUnit",
     "ParamSlice",
+    "canonical_names",
     "flat_units",
     "local_shape",
     "param_slices",
@@ -71,7 +72,7 @@ class FlatUnit:
 
 def param_slices(plan: Plan, model: torch.nn.Module) -> dict[str, ParamSlice]:
     """Canonical parameter name -> its tp slice; tied parameters must agree."""
-    canonical = _canonical_names(model)
+    canonical = canonical_names(model)
     out: dict[str, tuple[ParamSlice | None, str]] = {}
     modules = dict(model.named_modules())
     for name, module in modules.items():
@@ -111,7 +112,7 @@ def _tie_conflict(param: str, first: str, second: str, plan: Plan) -> PlanError:
     )
 
 
-def _canonical_names(model: torch.nn.Module) -> dict[str, str]:
+def canonical_names(model: torch.nn.Module) -> dict[str, str]:
     """Every parameter name (tied ones included) -> the first name of that tensor."""
     first: dict[int, str] = {}
     out: dict[str, str] = {}
@@ -130,7 +131,7 @@ def local_shape(shape: tuple[int, ...], slice_: ParamSlice | None) -> tuple[int,
 
 def stage_params(plan: Plan, gm: torch.fx.GraphModule, model: torch.nn.Module) -> list[list[str]]:
     """Per stage, the canonical names of the parameters its nodes read, in order of first use."""
-    canonical = _canonical_names(model)
+    canonical = canonical_names(model)
     stage_of = plan.stage_of()
     out: list[list[str]] = [[] for _ in range(plan.pp)]
     for node in gm.graph.nodes:

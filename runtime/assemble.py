@@ -15,16 +15,17 @@ Algorithm:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from parc.compiler.estimate import stage_units
 from parc.compiler.frontend import Analysis
-from parc.compiler.layout import flat_units, local_shape, param_slices, stage_params
+from parc.compiler.layout import canonical_names, param_slices, stage_params
 from parc.compiler.passes.pipeline_split import StageGraph, pipeline_split
+from parc.compiler.passes.zero import shard_parameters
 from parc.dsl.ast import AXIS_DP, AXIS_PP
 from parc.errors import ParcError
 
@@ -32,6 +33,7 @@ from .collectives import Comm
 from .grad_sync import GradSync
 from .program import ProgramParts
 from .schedule import generate, lower_comms
+from .zero3 import Zero3
 
 __all__ = ["assemble"]
 
@@ -54,7 +56,7 @@ def assemble(
     stage = pipeline_split(gm, plan)[comm.index(AXIS_PP)]
     stage.gm.to(device)
     # Step 3
-    canonical = _canonical_names(model)
+    canonical = canonical_names(model)
     per_stage = stage_params(plan, analysis.gm, model)
     names = per_stage[stage.stage]
     local = _local_params(stage, canonical, names)
@@ -63,17 +65,17 @@ def assemble(
     tied = _tied_groups(plan, comm, per_stage)
     # Step 5
     full_shapes = {canonical[n]: tuple(p.shape) for n, p in model.named_parameters()}
-    triples = [
-        (n, math.prod(local_shape(full_shapes[n], slices.get(n))), n.rpartition(".")[0])
-        for n in names
-    ]
-    units = flat_units(
-        triples, zero=plan.zero, dp=plan.dp, bucket_elems=bucket_elems, solo=frozenset(tied)
-    )
+    units, _, _ = stage_units(plan, model, per_stage, stage.stage, bucket_elems)
     # Step 6
+    forward_context = None
+    sync: Any
     if plan.zero == 3:
-        raise ParcError("zero 3 is being built; use zero 0, 1 or 2")
-    sync: Any = GradSync(local, units, comm, zero=plan.zero, axis=AXIS_DP, tied=frozenset(tied))
+        sync = Zero3(local, units, comm, axis=AXIS_DP, tied=frozenset(tied))
+        shard_parameters(stage.gm, sync.offsets, sync.shapes, sync.shards, canonical)
+        forward_context = sync.forward_context
+    else:
+        sync = GradSync(local, units, comm, zero=plan.zero, axis=AXIS_DP, tied=frozenset(tied))
+    sync.prepare()
     # Step 7
     opt = _optimizer(optimizer, list(local.values()), sync.optimizer_params(), plan.zero)
     # Step 8
@@ -95,6 +97,7 @@ def assemble(
         slices=slices,
         holders=holders,
         tied=tied,
+        forward_context=forward_context,
     )
 
 
@@ -107,14 +110,6 @@ def _tensor_parallel(analysis: Analysis, comm: Comm, strict: bool) -> torch.fx.G
 
     analyse_tensor_parallel(analysis.gm, plan, analysis.spec, strict=strict)
     return tensor_parallel(analysis.gm, plan, tp_index=comm.index(plan.tp_axis))
-
-
-def _canonical_names(model: torch.nn.Module) -> dict[str, str]:
-    first: dict[int, str] = {}
-    return {
-        name: first.setdefault(id(p), name)
-        for name, p in model.named_parameters(remove_duplicate=False)
-    }
 
 
 def _local_params(

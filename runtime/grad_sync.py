@@ -86,7 +86,6 @@ class GradSync:
         if zero >= 1:
             for unit in self.units:
                 self._flatten_params(unit)
-        self.prepare()
 
     def _flatten_params(self, unit: _Unit) -> None:
         """Make the unit's parameters views of one padded flat buffer; cut this rank's shard."""

@@ -1,0 +1,96 @@
+"""Lower module calls to functional calls so their parameters become graph values.
+
+`call_module(layers.0.ln_1)(x)` becomes `F.layer_norm(x, (C,), w, b, eps)` with
+`w`, `b` as `get_attr` nodes, so a later pass can replace a parameter by a
+slice, a gathered shard or a re-gathered view. The table below lowers the
+common modules to their torch.nn.functional form (readable, no overhead); any
+other module with parameters goes through `torch.func.functional_call`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+__all__ = ["LOWERINGS", "lower_module_calls"]
+
+
+def _linear(m: torch.nn.Linear, x: Any, p: dict[str, Any]) -> tuple[Callable[..., Any], tuple]:
+    return F.linear, (x, p["weight"], p.get("bias"))
+
+
+def _embedding(
+    m: torch.nn.Embedding, x: Any, p: dict[str, Any]
+) -> tuple[Callable[..., Any], tuple]:
+    return F.embedding, (
+        x,
+        p["weight"],
+        m.padding_idx,
+        m.max_norm,
+        m.norm_type,
+        m.scale_grad_by_freq,
+        m.sparse,
+    )
+
+
+def _layer_norm(
+    m: torch.nn.LayerNorm, x: Any, p: dict[str, Any]
+) -> tuple[Callable[..., Any], tuple]:
+    return F.layer_norm, (x, tuple(m.normalized_shape), p.get("weight"), p.get("bias"), m.eps)
+
+
+def _rms_norm(m: torch.nn.RMSNorm, x: Any, p: dict[str, Any]) -> tuple[Callable[..., Any], tuple]:
+    return F.rms_norm, (x, tuple(m.normalized_shape), p.get("weight"), m.eps)
+
+
+# Module type -> how to call it functionally: (module, input node, {param: node}) -> (fn, args)
+LOWERINGS: dict[type, Callable[..., tuple[Callable[..., Any], tuple]]] = {
+    torch.nn.Linear: _linear,
+    torch.nn.Embedding: _embedding,
+    torch.nn.LayerNorm: _layer_norm,
+    torch.nn.RMSNorm: _rms_norm,
+}
+
+
+def _call_functional(module: torch.nn.Module, params: dict[str, torch.Tensor], *args: Any) -> Any:
+    """Any other module: run it with `params` in place of its own parameters."""
+    return torch.func.functional_call(module, params, args)
+
+
+def lower_module_calls(
+    gm: torch.fx.GraphModule, wanted: Callable[[str, torch.nn.Module], bool]
+) -> list[str]:
+    """Lower every `call_module` whose module owns parameters and `wanted(name, module)`.
+
+    Returns the qualified names of the lowered modules. The graph is changed in place.
+    """
+    lowered = []
+    for node in list(gm.graph.nodes):
+        if node.op != "call_module":
+            continue
+        module = gm.get_submodule(str(node.target))
+        own = dict(module.named_parameters(recurse=True))
+        if not own or not wanted(str(node.target), module):
+            continue
+        with gm.graph.inserting_before(node):
+            params = {name: gm.graph.get_attr(f"{node.target}.{name}") for name in own}
+            lowering = LOWERINGS.get(type(module))
+            if lowering is not None and not node.kwargs and len(node.args) == 1:
+                fn, args = lowering(module, node.args[0], params)
+                new = gm.graph.call_function(fn, args)
+            else:
+                holder = gm.graph.get_attr(str(node.target))
+                new = gm.graph.call_function(
+                    _call_functional, (holder, params, *node.args), dict(node.kwargs)
+                )
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        lowered.append(str(node.target))
+    gm.graph.lint()
+    gm.recompile()
+    return lowered

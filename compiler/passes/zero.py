@@ -1,0 +1,83 @@
+"""zero: ZeRO-3 parameter sharding of one stage's graph (DESIGN.md §5.5).
+
+Algorithm:
+1. Lower every module call that owns parameters to its functional form, so
+   every parameter read is a `get_attr` node (compiler/passes/lower_modules.py).
+2. Map each parameter `get_attr` to its flat unit and offset.
+3. Register the unit shards on the graph module as `zero3_shards.u<i>`.
+4. Before the first node that reads a unit, insert `zero3_gather(shard, i)`
+   (all-gather forward, reduce-scatter backward) and one `zero3_view` per
+   parameter; every read of the parameter now reads its view.
+5. Drop the whole parameters from the module: only the shards stay resident.
+
+Re-gathering in backward is the runtime's job (runtime/zero3.py): the gathered
+buffer is saved for backward as a handle, never kept alive.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from parc.runtime.zero3 import zero3_gather, zero3_view
+
+__all__ = ["shard_parameters"]
+
+
+def shard_parameters(
+    gm: torch.fx.GraphModule,
+    offsets: dict[str, tuple[int, int]],
+    shapes: dict[str, tuple[int, ...]],
+    shards: list[torch.nn.Parameter],
+    canonical: dict[str, str],
+) -> torch.fx.GraphModule:
+    """Rewrite `gm` in place to read its parameters from gathered ZeRO-3 shards.
+
+    `offsets`: canonical parameter name -> (unit, offset); `canonical`: a name in
+    `gm` -> its canonical name; `shards[i]`: this rank's shard of unit i.
+    """
+    from .lower_modules import lower_module_calls
+
+    # Step 1
+    lower_module_calls(gm, lambda name, module: True)
+    # Step 2
+    reads: dict[int, list[torch.fx.Node]] = {}
+    for node in gm.graph.nodes:
+        key = canonical.get(str(node.target)) if node.op == "get_attr" else None
+        if key is not None and key in offsets:
+            reads.setdefault(offsets[key][0], []).append(node)
+    # Step 3
+    holder = torch.nn.Module()
+    for i, shard in enumerate(shards):
+        holder.register_parameter(f"u{i}", shard)
+    gm.add_module("zero3_shards", holder)
+    # Step 4
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    for unit, nodes in sorted(reads.items()):
+        first = min((u for n in nodes for u in n.users), key=lambda u: order[u])
+        with gm.graph.inserting_before(first):
+            shard = gm.graph.get_attr(f"zero3_shards.u{unit}")
+            flat = gm.graph.call_function(zero3_gather, (shard, unit))
+            flat.meta["parc_comment"] = "all-gather of ZeRO-3 shards; reduce-scatter backward"
+            views = {}
+            for node in nodes:
+                key = canonical[str(node.target)]
+                if key not in views:
+                    views[key] = gm.graph.call_function(
+                        zero3_view, (flat, offsets[key][1], shapes[key])
+                    )
+                node.replace_all_uses_with(views[key])
+        for node in nodes:
+            gm.graph.erase_node(node)
+    # Step 5
+    for name in list(dict(gm.named_parameters(remove_duplicate=False))):
+        if name in canonical and canonical[name] in offsets:
+            owner, _, leaf = name.rpartition(".")
+            module = gm.get_submodule(owner) if owner else gm
+            if leaf in module._parameters:
+                # An empty stand-in: modules lowered through functional_call get the
+                # views in its place; the whole tensor is no longer held.
+                module._parameters[leaf] = torch.nn.Parameter(torch.empty(0))
+    gm.graph.lint()
+    gm.recompile()
+    return gm

@@ -1,0 +1,196 @@
+"""ZeRO-3 at run time: parameters live as flat 1/dp shards, gathered just before use.
+
+The `zero` compiler pass (compiler/passes/zero.py) puts a `zero3_gather` node
+before the first use of each unit's parameters and reads every parameter as a
+view of the gathered flat buffer. Here:
+
+- `zero3_gather` is an autograd function: all-gather of the shards forward,
+  reduce-scatter of the flat gradient backward (into the shard's `.grad`).
+- The gathered buffer is not kept alive between forward and backward: while
+  a stage runs forward, `saved_tensors_hooks` replace every saved tensor that
+  is a view of a gathered buffer by a handle (unit, offset, size, stride);
+  backward unpacks the handle by gathering the unit again (once per unit per
+  backward: the copy is cached until that unit's reduce-scatter runs).
+- `Zero3.finish` averages the shard gradients over dp (after summing the
+  gradients of weights tied across pipeline stages, whose units are solo).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from parc.compiler.layout import FlatUnit
+
+from .collectives import Comm
+
+__all__ = ["Zero3", "zero3_gather", "zero3_view"]
+
+_ACTIVE: Zero3 | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Handle:
+    """A saved view of a gathered unit, to be re-gathered in backward."""
+
+    unit: int
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+class Zero3:
+    """One rank's ZeRO-3 state: a flat shard Parameter per unit, and the gather bookkeeping."""
+
+    def __init__(
+        self,
+        values: dict[str, torch.Tensor],
+        units: tuple[FlatUnit, ...],
+        comm: Comm,
+        *,
+        axis: str,
+        tied: frozenset[str] = frozenset(),
+    ) -> None:
+        self.comm, self.axis, self.units = comm, axis, units
+        self.dp, self.index = comm.size(axis), comm.index(axis)
+        self.shapes = {n: tuple(v.shape) for n, v in values.items()}
+        self.offsets: dict[str, tuple[int, int]] = {}  # name -> (unit, offset)
+        self.shards: list[torch.nn.Parameter] = []
+        self.tied_units = [i for i, u in enumerate(units) if any(n in tied for n in u.params)]
+        self.tied_names = {i: [n for n in units[i].params if n in tied] for i in self.tied_units}
+        for i, unit in enumerate(units):
+            first = values[unit.params[0]]
+            flat = torch.zeros(unit.padded, dtype=first.dtype, device=first.device)
+            off = 0
+            for name in unit.params:
+                value = values[name].detach().reshape(-1)
+                flat[off : off + value.numel()].copy_(value)
+                self.offsets[name] = (i, off)
+                off += value.numel()
+            shard = flat[self.index * unit.shard : (self.index + 1) * unit.shard].clone()
+            self.shards.append(torch.nn.Parameter(shard))
+        self._bases: dict[int, tuple[int, weakref.ref[torch.Tensor]]] = {}
+        self._cache: dict[int, torch.Tensor] = {}
+
+    # ---------------------------------------------------------- graph side
+
+    def gather(self, unit: int, shard: torch.Tensor) -> torch.Tensor:
+        """All-gather a unit's flat parameters (counted) and remember the buffer."""
+        full = torch.empty(self.units[unit].padded, dtype=shard.dtype, device=shard.device)
+        self.comm.all_gather(full, shard.detach(), self.axis)
+        self._bases[id(full)] = (unit, weakref.ref(full))
+        return full
+
+    def release(self, unit: int) -> None:
+        self._cache.pop(unit, None)
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        base = t._base if t._base is not None else t
+        entry = self._bases.get(id(base))
+        if entry is None or entry[1]() is not base:
+            return t
+        return _Handle(entry[0], t.storage_offset(), tuple(t.size()), tuple(t.stride()))
+
+    def _unpack(self, saved: Any) -> torch.Tensor:
+        if not isinstance(saved, _Handle):
+            return saved  # type: ignore[no-any-return]
+        full = self._cache.get(saved.unit)
+        if full is None:
+            full = self.gather(saved.unit, self.shards[saved.unit])
+            self._cache[saved.unit] = full
+        return full.as_strided(saved.size, saved.stride, saved.offset)
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Iterator[None]:
+        """Run a stage's forward with gathered parameters saved as handles."""
+        global _ACTIVE
+        previous, _ACTIVE = _ACTIVE, self
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            _ACTIVE = previous
+            self._bases = {k: v for k, v in self._bases.items() if v[1]() is not None}
+
+    # ---------------------------------------------------------- step side
+
+    def arm(self, on: bool) -> None:
+        """Gradients are reduce-scattered every backward; nothing to arm."""
+
+    def prepare(self) -> None:
+        for shard in self.shards:
+            if shard.grad is None:
+                shard.grad = torch.zeros_like(shard)
+            else:
+                shard.grad.zero_()
+
+    def finish(self, tied_reduce: Callable[[str, torch.Tensor], None] | None = None) -> None:
+        self._cache.clear()
+        for i in self.tied_units:
+            grad = self.shards[i].grad
+            if tied_reduce is not None and grad is not None:
+                for name in self.tied_names[i]:
+                    tied_reduce(name, grad)
+        if self.dp > 1:
+            for shard in self.shards:
+                if shard.grad is not None:
+                    shard.grad.div_(self.dp)
+
+    def after_step(self) -> None:
+        """Parameters are gathered on use: nothing to do after the optimizer step."""
+
+    def optimizer_params(self) -> list[torch.nn.Parameter]:
+        return list(self.shards)
+
+    def full_local(self, name: str) -> torch.Tensor:
+        """This rank's whole (tensor-parallel local) value of parameter `name`, uncounted."""
+        import torch.distributed as dist
+
+        unit, off = self.offsets[name]
+        shard = self.shards[unit].detach()
+        if self.dp > 1:
+            full = torch.empty(self.units[unit].padded, dtype=shard.dtype, device=shard.device)
+            dist.all_gather_into_tensor(full, shard, group=self.comm.groups[self.axis])
+        else:
+            full = shard
+        n = math.prod(self.shapes[name])
+        return full[off : off + n].view(self.shapes[name]).clone()
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, shard: torch.Tensor, unit: int) -> torch.Tensor:
+        runtime = _active()
+        ctx.runtime, ctx.unit = runtime, unit
+        return runtime.gather(unit, shard)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        runtime: Zero3 = ctx.runtime
+        out = torch.empty(runtime.units[ctx.unit].shard, dtype=grad.dtype, device=grad.device)
+        runtime.comm.reduce_scatter(out, grad.contiguous(), runtime.axis)
+        runtime.release(ctx.unit)
+        return out, None
+
+
+def _active() -> Zero3:
+    if _ACTIVE is None:
+        raise RuntimeError("zero3_gather ran outside Zero3.forward_context")
+    return _ACTIVE
+
+
+def zero3_gather(shard: torch.Tensor, unit: int) -> torch.Tensor:
+    """All-gather unit `unit` forward; reduce-scatter its gradient backward; re-gathered on use."""
+    out: torch.Tensor = _Gather.apply(shard, unit)
+    return out
+
+
+def zero3_view(flat: torch.Tensor, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """One parameter inside a gathered unit."""
+    return flat.narrow(0, offset, math.prod(shape)).view(shape)

@@ -9,7 +9,7 @@ backward; one whose parameters are not, e.g. an embedding table, is not).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +35,7 @@ class SavedTensors:
 class _Recorder(torch.fx.Interpreter):
     """Runs the graph, remembering which node is running when a tensor is saved."""
 
-    def __init__(self, gm: torch.fx.GraphModule, params: dict[str, torch.Tensor]) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, params: Mapping[str, torch.Tensor]) -> None:
         super().__init__(gm)
         self.params = params
         self.param_ids = {id(p): n for n, p in params.items()}

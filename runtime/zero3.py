@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +50,7 @@ class Zero3:
 
     def __init__(
         self,
-        values: dict[str, torch.Tensor],
+        values: Mapping[str, torch.Tensor],
         units: tuple[FlatUnit, ...],
         comm: Comm,
         *,
@@ -95,11 +95,11 @@ class Zero3:
         entry = self._bases.get(id(base))
         if entry is None or entry[1]() is not base:
             return t
-        return _Handle(entry[0], t.storage_offset(), tuple(t.size()), tuple(t.stride()))
+        return _Handle(entry[0], int(t.storage_offset()), tuple(t.size()), tuple(t.stride()))
 
-    def _unpack(self, saved: Any) -> torch.Tensor:
+    def _unpack(self, saved: Any) -> Any:
         if not isinstance(saved, _Handle):
-            return saved  # type: ignore[no-any-return]
+            return saved
         full = self._cache.get(saved.unit)
         if full is None:
             full = self.gather(saved.unit, self.shards[saved.unit])

@@ -48,8 +48,8 @@ def shard_parameters(
             reads.setdefault(offsets[key][0], []).append(node)
     # Step 3
     holder = torch.nn.Module()
-    for i, shard in enumerate(shards):
-        holder.register_parameter(f"u{i}", shard)
+    for i, piece in enumerate(shards):
+        holder.register_parameter(f"u{i}", piece)
     gm.add_module("zero3_shards", holder)
     # Step 4
     order = {node: i for i, node in enumerate(gm.graph.nodes)}

@@ -75,7 +75,6 @@ def assemble(
         forward_context = sync.forward_context
     else:
         sync = GradSync(local, units, comm, zero=plan.zero, axis=AXIS_DP, tied=frozenset(tied))
-    sync.prepare()
     # Step 7
     opt = _optimizer(optimizer, list(local.values()), sync.optimizer_params(), plan.zero)
     # Step 8

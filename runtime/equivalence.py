@@ -18,8 +18,9 @@ Tolerances (fp32), calibrated on this machine and kept here once:
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,7 @@ __all__ = [
     "Tolerance",
     "compare_runs",
     "make_optimizer",
+    "model_env",
     "parallel_case",
     "reference_run",
 ]
@@ -64,9 +66,19 @@ class Tolerance:
         return Tolerance()
 
 
-def _set_env(env: dict[str, str] | None) -> None:
-    for key, value in (env or {}).items():
-        os.environ[key] = value
+@contextlib.contextmanager
+def model_env(env: dict[str, str] | None) -> Iterator[None]:
+    """Set environment variables (a model file's sizes) for the block, then restore them."""
+    saved = {key: os.environ.get(key) for key in env or {}}
+    os.environ.update(env or {})
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _optimizer_for(source: ModelSource, name: str) -> Any:
@@ -83,8 +95,13 @@ def reference_run(
     env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Train the unmodified model on one process; losses per step and final parameters."""
-    _set_env(env)
-    source = load_model(model_file)
+    with model_env(env):
+        return _reference(load_model(model_file), steps, batch, seed, optimizer)
+
+
+def _reference(
+    source: ModelSource, steps: int, batch: int, seed: int, optimizer: str
+) -> dict[str, Any]:
     torch.manual_seed(seed)
     model = source.build()
     opt = _optimizer_for(source, optimizer)(model.parameters())
@@ -113,12 +130,25 @@ def parallel_case(
     want_params: bool = True,
 ) -> dict[str, Any]:
     """One rank's side of a parallel run (call on every rank of a process group)."""
+    with model_env(env):
+        return _parallel(
+            spec_text, load_model(model_file), steps, batch, seed, optimizer, want_params
+        )
+
+
+def _parallel(
+    spec_text: str,
+    source: ModelSource,
+    steps: int,
+    batch: int,
+    seed: int,
+    optimizer: str,
+    want_params: bool,
+) -> dict[str, Any]:
     import torch.distributed as dist
 
     from parc.api import compile as parc_compile
 
-    _set_env(env)
-    source = load_model(model_file)
     program = parc_compile(
         spec_text, source, batch=batch, seed=seed, optimizer=_optimizer_for(source, optimizer)
     )

@@ -82,6 +82,9 @@ class Program:
         plan, comm = self.plan, self.comm
         comm.stats.reset()
         comm.step = self.steps_done
+        # Gradient buffers are (re)made here, not after the step: ZeRO-2 holds only
+        # its gradient shards between steps.
+        self.parts.sync.prepare()
         xs = list(inputs) if isinstance(inputs, tuple | list) else [inputs]
         self._check_batch(xs, targets)
         d = comm.index(AXIS_DP)
@@ -104,7 +107,6 @@ class Program:
         self.parts.sync.arm(False)
         self.optimizer.step()
         self.parts.sync.after_step()
-        self.parts.sync.prepare()
         self._stats = comm.stats.snapshot()
         self.steps_done += 1
         return self._global_loss(losses)

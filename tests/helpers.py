@@ -1,0 +1,67 @@
+"""Shared helpers for the multi-process tests: run a spec in the pool, compare with one device."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from hypothesis import settings
+
+from parc.runtime.equivalence import (
+    Comparison,
+    Tolerance,
+    compare_runs,
+    parallel_case,
+    reference_run,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+GPT = str(ROOT / "examples" / "gpt.py")
+MLP = str(ROOT / "examples" / "mlp.py")
+LLAMA = str(ROOT / "examples" / "llama.py")
+
+
+def examples(n: int) -> settings:
+    """`n` Hypothesis examples under the CI profile, 10× that under `thorough`."""
+    thorough = (
+        os.environ.get("HYPOTHESIS_PROFILE") == "thorough" or settings.default.max_examples > 100
+    )
+    return settings(max_examples=n * 10 if thorough else n, deadline=None)
+
+
+def world_size(spec_text: str) -> int:
+    from parc.dsl import parse_spec
+
+    return parse_spec(spec_text).mesh.world_size
+
+
+def check_equivalent(
+    pool_factory: Any,
+    spec_text: str,
+    model: str,
+    *,
+    env: dict[str, str],
+    steps: int = 3,
+    batch: int = 8,
+    seed: int = 0,
+    optimizer: str = "sgd",
+) -> tuple[Comparison, dict[str, Any]]:
+    """Run `spec_text` on a pool and the reference on this process; compare (DESIGN.md §7)."""
+    ref = reference_run(model, steps=steps, batch=batch, seed=seed, optimizer=optimizer, env=env)
+    pool = pool_factory(world_size(spec_text))
+    results = pool.run(
+        parallel_case,
+        spec_text,
+        model,
+        steps=steps,
+        batch=batch,
+        seed=seed,
+        optimizer=optimizer,
+        env=env,
+    )
+    losses = {tuple(r["losses"]) for r in results}
+    # Every rank reports the same global loss.
+    assert len(losses) == 1, f"ranks disagree on the loss: {losses}"
+    comparison = compare_runs(ref, results[0], Tolerance.for_optimizer(optimizer, steps))
+    return comparison, results[0]

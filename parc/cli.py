@@ -39,6 +39,8 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     analysis = analyse(args.spec, args.model, batch=args.batch)
     if args.output:
         write_outputs(analysis, Path(args.output))
+    if args.timeline:
+        _write_timeline(analysis.plan, Path(args.timeline))
     if args.json:
         print(json.dumps(report_json(analysis.plan, analysis.estimate), indent=2))
         return EXIT_OK
@@ -49,7 +51,22 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     )
     if args.output:
         print(f"\nwrote {args.output}/plan.json")
+    if args.timeline:
+        print(f"wrote {args.timeline}")
     return EXIT_OK
+
+
+def _write_timeline(plan: object, path: Path) -> None:
+    from parc.compiler.output import write_atomic
+    from parc.compiler.plan import Plan
+    from parc.runtime.schedule import generate, lower_comms
+    from parc.runtime.schedule_sim import simulate
+    from parc.runtime.timeline import timeline_svg
+
+    assert isinstance(plan, Plan)
+    timeline = simulate(lower_comms(generate(plan.schedule, plan.pp, plan.microbatches)))
+    title = f"{plan.schedule}, {plan.pp} stages, {plan.microbatches} microbatches"
+    write_atomic(path, timeline_svg(timeline, title=title))
 
 
 def _grid(plan: object) -> str | None:
@@ -77,6 +94,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--batch", type=_positive, help="global batch size (default: 8 or more)")
     p.add_argument("--strict", action="store_true", help="make fallback warnings errors")
+    p.add_argument("--timeline", metavar="FILE.svg", help="draw the pipeline schedule as SVG")
     p.set_defaults(run=_cmd_compile)
     return parser
 

@@ -8,17 +8,17 @@ reported as an internal error (exit 3) and `--debug` shows where.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import traceback
 from collections.abc import Callable, Sequence
-from pathlib import Path
+from typing import Any
 
+from parc import commands
 from parc.errors import ParcError
 
 __all__ = ["main"]
 
-EXIT_OK, EXIT_FAIL, EXIT_ERROR, EXIT_INTERNAL = 0, 1, 2, 3
+EXIT_ERROR, EXIT_INTERNAL = commands.EXIT_ERROR, 3
 
 
 def _positive(text: str) -> int:
@@ -29,55 +29,6 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
-
-
-def _cmd_compile(args: argparse.Namespace) -> int:
-    from parc.compiler.frontend import analyse
-    from parc.compiler.output import write_outputs
-    from parc.compiler.report import format_report, report_json
-
-    analysis = analyse(args.spec, args.model, batch=args.batch)
-    if args.output:
-        write_outputs(analysis, Path(args.output))
-    if args.timeline:
-        _write_timeline(analysis.plan, Path(args.timeline))
-    if args.json:
-        print(json.dumps(report_json(analysis.plan, analysis.estimate), indent=2))
-        return EXIT_OK
-    title = f"parc compile {args.spec} {args.model}"
-    print(
-        format_report(analysis.plan, analysis.estimate, title=title, grid=_grid(analysis.plan)),
-        end="",
-    )
-    if args.output:
-        print(f"\nwrote {args.output}/plan.json")
-    if args.timeline:
-        print(f"wrote {args.timeline}")
-    return EXIT_OK
-
-
-def _write_timeline(plan: object, path: Path) -> None:
-    from parc.compiler.output import write_atomic
-    from parc.compiler.plan import Plan
-    from parc.runtime.schedule import generate, lower_comms
-    from parc.runtime.schedule_sim import simulate
-    from parc.runtime.timeline import timeline_svg
-
-    assert isinstance(plan, Plan)
-    timeline = simulate(lower_comms(generate(plan.schedule, plan.pp, plan.microbatches)))
-    title = f"{plan.schedule}, {plan.pp} stages, {plan.microbatches} microbatches"
-    write_atomic(path, timeline_svg(timeline, title=title))
-
-
-def _grid(plan: object) -> str | None:
-    from parc.compiler.plan import Plan
-    from parc.runtime.schedule import format_grid, generate, lower_comms
-    from parc.runtime.schedule_sim import simulate
-
-    assert isinstance(plan, Plan)
-    if plan.pp == 1:
-        return None
-    return format_grid(simulate(lower_comms(generate(plan.schedule, plan.pp, plan.microbatches))))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -95,13 +46,55 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=_positive, help="global batch size (default: 8 or more)")
     p.add_argument("--strict", action="store_true", help="make fallback warnings errors")
     p.add_argument("--timeline", metavar="FILE.svg", help="draw the pipeline schedule as SVG")
-    p.set_defaults(run=_cmd_compile)
+    p.set_defaults(run=commands.cmd_compile)
+    _add_check(sub)
+    _add_run(sub)
     return parser
+
+
+def _add_check(sub: Any) -> None:
+    p = sub.add_parser("check", help="prove the parallel run trains the same model as one device")
+    p.add_argument("spec", help="the .par spec file")
+    p.add_argument("model", help="the model file")
+    p.add_argument("--steps", type=_positive, default=3, help="training steps (default 3)")
+    p.add_argument("--batch", type=_positive, help="global batch size")
+    p.add_argument(
+        "--optimizer",
+        choices=["sgd", "adamw"],
+        default="sgd",
+        help="sgd (momentum 0.9; the default: exposes gradient-scale bugs) or adamw",
+    )
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per collective")
+    p.add_argument("--inject-fault", help=argparse.SUPPRESS)
+    p.set_defaults(run=commands.cmd_check)
+
+
+def _add_run(sub: Any) -> None:
+    p = sub.add_parser("run", help="train under torchrun (NCCL on GPUs, gloo on CPUs)")
+    p.add_argument("spec", help="the .par spec file")
+    p.add_argument("model", help="the model file")
+    p.add_argument("--steps", type=_positive, default=100, help="training steps (default 100)")
+    p.add_argument("--batch", type=_positive, help="global batch size")
+    p.add_argument("--lr", type=float, help="learning rate (overrides configure_optimizer's)")
+    p.add_argument("--checkpoint", metavar="DIR", help="save checkpoints here")
+    p.add_argument(
+        "--every", type=_positive, default=0, metavar="K", help="save a checkpoint every K steps"
+    )
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per collective")
+    p.add_argument("--log", metavar="FILE", help="append (step, loss) JSON lines here")
+    p.add_argument("--nnodes", type=_positive, default=1, help="nodes in a multi-node run")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's rank")
+    p.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="c10d rendezvous address")
+    p.set_defaults(run=commands.cmd_run)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args.argv = [a for a in argv if a != "--debug"] if args.command != "run" else argv
     run: Callable[[argparse.Namespace], int] = args.run
     try:
         return run(args)

@@ -128,36 +128,31 @@ def parallel_case(
     optimizer: str = "sgd",
     env: dict[str, str] | None = None,
     want_params: bool = True,
+    fault: str | None = None,
 ) -> dict[str, Any]:
-    """One rank's side of a parallel run (call on every rank of a process group)."""
-    with model_env(env):
-        return _parallel(
-            spec_text, load_model(model_file), steps, batch, seed, optimizer, want_params
-        )
+    """One rank's side of a parallel run (call on every rank of a process group).
 
-
-def _parallel(
-    spec_text: str,
-    source: ModelSource,
-    steps: int,
-    batch: int,
-    seed: int,
-    optimizer: str,
-    want_params: bool,
-) -> dict[str, Any]:
+    `fault` names a deliberate bug to inject (runtime/faults.py), to prove checks fail.
+    """
     import torch.distributed as dist
 
     from parc.api import compile as parc_compile
 
-    program = parc_compile(
-        spec_text, source, batch=batch, seed=seed, optimizer=_optimizer_for(source, optimizer)
-    )
-    losses, stats = [], []
-    for step in range(steps):
-        inputs, targets = source.batch(batch, step)
-        losses.append(program.step(inputs, targets))
-        stats.append(program.comm_stats())
-    params = program.state_dict() if want_params else {}
+    from .faults import inject
+
+    with model_env(env):
+        source = load_model(model_file)
+        program = parc_compile(
+            spec_text, source, batch=batch, seed=seed, optimizer=_optimizer_for(source, optimizer)
+        )
+        if fault is not None:
+            inject(program, fault)
+        losses, stats = [], []
+        for step in range(steps):
+            inputs, targets = source.batch(batch, step)
+            losses.append(program.step(inputs, targets))
+            stats.append(program.comm_stats())
+        params = program.state_dict() if want_params else {}
     rank = dist.get_rank() if dist.is_initialized() else 0
     return {"losses": losses, "params": params if rank == 0 else {}, "stats": stats}
 

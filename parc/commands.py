@@ -1,0 +1,155 @@
+"""What each `parc` subcommand does; parc/cli.py parses the arguments and handles errors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from parc.errors import ParcError
+
+__all__ = ["EXIT_ERROR", "EXIT_FAIL", "EXIT_OK", "cmd_check", "cmd_compile", "cmd_run"]
+
+EXIT_OK, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    from parc.compiler.frontend import analyse
+    from parc.compiler.output import write_outputs
+    from parc.compiler.report import format_report, report_json
+
+    analysis = analyse(args.spec, args.model, batch=args.batch)
+    if args.output:
+        write_outputs(analysis, Path(args.output))
+        _write_rank_code(analysis, Path(args.output), args.strict)
+    if args.timeline:
+        write_timeline(analysis.plan, Path(args.timeline))
+    if args.json:
+        print(json.dumps(report_json(analysis.plan, analysis.estimate), indent=2))
+        return EXIT_OK
+    title = f"parc compile {args.spec} {args.model}"
+    print(
+        format_report(
+            analysis.plan, analysis.estimate, title=title, grid=schedule_grid(analysis.plan)
+        ),
+        end="",
+    )
+    if args.output:
+        print(f"\nwrote {args.output}/plan.json")
+    if args.timeline:
+        print(f"wrote {args.timeline}")
+    return EXIT_OK
+
+
+def _write_rank_code(analysis: object, out: Path, strict: bool) -> None:
+    from parc.compiler.output import write_atomic
+    from parc.runtime.codegen import rank_code
+
+    for rank, code in rank_code(analysis, strict=strict).items():
+        write_atomic(out / f"rank{rank}.py", code)
+
+
+def _timeline(plan: object) -> object:
+    from parc.compiler.plan import Plan
+    from parc.runtime.schedule import generate, lower_comms
+    from parc.runtime.schedule_sim import simulate
+
+    assert isinstance(plan, Plan)
+    return simulate(lower_comms(generate(plan.schedule, plan.pp, plan.microbatches)))
+
+
+def schedule_grid(plan: object) -> str | None:
+    """The pipeline schedule as a step × rank grid (None without a pipeline)."""
+    from parc.compiler.plan import Plan
+    from parc.runtime.schedule import Timeline, format_grid
+
+    assert isinstance(plan, Plan)
+    if plan.pp == 1:
+        return None
+    timeline = _timeline(plan)
+    assert isinstance(timeline, Timeline)
+    return format_grid(timeline)
+
+
+def write_timeline(plan: object, path: Path) -> None:
+    from parc.compiler.output import write_atomic
+    from parc.compiler.plan import Plan
+    from parc.runtime.schedule import Timeline
+    from parc.runtime.timeline import timeline_svg
+
+    assert isinstance(plan, Plan)
+    timeline = _timeline(plan)
+    assert isinstance(timeline, Timeline)
+    title = f"{plan.schedule}, {plan.pp} stages, {plan.microbatches} microbatches"
+    write_atomic(path, timeline_svg(timeline, title=title))
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from parc.runtime.check import check_json, format_check, run_check
+
+    result = run_check(
+        args.spec,
+        args.model,
+        steps=args.steps,
+        batch=args.batch,
+        optimizer=args.optimizer,
+        fault=args.inject_fault,
+        timeout=args.timeout,
+    )
+    if args.json:
+        print(json.dumps(check_json(result), indent=2))
+    else:
+        print(format_check(result), end="")
+    return EXIT_OK if result.ok else EXIT_FAIL
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from parc.runtime.launch import RunOptions, exit_hard, launch, under_torchrun
+
+    opts = RunOptions(
+        spec=args.spec,
+        model=args.model,
+        steps=args.steps,
+        batch=args.batch,
+        lr=args.lr,
+        checkpoint=args.checkpoint,
+        every=args.every,
+        resume=args.resume,
+        timeout=args.timeout,
+        log=args.log,
+    )
+    if under_torchrun():
+        exit_hard(_train_rank(opts, args.debug))
+    from parc.compiler.frontend import analyse
+
+    # Every spec and model error surfaces here, once, before any process starts.
+    analysis = analyse(args.spec, args.model, batch=args.batch)
+    return launch(
+        args.argv,
+        analysis.plan.mesh.world_size,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        rdzv_endpoint=args.rdzv_endpoint,
+    )
+
+
+def _train_rank(opts: object, debug: bool) -> int:
+    import os
+    import traceback
+
+    from parc.runtime.launch import RunOptions, train
+
+    assert isinstance(opts, RunOptions)
+    rank = os.environ.get("RANK", "?")
+    try:
+        return train(opts)
+    except ParcError as exc:
+        if debug:
+            traceback.print_exc()
+        print(f"[rank {rank}] {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except Exception as exc:
+        traceback.print_exc()
+        print(f"[rank {rank}] internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 3

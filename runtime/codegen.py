@@ -1,0 +1,72 @@
+"""Each rank's generated program as readable Python: what `parc compile -o DIR` writes.
+
+Runs the same assembly as a real rank (runtime/assemble.py) on a copy of the
+model on the `meta` device, with a Comm that has no process groups, so it
+needs neither memory for the weights nor a process group. Every inserted
+collective carries a comment naming it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import re
+from typing import Any
+
+import torch
+
+from parc.compiler.frontend import Analysis
+from parc.compiler.layout import DEFAULT_BUCKET_ELEMS
+
+from .assemble import assemble
+from .collectives import Comm
+
+__all__ = ["rank_code"]
+
+
+def rank_code(analysis: Any, *, strict: bool = False) -> dict[int, str]:
+    """rank -> the Python source of its stage program, with a header and comments."""
+    assert isinstance(analysis, Analysis)
+    mesh = analysis.plan.mesh
+    out: dict[int, str] = {}
+    for rank in range(mesh.world_size):
+        # Passes change the modules they rewrite: each rank gets its own copy.
+        model, gm = copy.deepcopy((analysis.model, analysis.gm))
+        mine = dataclasses.replace(analysis, model=model, gm=gm)
+        comm = Comm({}, dict(mesh.axes), mesh.coords(rank), mesh.rank_of, rank=rank)
+        parts = assemble(
+            mine,
+            comm,
+            optimizer=lambda params: torch.optim.SGD(params, lr=0.0),
+            strict=strict,
+            bucket_elems=DEFAULT_BUCKET_ELEMS,
+            device=torch.device("meta"),
+        )
+        out[rank] = _render(rank, parts)
+    return out
+
+
+def _render(rank: int, parts: Any) -> str:
+    stage = parts.stage
+    coords = ", ".join(f"{k}={v}" for k, v in parts.comm.coords.items()) or "single device"
+    header = [
+        f"# parc: rank {rank} ({coords}), pipeline stage {stage.stage}",
+        f"# receives: {', '.join(map(str, stage.recv)) or 'nothing'}",
+        f"# sends:    {', '.join(map(str, stage.send)) or 'nothing'}",
+        f"# model inputs used: {list(stage.model_inputs)}",
+        f"# schedule: {' '.join(map(str, parts.actions))}",
+        "",
+    ]
+    return "\n".join(header) + _annotate(stage.gm) + "\n"
+
+
+def _annotate(gm: torch.fx.GraphModule) -> str:
+    """gm.code with `# <comment>` after each line that defines a commented node."""
+    comments = {n.name: n.meta["parc_comment"] for n in gm.graph.nodes if "parc_comment" in n.meta}
+    lines = []
+    for line in gm.code.splitlines():
+        match = re.match(r"\s+(\w+) = ", line)
+        if match and match.group(1) in comments:
+            line = f"{line}  # {comments[match.group(1)]}"
+        lines.append(line)
+    return "\n".join(lines)

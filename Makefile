@@ -35,7 +35,7 @@ lint: $(TEST_STAMP)
 	@# dsl/, compiler/ and runtime/ sit under parc/ as they are imported.
 	@rm -rf .mypy_tree && mkdir -p .mypy_tree/parc
 	@for f in parc/*; do ln -s "$$PWD/$$f" .mypy_tree/parc/; done
-	@for d in dsl compiler runtime; do ln -s "$$PWD/$$d" .mypy_tree/parc/$$d; done
+	@for d in dsl compiler runtime examples; do ln -s "$$PWD/$$d" .mypy_tree/parc/$$d; done
 	cd .mypy_tree && ../$(VENV)/bin/mypy --config-file ../pyproject.toml -p parc
 
 test: lint

@@ -153,3 +153,9 @@ def _train_rank(opts: object, debug: bool) -> int:
         traceback.print_exc()
         print(f"[rank {rank}] internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 3
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from parc.demo import run_demo
+
+    return run_demo(Path(args.out), steps=args.steps, batch=args.batch)

@@ -13,6 +13,7 @@ tensors during shutdown), which would turn success into a crash.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
@@ -90,6 +91,8 @@ def launch(
     args += ["-m", "parc.cli", *argv]
     per_rank = max(1, (os.cpu_count() or 1) // max(1, world // nnodes))
     os.environ.setdefault("OMP_NUM_THREADS", str(per_rank))
+    # The agent logs each failure with its own traceback-like lines; parc reports it once.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
         run(get_args_parser().parse_args(args))
     except ChildFailedError as exc:
@@ -159,7 +162,6 @@ def train(opts: RunOptions) -> int:
     from parc.compiler.model import load_model
     from parc.compiler.plan import MeshPlan
 
-    from .checkpoint import load_checkpoint, save_checkpoint
     from .mesh import init_world
 
     spec = as_spec(opts.spec)
@@ -173,8 +175,10 @@ def train(opts: RunOptions) -> int:
     batch = program.plan.batch.global_batch
     start = 0
     if opts.resume and opts.checkpoint:
+        from .checkpoint import load_checkpoint
+
         start = load_checkpoint(program, opts.checkpoint)
-    progress = None
+    progress = Progress(opts.steps - start, "tokens") if rank == 0 else None
     losses: list[tuple[int, float]] = []
     began = time.perf_counter()
     for step in range(start, opts.steps):
@@ -183,14 +187,15 @@ def train(opts: RunOptions) -> int:
         if not math.isfinite(loss):
             raise _nonfinite(step, loss, rank)
         losses.append((step, loss))
-        if rank == 0:
-            items, unit = _items(targets)
-            progress = progress or Progress(opts.steps - start, unit)
+        if progress is not None:
+            items, progress.unit = _items(targets)
             progress.update(step - start, loss, items)
             if opts.log:
                 with open(opts.log, "a") as f:
                     f.write(json.dumps({"step": step, "loss": loss}) + "\n")
         if opts.checkpoint and opts.every and (step + 1) % opts.every == 0:
+            from .checkpoint import save_checkpoint
+
             save_checkpoint(program, opts.checkpoint, step + 1)
     if progress is not None:
         progress.close()

@@ -79,6 +79,10 @@ class Program:
 
     def step(self, inputs: Any, targets: Any) -> float:
         """Forward, backward, gradient sync and optimizer step for one global batch."""
+        with self.comm.active():
+            return self._step(inputs, targets)
+
+    def _step(self, inputs: Any, targets: Any) -> float:
         plan, comm = self.plan, self.comm
         comm.stats.reset()
         comm.step = self.steps_done

@@ -64,7 +64,7 @@ class ModelSource:
             raise self._error_in("build_model()", exc) from exc
         if not isinstance(model, torch.nn.Module):
             raise ModelError(
-                f"build_model() returned {type(model).__name__}; it must return a torch.nn.Module",
+                f"build_model() returned {_describe(model)}; it must return a torch.nn.Module",
                 file=self.path,
                 hint="end build_model() with `return MyModel(...)`",
             )
@@ -89,9 +89,10 @@ class ModelSource:
             bad = [t for t in tensors if not isinstance(t, torch.Tensor)]
             if bad or not tensors:
                 raise ModelError(
-                    f"sample_batch({batch_size}, {step}) returned {what} of type "
-                    f"{_describe(value)}; {what} must be a tensor (or a tuple of tensors)",
+                    f"sample_batch({batch_size}, {step}) returned {what} as {_describe(value)}; "
+                    f"{what} must be a tensor (or a tuple of tensors)",
                     file=self.path,
+                    hint="build them with torch.tensor(...) or torch.stack(...)",
                 )
             wrong = [t for t in tensors if t.dim() == 0 or t.shape[0] != batch_size]
             if wrong:
@@ -120,7 +121,11 @@ def _describe(value: object) -> str:
         return f"a tensor of shape {tuple(value.shape)}"
     if isinstance(value, tuple | list):
         return f"a {type(value).__name__} of {len(value)} items"
-    return type(value).__name__
+    return _a(type(value).__name__)
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
 
 
 def _user_frame(exc: BaseException, path: str) -> str | None:
@@ -148,7 +153,12 @@ def _import_file(path: Path) -> ModuleType:
         spec.loader.exec_module(module)
     except SyntaxError as exc:
         del sys.modules[name]
-        raise ModelError(f"syntax error at line {exc.lineno}: {exc.msg}", file=str(path)) from exc
+        code = f": {exc.text.strip()}" if exc.text else ""
+        raise ModelError(
+            f"syntax error at line {exc.lineno}: {exc.msg}{code}",
+            file=str(path),
+            hint=f"fix line {exc.lineno}; `python {path}` shows the same error",
+        ) from exc
     except Exception as exc:
         del sys.modules[name]
         where = _user_frame(exc, resolved)
@@ -156,6 +166,7 @@ def _import_file(path: Path) -> ModuleType:
             f"importing the model file raised {type(exc).__name__}: {exc}"
             + (f" at {where}" if where else ""),
             file=str(path),
+            hint="parc imports the model file as Python; it must import without errors",
         ) from exc
     return module
 
@@ -172,7 +183,11 @@ def _function(module: ModuleType, name: str, path: str, required: bool) -> Any:
             )
         return None
     if not callable(fn):
-        raise ModelError(f"`{name}` is a {type(fn).__name__}, not a function", file=path)
+        raise ModelError(
+            f"`{name}` is {_describe(fn)}, not a function",
+            file=path,
+            hint=f"define it with `def {name}(...)`",
+        )
     return fn
 
 

@@ -169,14 +169,7 @@ def _check_shardable(spec: Spec, shard: Shard, name: str, module: torch.nn.Modul
     elif isinstance(module, torch.nn.Embedding) and shard.kind is ShardKind.COL:
         dim, what = module.embedding_dim, "embedding_dim"
     else:
-        allowed = "a Linear or an Embedding" if shard.kind is ShardKind.COL else "a Linear"
-        raise PlanError(
-            f"`{shard.kind}` applies to {allowed}; '{name}' is a {type(module).__name__}",
-            spec.locate(shard.pattern.span),
-            hint="name the Linear layers inside it, e.g. `shard "
-            f"{name}.<linear> {shard.kind} {shard.axis}`",
-            names=(name,),
-        )
+        raise _not_shardable(spec, shard, name, module)
     if dim % size:
         raise PlanError(
             f"'{name}' has {what}={dim}, which is not divisible by {shard.axis}={size}",
@@ -184,6 +177,28 @@ def _check_shardable(spec: Spec, shard: Shard, name: str, module: torch.nn.Modul
             hint=f"use a {shard.axis} size that divides {dim}, or leave '{name}' replicated",
             names=(name,),
         )
+
+
+def _not_shardable(spec: Spec, shard: Shard, name: str, module: torch.nn.Module) -> PlanError:
+    allowed = "a Linear or an Embedding" if shard.kind is ShardKind.COL else "a Linear"
+    inside = next((n for n, m in module.named_modules() if isinstance(m, torch.nn.Linear)), None)
+    if isinstance(module, torch.nn.Embedding):
+        hint = f"an Embedding splits its embedding_dim: `shard {name} col {shard.axis}`"
+    elif inside:
+        hint = f"name the Linear layers inside it, e.g. `shard {name}.{inside} {shard.kind} "
+        hint += f"{shard.axis}`"
+    else:
+        hint = f"leave '{name}' replicated: remove it from this shard statement"
+    return PlanError(
+        f"`{shard.kind}` applies to {allowed}; '{name}' is {_a(type(module).__name__)}",
+        spec.locate(shard.pattern.span),
+        hint=hint,
+        names=(name,),
+    )
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
 
 
 def check_batch(spec: Spec, batch: int) -> BatchPlan:

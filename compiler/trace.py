@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import io
 import itertools
+import logging
 import os
 import re
 import sys
@@ -49,6 +50,7 @@ class _ParcTracer(torch.fx.Tracer):
         super().__init__()
         self.record_stack_traces = True
         self.current: list[tuple[str, type]] = []
+        self.failed_in: tuple[str, type] | None = None  # the innermost module that raised
 
     def call_module(
         self,
@@ -60,6 +62,11 @@ class _ParcTracer(torch.fx.Tracer):
         self.current.append((self.path_of_module(m), type(m)))
         try:
             return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            # Recorded here: by the time the error reaches trace_model the stack is empty.
+            if self.failed_in is None:
+                self.failed_in = self.current[-1]
+            raise
         finally:
             self.current.pop()
 
@@ -75,7 +82,7 @@ def trace_model(model: torch.nn.Module) -> torch.fx.GraphModule:
 
 
 def _trace_error(exc: Exception, tracer: _ParcTracer, model: torch.nn.Module) -> CompileError:
-    name, cls = tracer.current[-1] if tracer.current else ("", type(model))
+    name, cls = tracer.failed_in or ("", type(model))
     where = f"module '{name}' ({cls.__name__})" if name else f"the model ({cls.__name__})"
     frame = _user_frame(exc)
     if _CONTROL_FLOW in str(exc):
@@ -169,4 +176,11 @@ def propagate_shapes(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> None:
         mode.from_tensor(t.to("meta") if on_meta else t) if isinstance(t, torch.Tensor) else t
         for t in inputs
     ]
-    _ShapeProp(gm, fake_mode=mode).propagate(*fake_inputs)
+    # FakeTensor logs a failing op's traceback itself; the CompileError says it better.
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        _ShapeProp(gm, fake_mode=mode).propagate(*fake_inputs)
+    finally:
+        log.setLevel(level)

@@ -1,0 +1,170 @@
+"""Source text and the translation of lark's parse errors into `SpecError`s in words.
+
+The parser (`parc.dsl.parser`) reads `.par` text with lark; when the grammar
+refuses a line, `syntax_error` says what was expected in the user's words
+("expected '->' and a stage number after 'layers[0:2]'"), never with a lark
+terminal name, and points a caret at the bad token. `SourceText` quotes the
+offending line in every error the parser raises.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from lark import Token
+from lark.exceptions import UnexpectedCharacters, UnexpectedInput
+
+from parc.dsl.ast import Span
+from parc.errors import SourceSpan, SpecError
+
+__all__ = ["STATEMENT_KEYWORDS", "SourceText", "did_you_mean", "syntax_error", "token_span"]
+
+STATEMENT_KEYWORDS = (
+    "mesh",
+    "shard",
+    "stage",
+    "microbatches",
+    "schedule",
+    "zero",
+    "grad_accum",
+    "recompute",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SourceText:
+    """The text being parsed, to build errors that quote a line."""
+
+    filename: str
+    lines: tuple[str, ...]
+
+    def line(self, number: int) -> str:
+        return self.lines[number - 1] if 0 < number <= len(self.lines) else ""
+
+    def error(self, message: str, span: Span, hint: str | None = None) -> SpecError:
+        where = SourceSpan(
+            self.filename, span.line, span.column, span.end_column, self.line(span.line)
+        )
+        return SpecError(message, where, hint=hint)
+
+
+def token_span(token: Token) -> Span:
+    """Where a lark token sits in its file."""
+    assert token.line is not None and token.column is not None and token.end_column is not None
+    return Span(token.line, token.column, token.end_column)
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str | None:
+    """A "did you mean 'x'?" hint for the closest choice, or None if none is close."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f"did you mean '{close[0]}'?" if close else None
+
+
+# What each grammar terminal means to a user, in the order messages list them.
+_TERMINAL_WORDS = {
+    "ARROW": "'->' and a stage number",
+    "EQUAL": "'=' and a size",
+    "NUMBER": "a number",
+    "WORD": "a module pattern",
+    "STAR": "'*'",
+    "DOT": "'.'",
+    "LSQB": "'['",
+    "COLON": "':'",
+    "RSQB": "']'",
+    "COMMA": "','",
+    "NAME": "a name",
+    "_NL": "end of line",
+    "$END": "end of file",
+}
+# `NAME` means different things per statement; see `_terminal_word`.
+_NAME_WORDS = {
+    "mesh": "an axis such as 'dp=2'",
+    "shard": "a shard kind (col, row or vocab)",
+}
+_PREVIOUS = re.compile(r"(->|[A-Za-z0-9_.*\[\]:]+|\S)\s*$")
+_FIRST_WORD = re.compile(r"\s*([A-Za-z0-9_]+)")
+
+
+def syntax_error(err: UnexpectedInput, source: SourceText) -> SpecError:
+    """Turn a lark error into a `SpecError` that says what was expected, in words."""
+    # lark gives '?' for a position it does not know; blame the last line then.
+    line = err.line if isinstance(err.line, int) else len(source.lines)
+    column = err.column if isinstance(err.column, int) else 1
+    text = source.line(line)
+    accepts = _accepts(err)
+    token = getattr(err, "token", None)
+    ends_line = not isinstance(token, Token) or token.type in ("_NL", "$END")
+    if isinstance(err, UnexpectedCharacters):
+        bad = f"unexpected character {text[column - 1 : column]!r}"
+    else:
+        bad = "" if ends_line else f"unexpected '{token}'"
+    span = Span(line, column, column + (1 if ends_line else len(str(token))))
+    if accepts & {"MESH", "SHARD", "STAGE"}:
+        return _statement_start_error(token, bad, span, source)
+    keyword = _FIRST_WORD.match(text)
+    expected = _expected(accepts, keyword.group(1) if keyword else "", _after_shard_kind(err))
+    before = text[: column - 1].split("#")[0]  # no token contains '#': the rest is a comment
+    previous = _PREVIOUS.search(before)
+    if previous:
+        expected += f" after '{previous.group(1)}'"
+    return source.error(f"{bad}; {expected}" if bad else expected, span)
+
+
+def _statement_start_error(token: Any, bad: str, span: Span, source: SourceText) -> SpecError:
+    allowed = ", ".join(STATEMENT_KEYWORDS)
+    if isinstance(token, Token) and re.fullmatch(r"[A-Za-z0-9_]+", token):
+        return source.error(
+            f"unknown statement '{token}'; expected one of {allowed}",
+            span,
+            hint=did_you_mean(str(token), STATEMENT_KEYWORDS),
+        )
+    return source.error(f"{bad} at the start of a statement; expected one of {allowed}", span)
+
+
+def _accepts(err: UnexpectedInput) -> set[str]:
+    """The terminals the parser could take here (lark's `expected` can be wider)."""
+    interactive = getattr(err, "interactive_parser", None)
+    if interactive is not None:
+        return set(interactive.accepts())
+    return set(getattr(err, "expected", None) or getattr(err, "allowed", None) or ())
+
+
+def _after_shard_kind(err: UnexpectedInput) -> bool:
+    """Whether the parser has just read `shard PATTERN KIND` (so the axis is next)."""
+    interactive = getattr(err, "interactive_parser", None)
+    stack = interactive.parser_state.value_stack if interactive is not None else []
+    return bool(stack) and isinstance(stack[-1], Token) and stack[-1].type == "NAME"
+
+
+def _expected(accepts: set[str], keyword: str, after_shard_kind: bool) -> str:
+    if "ARROW" in accepts:  # the rest (',' '.' '[') would only distract
+        return "expected '->' and a stage number"
+    if "_NL" in accepts:
+        accepts = accepts - {"$END"}
+    if "WORD" in accepts:  # '*' is part of "a module pattern"
+        accepts = accepts - {"STAR"}
+    words: list[str] = []
+    for terminal in _TERMINAL_WORDS:
+        if terminal in accepts:
+            words.append(_terminal_word(terminal, keyword, after_shard_kind))
+    if not words:
+        words = ["something else"]
+    return "expected " + _join_or(words)
+
+
+def _terminal_word(terminal: str, keyword: str, after_shard_kind: bool) -> str:
+    if terminal == "NAME":
+        if keyword == "shard" and after_shard_kind:
+            return "a mesh axis name"
+        return _NAME_WORDS.get(keyword, "a name")
+    if terminal == "WORD" and keyword == "schedule":
+        return "a schedule (gpipe or 1f1b)"
+    return _TERMINAL_WORDS[terminal]
+
+
+def _join_or(words: list[str]) -> str:
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"

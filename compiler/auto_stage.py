@@ -78,7 +78,10 @@ def balanced_cuts(
             head = bounds[k] - bounds[start]
             tail, rest = best(k, stages_left - 1)
             options.append((max(head, tail), (k, *rest)))
-        return min(options)
+        # Equal slowest stages: take the latest cuts, so a cheap trailing op (an
+        # activation after its Linear) stays with the layer before it.
+        slowest = min(cost for cost, _ in options)
+        return slowest, max(ks for cost, ks in options if cost == slowest)
 
     _, chosen = best(0, pp)
     return [cuts[k - 1] for k in chosen]

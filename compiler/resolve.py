@@ -32,6 +32,7 @@ from parc.dsl.ast import (
 )
 from parc.errors import PlanError
 
+from .layout import param_slices
 from .plan import BatchPlan, MeshPlan, ModuleShard, Plan, PlanWarning
 
 __all__ = ["check_batch", "match_modules", "resolve"]
@@ -57,7 +58,7 @@ def resolve(spec: Spec, model: torch.nn.Module, gm: torch.fx.GraphModule, *, bat
     # Step 5
     _check_zero(spec, warnings)
     recompute = _resolve_recompute(spec, modules)
-    return Plan(
+    plan = Plan(
         mesh=mesh,
         shards=shards,
         node_stages=node_stages,
@@ -70,6 +71,23 @@ def resolve(spec: Spec, model: torch.nn.Module, gm: torch.fx.GraphModule, *, bat
         stage_auto=spec.stage_auto is not None,
         warnings=tuple(warnings),
     )
+    _check_ties(spec, plan, model)
+    return plan
+
+
+def _check_ties(spec: Spec, plan: Plan, model: torch.nn.Module) -> None:
+    """A tied weight must be sliced the same way by every module using it."""
+    try:
+        param_slices(plan, model)
+    except PlanError as exc:
+        lines = {s.line for s in plan.shards if s.module in exc.names}
+        stmt = next((s for s in spec.shards if s.span.line in lines), None)
+        raise PlanError(
+            exc.message,
+            spec.locate(stmt.span) if stmt is not None else None,
+            hint=exc.hint,
+            names=exc.names,
+        ) from None
 
 
 def match_modules(spec: Spec, pattern: Pattern, modules: dict[str, torch.nn.Module]) -> list[str]:

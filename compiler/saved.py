@@ -53,11 +53,8 @@ class _Recorder(torch.fx.Interpreter):
 
     def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
         module = self.fetch_attr(str(target))
-        own = {
-            n: self.params[f"{target}.{n}"]
-            for n, _ in module.named_parameters()
-            if f"{target}.{n}" in self.params
-        }
+        names = [n for n, _ in module.named_parameters()] + [n for n, _ in module.named_buffers()]
+        own = {n: self.params[f"{target}.{n}"] for n in names if f"{target}.{n}" in self.params}
         return torch.func.functional_call(module, own, args, kwargs)
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -76,10 +73,15 @@ def saved_tensors(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> SavedTenso
     """Record saved tensors of one forward of `gm` on `inputs` (shapes only matter)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
-        params = {
+        params: dict[str, torch.Tensor] = {
             name: torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="cpu"))
             for name, p in gm.named_parameters(remove_duplicate=False)
         }
+        # Buffers (rotary tables, masks) on the same fake CPU device as everything else.
+        params.update(
+            (name, torch.empty(b.shape, dtype=b.dtype, device="cpu"))
+            for name, b in gm.named_buffers(remove_duplicate=False)
+        )
         fake_inputs = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in inputs]
     # Tied names share one tensor, as in the model.
     first: dict[int, str] = {}

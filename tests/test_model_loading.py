@@ -290,12 +290,6 @@ def test_a_custom_norm_cannot_be_sharded() -> None:
     assert info.value.names == ("blocks.0.norm",)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="compiler/saved.py: saved_tensors fakes parameters on cpu but leaves buffers on "
-    "meta, so a model with a buffer fails (cpu x meta) in the saved-tensor pass",
-)
 def test_custom_model_with_a_buffer_compiles_end_to_end(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUSTOM_BLOCKS", "4")
     analysis = analyse(CUSTOM_SPEC, CUSTOM)

@@ -69,7 +69,12 @@ def schedule_grid(plan: object) -> str | None:
         return None
     timeline = _timeline(plan)
     assert isinstance(timeline, Timeline)
-    return format_grid(timeline)
+    # The schedule's ranks are pipeline ranks, i.e. stages; say so in the report.
+    lines = format_grid(timeline).splitlines()
+    return "\n".join(
+        f"stage{line[4:]}" if line.startswith("rank ") else f"{line[:1]} {line[1:]}"
+        for line in lines
+    )
 
 
 def write_timeline(plan: object, path: Path) -> None:

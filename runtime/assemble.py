@@ -16,6 +16,7 @@ Algorithm:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ import torch.distributed as dist
 
 from parc.compiler.estimate import stage_units
 from parc.compiler.frontend import Analysis
-from parc.compiler.layout import canonical_names, param_slices, stage_params
+from parc.compiler.layout import ParamSlice, canonical_names, param_slices, stage_params
 from parc.compiler.passes.pipeline_split import StageGraph, pipeline_split
 from parc.compiler.passes.zero import shard_parameters
 from parc.dsl.ast import AXIS_DP, AXIS_PP
@@ -60,7 +61,7 @@ def assemble(
     per_stage = stage_params(plan, analysis.gm, model)
     names = per_stage[stage.stage]
     local = _local_params(stage, canonical, names)
-    slices = param_slices(plan, model)
+    slices = _slices(analysis)
     # Step 4
     tied = _tied_groups(plan, comm, per_stage)
     # Step 5
@@ -109,6 +110,24 @@ def _tensor_parallel(analysis: Analysis, comm: Comm, strict: bool) -> torch.fx.G
 
     analyse_tensor_parallel(analysis.gm, plan, analysis.spec, strict=strict)
     return tensor_parallel(analysis.gm, plan, tp_index=comm.index(plan.tp_axis))
+
+
+def _slices(analysis: Analysis) -> dict[str, ParamSlice]:
+    """The layout's tp slices with the blocks the tp analysis found (a fused qkv: 3).
+
+    `Program.state_dict` and checkpoints read them to place each rank's slice.
+    """
+    plan = analysis.plan
+    slices = param_slices(plan, analysis.model)
+    if plan.tp_axis is None or plan.tp == 1:
+        return slices
+    from parc.compiler.passes.tp_params import col_blocks, param_placements
+
+    placements = param_placements(analysis.gm, plan, col_blocks(analysis.gm, plan))
+    return {
+        name: replace(s, blocks=placements[name].blocks) if name in placements else s
+        for name, s in slices.items()
+    }
 
 
 def _local_params(

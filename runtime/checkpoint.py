@@ -1,0 +1,381 @@
+"""Checkpoints that any layout can load: sharded saves with torch.distributed.checkpoint.
+
+    from parc.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+
+    program = parc.compile(spec, "examples/gpt.py", batch=8)   # on every rank
+    start = load_checkpoint(program, "ckpt") if latest_checkpoint("ckpt") else 0
+    for step in range(start, 100):
+        program.step(*sample_batch(8, step))
+        if step % 10 == 9:
+            save_checkpoint(program, "ckpt", step + 1)   # the step to resume at
+
+Layout independence. Every tensor is stored under its name in the full model
+and its full shape: `model.<param>` (a tied weight once, under its first name),
+`optim.<state>.<param>` (checkpoint_optim.py) and `optim.param_groups`. A rank
+writes only what it holds, as boxes of those full tensors
+(checkpoint_layout.py): its tensor-parallel slice (each block of a fused
+weight is a box of its own), its ZeRO flat shard cut at parameter boundaries,
+only its pipeline stage's parameters. Identical boxes on several ranks (dp
+replicas under zero 0, a weight tied across stages) are written once: DCP
+deduplicates them and spreads the writes over the ranks. Loading is the same
+in reverse: each rank reads the checkpoint's overlap with each box it holds
+straight into its parameters, ZeRO shards and fresh optimizer state, so a
+checkpoint saved under one spec loads under any other (or under no
+parallelism at all; `export.py` turns it into a plain state_dict) with no
+collective beyond DCP's planning.
+
+On disk:
+
+    DIR/step-<N>/         one complete checkpoint: DCP's `.metadata` and
+                          `__<rank>_0.distcp` files, plus `parc.json` (the step,
+                          the optimizer's class, the mesh it was saved under)
+    DIR/latest            the name of the newest complete checkpoint
+    DIR/step-<N>.tmp/     a save in progress; never read, removed by the next save
+
+Atomicity: every rank writes into `step-<N>.tmp`; after DCP's final barrier
+rank 0 adds `parc.json`, renames the directory to `step-<N>` and replaces
+`latest` (written to a temporary file, then `os.replace`). A crash at any
+point leaves either the previous checkpoint or the new one visible.
+
+Loading never fills a tensor the checkpoint lacks: a missing parameter or
+optimizer state, a parameter the model does not have, a different shape, or
+another optimizer class is a `ParcError` on every rank, before anything is read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import json
+import os
+import re
+import shutil
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from parc.errors import ParcError
+
+from .checkpoint_layout import MODEL, OPTIM, Piece, model_pieces, rank_layout
+from .checkpoint_optim import GROUPS, OptimizerLoad, StateSpec, hyperparameters, optimizer_pieces
+
+if TYPE_CHECKING:
+    from .program import Program
+
+__all__ = [
+    "check_parameters",
+    "checkpoint_path",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
+]
+
+FORMAT = 1
+INFO = "parc.json"
+LATEST = "latest"
+_STEP_DIR = re.compile(r"step-(\d+)")
+
+
+def save_checkpoint(program: Program, directory: str | Path, step: int) -> Path:
+    """Save `program` as `directory/step-<step>` (call on every rank); returns that path.
+
+    `step` is the step training resumes at (the number of steps done).
+    """
+    root = Path(directory)
+    final, tmp = root / f"step-{step}", root / f"step-{step}.tmp"
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for leftover in root.glob("step-*.tmp"):  # saves that never finished
+            shutil.rmtree(leftover, ignore_errors=True)
+        for leftover in root.glob(f"{LATEST}.*.tmp"):
+            leftover.unlink(missing_ok=True)
+    _barrier()  # nobody writes into a directory rank 0 is still removing
+    parts = program.parts
+    layout = rank_layout(parts)
+    pieces = model_pieces(parts, layout, loading=False) + optimizer_pieces(parts, layout)
+    with quiet_single_process():
+        dcp.save(
+            {GROUPS: hyperparameters(parts.optimizer)},
+            storage_writer=dcp.FileSystemWriter(tmp),
+            planner=_PieceSavePlanner(pieces),
+            no_dist=not _distributed(),
+        )
+    # DCP's last collective already waits for every rank's files; this says so.
+    _barrier()
+    if _rank() == 0:
+        info = {
+            "format": FORMAT,
+            "step": step,
+            "optimizer": type(parts.optimizer).__name__,
+            "mesh": str(parts.plan.mesh),
+            "zero": parts.plan.zero,
+        }
+        (tmp / INFO).write_text(json.dumps(info, indent=2) + "\n")
+        _publish(root, tmp, final)
+    _barrier()  # every rank returns once the checkpoint is visible
+    return final
+
+
+def load_checkpoint(program: Program, directory: str | Path) -> int:
+    """Load `directory`'s latest complete checkpoint into `program`; returns the step to resume at.
+
+    Call on every rank. `directory` may also be one checkpoint (`DIR/step-<N>`).
+    """
+    path = checkpoint_path(directory)
+    info = json.loads((path / INFO).read_text())
+    parts = program.parts
+    reader = dcp.FileSystemReader(path)
+    metadata = reader.read_metadata()
+    check_parameters(metadata, parts.full_shapes, path)
+    states = _optimizer_states(metadata, parts.full_shapes, path)
+    if states and info.get("optimizer") != type(parts.optimizer).__name__:
+        raise ParcError(
+            f"checkpoint {path} holds {info.get('optimizer')} state; this program's optimizer "
+            f"is {type(parts.optimizer).__name__}",
+            hint="compile with the optimizer the checkpoint was saved with",
+        )
+    layout = rank_layout(parts)
+    optimizer = OptimizerLoad(parts, layout, states)
+    pieces = model_pieces(parts, layout, loading=True) + optimizer.pieces
+    state: dict[str, Any] = {GROUPS: None} if GROUPS in metadata.state_dict_metadata else {}
+    with quiet_single_process():
+        dcp.load(
+            state,
+            storage_reader=reader,
+            planner=_PieceLoadPlanner(pieces),
+            no_dist=not _distributed(),
+        )
+    optimizer.install(state.get(GROUPS), str(path))
+    program.steps_done = int(info["step"])
+    return program.steps_done
+
+
+def latest_checkpoint(directory: str | Path) -> Path | None:
+    """The newest complete checkpoint in `directory`: the one `latest` names, else the highest
+    complete `step-<N>`; None when there is none. `*.tmp` directories are never candidates.
+    """
+    root = Path(directory)
+    with_latest = root / LATEST
+    if with_latest.is_file():
+        named = root / with_latest.read_text().strip()
+        if _complete(named):
+            return named
+    steps = [
+        (int(m.group(1)), p)
+        for p in (root.iterdir() if root.is_dir() else [])
+        if (m := _STEP_DIR.fullmatch(p.name)) and _complete(p)
+    ]
+    return max(steps)[1] if steps else None
+
+
+def checkpoint_path(directory: str | Path) -> Path:
+    """`directory` itself if it is a complete checkpoint, else its latest; a ParcError if none."""
+    root = Path(directory)
+    path = root if _complete(root) else latest_checkpoint(root)
+    if path is None:
+        raise ParcError(
+            f"no complete checkpoint in {root}",
+            hint="pass the directory save_checkpoint wrote (it holds step-<N>/ and `latest`); "
+            "step-<N>.tmp directories are unfinished saves and are never loaded",
+        )
+    return path
+
+
+def check_parameters(
+    metadata: Metadata, full_shapes: dict[str, tuple[int, ...]], path: Path
+) -> None:
+    """The checkpoint's parameters must be the model's, with their full shapes.
+
+    A missing one is never filled silently; an extra one means another model.
+    """
+    saved = metadata.state_dict_metadata
+    extra = sorted(k[len(MODEL) :] for k in saved if k.startswith(MODEL))
+    extra = [name for name in extra if name not in full_shapes]
+    if extra:
+        raise ParcError(
+            f"checkpoint {path} has parameters the model lacks: "
+            + ", ".join(f"'{name}'" for name in extra[:5])
+            + (f" and {len(extra) - 5} more" if len(extra) > 5 else ""),
+            hint="was it saved from another model, or the same model at another size "
+            "(its environment variables)?",
+        )
+    for name, shape in full_shapes.items():
+        entry = saved.get(MODEL + name)
+        if not isinstance(entry, TensorStorageMetadata):
+            have = [k[len(MODEL) :] for k in saved if k.startswith(MODEL)]
+            close = difflib.get_close_matches(name, have, n=3)
+            raise ParcError(
+                f"checkpoint {path} has no parameter '{name}' (key '{MODEL}{name}'); it holds "
+                f"{len(have)} parameters" + (f", e.g. {', '.join(close)}" if close else ""),
+                hint="was it saved from another model, or the same model at another size "
+                "(its environment variables)?",
+            )
+        if tuple(entry.size) != tuple(shape):
+            raise ParcError(
+                f"parameter '{name}' has shape {tuple(entry.size)} in checkpoint {path}; the "
+                f"model's is {tuple(shape)}",
+                hint="build the model with the sizes the checkpoint was saved with",
+            )
+
+
+def _optimizer_states(
+    metadata: Metadata, full_shapes: dict[str, tuple[int, ...]], path: Path
+) -> list[StateSpec]:
+    """The optimizer states in the checkpoint; each must be there for every parameter."""
+    saved = metadata.state_dict_metadata
+    found: dict[str, dict[str, TensorStorageMetadata]] = {}
+    for key, entry in saved.items():
+        if not key.startswith(OPTIM):
+            continue
+        kind, _, name = key[len(OPTIM) :].partition(".")
+        if name in full_shapes:
+            assert isinstance(entry, TensorStorageMetadata)
+            found.setdefault(kind, {})[name] = entry
+    specs = []
+    for kind, entries in sorted(found.items()):
+        shapes = {n: tuple(e.size) for n, e in entries.items()}
+        scalar = all(s == () for s in shapes.values()) and any(full_shapes.values())
+        for name, shape in full_shapes.items():
+            want = () if scalar else tuple(shape)
+            if shapes.get(name) != want:
+                seen = "none" if name not in shapes else f"shape {shapes[name]}"
+                raise ParcError(
+                    f"checkpoint {path} has optimizer state '{kind}' for some parameters but "
+                    f"{seen} for '{name}' (key '{OPTIM}{kind}.{name}', expected shape {want})",
+                    hint="the checkpoint is incomplete or from another model; loading never "
+                    "fills missing state",
+                )
+        first = next(iter(entries.values()))
+        specs.append(StateSpec(kind, first.properties.dtype, scalar))
+    return specs
+
+
+class _PieceSavePlanner(DefaultSavePlanner):
+    """DCP's planner (dedup, validation, metadata) plus one shard write item per piece."""
+
+    def __init__(self, pieces: list[Piece]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._pieces = {(p.key, p.offsets): p.local for p in pieces}
+        self._items = [_write_item(p) for p in pieces]
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        self.plan = dataclasses.replace(plan, items=[*plan.items, *self._items])
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        index = write_item.index
+        found = self._pieces.get((index.fqn, tuple(index.offset or ())))
+        return found if found is not None else super().resolve_data(write_item)
+
+
+def _write_item(piece: Piece) -> WriteItem:
+    offsets = torch.Size(piece.offsets)
+    return WriteItem(
+        index=MetadataIndex(piece.key, offsets),
+        type=WriteItemType.SHARD,
+        tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(offsets=offsets, sizes=piece.local.size()),
+            properties=TensorProperties.create_from_tensor(piece.local),
+            size=torch.Size(piece.shape),
+        ),
+    )
+
+
+class _PieceLoadPlanner(DefaultLoadPlanner):
+    """DCP's planner for plain objects, plus reads of each piece's overlap with the checkpoint."""
+
+    def __init__(self, pieces: list[Piece]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._pieces = {(p.key, p.offsets): p.local for p in pieces}
+        self._chunks: dict[str, list[ChunkStorageMetadata]] = {}
+        for p in pieces:
+            chunk = ChunkStorageMetadata(offsets=torch.Size(p.offsets), sizes=p.local.size())
+            self._chunks.setdefault(p.key, []).append(chunk)
+
+    def create_local_plan(self) -> LoadPlan:
+        plan = super().create_local_plan()
+        assert self.metadata is not None
+        saved = self.metadata.state_dict_metadata
+        items = list(plan.items)
+        for key, chunks in self._chunks.items():
+            entry = saved[key]
+            assert isinstance(entry, TensorStorageMetadata)
+            items += create_read_items_for_chunk_list(key, entry, chunks)
+        return dataclasses.replace(plan, items=items)
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        index = read_item.dest_index
+        local = self._pieces.get((index.fqn, tuple(index.offset or ())))
+        if local is None:
+            return super().resolve_tensor(read_item)
+        for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            local = local.narrow(dim, start, length)
+        return local
+
+
+def _publish(root: Path, tmp: Path, final: Path) -> None:
+    """Rename the finished save into place, then point `latest` at it (both atomic)."""
+    if final.exists():  # saving a step again: the old copy leaves by a name nobody reads
+        stale = final.with_name(final.name + ".old.tmp")
+        os.replace(final, stale)
+        shutil.rmtree(stale, ignore_errors=True)
+    os.replace(tmp, final)
+    pointer = root / f"{LATEST}.{os.getpid()}.tmp"
+    with open(pointer, "w") as f:
+        f.write(final.name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(pointer, root / LATEST)
+
+
+def _complete(path: Path) -> bool:
+    return (
+        not path.name.endswith(".tmp")
+        and (path / ".metadata").is_file()
+        and (path / INFO).is_file()
+    )
+
+
+@contextlib.contextmanager
+def quiet_single_process() -> Iterator[None]:
+    """Without a process group DCP warns that it assumes one process: that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()

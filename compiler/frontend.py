@@ -21,6 +21,7 @@ from parc.dsl.ast import Spec
 
 from .estimate import Estimate, estimate
 from .model import ModelSource, load_model
+from .passes.pipeline_split import annotate_stages
 from .plan import Plan
 from .resolve import check_batch, resolve
 from .saved import SavedTensors, saved_tensors
@@ -78,5 +79,6 @@ def analyse(
     inputs, _ = source.batch(batch_plan.micro, 0)
     propagate_shapes(gm, inputs if isinstance(inputs, tuple | list) else (inputs,))
     plan = resolve(spec, built, gm, batch=batch)
+    annotate_stages(gm, plan)
     saved = saved_tensors(gm, inputs if isinstance(inputs, tuple | list) else (inputs,))
     return Analysis(spec, source, built, gm, plan, estimate(plan, gm, built, saved), saved)

@@ -36,7 +36,17 @@ import torch.fx
 from parc.compiler.plan import Plan
 from parc.compiler.stages import activation_nodes, fill_stages
 
-__all__ = ["Boundary", "StageGraph", "pipeline_split"]
+__all__ = ["STAGE_META", "Boundary", "StageGraph", "annotate_stages", "pipeline_split"]
+
+STAGE_META = "parc_stage"
+
+
+def annotate_stages(gm: torch.fx.GraphModule, plan: Plan) -> None:
+    """Write each node's stage into `node.meta`, where later passes' copies keep it."""
+    stage_of = plan.stage_of()
+    for node in gm.graph.nodes:
+        if node.name in stage_of:
+            node.meta[STAGE_META] = stage_of[node.name]
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,8 +82,12 @@ class StageGraph:
 def pipeline_split(gm: torch.fx.GraphModule, plan: Plan) -> list[StageGraph]:
     """Split `gm` into the plan's stages (one stage when there is no pp axis)."""
     activations = activation_nodes(gm)
-    # Step 1
-    known = {k: v for k, v in plan.node_stages if k in activations}
+    # Step 1: stages travel with the nodes in node.meta (names may change in passes).
+    known = {
+        n.name: n.meta[STAGE_META]
+        for n in gm.graph.nodes
+        if STAGE_META in n.meta and n.name in activations
+    }
     stages = fill_stages(gm, known, activations)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     output = next(n for n in gm.graph.nodes if n.op == "output")

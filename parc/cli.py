@@ -50,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_check(sub)
     _add_run(sub)
     p = sub.add_parser("demo", help="train a small GPT on 4 processes and prove it equivalent")
-    p.add_argument("--steps", type=_positive, default=60, help="training steps (default 60)")
+    p.add_argument("--steps", type=_positive, default=150, help="training steps (default 150)")
     p.add_argument("--batch", type=_positive, default=16, help="global batch (default 16)")
     p.add_argument("--out", default="runs/demo", help="where to write the pictures and logs")
     p.set_defaults(run=commands.cmd_demo)

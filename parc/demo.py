@@ -32,7 +32,7 @@ def _say(text: str = "") -> None:
     print(text, flush=True)
 
 
-def run_demo(out: Path, *, steps: int = 60, batch: int = 16) -> int:
+def run_demo(out: Path, *, steps: int = 150, batch: int = 16) -> int:
     from parc.commands import schedule_grid, write_timeline
     from parc.compiler.frontend import analyse
     from parc.compiler.report import format_report

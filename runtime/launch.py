@@ -88,7 +88,8 @@ def launch(
             f"--rdzv-endpoint={rdzv_endpoint}",
             f"--node-rank={node_rank}",
         ]
-    args += ["-m", "parc.cli", *argv]
+    args += ["-m", "parc.worker"]
+    os.environ["PARC_ARGV"] = json.dumps(list(argv))
     per_rank = max(1, (os.cpu_count() or 1) // max(1, world // nnodes))
     os.environ.setdefault("OMP_NUM_THREADS", str(per_rank))
     # The agent logs each failure with its own traceback-like lines; parc reports it once.

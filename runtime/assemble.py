@@ -93,7 +93,8 @@ def assemble(
         device=device,
         input_shapes=tuple(tuple(n.meta["tensor_meta"].shape) for n in inputs),
         full_shapes=full_shapes,
-        local_params=local,
+        # ZeRO-3 keeps only shards: holding the whole parameters here would undo it.
+        local_params=local if plan.zero < 3 else {},
         slices=slices,
         holders=holders,
         tied=tied,

@@ -1,0 +1,188 @@
+"""Graph building blocks of the tensor-parallel rewrite.
+
+- `local_slice`: this rank's part of a full tensor under `Shard(dim, blocks)`,
+  the same cut `runtime.collectives.tp_slice` makes and `tp_all_gather` undoes.
+- `emit_lowered`: a sharded module call written in functional form with its
+  parameters as explicit `get_attr` inputs (`F.linear(x, w, b)`,
+  `F.embedding(idx, w)`), so the rank's local slices are what it reads; a row
+  Linear adds its bias once, after the all-reduce.
+- `emit_conversion`: the collectives that change a placement
+  (runtime/collectives.py), each named after its input and commented in
+  `node.meta["parc_comment"]`.
+
+Every node made here gets `parc_tp` (its placement) and `tensor_meta` with the
+rank's local shape.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from parc.runtime.collectives import (
+    CommKind,
+    tp_all_gather,
+    tp_all_reduce,
+    tp_enter,
+    tp_slice,
+)
+
+from .placement import (
+    ConvKind,
+    ConvStep,
+    Lowering,
+    LowerKind,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    conversion_comment,
+)
+from .tp_dims import output_metas
+from .tp_shapes import local_shape
+
+__all__ = ["emit_conversion", "emit_lowered", "local_meta", "local_slice", "where_from"]
+
+_OPS: dict[ConvKind, Callable[..., Any]] = {
+    ConvKind.ENTER: tp_enter,
+    ConvKind.ALL_REDUCE: tp_all_reduce,
+    ConvKind.ALL_GATHER: tp_all_gather,
+    ConvKind.SLICE: tp_slice,
+}
+
+
+def local_slice(full: torch.Tensor, shard: Shard, index: int, parts: int) -> torch.Tensor:
+    """Rank `index`'s part of each of the `shard.blocks` blocks of `full` along `shard.dim`."""
+    size = full.shape[shard.dim]
+    each = size // (shard.blocks * parts)
+    pieces = [
+        full.narrow(shard.dim, b * parts * each + index * each, each) for b in range(shard.blocks)
+    ]
+    return torch.cat(pieces, dim=shard.dim)  # a new tensor, not a view of `full`
+
+
+def local_meta(meta: Any, place: Any, tp: int) -> Any:
+    """`tensor_meta` (global shapes) with the rank's local shape(s)."""
+    metas = output_metas(meta)
+    if metas is not None and isinstance(place, tuple):
+        return type(meta)(local_meta(m, p, tp) for m, p in zip(metas, place))
+    if hasattr(meta, "shape") and hasattr(meta, "_replace") and isinstance(place, Shard):
+        return meta._replace(shape=torch.Size(local_shape(tuple(meta.shape), place, tp)))
+    return meta
+
+
+def where_from(node: torch.fx.Node, source: torch.fx.Node) -> None:
+    """Give an inserted node the module stack and source line of the node it serves."""
+    for key in ("nn_module_stack", "stack_trace"):
+        if key in source.meta:
+            node.meta[key] = source.meta[key]
+
+
+def _annotate(node: torch.fx.Node, place: Placement, meta: Any, tp: int, comment: str = "") -> None:
+    node.meta["parc_tp"] = place
+    if meta is not None:
+        node.meta["tensor_meta"] = local_meta(meta, place, tp)
+    if comment:
+        node.meta["parc_comment"] = comment
+
+
+def emit_conversion(
+    graph: torch.fx.Graph,
+    x: torch.fx.Node,
+    step: ConvStep,
+    axis: str,
+    *,
+    name: str,
+    meta: Any,
+    tp: int,
+    grad: bool = True,
+) -> torch.fx.Node:
+    """One placement change of `x`, appended to `graph`; `grad`: `x` needs a gradient.
+
+    `node.meta["parc_collectives"]` lists what it costs per microbatch (forward
+    and backward), for the estimate.
+    """
+    if step.kind in (ConvKind.ENTER, ConvKind.ALL_REDUCE):
+        args: tuple[Any, ...] = (x, axis)
+    else:
+        args = (x, step.dim, axis) + ((step.blocks,) if step.blocks != 1 else ())
+    node = graph.create_node("call_function", _OPS[step.kind], args, name=f"{name}_{step.kind}")
+    place: Placement = Shard(step.dim, step.blocks) if step.kind is ConvKind.SLICE else Replicate()
+    _annotate(node, place, meta, tp, conversion_comment(step))
+    numel = math.prod(meta.shape) if hasattr(meta, "shape") else 0
+    gathers = step.kind in (ConvKind.ALL_GATHER, ConvKind.SLICE)
+    kind = (CommKind.ALL_GATHER if gathers else CommKind.ALL_REDUCE).value
+    counted = grad or step.kind in (ConvKind.ALL_GATHER, ConvKind.ALL_REDUCE)
+    node.meta["parc_collectives"] = [(kind, numel)] if counted else []
+    return node
+
+
+def emit_lowered(
+    graph: torch.fx.Graph,
+    node: torch.fx.Node,
+    lowering: Lowering,
+    x: torch.fx.Node,
+    module: torch.nn.Module,
+    axis: str,
+    tp: int,
+) -> torch.fx.Node:
+    """The functional form of sharded module call `node` on input `x`, appended to `graph`."""
+    before = next(reversed(graph.nodes), None)
+    w, b = _param_nodes(graph, lowering)
+    place, meta = node.meta["parc_tp"], node.meta.get("tensor_meta")
+    if lowering.kind is LowerKind.EMBEDDING_COL:
+        args: tuple[Any, ...] = (x, w, *_embedding_options(module))
+        out = graph.create_node("call_function", F.embedding, args, name=node.name)
+    elif lowering.kind is LowerKind.LINEAR_COL:
+        out = graph.create_node("call_function", F.linear, (x, w, b), name=node.name)
+    elif b is None:
+        out = graph.create_node("call_function", F.linear, (x, w), name=node.name)
+    else:
+        partial = graph.create_node("call_function", F.linear, (x, w), name=f"{node.name}_partial")
+        _annotate(partial, Partial(), meta, tp)
+        reduced = emit_conversion(
+            graph, partial, ConvStep(ConvKind.ALL_REDUCE), axis, name=node.name, meta=meta, tp=tp
+        )
+        out = graph.create_node("call_function", operator.add, (reduced, b), name=node.name)
+        out.meta["parc_comment"] = "row Linear: the bias is added once, after the all-reduce"
+    _annotate(out, place, meta, tp)
+    made = out
+    while made is not before and made.op != "root":
+        where_from(made, node)
+        made = made.prev
+    return out
+
+
+def _param_nodes(
+    graph: torch.fx.Graph, lowering: Lowering
+) -> tuple[torch.fx.Node, torch.fx.Node | None]:
+    """`get_attr` nodes of the lowered call's weight and bias, placed as their slices."""
+    nodes: list[torch.fx.Node | None] = []
+    for attr in ("weight", "bias"):
+        use = lowering.param(attr)
+        if use is None:
+            nodes.append(None)
+            continue
+        got = graph.get_attr(use.target)
+        got.meta["parc_tp"] = use.shard if use.shard is not None else Replicate()
+        nodes.append(got)
+    w, b = nodes
+    assert w is not None
+    return w, b
+
+
+def _embedding_options(module: torch.nn.Module) -> tuple[Any, ...]:
+    assert isinstance(module, torch.nn.Embedding)
+    return (
+        module.padding_idx,
+        module.max_norm,
+        module.norm_type,
+        module.scale_grad_by_freq,
+        module.sparse,
+    )

@@ -1,0 +1,174 @@
+"""tensor_parallel: the program of one tensor-parallel rank, from the analysed graph.
+
+The rewrite is mechanical: tp_analysis.py decided every placement, conversion
+and size change and left them in `node.meta`; this pass copies the graph into
+a new GraphModule for rank `tp_index`, doing what the records say. The input
+`gm` is not changed, so every rank is compiled from the same analysed graph.
+
+    >>> a = analyse("specs/gpt_tp.par", "examples/gpt.py", device="cpu")  # doctest: +SKIP
+    >>> analyse_tensor_parallel(a.gm, a.plan, a.spec)                      # doctest: +SKIP
+    >>> rank1 = tensor_parallel(a.gm, a.plan, tp_index=1)                  # doctest: +SKIP
+    >>> print(rank1.code)     # F.linear on local weights, tp_enter, tp_all_reduce  # doctest: +SKIP
+
+Algorithm:
+1. Without a tensor-parallel axis of size > 1 there is nothing to do: return `gm`.
+2. Read the analysis (run it first if `gm` has none).
+3. Parameters: every sharded parameter (its `Shard(dim, blocks)`, which follows
+   compiler/layout.py's slices) becomes a new nn.Parameter holding this rank's
+   slice of the full values; a tied parameter becomes one local Parameter that
+   all its users read. Replicated modules, parameters and buffers are shared
+   with `gm`, not copied.
+4. Copy the nodes in order into a new graph. Before a node, its inputs are
+   converted as recorded (`tp_enter`, `tp_all_reduce`, `tp_all_gather`,
+   `tp_slice`), each conversion of a value made once and shared by its
+   consumers. A sharded module call is lowered to `F.linear`/`F.embedding`
+   on `get_attr` inputs (a row Linear: `F.linear` → all-reduce → + bias).
+   Size arguments are made local: a constant `c` becomes `c // tp`, a size
+   computed at run time gets an `operator.floordiv(size, tp)` node (a size read
+   from a sharded tensor used as a global one gets `* tp`).
+5. The graph output: converted to replicated like any other input (step 4).
+6. A new GraphModule over the rank's parameters; `graph.lint()`; `recompile()`.
+
+Every node of the result carries `parc_tp` (its placement) and `tensor_meta`
+with local shapes; inserted collectives carry `parc_comment` and
+`parc_collectives`.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx
+
+from ..plan import Plan
+from .functional import emit_conversion, emit_lowered, local_meta, local_slice, where_from
+from .placement import Conversion, NodeRewrite, ParamUse, SizeOp
+from .tp_analysis import analyse_tensor_parallel
+from .tp_shapes import get_path, set_path
+
+__all__ = ["tensor_parallel"]
+
+_SIZE_OPS = {SizeOp.DIV: operator.floordiv, SizeOp.MUL: operator.mul}
+
+
+def tensor_parallel(gm: torch.fx.GraphModule, plan: Plan, *, tp_index: int) -> torch.fx.GraphModule:
+    """A new GraphModule computing rank `tp_index`'s part of `gm` over `plan.tp_axis`.
+
+    Run it with an active `Comm` (`with comm.active():`) whose tp group has this
+    rank at `tp_index`. Its outputs are replicated: equal to `gm`'s.
+    """
+    # Step 1
+    if plan.tp_axis is None or plan.tp == 1:
+        return gm
+    if not 0 <= tp_index < plan.tp:
+        raise ValueError(f"tp_index {tp_index} is outside the axis {plan.tp_axis}={plan.tp}")
+    # Step 2
+    if any("parc_tp" not in node.meta for node in gm.graph.nodes):
+        analyse_tensor_parallel(gm, plan)
+    rewriter = _Rewriter(gm, plan.tp_axis, plan.tp, tp_index)
+    # Steps 3-5
+    for node in gm.graph.nodes:
+        rewriter.copy(node)
+    # Step 6
+    out = torch.fx.GraphModule(rewriter.root, rewriter.graph, type(gm).__name__)
+    out.graph.lint()
+    out.recompile()
+    return out
+
+
+class _Rewriter:
+    """Copies `gm`'s nodes, in order, into a new graph for one rank (steps 3-5).
+
+    `env` maps each old node to its copy; `converted` and `sized` hold the
+    conversions and size nodes already made, so every consumer shares them;
+    `root` collects what the new GraphModule holds (parameters, modules, buffers).
+    """
+
+    def __init__(self, gm: torch.fx.GraphModule, axis: str, tp: int, index: int) -> None:
+        self.gm, self.axis, self.tp, self.index = gm, axis, tp, index
+        self.graph = torch.fx.Graph()
+        self.env: dict[torch.fx.Node, torch.fx.Node] = {}
+        self.converted: dict[tuple[str, Conversion], torch.fx.Node] = {}
+        self.sized: dict[tuple[str, SizeOp], torch.fx.Node] = {}
+        self.root: dict[str, Any] = {}
+        self.by_name = {node.name: node for node in gm.graph.nodes}
+
+    def copy(self, node: torch.fx.Node) -> None:
+        rewrite: NodeRewrite = node.meta.get("parc_tp_rewrite") or NodeRewrite()
+        inputs = {name: self._convert(name, steps, node) for name, steps in rewrite.converts}
+        if rewrite.lowering is not None:
+            x = node.args[0]
+            assert isinstance(x, torch.fx.Node)
+            for use in rewrite.lowering.params:
+                self._param(use)
+            module = self.gm.get_submodule(str(node.target))
+            new = emit_lowered(
+                self.graph, node, rewrite.lowering, inputs.get(x.name) or self.env[x],
+                module, self.axis, self.tp,
+            )  # fmt: skip
+        else:
+            new = self.graph.node_copy(node, lambda n: inputs.get(n.name) or self.env[n])
+            new.meta["tensor_meta"] = local_meta(
+                node.meta.get("tensor_meta"), node.meta.get("parc_tp"), self.tp
+            )
+            new.meta.pop("parc_tp_rewrite", None)
+            new.meta["parc_collectives"] = []
+            self._attach(node, new, rewrite)
+        self.env[node] = new
+
+    def _attach(self, node: torch.fx.Node, new: torch.fx.Node, rewrite: NodeRewrite) -> None:
+        """What a copied node reads: its parameters, modules and buffers; local sizes."""
+        if node.op == "get_attr":
+            if rewrite.param is not None:
+                new.target = rewrite.param.target
+                self._param(rewrite.param)
+            else:
+                self.root[str(node.target)] = operator.attrgetter(str(node.target))(self.gm)
+        elif node.op == "call_module":
+            self.root[str(node.target)] = self.gm.get_submodule(str(node.target))
+        for fix in rewrite.sizes:
+            self._resize(new, fix.path, fix.op)
+
+    def _param(self, use: ParamUse) -> None:
+        """Step 3: this rank's parameter at `use.target`, made once (tied users share it)."""
+        if use.target in self.root:
+            return
+        full = operator.attrgetter(use.target)(self.gm)
+        if use.shard is None:
+            self.root[use.target] = full
+            return
+        data = local_slice(full.detach(), use.shard, self.index, self.tp)
+        self.root[use.target] = torch.nn.Parameter(data, requires_grad=full.requires_grad)
+
+    def _convert(self, name: str, steps: Conversion, consumer: torch.fx.Node) -> torch.fx.Node:
+        """Step 4: `name`'s value after `steps`; each prefix made once, then shared."""
+        old = self.by_name[name]
+        value = self.env[old]
+        for i, step in enumerate(steps):
+            key = (name, steps[: i + 1])
+            if key not in self.converted:
+                meta = old.meta.get("tensor_meta")
+                grad = bool(old.meta.get("parc_tp_grad", True))
+                self.converted[key] = emit_conversion(
+                    self.graph, value, step, self.axis, name=name, meta=meta, tp=self.tp, grad=grad
+                )
+                where_from(self.converted[key], consumer)
+            value = self.converted[key]
+        return value
+
+    def _resize(self, new: torch.fx.Node, path: tuple[int | str, ...], op: SizeOp) -> None:
+        """Step 4: make one size argument of `new` local (or global)."""
+        value = get_path(new.args, dict(new.kwargs), path)
+        if isinstance(value, torch.fx.Node):
+            key = (value.name, op)
+            if key not in self.sized:
+                with self.graph.inserting_before(new):
+                    self.sized[key] = self.graph.call_function(_SIZE_OPS[op], (value, self.tp))
+                where_from(self.sized[key], new)
+            replacement: Any = self.sized[key]
+        else:
+            replacement = value // self.tp
+        args, kwargs = set_path(new.args, dict(new.kwargs), path, replacement)
+        new.args, new.kwargs = args, kwargs

@@ -1,0 +1,186 @@
+"""The words of the tensor-parallel analysis: its warnings and errors.
+
+Each names what it saw (the module, the fx node and the user's source line, the
+numbers), what is required, and how to fix it, and points at the `shard` line
+of the spec that caused it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from parc.dsl.ast import Spec
+from parc.errors import CompileError, PlanError, SourceSpan
+
+from ..plan import Plan, PlanWarning
+from ..trace import node_source
+from .placement import Placement
+from .tp_context import Misaligned, NotDivisible
+
+__all__ = [
+    "blocks_error",
+    "describe",
+    "gather_warning",
+    "misaligned_error",
+    "not_divisible_error",
+    "row_slice_warning",
+    "shard_span",
+    "size_error",
+    "strict_error",
+    "tuple_error",
+]
+
+
+def shard_span(spec: Spec | None, plan: Plan, module: str | None) -> SourceSpan | None:
+    """Where the `shard` statement that sharded `module` is, for errors and warnings."""
+    shard = plan.shard_of(module) if module else None
+    if spec is None or shard is None:
+        return None
+    stmt = next((s for s in spec.shards if s.span.line == shard.line), None)
+    return spec.locate(stmt.pattern.span) if stmt is not None else None
+
+
+def describe(node: torch.fx.Node, gm: torch.fx.GraphModule) -> str:
+    """`'layers.0.ln_2' (LayerNorm)`, `gelu(...)`, `.view(...)`, with the node's name."""
+    if node.op == "call_module":
+        kind = type(gm.get_submodule(str(node.target))).__name__
+        return f"'{node.target}' ({kind})"
+    if node.op == "call_method":
+        return f"`.{node.target}()` (node '{node.name}')"
+    name = getattr(node.target, "__name__", str(node.target))
+    return f"`{name}()` (node '{node.name}')"
+
+
+def _at(node: torch.fx.Node) -> str:
+    source = node_source(node)
+    return f" at {source}" if source else ""
+
+
+def _fix_gather(node: torch.fx.Node, gm: torch.fx.GraphModule, origin: str | None) -> str:
+    if node.op == "call_module" and isinstance(gm.get_submodule(str(node.target)), torch.nn.Linear):
+        return f"shard '{node.target}' row so it takes the sharded input as it is"
+    pair = f"'{origin}'" if origin else "the col layer"
+    return f"shard a Linear after {pair} `row` to consume its output sharded, or unshard {pair}"
+
+
+def gather_warning(
+    node: torch.fx.Node,
+    gm: torch.fx.GraphModule,
+    value: torch.fx.Node,
+    have: Placement,
+    origin: str | None,
+    span: SourceSpan | None,
+) -> PlanWarning:
+    """An op with no rule for a sharded input: it is all-gathered (correct, slower)."""
+    source = f" (sharded by '{origin}')" if origin else ""
+    return PlanWarning(
+        f"{describe(node, gm)}{_at(node)} has no tensor-parallel rule for its input "
+        f"'{value.name}' placed {have}{source}: it is all-gathered first (correct, slower); "
+        f"to avoid it, {_fix_gather(node, gm, origin)}",
+        span,
+    )
+
+
+def strict_error(warning: PlanWarning, node: torch.fx.Node) -> CompileError:
+    return CompileError(
+        f"strict tensor parallelism: {warning.message}",
+        node=node.format_node(),
+        source=node_source(node),
+        hint="fix the spec as suggested, or compile without --strict to accept the all-gather",
+    )
+
+
+def row_slice_warning(
+    node: torch.fx.Node,
+    value: torch.fx.Node,
+    producer: str | None,
+    plan: Plan,
+    span: SourceSpan | None,
+) -> PlanWarning:
+    """A row layer fed a replicated input slices it locally: a col layer before would not."""
+    fix = (
+        f"shard '{producer}' col (`shard {producer} col {plan.tp_axis}`)"
+        if producer
+        else "shard the Linear that produces it col"
+    )
+    return PlanWarning(
+        f"'{node.target}' is sharded row but its input '{value.name}' is replicated: each "
+        f"rank slices it locally (correct; its backward all-gathers the gradient); {fix} "
+        "so the input arrives sharded",
+        span,
+    )
+
+
+def not_divisible_error(
+    node: torch.fx.Node,
+    gm: torch.fx.GraphModule,
+    exc: NotDivisible,
+    origin: str | None,
+    plan: Plan,
+    span: SourceSpan | None,
+) -> PlanError:
+    parts = " × ".join(str(p) for p in exc.parts)
+    axis = plan.tp_axis
+    return PlanError(
+        f"'{origin}' is sharded over {axis}={plan.tp}, and {describe(node, gm)}{_at(node)} "
+        f"splits its sharded dim of size {exc.size} into {parts} (heads × head_dim): each "
+        f"rank needs whole heads, but n_head={exc.bad} is not divisible by {axis}={exc.tp}",
+        span,
+        hint=f"use a {axis} size that divides {exc.bad}, change the number of heads, or "
+        f"leave '{origin}' replicated",
+        names=tuple(n for n in (origin, node.name) if n),
+    )
+
+
+def misaligned_error(
+    node: torch.fx.Node, exc: Misaligned, origin: str | None, in_features: int, plan: Plan,
+    span: SourceSpan | None,
+) -> PlanError:  # fmt: skip
+    k = exc.placement.blocks
+    return PlanError(
+        f"'{node.target}' is sharded row over {plan.tp_axis}={plan.tp}: rank i must hold "
+        f"the i-th contiguous slice of its in_features={in_features}, but its input comes "
+        f"from '{origin}' sharded in {k} blocks ({exc.placement}: rank i holds part i of "
+        f"each of the {k} blocks of {in_features // k}), which does not line up",
+        span,
+        hint=f"'{origin}' is cut into {k} blocks because its output is also split into {k} "
+        f"parts; feed '{node.target}' from a col layer whose output is not split, or leave "
+        f"'{node.target}' replicated (remove its `shard ... row` line)",
+        names=tuple(n for n in (str(node.target), origin) if n),
+    )
+
+
+def blocks_error(node: torch.fx.Node, out_features: int, blocks: int, plan: Plan,
+                 span: SourceSpan | None) -> PlanError:  # fmt: skip
+    each = out_features // blocks
+    return PlanError(
+        f"'{node.target}' is sharded col and its output is split into {blocks} parts of "
+        f"{each} (out_features={out_features}); each part is split over "
+        f"{plan.tp_axis}={plan.tp}, but {each} is not divisible by {plan.tp}",
+        span,
+        hint=f"use a {plan.tp_axis} size that divides {each}, or leave '{node.target}' replicated",
+        names=(str(node.target),),
+    )
+
+
+def tuple_error(
+    node: torch.fx.Node, gm: torch.fx.GraphModule, value: torch.fx.Node, place: object
+) -> CompileError:
+    return CompileError(
+        f"{describe(node, gm)} takes the parts of '{value.name}' (placed {place}) as one "
+        "tuple; the tensor-parallel pass converts tensors, not tuples of them",
+        node=node.format_node(),
+        source=node_source(node),
+        hint="unpack the parts first (`a, b = ...`) and pass them on one by one",
+    )
+
+
+def size_error(node: torch.fx.Node, detail: str) -> CompileError:
+    return CompileError(
+        f"cannot make the size arguments of '{node.name}' local to a tensor-parallel rank: "
+        f"{detail}",
+        node=node.format_node(),
+        source=node_source(node),
+        hint="compute sizes from a replicated tensor (e.g. the block's input) or use -1",
+    )

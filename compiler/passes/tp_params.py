@@ -1,0 +1,111 @@
+"""How the tensor-parallel pass cuts parameters: the layout's slices, plus block counts.
+
+compiler/layout.py says along which dim each parameter is cut (the memory
+report reads it too). One thing it cannot see is the graph: a col layer whose
+output is split into k equal parts (a fused qkv `split(C, dim=2)`, a `chunk(2)`
+of a gated MLP, a `view(B, T, 3, n_head, head_dim)`) must cut each of those
+parts over the axis separately, or rank i would hold q and half of k. So
+`col_blocks` finds k from the graph, and `param_placements` gives every sharded
+parameter its `Shard(dim, blocks)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.fx
+
+from parc.dsl.ast import ShardKind
+from parc.errors import CompileError
+
+from ..layout import param_slices
+from ..plan import Plan
+from .placement import Shard
+from .tp_dims import arg, norm_dim, output_metas, view_groups
+from .tp_rules import TRANSPARENT_OPS
+
+__all__ = ["canonical_names", "col_blocks", "param_placements"]
+
+_SPLITS = ("split", "chunk", torch.split, torch.chunk)
+_VIEWS = ("view", "reshape", torch.reshape)
+
+
+def canonical_names(gm: torch.nn.Module) -> dict[str, str]:
+    """Every parameter name (tied ones included) -> the first name of that tensor."""
+    first: dict[int, str] = {}
+    return {
+        name: first.setdefault(id(p), name)
+        for name, p in gm.named_parameters(remove_duplicate=False)
+    }
+
+
+def col_blocks(gm: torch.fx.GraphModule, plan: Plan) -> dict[str, int]:
+    """fx node name of a col layer call -> the number of equal parts its output is split into."""
+    out: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        shard = plan.shard_of(str(node.target)) if node.op == "call_module" else None
+        if shard is None or shard.kind is not ShardKind.COL:
+            continue
+        ndim = len(node.meta["tensor_meta"].shape)
+        parts = (_parts(user, source, ndim) for user, source in _consumers(node))
+        k = next((k for k in parts if k > 1), 1)
+        if k > 1:
+            out[node.name] = k
+    return out
+
+
+def _consumers(node: torch.fx.Node) -> Iterator[tuple[torch.fx.Node, torch.fx.Node]]:
+    """(user, the value it reads) past ops that keep the layout (gelu, contiguous, ...)."""
+    stack = [(user, node) for user in node.users]
+    while stack:
+        user, source = stack.pop()
+        if user.op != "call_module" and user.target in TRANSPARENT_OPS and user.args[0] is source:
+            stack.extend((u, user) for u in user.users)
+        else:
+            yield user, source
+
+
+def _parts(user: torch.fx.Node, source: torch.fx.Node, ndim: int) -> int:
+    if not user.args or user.args[0] is not source:
+        return 1
+    if user.target in _SPLITS:
+        metas = output_metas(user.meta.get("tensor_meta"))
+        dim = norm_dim(arg(user, 2, "dim", 0), ndim)
+        if dim == ndim - 1 and metas is not None and len(metas) > 1:
+            sizes = {m.shape[dim] for m in metas}
+            return len(metas) if len(sizes) == 1 else 1
+    if user.target in _VIEWS:
+        src = tuple(source.meta["tensor_meta"].shape)
+        dst = tuple(user.meta["tensor_meta"].shape)
+        for gi, gj in view_groups(src, dst):
+            if gi and gi[0] == ndim - 1 and len(gj) >= 3:  # (k, heads, head_dim)
+                return dst[gj[0]]
+    return 1
+
+
+def param_placements(
+    gm: torch.fx.GraphModule, plan: Plan, blocks: dict[str, int]
+) -> dict[str, Shard]:
+    """Canonical parameter name -> its Shard, following the layout (dim) and the graph (blocks)."""
+    slices = param_slices(plan, gm)  # raises the layout's PlanError for inconsistent ties
+    canonical = canonical_names(gm)
+    out: dict[str, Shard] = {}
+    for node in gm.graph.nodes:
+        shard = plan.shard_of(str(node.target)) if node.op == "call_module" else None
+        if shard is None:
+            continue
+        module = gm.get_submodule(str(node.target))
+        for attr, _ in module.named_parameters(recurse=False):
+            name = canonical[f"{node.target}.{attr}"]
+            if name not in slices:
+                continue
+            placement = Shard(slices[name].dim, blocks.get(node.name, 1))
+            if out.setdefault(name, placement) != placement:
+                raise CompileError(
+                    f"parameter '{name}' is used by two sharded calls that cut it into "
+                    f"different blocks ({out[name]} and {placement})",
+                    node=node.format_node(),
+                    hint="untie the parameter, or leave one of its users replicated",
+                )
+    return out

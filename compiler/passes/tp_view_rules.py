@@ -1,0 +1,240 @@
+"""Tensor-parallel rules for ops that move, regroup or select dims.
+
+Each rule follows a sharded dim through the op (DESIGN.md Appendix A: `view`,
+`reshape`, `split`/`chunk`, `transpose`/`permute`, `repeat_interleave`,
+`repeat`, slicing, `cat`, softmax and reductions over other dims). Shape
+arguments that give the sharded dim's size are returned in `Decision.sizes`
+so the rewrite makes them local.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx
+
+from .placement import ArgPath, Placement, Replicate, Shard
+from .tp_context import Decision, NotDivisible, OpContext
+from .tp_dims import arg, index_dim, norm_dim, shape_paths, view_groups
+
+__all__ = [
+    "along_dim",
+    "cat",
+    "expand",
+    "index",
+    "permute",
+    "reduction",
+    "repeat",
+    "repeat_interleave",
+    "reshape",
+    "split",
+    "transpose",
+    "unbind",
+]
+
+
+def reshape(ctx: OpContext) -> Decision | None:
+    """`view`/`reshape`/`flatten`/`unsqueeze`...: the sharded dim must lead its group.
+
+    Splitting S(d) into (heads, head_dim) shards the first output dim, whose size
+    must divide by the axis size; a fused S(d, k) split as (k, heads, head_dim)
+    shards the heads.
+    """
+    x = ctx.arg(0)
+    s = ctx.sharded(x)
+    if s is None:
+        return None
+    src, dst = ctx.shape(x), ctx.out_shape
+    group = next((g for g in view_groups(src, dst) if s.dim in g[0]), None)
+    if group is None or group[0][0] != s.dim or not group[1]:
+        return None
+    _, gj = group
+    parts = tuple(dst[j] for j in gj)
+    if s.blocks > 1 and parts[0] == s.blocks and len(parts) > 1:
+        out, size, need = Shard(gj[1]), parts[1], ctx.tp
+    else:
+        out, size, need = Shard(gj[0], s.blocks), parts[0], ctx.tp * s.blocks
+    if size % need:
+        if len(parts) == 1:
+            return None
+        raise NotDivisible(src[s.dim], parts, size, need)
+    return _with_size(ctx, out, _shape_args(ctx.node))
+
+
+def _shape_args(node: torch.fx.Node) -> dict[int, ArgPath] | None:
+    """Output dim -> the argument that gives its size; None if the shape is opaque."""
+    method = node.op == "call_method" and node.target in ("view", "reshape", "expand")
+    if method or node.target is torch.reshape:
+        paths = shape_paths(node, 1)
+    elif node.target == "unflatten" or node.target is torch.unflatten:
+        ndim = len(node.args[0].meta["tensor_meta"].shape)  # type: ignore[union-attr]
+        dim = norm_dim(arg(node, 1, "dim"), ndim)
+        return {dim + j: (2, j) for j in range(len(arg(node, 2, "sizes")))}
+    else:
+        return {}
+    return None if paths is None else dict(enumerate(paths))
+
+
+def _with_size(ctx: OpContext, out: Shard, paths: dict[int, ArgPath] | None) -> Decision | None:
+    if paths is None:
+        return None  # the shape is one opaque value: cannot make one entry local
+    path = paths.get(out.dim)
+    return Decision(out, sizes=(path,) if path is not None else ())
+
+
+def expand(ctx: OpContext) -> Decision | None:
+    """`expand` keeps a sharded dim (it is never a broadcast size-1 dim)."""
+    x = ctx.arg(0)
+    s = ctx.sharded(x)
+    if s is None:
+        return None
+    src, dst = ctx.shape(x), ctx.out_shape
+    d = s.dim + len(dst) - len(src)
+    if dst[d] != src[s.dim]:
+        return None
+    return _with_size(ctx, Shard(d, s.blocks), _shape_args(ctx.node))
+
+
+def transpose(ctx: OpContext) -> Decision | None:
+    s = ctx.sharded(ctx.arg(0))
+    if s is None:
+        return None
+    n = len(ctx.out_shape)
+    if ctx.node.target == "t":
+        a, b = 0, n - 1
+    else:
+        a = norm_dim(ctx.arg(1, "dim0"), n)
+        b = norm_dim(ctx.arg(2, "dim1"), n)
+    swap = {a: b, b: a}
+    return Decision(Shard(swap.get(s.dim, s.dim), s.blocks))
+
+
+def permute(ctx: OpContext) -> Decision | None:
+    s = ctx.sharded(ctx.arg(0))
+    if s is None:
+        return None
+    rest: Any = ctx.node.args[1:] or (ctx.node.kwargs.get("dims"),)
+    dims = rest[0] if len(rest) == 1 and isinstance(rest[0], tuple | list) else rest
+    n = len(ctx.out_shape)
+    order = [norm_dim(d, n) for d in dims]
+    return Decision(Shard(order.index(s.dim), s.blocks))
+
+
+def index(ctx: OpContext) -> Decision | None:
+    """`x[...]` with basic indexing that leaves the sharded dim whole."""
+    x = ctx.arg(0)
+    s = ctx.sharded(x)
+    if s is None:
+        return None
+    d = index_dim(
+        ctx.arg(1),
+        len(ctx.shape(x)),
+        s.dim,
+        lambda v: isinstance(v, torch.fx.Node) and v in ctx.placements,
+    )
+    return None if d is None else Decision(Shard(d, s.blocks))
+
+
+def split(ctx: OpContext) -> Decision | None:
+    """`split`/`chunk` along S(d, k) into its k blocks gives k parts S(d); elsewhere S(d, k)."""
+    x = ctx.arg(0)
+    s = ctx.sharded(x)
+    if s is None:
+        return None
+    n = ctx.n_outputs
+    dim = norm_dim(ctx.arg(2, "dim", 0), len(ctx.shape(x)))
+    if dim != s.dim:
+        return Decision(tuple(s for _ in range(n)))
+    if s.blocks != n or n == 1:
+        return None
+    sizes: tuple[ArgPath, ...] = ()
+    if ctx.node.target in ("split", torch.split):
+        names = [k for k in ("split_size", "split_size_or_sections") if k in ctx.node.kwargs]
+        key: int | str = 1 if len(ctx.node.args) > 1 else names[0]
+        size = ctx.arg(1, str(key))
+        each = isinstance(size, list | tuple)
+        sizes = tuple((key, i) for i in range(n)) if each else ((key,),)
+    return Decision(tuple(Shard(dim) for _ in range(n)), sizes=sizes)
+
+
+def unbind(ctx: OpContext) -> Decision | None:
+    x = ctx.arg(0)
+    s = ctx.sharded(x)
+    dim = norm_dim(ctx.arg(1, "dim", 0), len(ctx.shape(x)))
+    if s is None or dim == s.dim:
+        return None
+    out = Shard(s.dim - (dim < s.dim), s.blocks)
+    return Decision(tuple(out for _ in range(ctx.n_outputs)))
+
+
+def repeat_interleave(ctx: OpContext) -> Decision | None:
+    """GQA's `repeat_interleave(n, dim)`: each local head is repeated like the global ones."""
+    s = ctx.sharded(ctx.arg(0))
+    if s is None or ctx.arg(2, "dim") is None or ctx.arg(1, "repeats") in ctx.placements:
+        return None
+    return Decision(s)
+
+
+def repeat(ctx: OpContext) -> Decision | None:
+    """`repeat` n times along S(d, k) gives S(d, n·k)."""
+    x = ctx.arg(0)
+    s = ctx.sharded(x)
+    if s is None:
+        return None
+    src, dst = ctx.shape(x), ctx.out_shape
+    d = s.dim + len(dst) - len(src)
+    return Decision(Shard(d, s.blocks * (dst[d] // src[s.dim])))
+
+
+def cat(ctx: OpContext) -> Decision | None:
+    """`cat` off the sharded dim keeps it; equal S(d) parts along d make S(d, parts)."""
+    tensors = ctx.arg(0, "tensors")
+    ndim = len(ctx.out_shape)
+    dim = norm_dim(ctx.arg(1, "dim", 0), ndim)
+    stack = ctx.node.target is torch.stack
+    places = [ctx.placement(t) for t in tensors]
+    shards = {(p.dim, p.blocks) for p in places if isinstance(p, Shard)}
+    if len(shards) != 1:
+        return None
+    ((d, k),) = shards
+    if stack:
+        return _stacked(ctx, tensors, places, Shard(d + (dim <= d), k), Shard(d, k))
+    if dim != d:
+        return _stacked(ctx, tensors, places, Shard(d, k), Shard(d, k))
+    sizes = {ctx.shape(t)[d] for t in tensors}
+    if k != 1 or len(sizes) != 1 or any(not isinstance(p, Shard) for p in places):
+        return None
+    return Decision(Shard(d, len(tensors)))
+
+
+def _stacked(
+    ctx: OpContext, tensors: list[Any], places: list[Placement | None], out: Shard, each: Shard
+) -> Decision:
+    wants = tuple((t, each) for t, p in zip(tensors, places) if isinstance(p, Replicate))
+    return Decision(out, wants)
+
+
+def along_dim(ctx: OpContext) -> Decision | None:
+    """`softmax`/`log_softmax`/`cumsum`/`narrow`(dim): local unless dim is the sharded one."""
+    x = ctx.arg(0)
+    s = ctx.sharded(x)
+    dim = ctx.arg(1, "dim")
+    if s is None or dim is None or norm_dim(dim, len(ctx.shape(x))) == s.dim:
+        return None
+    return Decision(s)
+
+
+def reduction(ctx: OpContext) -> Decision | None:
+    """`sum`/`mean`/`amax`... over dims other than the sharded one."""
+    x = ctx.arg(0)
+    s = ctx.sharded(x)
+    dims = ctx.arg(1, "dim")
+    if s is None or dims is None:
+        return None
+    n = len(ctx.shape(x))
+    dims = [norm_dim(d, n) for d in (dims if isinstance(dims, tuple | list) else (dims,))]
+    if s.dim in dims:
+        return None
+    keep = len(ctx.out_shape) == n
+    return Decision(Shard(s.dim if keep else s.dim - sum(d < s.dim for d in dims), s.blocks))

@@ -57,6 +57,10 @@ class _Recorder(torch.fx.Interpreter):
         own = {n: self.params[f"{target}.{n}"] for n in names if f"{target}.{n}" in self.params}
         return torch.func.functional_call(module, own, args, kwargs)
 
+    def release(self) -> None:
+        """Forget everything (the module, its parameters, fake tensors)."""
+        vars(self).clear()
+
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         base = t._base if t._base is not None else t
         name = self.param_ids.get(id(base))
@@ -90,4 +94,8 @@ def saved_tensors(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> SavedTenso
     recorder = _Recorder(gm, params)
     with mode, torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
         recorder.run(*fake_inputs)
-    return SavedTensors(frozenset(recorder.saved_params), dict(recorder.node_bytes))
+    result = SavedTensors(frozenset(recorder.saved_params), dict(recorder.node_bytes))
+    # The fake autograd graph keeps the pack hook (and so the recorder) alive from
+    # C++, where Python's collector cannot free it: drop what the recorder holds.
+    recorder.release()
+    return result

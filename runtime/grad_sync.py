@@ -23,6 +23,7 @@ its full gradient is first summed over the stages that hold it.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,7 +83,7 @@ class GradSync:
             unit.tied = [n for n in spec.params if n in tied]
             self.units.append(unit)
             for p in params:
-                p.register_post_accumulate_grad_hook(self._hook(unit))
+                p.register_post_accumulate_grad_hook(_hook(weakref.ref(self), len(self.units) - 1))
         if zero >= 1:
             for unit in self.units:
                 self._flatten_params(unit)
@@ -127,13 +128,11 @@ class GradSync:
             for unit in self.units:
                 unit.ready = 0
 
-    def _hook(self, unit: _Unit) -> Callable[[torch.Tensor], None]:
-        def on_grad(_: torch.Tensor) -> None:
-            unit.ready += 1
-            if self.armed and unit.ready >= len(unit.params) and not unit.deferred:
-                self._launch(unit)
-
-        return on_grad
+    def _on_grad(self, index: int) -> None:
+        unit = self.units[index]
+        unit.ready += 1
+        if self.armed and unit.ready >= len(unit.params) and not unit.deferred:
+            self._launch(unit)
 
     def _launch(self, unit: _Unit) -> None:
         if unit.launched:
@@ -159,6 +158,7 @@ class GradSync:
             self._launch(unit)
         for unit in self.units:
             unit.work.wait()
+            unit.work = None  # a finished gloo Work still holds its output tensor
             assert unit.grad is not None
             if self.zero == 0:
                 unit.grad.div_(self.dp)
@@ -193,3 +193,15 @@ class GradSync:
             assert unit.flat_param is not None and unit.shard is not None
             # A transient copy: the shard aliases the gather's output buffer.
             self.comm.all_gather(unit.flat_param, unit.shard.detach().clone(), self.axis)
+
+
+def _hook(sync: weakref.ref[GradSync], index: int) -> Callable[[torch.Tensor], None]:
+    """A parameter's hook holds its GradSync weakly: torch keeps hooks where Python's
+    garbage collector cannot see them, so a strong reference would never be freed."""
+
+    def on_grad(_: torch.Tensor) -> None:
+        owner = sync()
+        if owner is not None:
+            owner._on_grad(index)
+
+    return on_grad

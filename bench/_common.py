@@ -1,0 +1,190 @@
+"""Helpers the bench scripts share: paths, machine facts, markdown tables, resident bytes.
+
+Not a benchmark itself (run_all.py skips files whose name starts with `_`).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import resource
+import statistics
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+VENV_BIN = ROOT / ".venv" / "bin"
+PYTHON = VENV_BIN / "python"
+
+_NUMBER = re.compile(r"^[-+<≤~]? ?[\d.]+")
+
+__all__ = [
+    "BENCH",
+    "PYTHON",
+    "ROOT",
+    "VENV_BIN",
+    "live_tensor_bytes",
+    "machine",
+    "md_table",
+    "median",
+    "mib",
+    "ms",
+    "peak_rss_bytes",
+    "resident_bytes",
+    "rss_bytes",
+    "tensors_in",
+]
+
+
+def median(values: Iterable[float]) -> float:
+    return statistics.median(list(values))
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A GitHub markdown table; columns whose cells all start with a number are right-aligned."""
+    align = [
+        "---:" if rows and all(_NUMBER.match(str(r[i])) for r in rows) else "---"
+        for i in range(len(header))
+    ]
+    lines = [header, align, *rows]
+    return "\n".join("| " + " | ".join(str(c) for c in line) + " |" for line in lines)
+
+
+def machine() -> dict[str, str]:
+    """What the numbers were measured on."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": str(os.cpu_count()),
+        "load": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "os": f"{platform.system()} {platform.release()}",
+        "omp": os.environ.get("OMP_NUM_THREADS", "(unset)"),
+    }
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def rss_bytes() -> int:
+    """This process's resident set size now."""
+    pages = int(Path("/proc/self/statm").read_text().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+# --------------------------------------------------------------- resident tensor bytes
+
+
+def _local(t: Any) -> Any:
+    """The tensor that owns memory on this rank: a DTensor's local shard, else `t`."""
+    local = getattr(t, "_local_tensor", None)
+    return local if local is not None else t
+
+
+def tensors_in(obj: Any, depth: int = 4, _seen: set[int] | None = None) -> list[Any]:
+    """Every tensor reachable from `obj` through attributes, lists, tuples and dicts.
+
+    Bounded by `depth`; process groups, modules' methods and other non-data
+    objects are walked only through their `__dict__`/`__slots__`.
+    """
+    import torch
+
+    seen = _seen if _seen is not None else set()
+    if id(obj) in seen or depth < 0:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        found = [obj]
+        if obj.grad is not None:
+            found.append(obj.grad)
+        return found
+    if isinstance(obj, dict):
+        children: Iterable[Any] = list(obj.values())
+    elif isinstance(obj, list | tuple | set | frozenset):
+        children = list(obj)
+    elif isinstance(obj, torch.nn.Module):
+        children = [*obj.parameters(), *obj.buffers()]
+    else:
+        attrs = dict(getattr(obj, "__dict__", {}))
+        for cls in type(obj).__mro__:
+            for name in getattr(cls, "__slots__", ()):
+                if hasattr(obj, name):
+                    attrs[name] = getattr(obj, name)
+        children = attrs.values()
+    out: list[Any] = []
+    for child in children:
+        if child is None or isinstance(child, str | int | float | bool | bytes):
+            continue
+        out += tensors_in(child, depth - 1, seen)
+    return out
+
+
+def resident_bytes(groups: Sequence[tuple[str, Iterable[Any]]]) -> dict[str, int]:
+    """Bytes of storage per category, each storage counted once, by the first group naming it.
+
+    Order the groups from the most specific (optimizer state, gradients) to the
+    catch-all, since a flat buffer can be reachable from several of them.
+    """
+    counted: set[tuple[str, int]] = set()
+    out: dict[str, int] = {}
+    for category, tensors in groups:
+        total = 0
+        for t in tensors:
+            if t is None:
+                continue
+            storage = _local(t).untyped_storage()
+            key = (str(_local(t).device), storage.data_ptr())
+            if storage.nbytes() == 0 or key in counted:
+                continue
+            counted.add(key)
+            total += storage.nbytes()
+        out[category] = out.get(category, 0) + total
+    return out
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of every tensor storage alive in this process that Python can reach.
+
+    Unlike `resident_bytes`, it needs no idea of who holds what, so it also
+    counts tensors kept alive by accident (e.g. by a finished async
+    collective's work handle); storages held only inside C++ are missed.
+    """
+    import gc
+
+    import torch
+
+    gc.collect()
+    seen: set[tuple[str, int]] = set()
+    total = 0
+    for obj in gc.get_objects():
+        if not isinstance(obj, torch.Tensor) or obj.is_meta:
+            continue
+        storage = _local(obj).untyped_storage()
+        key = (str(_local(obj).device), storage.data_ptr())
+        if storage.nbytes() and key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total

@@ -252,27 +252,24 @@ def _collectives(
 def _tp_collectives(
     plan: Plan, gm: torch.fx.GraphModule, stage_of: dict[str, int], s: int, micro_steps: int
 ) -> list[Collective]:
-    """Tensor-parallel traffic: recorded by the tensor_parallel pass in node.meta."""
+    """Tensor-parallel traffic, as the tensor-parallel analysis recorded it in node.meta."""
     if plan.tp_axis is None or plan.tp == 1:
         return []
-    count, elements = 0, 0
+    totals: dict[str, list[int]] = {}
     for node in gm.graph.nodes:
         if stage_of.get(node.name) != s:
             continue
         for kind, numel in node.meta.get("parc_collectives", ()):
-            if kind == "all_reduce":
-                count += 1
-                elements += numel
-    if not count:
-        return []
+            entry = totals.setdefault(kind, [0, 0])
+            entry[0] += 1
+            entry[1] += numel
+    purpose = {
+        "all_reduce": "tensor-parallel partial sums, forward + backward",
+        "all_gather": "tensor-parallel gathers (fallbacks and local slices' backward)",
+    }
     return [
-        Collective(
-            "all_reduce",
-            plan.tp_axis,
-            count * micro_steps,
-            elements * micro_steps,
-            "tensor-parallel partial sums, forward + backward",
-        )
+        Collective(kind, plan.tp_axis, n * micro_steps, e * micro_steps, purpose.get(kind, ""))
+        for kind, (n, e) in sorted(totals.items())
     ]
 
 

@@ -9,6 +9,7 @@ unless real weights are asked for, so planning a large model allocates nothing.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -67,8 +68,10 @@ def analyse(
     batch: int | None = None,
     device: str | torch.device = "meta",
     seed: int = 0,
+    strict: bool = False,
 ) -> Analysis:
-    """Trace, shape-propagate at the micro-batch size, resolve and estimate."""
+    """Trace, shape-propagate at the micro-batch size, resolve, analyse tensor
+    parallelism (placements and collectives) and estimate."""
     spec = as_spec(spec)
     source = model if isinstance(model, ModelSource) else load_model(model)
     batch = batch if batch is not None else default_batch(spec)
@@ -80,5 +83,10 @@ def analyse(
     propagate_shapes(gm, inputs if isinstance(inputs, tuple | list) else (inputs,))
     plan = resolve(spec, built, gm, batch=batch)
     annotate_stages(gm, plan)
+    if plan.tp_axis is not None and plan.tp > 1:
+        from .passes.tp_analysis import analyse_tensor_parallel
+
+        found = analyse_tensor_parallel(gm, plan, spec, strict=strict)
+        plan = dataclasses.replace(plan, warnings=plan.warnings + tuple(found))
     saved = saved_tensors(gm, inputs if isinstance(inputs, tuple | list) else (inputs,))
     return Analysis(spec, source, built, gm, plan, estimate(plan, gm, built, saved), saved)

@@ -46,14 +46,13 @@ def compile(
     """
     source = model if isinstance(model, ModelSource) else load_model(model)
     # Built on the CPU from `seed`, exactly as a single-device run would build it.
-    analysis = analyse(as_spec(spec), source, batch=batch, device="cpu", seed=seed)
+    analysis = analyse(as_spec(spec), source, batch=batch, device="cpu", seed=seed, strict=strict)
     comm = build_comm(analysis.plan.mesh)
     return Program(
         assemble(
             analysis,
             comm,
             optimizer=optimizer or source.configure_optimizer,
-            strict=strict,
             bucket_elems=bucket_elems,
             device=device or device_for_rank(),
         )

@@ -19,10 +19,10 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from parc.compiler.output import write_outputs
     from parc.compiler.report import format_report, report_json
 
-    analysis = analyse(args.spec, args.model, batch=args.batch)
+    analysis = analyse(args.spec, args.model, batch=args.batch, strict=args.strict)
     if args.output:
         write_outputs(analysis, Path(args.output))
-        _write_rank_code(analysis, Path(args.output), args.strict)
+        _write_rank_code(analysis, Path(args.output))
     if args.timeline:
         write_timeline(analysis.plan, Path(args.timeline))
     if args.json:
@@ -42,11 +42,11 @@ def cmd_compile(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _write_rank_code(analysis: object, out: Path, strict: bool) -> None:
+def _write_rank_code(analysis: object, out: Path) -> None:
     from parc.compiler.output import write_atomic
     from parc.runtime.codegen import rank_code
 
-    for rank, code in rank_code(analysis, strict=strict).items():
+    for rank, code in rank_code(analysis).items():
         write_atomic(out / f"rank{rank}.py", code)
 
 

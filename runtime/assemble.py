@@ -46,13 +46,12 @@ def assemble(
     comm: Comm,
     *,
     optimizer: OptimizerFactory,
-    strict: bool,
     bucket_elems: int,
     device: torch.device,
 ) -> ProgramParts:
     plan, model = analysis.plan, analysis.model
     # Step 1
-    gm = _tensor_parallel(analysis, comm, strict)
+    gm = _tensor_parallel(analysis, comm)
     # Step 2
     stage = pipeline_split(gm, plan)[comm.index(AXIS_PP)]
     stage.gm.to(device)
@@ -102,14 +101,13 @@ def assemble(
     )
 
 
-def _tensor_parallel(analysis: Analysis, comm: Comm, strict: bool) -> torch.fx.GraphModule:
+def _tensor_parallel(analysis: Analysis, comm: Comm) -> torch.fx.GraphModule:
     plan = analysis.plan
     if plan.tp_axis is None or plan.tp == 1:
         return analysis.gm
     from parc.compiler.passes.tensor_parallel import tensor_parallel
-    from parc.compiler.passes.tp_analysis import analyse_tensor_parallel
 
-    analyse_tensor_parallel(analysis.gm, plan, analysis.spec, strict=strict)
+    # The front end analysed placements already (analyse(..., strict=...)).
     return tensor_parallel(analysis.gm, plan, tp_index=comm.index(plan.tp_axis))
 
 

@@ -24,7 +24,7 @@ from .collectives import Comm
 __all__ = ["rank_code"]
 
 
-def rank_code(analysis: Any, *, strict: bool = False) -> dict[int, str]:
+def rank_code(analysis: Any) -> dict[int, str]:
     """rank -> the Python source of its stage program, with a header and comments."""
     assert isinstance(analysis, Analysis)
     mesh = analysis.plan.mesh
@@ -38,7 +38,6 @@ def rank_code(analysis: Any, *, strict: bool = False) -> dict[int, str]:
             mine,
             comm,
             optimizer=lambda params: torch.optim.SGD(params, lr=0.0),
-            strict=strict,
             bucket_elems=DEFAULT_BUCKET_ELEMS,
             device=torch.device("meta"),
         )

@@ -79,6 +79,10 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
+    cos: torch.Tensor  # buffers: rotary tables and the causal mask
+    sin: torch.Tensor
+    mask: torch.Tensor
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         head_dim = cfg.dim // cfg.n_head

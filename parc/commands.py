@@ -164,3 +164,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from parc.demo import run_demo
 
     return run_demo(Path(args.out), steps=args.steps, batch=args.batch)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from parc.runtime.export import export_state_dict
+
+    path = export_state_dict(args.checkpoint, args.model, args.output)
+    print(f"wrote {path}: load it with build_model().load_state_dict(torch.load(path))")
+    return EXIT_OK

@@ -10,6 +10,7 @@ unless real weights are asked for, so planning a large model allocates nothing.
 from __future__ import annotations
 
 import dataclasses
+import gc
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -25,8 +26,8 @@ from .model import ModelSource, load_model
 from .passes.pipeline_split import annotate_stages
 from .plan import Plan
 from .resolve import check_batch, resolve
-from .saved import SavedTensors, saved_tensors
-from .trace import propagate_shapes, trace_model
+from .saved import SavedTensors, profile_forward
+from .trace import trace_model
 
 __all__ = ["Analysis", "analyse", "as_spec", "default_batch"]
 
@@ -70,9 +71,29 @@ def analyse(
     seed: int = 0,
     strict: bool = False,
 ) -> Analysis:
-    """Trace, shape-propagate at the micro-batch size, resolve, analyse tensor
-    parallelism (placements and collectives) and estimate."""
-    spec = as_spec(spec)
+    """Trace, profile one fake forward at the micro-batch size (shapes and saved
+    tensors), resolve, analyse tensor parallelism (placements and collectives)
+    and estimate."""
+    # The front end makes many small, long-lived objects (fx nodes and their
+    # metadata); the cyclic collector's full passes over them cost ~1 s for a
+    # 48-layer model and free nothing, so it waits until the end.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _analyse(as_spec(spec), model, batch, device, seed, strict)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _analyse(
+    spec: Spec,
+    model: str | Path | ModuleType | ModelSource,
+    batch: int | None,
+    device: str | torch.device,
+    seed: int,
+    strict: bool,
+) -> Analysis:
     source = model if isinstance(model, ModelSource) else load_model(model)
     batch = batch if batch is not None else default_batch(spec)
     batch_plan = check_batch(spec, batch)
@@ -80,7 +101,7 @@ def analyse(
     built = source.build(device=device)
     gm = trace_model(built)
     inputs, _ = source.batch(batch_plan.micro, 0)
-    propagate_shapes(gm, inputs if isinstance(inputs, tuple | list) else (inputs,))
+    saved = profile_forward(gm, inputs if isinstance(inputs, tuple | list) else (inputs,))
     plan = resolve(spec, built, gm, batch=batch)
     annotate_stages(gm, plan)
     if plan.tp_axis is not None and plan.tp > 1:
@@ -88,5 +109,4 @@ def analyse(
 
         found = analyse_tensor_parallel(gm, plan, spec, strict=strict)
         plan = dataclasses.replace(plan, warnings=plan.warnings + tuple(found))
-    saved = saved_tensors(gm, inputs if isinstance(inputs, tuple | list) else (inputs,))
     return Analysis(spec, source, built, gm, plan, estimate(plan, gm, built, saved), saved)

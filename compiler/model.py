@@ -12,11 +12,12 @@ Loading a model file runs it as Python code: only load files you trust.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import sys
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -57,6 +58,9 @@ class ModelSource:
         try:
             if device is None:
                 model = self.build_model()
+            elif torch.device(device).type == "meta":
+                with torch.device(device), _no_init():
+                    model = self.build_model()
             else:
                 with torch.device(device):
                     model = self.build_model()
@@ -114,6 +118,25 @@ class ModelSource:
         where = _user_frame(exc, self.path)
         at = f" at {where}" if where else ""
         return ModelError(f"{call} raised {type(exc).__name__}: {exc}{at}", file=self.path)
+
+
+@contextlib.contextmanager
+def _no_init() -> Iterator[None]:
+    """On the meta device there are no values to initialise: make torch.nn.init's
+    in-place initialisers no-ops (on meta they still cost ~1 s, importing dynamo)."""
+    names = [n for n in dir(torch.nn.init) if n.endswith("_") and not n.startswith("_")]
+    saved = {n: getattr(torch.nn.init, n) for n in names}
+    try:
+        for name in names:
+            setattr(torch.nn.init, name, _keep)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
+
+
+def _keep(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return tensor
 
 
 def _describe(value: object) -> str:

@@ -17,21 +17,14 @@ nothing and works on a model built on the `meta` device:
 
 from __future__ import annotations
 
-import contextlib
-import io
-import itertools
-import logging
 import os
 import re
-import sys
 import traceback
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.passes.shape_prop import ShapeProp
 
 from parc.errors import CompileError
 
@@ -139,48 +132,12 @@ def module_path(node: torch.fx.Node) -> tuple[str, ...]:
     return tuple(n for n in names if n)
 
 
-class _ShapeProp(ShapeProp):
-    """ShapeProp that reports the failing node as a CompileError."""
-
-    def run_node(self, n: torch.fx.Node) -> Any:
-        # ShapeProp prints the traceback of a failing node itself; the CLI must
-        # not show it (the CompileError's chain keeps it for --debug).
-        captured = io.StringIO()
-        try:
-            with contextlib.redirect_stderr(captured):
-                result = super().run_node(n)
-        except CompileError:
-            raise
-        except Exception as exc:
-            cause = exc.__cause__ if exc.__cause__ is not None else exc
-            raise CompileError(
-                f"running the model on its sample batch failed at node '{n.name}': "
-                f"{type(cause).__name__}: {cause}",
-                node=n.format_node(),
-                source=node_source(n),
-                hint="check that sample_batch returns inputs the model accepts",
-            ) from exc
-        sys.stderr.write(captured.getvalue())  # what the model itself printed
-        return result
-
-
 def propagate_shapes(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> None:
     """Record `node.meta["tensor_meta"]` (global shapes) for every node, allocating nothing.
 
-    A model built on the `meta` device gets its inputs on `meta` too: fake
-    tensors refuse to mix devices (a cpu input times a meta weight).
+    One fake forward (compiler/saved.py), which also works for a model built on
+    the `meta` device.
     """
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    on_meta = any(p.is_meta for p in itertools.chain(gm.parameters(), gm.buffers()))
-    fake_inputs = [
-        mode.from_tensor(t.to("meta") if on_meta else t) if isinstance(t, torch.Tensor) else t
-        for t in inputs
-    ]
-    # FakeTensor logs a failing op's traceback itself; the CompileError says it better.
-    log = logging.getLogger("torch._subclasses.fake_tensor")
-    level = log.level
-    log.setLevel(logging.CRITICAL)
-    try:
-        _ShapeProp(gm, fake_mode=mode).propagate(*fake_inputs)
-    finally:
-        log.setLevel(level)
+    from .saved import profile_forward
+
+    profile_forward(gm, inputs)

@@ -8,6 +8,7 @@ reported as an internal error (exit 3) and `--debug` shows where.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -127,5 +128,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INTERNAL
 
 
+def entry() -> None:
+    """The console script: `main`, then exit without interpreter teardown.
+
+    Tearing down torch's modules costs ~1 s of a `parc compile`, and torch + gloo
+    can abort during teardown after a correct run; everything parc writes is
+    flushed or closed by then.
+    """
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -35,7 +35,10 @@ __all__ = [
     "peak_rss_bytes",
     "resident_bytes",
     "rss_bytes",
+    "slowest_rank",
+    "spread",
     "tensors_in",
+    "timed_step",
 ]
 
 
@@ -49,6 +52,31 @@ def ms(seconds: float) -> str:
 
 def mib(n: float) -> str:
     return f"{n / 2**20:.2f} MiB"
+
+
+def spread(values: Sequence[float]) -> str:
+    """`median (min–max)` in milliseconds."""
+    return f"{ms(median(values))} ({ms(min(values))}–{ms(max(values))})"
+
+
+def timed_step(impl: Any, batch: tuple[Any, Any]) -> tuple[float, float, float]:
+    """Barrier, then `impl.step(*batch)` in a rank: wall seconds, CPU seconds, the loss.
+
+    CPU seconds cover every thread of the rank (gloo's included); waiting costs none.
+    """
+    import time
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    wall, cpu = time.perf_counter(), time.process_time()
+    loss = impl.step(*batch)
+    return time.perf_counter() - wall, time.process_time() - cpu, loss
+
+
+def slowest_rank(per_rank: Sequence[Sequence[float]]) -> list[float]:
+    """Per step, the largest of the ranks' values (a step ends when its slowest rank does)."""
+    return [max(values) for values in zip(*per_rank)]
 
 
 def md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

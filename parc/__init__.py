@@ -5,6 +5,8 @@ loss = program.step(inputs, targets)      # on every rank
 state = program.state_dict()              # the full, unsharded model
 """
 
+from typing import TYPE_CHECKING
+
 from parc.errors import (
     CompileError,
     ModelError,
@@ -25,6 +27,10 @@ __all__ = [
     "compile",
 ]
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from parc.api import compile
+    from parc.runtime.program import Program
 
 
 def __getattr__(name: str) -> object:

@@ -1,0 +1,459 @@
+"""Pipeline parallelism on 2 CPU ranks: parc next to torch.distributed.pipelining.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/pp.py                   # prints the section
+    OMP_NUM_THREADS=1 .venv/bin/python bench/pp.py --profile 1f1b    # cProfile, both ranks
+
+Every implementation trains examples/gpt.py at GPT_ENV (8 blocks, untied LM
+head) from the same initial weights (seed 0) on the same global batches with
+AdamW(lr=3e-4), split into the same two stages at the same block, with the
+same number of microbatches:
+
+    parc `mesh pp=2`, explicit stages,    PipelineStage on a stage module built
+    `microbatches 4`, `schedule gpipe`    from the same modules + ScheduleGPipe
+    ... `schedule 1f1b`                   ... + Schedule1F1B
+
+The native stage modules hold the model's own modules (embeddings and blocks
+0-3; blocks 4-7, ln_f and the LM head) and run the lines of `GPT.forward` that
+belong to their stage. The LM head is untied (GPT_TIE=0): a tied weight on two
+stages needs a gradient all-reduce between them that parc inserts and
+torch.distributed.pipelining leaves to the user; untied, both sides run the
+pipeline alone. Native schedules run with `return_outputs=False` (parc returns
+no logits either) and their default `scale_grads=True`, so both average the
+gradients over the microbatches as the single-device loss over the batch does.
+
+Method (as bench/dp.py): one case holds all four implementations and runs
+their steps in turn in the same ranks (parc gpipe, native gpipe, parc 1f1b,
+native 1f1b), a barrier before each; WARMUP steps, then STEPS timed ones; a
+step's time is its slowest rank's wall time; medians. Both sides return the
+global mean loss of every step (the last stage's microbatch losses summed over
+ranks by one all-reduce); they must agree at step 0.
+
+Idle fraction: in each rank the compute actions are timed (parc: the
+executor's `_forward` (stage forward + loss) and `_backward`; native: the
+stage's `forward_one_chunk` + the schedule's `_compute_loss`, and
+`backward_one_chunk`). Idle = 1 − busy / time per rank and step, over the
+rank's whole step (optimizer step and loss all-reduce included) and over the
+pipeline's span (the longest of the ranks' schedules: parc's `executor.run`,
+native's `schedule.step`), the figure to set next to the analytic bubble
+(p−1)/(m+p−1).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import ROOT, md_table, median, slowest_rank, spread, timed_step
+
+MODEL = ROOT / "examples" / "gpt.py"
+# ~300 ms of compute per rank-step on one thread: 4 blocks of width 256 per stage, 8 sequences
+# of 64 tokens in 4 microbatches of 2.
+GPT_ENV = {
+    "GPT_LAYERS": "8",
+    "GPT_DIM": "256",
+    "GPT_HEADS": "4",
+    "GPT_VOCAB": "256",
+    "GPT_SEQ": "64",
+    "GPT_TIE": "0",
+}
+WORLD = 2  # pp
+SPLIT = 4  # blocks [0, SPLIT) on stage 0, [SPLIT, GPT_LAYERS) on stage 1
+MICROBATCHES = 4
+BATCH = 8  # global: microbatches of 2
+LR = 3e-4
+WARMUP, STEPS = 3, 20
+TARGET_RATIO = 1.0  # parc's step time must not exceed the native one
+LOSS_RTOL = 1e-5  # DESIGN.md §7: fp32 losses of equivalent runs
+_CASE_TIMEOUT_S = 300.0
+
+__all__ = ["main"]
+
+
+class Schedule(str, Enum):
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+
+
+SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B)
+_NATIVE_NAME = {Schedule.GPIPE: "ScheduleGPipe", Schedule.ONE_F_ONE_B: "Schedule1F1B"}
+
+
+def _spec(schedule: Schedule) -> str:
+    last = int(GPT_ENV["GPT_LAYERS"])
+    return (
+        f"mesh pp={WORLD}\n"
+        f"stage wte, wpe, layers[0:{SPLIT}] -> 0\n"
+        f"stage layers[{SPLIT}:{last}], ln_f, lm_head -> 1\n"
+        f"microbatches {MICROBATCHES}\n"
+        f"schedule {schedule.value}\n"
+    )
+
+
+def analytic_bubble(p: int = WORLD, m: int = MICROBATCHES) -> float:
+    """GPipe's and 1F1B's idle fraction with equal stage times: (p−1)/(m+p−1)."""
+    return (p - 1) / (m + p - 1)
+
+
+# --------------------------------------------------------------------------- in a rank
+
+
+def _adamw(params: Any) -> Any:
+    import torch
+
+    return torch.optim.AdamW(params, lr=LR)
+
+
+def _source() -> Any:
+    os.environ.update(GPT_ENV)  # examples/gpt.py reads its size when building
+    from parc.compiler.model import load_model
+
+    return load_model(str(MODEL))
+
+
+@dataclass
+class _Clock:
+    """Seconds spent in compute actions and in the schedule during the current step."""
+
+    busy: float = 0.0
+    window: float = 0.0
+
+    def reset(self) -> None:
+        self.busy = self.window = 0.0
+
+    def time_method(self, obj: Any, name: str, *, field: str = "busy") -> None:
+        """Add the seconds spent in `obj.name(...)` to `field`: an instance attribute that
+        shadows the method for the callers that look it up through `obj`."""
+        fn: Callable[..., Any] = getattr(obj, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                setattr(self, field, getattr(self, field) + time.perf_counter() - start)
+
+        setattr(obj, name, timed)
+
+
+class _Parc:
+    def __init__(self, schedule: Schedule) -> None:
+        import parc
+
+        self.program = parc.compile(
+            _spec(schedule), _source(), batch=BATCH, seed=0, optimizer=_adamw
+        )
+        self.clock = _Clock()
+        executor = self.program.executor
+        self.clock.time_method(executor, "_forward")
+        self.clock.time_method(executor, "_backward")
+        self.clock.time_method(executor, "run", field="window")  # Program.step calls it
+
+    def step(self, x: Any, y: Any) -> float:
+        self.clock.reset()
+        return float(self.program.step(x, y))
+
+
+def _stage_module(model: Any, stage: int) -> Any:
+    """The model's modules of `stage`, running the lines of GPT.forward that belong to it."""
+    import torch
+
+    class FirstStage(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wte, self.wpe = model.wte, model.wpe
+            self.layers = torch.nn.ModuleList(model.layers[:SPLIT])
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            _B, T = idx.size()
+            pos = torch.arange(0, T, dtype=torch.long, device=idx.device)
+            x = self.wte(idx) + self.wpe(pos)
+            for block in self.layers:
+                x = block(x)
+            return x
+
+    class LastStage(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList(model.layers[SPLIT:])
+            self.ln_f, self.lm_head = model.ln_f, model.lm_head
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.layers:
+                x = block(x)
+            return self.lm_head(self.ln_f(x))
+
+    return FirstStage() if stage == 0 else LastStage()
+
+
+class _Native:
+    """torch.distributed.pipelining: a manual PipelineStage per rank and a schedule."""
+
+    def __init__(self, schedule: Schedule) -> None:
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        source = _source()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        torch.manual_seed(0)  # parc.compile builds from the same seed
+        module = _stage_module(source.build(), self.rank)
+        self.stage = PipelineStage(module, self.rank, self.world, torch.device("cpu"))
+        kind = ScheduleGPipe if schedule is Schedule.GPIPE else Schedule1F1B
+        self.schedule = kind(self.stage, n_microbatches=MICROBATCHES, loss_fn=source.loss_fn)
+        self.opt = _adamw(module.parameters())
+        self.clock = _Clock()
+        self.clock.time_method(self.stage, "forward_one_chunk")
+        self.clock.time_method(self.stage, "backward_one_chunk")
+        self.clock.time_method(self.schedule, "_compute_loss")
+
+    def step(self, x: Any, y: Any) -> float:
+        import torch
+        import torch.distributed as dist
+
+        self.clock.reset()
+        self.opt.zero_grad()
+        losses: list[Any] = []
+        start = time.perf_counter()
+        if self.rank == 0:
+            self.schedule.step(x, return_outputs=False)
+        else:
+            self.schedule.step(target=y, losses=losses, return_outputs=False)
+        self.clock.window = time.perf_counter() - start
+        self.opt.step()
+        total = torch.tensor([float(sum(float(v) for v in losses))], dtype=torch.float64)
+        dist.all_reduce(total)  # as parc: the last stage's losses, summed over ranks
+        return float(total.item()) / MICROBATCHES
+
+
+_SIDES = tuple((f"{side} {s.value}", side, s) for s in SCHEDULES for side in ("parc", "native"))
+
+
+def _build(side: str, schedule: Schedule) -> Any:
+    return _Parc(schedule) if side == "parc" else _Native(schedule)
+
+
+def _batches() -> list[Any]:
+    source = _source()
+    return [source.batch(BATCH, s) for s in range(WARMUP + STEPS)]
+
+
+def time_all() -> dict[str, Any]:
+    """Case: the four implementations, steps in turn; times, busy times, losses."""
+    impls = {name: _build(side, s) for name, side, s in _SIDES}
+    keys = ("wall", "cpu", "losses", "busy", "window")
+    out: dict[str, Any] = {name: {k: [] for k in keys} for name in impls}
+    for batch in _batches():
+        for name, impl in impls.items():
+            wall, cpu, loss = timed_step(impl, batch)
+            rec = out[name]
+            rec["wall"].append(wall)
+            rec["cpu"].append(cpu)
+            rec["losses"].append(loss)
+            rec["busy"].append(impl.clock.busy)
+            rec["window"].append(impl.clock.window)
+    return out
+
+
+def profile_pair(schedule: Schedule, steps: int) -> str:
+    """Case: cProfile `steps` steps of parc and native on every rank; the top entries."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch.distributed as dist
+
+    sides = {side: _build(side, schedule) for side in ("parc", "native")}
+    batches = _batches()
+    report = io.StringIO()
+    profilers = {name: cProfile.Profile() for name in sides}
+    for i, batch in enumerate(batches[: WARMUP + steps]):
+        for name, impl in sides.items():  # alternating, so load hits both alike
+            if i < WARMUP:
+                timed_step(impl, batch)
+                continue
+            dist.barrier()
+            profilers[name].enable()
+            impl.step(*batch)
+            profilers[name].disable()
+    for name, profiler in profilers.items():
+        report.write(f"\n===== rank {dist.get_rank()}: {name} {schedule.value}, {steps} steps\n")
+        stats = pstats.Stats(profiler, stream=report)
+        stats.sort_stats("cumulative").print_stats(30)
+        stats.sort_stats("tottime").print_stats(15)
+    return report.getvalue()
+
+
+# --------------------------------------------------------------------------- in the owner
+
+
+def _per_step(ranks: list[dict[str, Any]], name: str, kind: str) -> list[float]:
+    return slowest_rank([r[name][kind][WARMUP:] for r in ranks])
+
+
+def _loss_check(ranks: list[dict[str, Any]], parc: str, native: str) -> str:
+    a, b = ranks[0][parc]["losses"], ranks[0][native]["losses"]
+    rel = [abs(x - y) / abs(y) for x, y in zip(a, b)]
+    verdict = "agree" if rel[0] <= LOSS_RTOL else f"DIFFER (rtol {LOSS_RTOL:.0e})"
+    return f"{a[0]:.6f} / {b[0]:.6f}, {verdict}; all {len(a)} steps within {max(rel):.0e}"
+
+
+def _time_table(ranks: list[dict[str, Any]]) -> str:
+    rows = []
+    for s in SCHEDULES:
+        p, n = f"parc {s.value}", f"native {s.value}"
+        parc, native = _per_step(ranks, p, "wall"), _per_step(ranks, n, "wall")
+        ratio = median(parc) / median(native)
+        paired = median(a / b for a, b in zip(parc, native))
+        cpu = median(_per_step(ranks, p, "cpu")) / median(_per_step(ranks, n, "cpu"))
+        rows.append(
+            [
+                f"`schedule {s.value}` vs {_NATIVE_NAME[s]}",
+                spread(parc),
+                spread(native),
+                f"{ratio:.2f}",
+                f"{paired:.2f}",
+                f"{cpu:.2f}",
+                f"≤ {TARGET_RATIO:.1f}: {'met' if ratio <= TARGET_RATIO else 'missed'}",
+                _loss_check(ranks, p, n),
+            ]
+        )
+    header = [
+        "schedule",
+        "parc step: median (range)",
+        "native step",
+        "parc/native",
+        "paired",
+        "CPU",
+        "target",
+        "loss at step 0: parc / native",
+    ]
+    return md_table(header, rows)
+
+
+def _idle(ranks: list[dict[str, Any]], name: str, over: str) -> list[float]:
+    """Per rank, the median over the timed steps of 1 − busy / `over`.
+
+    over="wall": the rank's own step. over="span": the pipeline's span, the longest
+    of the ranks' schedules in that step (they start together after the barrier), so
+    a rank that leaves the schedule early is counted idle until the pipeline ends.
+    """
+    recs = [r[name] for r in ranks]
+    spans = slowest_rank([rec["window"][WARMUP:] for rec in recs])
+    out = []
+    for rec in recs:
+        total = rec["wall"][WARMUP:] if over == "wall" else spans
+        out.append(median(1 - b / t for b, t in zip(rec["busy"][WARMUP:], total)))
+    return out
+
+
+def _outside_schedule(rank: dict[str, Any], name: str) -> float:
+    """Median seconds of a step spent outside the pipeline schedule on one rank."""
+    rec = rank[name]
+    return median(w - s for w, s in zip(rec["wall"][WARMUP:], rec["window"][WARMUP:]))
+
+
+def _idle_table(ranks: list[dict[str, Any]]) -> str:
+    rows = []
+    for name, _side, _schedule in _SIDES:
+        step, window = _idle(ranks, name, "wall"), _idle(ranks, name, "span")
+        busy = [median(r[name]["busy"][WARMUP:]) for r in ranks]
+        tail = [_outside_schedule(r, name) for r in ranks]
+        rows.append(
+            [
+                name,
+                " / ".join(f"{b * 1e3:.1f} ms" for b in busy),
+                " / ".join(f"{t * 1e3:.1f} ms" for t in tail),
+                " / ".join(f"{x:.1%}" for x in step),
+                f"{sum(step) / len(step):.1%}",
+                " / ".join(f"{x:.1%}" for x in window),
+                f"{sum(window) / len(window):.1%}",
+                f"{analytic_bubble():.1%}",
+            ]
+        )
+    header = [
+        "implementation",
+        "busy per step: rank 0 / 1",
+        "step − schedule: rank 0 / 1",
+        "idle over the step: rank 0 / 1",
+        "mean",
+        "idle over the pipeline span: rank 0 / 1",
+        "mean",
+        "analytic bubble (p−1)/(m+p−1)",
+    ]
+    return md_table(header, rows)
+
+
+def _measure() -> list[dict[str, Any]]:
+    from parc.runtime.pool import WorkerPool
+
+    with WorkerPool(WORLD, timeout=_CASE_TIMEOUT_S) as pool:
+        print("pp: timing gpipe and 1f1b, parc and native", file=sys.stderr, flush=True)
+        return pool.run(time_all)
+
+
+def main() -> str:
+    """Run the measurements; return the markdown section for bench/RESULTS.md."""
+    load = os.getloadavg()[0]
+    ranks = _measure()
+    size = " ".join(f"{k}={v}" for k, v in GPT_ENV.items())
+    last = int(GPT_ENV["GPT_LAYERS"])
+    return "\n\n".join(
+        [
+            "## Pipeline parallelism: parc vs torch.distributed.pipelining (pp=2, gloo)",
+            f"Model `examples/gpt.py` with `{size}` (untied LM head: see `bench/pp.py`), "
+            f"global batch {BATCH} in {MICROBATCHES} microbatches of {BATCH // MICROBATCHES}, "
+            f"AdamW(lr={LR}) on both sides, one thread per rank. Stage 0: `wte`, `wpe`, "
+            f"`layers[0:{SPLIT}]`; stage 1: `layers[{SPLIT}:{last}]`, `ln_f`, `lm_head`. parc: "
+            f"`mesh pp=2`, those two `stage` lines, `microbatches {MICROBATCHES}`, `schedule "
+            "gpipe|1f1b`. Native: `PipelineStage` on a module holding the same modules, "
+            "`ScheduleGPipe` / `Schedule1F1B` with the same microbatches "
+            "(`return_outputs=False`). The four run their steps in turn in the same ranks, "
+            f"a barrier before each; {WARMUP} warm-up steps, then {STEPS} timed ones; a step's "
+            "time is its slowest rank's. Ratios are parc/native, lower is better: "
+            "*parc/native* divides the median wall times (the target's measure); *paired* "
+            "is the median of per-step ratios; *CPU* divides the median CPU seconds per step "
+            f"of a rank (all threads). 1-minute load average before the run: {load:.2f} on "
+            f"{os.cpu_count()} cores.",
+            _time_table(ranks),
+            "Pipeline idle, measured: each rank times its compute actions (parc: the "
+            "executor's `_forward`, which includes the loss on the last stage, and "
+            "`_backward`; native: `forward_one_chunk` + `_compute_loss` and "
+            "`backward_one_chunk`). Idle = 1 − busy / time, per rank, the median over the "
+            "timed steps. *Over the step*: the rank's whole step (batch slicing, optimizer "
+            "step and the loss all-reduce count as idle). *Over the pipeline span*: the "
+            "longest of the ranks' schedules in that step (parc: `executor.run`; native: "
+            "`schedule.step`; both ranks start them together after the barrier), so the "
+            "mean over ranks is the figure to set next to the analytic bubble of a pipeline "
+            "whose stages take equal time. *step − schedule*: the rest of a rank's step "
+            "(batch slicing, gradient checks, the optimizer step, the loss all-reduce and "
+            "waiting in it for the other rank).",
+            _idle_table(ranks),
+            "Reproduce: `OMP_NUM_THREADS=1 .venv/bin/python bench/pp.py`; "
+            "`... bench/pp.py --profile gpipe|1f1b` prints a cProfile of both sides per rank.",
+        ]
+    )
+
+
+def _profile(which: str) -> None:
+    from parc.runtime.pool import WorkerPool
+
+    with WorkerPool(WORLD, timeout=_CASE_TIMEOUT_S) as pool:
+        for text in pool.run(profile_pair, Schedule(which), 5):
+            print(text)
+
+
+if __name__ == "__main__":
+    # Cases must pickle as `pp.<name>`, importable in the ranks, not as `__main__.<name>`.
+    import pp
+
+    if "--profile" in sys.argv:
+        pp._profile(sys.argv[sys.argv.index("--profile") + 1])
+    else:
+        print(pp.main())

@@ -44,6 +44,7 @@ import torch.fx
 
 from ..plan import Plan
 from .functional import emit_conversion, emit_lowered, local_meta, local_slice, where_from
+from .pipeline_split import STAGE_META
 from .placement import Conversion, NodeRewrite, ParamUse, SizeOp
 from .tp_analysis import analyse_tensor_parallel
 from .tp_shapes import get_path, set_path
@@ -90,12 +91,23 @@ class _Rewriter:
         self.gm, self.axis, self.tp, self.index = gm, axis, tp, index
         self.graph = torch.fx.Graph()
         self.env: dict[torch.fx.Node, torch.fx.Node] = {}
-        self.converted: dict[tuple[str, Conversion], torch.fx.Node] = {}
-        self.sized: dict[tuple[str, SizeOp], torch.fx.Node] = {}
+        self.converted: dict[tuple[str, Conversion, Any], torch.fx.Node] = {}
+        self.sized: dict[tuple[str, SizeOp, Any], torch.fx.Node] = {}
         self.root: dict[str, Any] = {}
         self.by_name = {node.name: node for node in gm.graph.nodes}
 
     def copy(self, node: torch.fx.Node) -> None:
+        """Copy `node`; every node made for it (conversions of its inputs, its
+        functional form, size fixes) belongs to its pipeline stage."""
+        before = set(self.graph.nodes)
+        self._copy(node)
+        stage = node.meta.get(STAGE_META)
+        if stage is not None:
+            for made in self.graph.nodes:
+                if made not in before:
+                    made.meta[STAGE_META] = stage
+
+    def _copy(self, node: torch.fx.Node) -> None:
         rewrite: NodeRewrite = node.meta.get("parc_tp_rewrite") or NodeRewrite()
         inputs = {name: self._convert(name, steps, node) for name, steps in rewrite.converts}
         if rewrite.lowering is not None:
@@ -147,7 +159,8 @@ class _Rewriter:
         old = self.by_name[name]
         value = self.env[old]
         for i, step in enumerate(steps):
-            key = (name, steps[: i + 1])
+            # Per stage: a value converted on one pipeline stage is not reused on another.
+            key = (name, steps[: i + 1], consumer.meta.get(STAGE_META))
             if key not in self.converted:
                 meta = old.meta.get("tensor_meta")
                 grad = bool(old.meta.get("parc_tp_grad", True))
@@ -162,7 +175,7 @@ class _Rewriter:
         """Step 4: make one size argument of `new` local (or global)."""
         value = get_path(new.args, dict(new.kwargs), path)
         if isinstance(value, torch.fx.Node):
-            key = (value.name, op)
+            key = (value.name, op, new.meta.get(STAGE_META))
             if key not in self.sized:
                 with self.graph.inserting_before(new):
                     self.sized[key] = self.graph.call_function(_SIZE_OPS[op], (value, self.tp))

@@ -119,6 +119,9 @@ def measure_resident(spec_text: str, model: str, env: dict[str, str], batch: int
     from parc.api import compile as parc_compile
     from parc.compiler.model import load_model
 
+    gc.collect()
+    # Storages alive before the case (earlier cases' caches in this worker) are not ours.
+    before = {t.untyped_storage().data_ptr() for t in _real_tensors()}
     with model_env(env):
         source = load_model(model)
         program = parc_compile(spec_text, source, batch=batch)
@@ -134,12 +137,7 @@ def measure_resident(spec_text: str, model: str, env: dict[str, str], batch: int
         ]
         del source
         gc.collect()
-        # Fake tensors (shape analysis leftovers) hold no memory.
-        live = [
-            o
-            for o in gc.get_objects()
-            if isinstance(o, torch.Tensor) and not isinstance(o, FakeTensor)
-        ]
+        live = [t for t in _real_tensors() if t.untyped_storage().data_ptr() not in before]
         counters = [
             t
             for state in program.optimizer.state.values()
@@ -154,6 +152,13 @@ def measure_resident(spec_text: str, model: str, env: dict[str, str], batch: int
             "grads": _unique_bytes(grads),
             "optimizer": _unique_bytes(states),
         }
+
+
+def _real_tensors() -> list[torch.Tensor]:
+    """Every tensor Python can reach; fake tensors (shape analysis leftovers) hold no memory."""
+    return [
+        o for o in gc.get_objects() if isinstance(o, torch.Tensor) and not isinstance(o, FakeTensor)
+    ]
 
 
 def _unique_bytes(tensors: list[torch.Tensor]) -> int:

@@ -161,8 +161,9 @@ def test_broken_model_file_is_a_clear_error(case: Broken) -> None:
 
 def test_there_are_at_least_ten_broken_model_files() -> None:
     assert len(BROKEN) >= 10
-    on_disk = {p.name for p in MODELS.glob("*.py")} - {"custom_ok.py"}
-    assert on_disk == {case.file for case in BROKEN}
+    # Other test files add models of their own (working ones, and run-time faults).
+    on_disk = {p.name for p in MODELS.glob("*.py")}
+    assert {case.file for case in BROKEN} <= on_disk
 
 
 def test_model_error_header_names_the_file() -> None:

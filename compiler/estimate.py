@@ -2,7 +2,9 @@
 
 Reads a shape-propagated graph traced at the micro-batch size (so activation
 bytes are per microbatch) and the parameter layout of compiler/layout.py, which
-the runtime follows too.
+the runtime follows too. Activation bytes come from compiler/activations.py
+(tensor-parallel slices, recomputed regions), traffic from compiler/traffic.py,
+bytes per parameter from compiler/memory_model.py (the model file's optimizer).
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from parc.dsl.ast import AXIS_DP, AXIS_PP, ScheduleKind
+from parc.dsl.ast import AXIS_PP, ScheduleKind
 
-from .cost import NodeCost, node_costs, output_numel
+from .activations import StageActivations, stage_activations
+from .cost import NodeCost, node_costs
 from .layout import (
     DEFAULT_BUCKET_ELEMS,
     FlatUnit,
@@ -25,47 +28,59 @@ from .layout import (
     param_slices,
     stage_params,
 )
+from .memory_model import ADAMW, MemoryModel
+from .passes.placement import Partial, Shard
 from .plan import Plan
+from .recompute_cost import forward_tp_collectives, param_readers
 from .saved import SavedTensors
-from .stages import activation_nodes
+from .traffic import Collective, StageTraffic, stage_collectives
 
-__all__ = ["Collective", "Estimate", "RankMemory", "StageCost", "estimate", "stage_units"]
-
-ADAMW_STATES = 2  # exp_avg and exp_avg_sq, each the size of the parameter
+__all__ = [
+    "Collective",
+    "Estimate",
+    "RankMemory",
+    "StageCost",
+    "estimate",
+    "resident_elements",
+    "stage_units",
+    "transient_elements",
+]
 
 
 @dataclass(frozen=True, slots=True)
 class StageCost:
     stage: int
     params: int  # parameters (elements) of the stage before tensor-parallel slicing
-    flops_per_sample: int  # forward + backward
-    activation_bytes: int  # per microbatch, at one rank (tensor-parallel slices counted)
+    # forward + backward, plus the forward of recomputed regions once more
+    flops_per_sample: int
+    activation_bytes: int  # stored per microbatch, at one rank (tensor-parallel slices counted)
+    recompute_bytes: int = 0  # held at once while the largest recomputed region runs again
+    rank_flops_per_sample: int = 0  # at one rank: tensor-parallel ops do 1/tp of the work
 
 
 @dataclass(frozen=True, slots=True)
 class RankMemory:
-    """Bytes resident on one rank after a step (activations at their peak)."""
+    """Bytes resident on one rank after a step (activations at their peak).
+
+    `buffers` are transient collective buffers on top of `total` (ZeRO's full
+    gradient buckets before their reduce-scatter, a gathered ZeRO-3 unit and its
+    gradient, the largest tensor-parallel message); `peak` adds them.
+    """
 
     rank: int
     params: int
     grads: int
     optimizer: int
     activations: int
+    buffers: int = 0
 
     @property
     def total(self) -> int:
         return self.params + self.grads + self.optimizer + self.activations
 
-
-@dataclass(frozen=True, slots=True)
-class Collective:
-    """Collectives of one kind over one axis, per training step, seen from one rank."""
-
-    kind: str
-    axis: str
-    count: int
-    elements: int
-    purpose: str
+    @property
+    def peak(self) -> int:
+        return self.total + self.buffers
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +90,7 @@ class Estimate:
     collectives: tuple[tuple[int, tuple[Collective, ...]], ...]  # per pp stage
     bubble: float
     in_flight: tuple[int, ...] = field(default=())
+    memory_model: MemoryModel = ADAMW
 
 
 def _in_flight(plan: Plan, stage: int) -> int:
@@ -92,41 +108,66 @@ def estimate(
     saved: SavedTensors,
     *,
     bucket_elems: int = DEFAULT_BUCKET_ELEMS,
+    memory: MemoryModel = ADAMW,
 ) -> Estimate:
     """Per-stage costs, memory for every rank, and collectives per stage.
 
-    Bytes held per rank (fp32), with N the rank's local parameter elements and
-    P = Σ units padded to a multiple of dp:
-        zero 0: params N, grads N, AdamW 2N
-        zero 1: params P (flat buffer), grads P, AdamW 2P/dp
-        zero 2: params P, grads P/dp, AdamW 2P/dp
-        zero 3: params P/dp, grads P/dp, AdamW 2P/dp
+    Bytes held per rank, with N the rank's local parameter elements, P = Σ
+    units padded to a multiple of dp, and p, g, o the bytes per element of
+    parameters, gradients and optimizer memory (fp32 AdamW: 4, 4, 8):
+        zero 0: params N·p, grads N·g, optimizer N·o
+        zero 1: params P·p (flat buffer), grads P·g, optimizer P·o/dp
+        zero 2: params P·p, grads P·g/dp, optimizer P·o/dp
+        zero 3: params P·p/dp, grads P·g/dp, optimizer P·o/dp
     """
     costs = node_costs(gm)
     stage_of = plan.stage_of()
     per_stage = stage_params(plan, gm, model)
     canonical = canonical_names(model)
-    saved_params = {canonical.get(n, n) for n in saved.params}
-    stages, memory, comms = [], [], []
+    activations = stage_activations(plan, gm, saved)
+    regions = _regions(plan, gm)
+    readers = param_readers(gm, canonical) if plan.zero == 3 else {}
+    forward_tp = forward_tp_collectives(gm) if regions and plan.tp > 1 else {}
+    saved_params = frozenset(canonical.get(n, n) for n in saved.params)
+    split = _split_nodes(plan, gm)
+    stages, ranks, comms = [], [], []
     for s in range(plan.pp):
         units, n_local, tied = stage_units(plan, model, per_stage, s, bucket_elems)
-        stages.append(_stage_cost(costs, saved, stage_of, s, per_stage[s], model, plan))
-        p, g, o = _resident(plan.zero, n_local, units)
-        held = _stage_activation_bytes(gm, saved, stage_of, s, plan.tp) * _in_flight(plan, s)
+        act = activations[s]
+        stages.append(
+            _stage_cost(costs, act, stage_of, regions, split, s, per_stage[s], model, plan)
+        )
+        traffic = StageTraffic(s, units, tied, saved_params, regions, readers, forward_tp)
+        comms.append((s, stage_collectives(plan, gm, traffic)))
+        mem = _rank_memory(plan, n_local, units, act, _in_flight(plan, s), memory, comms[-1][1])
         for rank in range(plan.mesh.world_size):
             if plan.mesh.coords(rank).get(AXIS_PP, 0) == s:
-                memory.append(RankMemory(rank, 4 * p, 4 * g, 4 * o, held))
-        comms.append((s, _collectives(plan, gm, stage_of, s, units, saved_params, tied)))
-    memory.sort(key=lambda m: m.rank)
+                ranks.append(RankMemory(rank, *mem))
+    ranks.sort(key=lambda m: m.rank)
     p, m = plan.pp, plan.microbatches
     bubble = (p - 1) / (m + p - 1) if p > 1 else 0.0
-    return Estimate(
-        tuple(stages),
-        tuple(memory),
-        tuple(comms),
-        bubble,
-        tuple(_in_flight(plan, s) for s in range(plan.pp)),
-    )
+    in_flight = tuple(_in_flight(plan, s) for s in range(plan.pp))
+    return Estimate(tuple(stages), tuple(ranks), tuple(comms), bubble, in_flight, memory)
+
+
+def _split_nodes(plan: Plan, gm: torch.fx.GraphModule) -> frozenset[str]:
+    """Nodes whose work a tensor-parallel rank does 1/tp of (sharded or partial outputs)."""
+    if plan.tp == 1:
+        return frozenset()
+
+    def split(place: object) -> bool:
+        places = place if isinstance(place, tuple) else (place,)
+        return any(isinstance(p, Shard | Partial) for p in places)
+
+    return frozenset(n.name for n in gm.graph.nodes if split(n.meta.get("parc_tp")))
+
+
+def _regions(plan: Plan, gm: torch.fx.GraphModule) -> dict[str, str]:
+    if not plan.recompute:
+        return {}
+    from .passes.recompute import recompute_regions
+
+    return recompute_regions(gm, plan.recompute)
 
 
 def stage_units(
@@ -145,189 +186,85 @@ def stage_units(
     return units, sum(n for _, n, _ in local), tied
 
 
-def _resident(zero: int, n_local: int, units: tuple[FlatUnit, ...]) -> tuple[int, int, int]:
-    """Elements of parameters, gradients and AdamW state one rank holds between steps."""
+def resident_elements(zero: int, n_local: int, padded: int, shard: int) -> tuple[int, int, int]:
+    """Elements of parameters, gradients and optimizer memory one rank holds between steps."""
+    if zero == 0:
+        return n_local, n_local, n_local
+    if zero == 1:
+        return padded, padded, shard
+    if zero == 2:
+        return padded, shard, shard
+    return shard, shard, shard
+
+
+def transient_elements(zero: int, padded: int, shard: int, largest_unit: int) -> tuple[int, int]:
+    """(parameter, gradient) elements of transient dp buffers at the backward peak.
+
+    zero 1: the reduce-scattered shards wait in their own buffers until the step;
+    zero 2: the full gradient buckets exist during backward too (freed after their
+    reduce-scatter), so its peak is zero 1's; zero 3: one gathered unit and its
+    full gradient before the reduce-scatter.
+    """
+    if zero == 1:
+        return 0, shard
+    if zero == 2:
+        return 0, padded
+    if zero == 3:
+        return largest_unit, largest_unit
+    return 0, 0
+
+
+def _rank_memory(
+    plan: Plan,
+    n_local: int,
+    units: tuple[FlatUnit, ...],
+    act: StageActivations,
+    in_flight: int,
+    memory: MemoryModel,
+    comms: tuple[Collective, ...],
+) -> tuple[int, int, int, int, int]:
     padded = sum(u.padded for u in units)
     shard = sum(u.shard for u in units)
-    if zero == 0:
-        return n_local, n_local, ADAMW_STATES * n_local
-    if zero == 1:
-        return padded, padded, ADAMW_STATES * shard
-    if zero == 2:
-        return padded, shard, ADAMW_STATES * shard
-    return shard, shard, ADAMW_STATES * shard
+    p, g, o = resident_elements(plan.zero, n_local, padded, shard)
+    largest = max((u.padded for u in units), default=0)
+    tp, tg = transient_elements(plan.zero if plan.dp > 1 else 0, padded, shard, largest)
+    per_call = [c.elements // c.count for c in comms if c.axis == plan.tp_axis and c.count]
+    message = max(per_call, default=0) * 4  # fp32 activations: a tensor-parallel result
+    return (
+        p * memory.param_bytes,
+        g * memory.grad_bytes,
+        o * memory.optimizer_bytes,
+        int(act.held(in_flight) * memory.activation_scale),
+        tp * memory.param_bytes + tg * memory.grad_bytes + int(message * memory.activation_scale),
+    )
 
 
 def _stage_cost(
     costs: dict[str, NodeCost],
-    saved: SavedTensors,
+    act: StageActivations,
     stage_of: dict[str, int],
+    regions: dict[str, str],
+    split: frozenset[str],
     s: int,
     names: list[str],
     model: torch.nn.Module,
     plan: Plan,
 ) -> StageCost:
-    fwd = sum(c.flops for n, c in costs.items() if stage_of.get(n) == s)
+    nodes = [n for n, c in costs.items() if stage_of.get(n) == s]
+    fwd = sum(costs[n].flops for n in nodes)
+    again = sum(costs[n].flops for n in nodes if n in regions)
+    rank_fwd = sum(costs[n].flops // plan.tp if n in split else costs[n].flops for n in nodes)
+    rank_again = sum(
+        costs[n].flops // plan.tp if n in split else costs[n].flops for n in nodes if n in regions
+    )
     micro = max(1, plan.batch.micro)
     shapes = dict(model.named_parameters())
-    act = sum(b for n, b in saved.node_bytes.items() if stage_of.get(n) == s)
     params = sum(shapes[n].numel() for n in names if n in shapes)
-    return StageCost(s, params, 3 * fwd // micro, act)
-
-
-def _stage_activation_bytes(
-    gm: torch.fx.GraphModule,
-    saved: SavedTensors,
-    stage_of: dict[str, int],
-    s: int,
-    tp: int,
-) -> int:
-    """Bytes saved for backward by the stage's nodes per microbatch; tp slices divided."""
-    sharded = {n.name for n in gm.graph.nodes if n.meta.get("parc_sharded", False)}
-    total = 0
-    for name, bytes_ in saved.node_bytes.items():
-        if stage_of.get(name) == s:
-            total += bytes_ // tp if name in sharded else bytes_
-    return total
-
-
-def _collectives(
-    plan: Plan,
-    gm: torch.fx.GraphModule,
-    stage_of: dict[str, int],
-    s: int,
-    units: tuple[FlatUnit, ...],
-    saved_params: set[str],
-    tied_names: frozenset[str],
-) -> tuple[Collective, ...]:
-    out: list[Collective] = []
-    micro_steps = plan.microbatches * plan.grad_accum
-    if plan.dp > 1 and units:
-        numel = sum(u.numel for u in units)
-        padded = sum(u.padded for u in units)
-        n = len(units)
-        if plan.zero == 0:
-            out.append(Collective("all_reduce", AXIS_DP, n, numel, "gradient average"))
-        elif plan.zero in (1, 2):
-            out.append(Collective("reduce_scatter", AXIS_DP, n, padded, "gradient shards"))
-            out.append(Collective("all_gather", AXIS_DP, n, padded, "updated parameters"))
-        else:
-            # Backward gathers again only the units whose parameters autograd saved.
-            again = [u for u in units if any(p in saved_params for p in u.params)]
-            gathers = (n + len(again)) * micro_steps
-            gathered = (padded + sum(u.padded for u in again)) * micro_steps
-            out.append(
-                Collective(
-                    "all_gather",
-                    AXIS_DP,
-                    gathers,
-                    gathered,
-                    "parameters: forward, and again in backward",
-                )
-            )
-            out.append(
-                Collective(
-                    "reduce_scatter",
-                    AXIS_DP,
-                    n * micro_steps,
-                    padded * micro_steps,
-                    "gradient shards",
-                )
-            )
-    out.extend(_tp_collectives(plan, gm, stage_of, s, micro_steps))
-    out.extend(_pp_collectives(plan, gm, stage_of, s, micro_steps))
-    tied = [u for u in units if any(p in tied_names for p in u.params)]
-    if tied:
-        size = {0: sum(u.numel for u in tied), 3: sum(u.shard for u in tied)}.get(
-            plan.zero, sum(u.padded for u in tied)
-        )
-        out.append(
-            Collective(
-                "all_reduce", AXIS_PP, len(tied), size, "gradients of weights tied across stages"
-            )
-        )
-    return tuple(out)
-
-
-def _tp_collectives(
-    plan: Plan, gm: torch.fx.GraphModule, stage_of: dict[str, int], s: int, micro_steps: int
-) -> list[Collective]:
-    """Tensor-parallel traffic, as the tensor-parallel analysis recorded it in node.meta."""
-    if plan.tp_axis is None or plan.tp == 1:
-        return []
-    totals: dict[str, list[int]] = {}
-    for node in gm.graph.nodes:
-        if stage_of.get(node.name) != s:
-            continue
-        for kind, numel in node.meta.get("parc_collectives", ()):
-            entry = totals.setdefault(kind, [0, 0])
-            entry[0] += 1
-            entry[1] += numel
-    purpose = {
-        "all_reduce": "tensor-parallel partial sums, forward + backward",
-        "all_gather": "tensor-parallel gathers (fallbacks and local slices' backward)",
-    }
-    return [
-        Collective(kind, plan.tp_axis, n * micro_steps, e * micro_steps, purpose.get(kind, ""))
-        for kind, (n, e) in sorted(totals.items())
-    ]
-
-
-def _pp_collectives(
-    plan: Plan, gm: torch.fx.GraphModule, stage_of: dict[str, int], s: int, micro_steps: int
-) -> list[Collective]:
-    if plan.pp == 1:
-        return []
-    acts = activation_nodes(gm)
-    sent = {
-        n.name: output_numel(n)
-        for n in gm.graph.nodes
-        if n.name in acts and stage_of[n.name] == s and any(stage_of[u.name] > s for u in n.users)
-    }
-    received = {
-        a.name: output_numel(a)
-        for n in gm.graph.nodes
-        if stage_of[n.name] == s
-        for a in n.all_input_nodes
-        if a.name in acts and stage_of[a.name] < s
-    }
-    out = []
-    if sent:
-        out.append(
-            Collective(
-                "send",
-                AXIS_PP,
-                len(sent) * micro_steps,
-                sum(sent.values()) * micro_steps,
-                "activations forward",
-            )
-        )
-        out.append(
-            Collective(
-                "recv",
-                AXIS_PP,
-                len(sent) * micro_steps,
-                sum(sent.values()) * micro_steps,
-                "gradients backward",
-            )
-        )
-    if received:
-        out.append(
-            Collective(
-                "recv",
-                AXIS_PP,
-                len(received) * micro_steps,
-                sum(received.values()) * micro_steps,
-                "activations forward",
-            )
-        )
-        out.append(
-            Collective(
-                "send",
-                AXIS_PP,
-                len(received) * micro_steps,
-                sum(received.values()) * micro_steps,
-                "gradients backward",
-            )
-        )
-    return out
+    return StageCost(
+        s,
+        params,
+        (3 * fwd + again) // micro,
+        act.stored,
+        act.recompute,
+        (3 * rank_fwd + rank_again) // micro,
+    )

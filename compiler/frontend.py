@@ -22,6 +22,7 @@ from parc.dsl import load_spec, parse_spec
 from parc.dsl.ast import Spec
 
 from .estimate import Estimate, estimate
+from .memory_model import memory_model_of
 from .model import ModelSource, load_model
 from .passes.pipeline_split import annotate_stages
 from .plan import Plan
@@ -109,4 +110,7 @@ def _analyse(
 
         found = analyse_tensor_parallel(gm, plan, spec, strict=strict)
         plan = dataclasses.replace(plan, warnings=plan.warnings + tuple(found))
-    return Analysis(spec, source, built, gm, plan, estimate(plan, gm, built, saved), saved)
+    memory = memory_model_of(source.configure_optimizer)
+    return Analysis(
+        spec, source, built, gm, plan, estimate(plan, gm, built, saved, memory=memory), saved
+    )

@@ -72,7 +72,22 @@ class ModelSource:
                 file=self.path,
                 hint="end build_model() with `return MyModel(...)`",
             )
+        if device is None or torch.device(device).type != "meta":
+            self._check_finite(model)
         return model
+
+    def _check_finite(self, model: torch.nn.Module) -> None:
+        """A NaN or inf initial weight would only show as a NaN loss; name it now."""
+        for name, p in model.named_parameters():
+            bad = int((~torch.isfinite(p.detach())).sum())
+            if bad:
+                raise ModelError(
+                    f"build_model() made parameter '{name}' (shape {tuple(p.shape)}) with {bad} "
+                    f"NaN or inf value{'s' if bad > 1 else ''} of {p.numel()}",
+                    file=self.path,
+                    hint="fix its initialisation: e.g. a std of one element, a division by "
+                    "zero, or torch.empty without an init",
+                )
 
     def batch(self, batch_size: int, step: int) -> Batch:
         """Call `sample_batch(batch_size, step)` and check it returns (inputs, targets)."""

@@ -23,7 +23,7 @@ def human_count(n: float) -> str:
 
 
 def human_bytes(n: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n:.0f} B"
@@ -146,6 +146,27 @@ def _short(modules: tuple[str, ...]) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _recompute_lines(plan: Plan, est: Estimate) -> list[str]:
+    """What recomputation saves and costs, per stage."""
+    if not plan.recompute:
+        return []
+    rows = [
+        [
+            str(c.stage),
+            human_bytes(c.activation_bytes),
+            human_bytes(c.recompute_bytes),
+            human_count(c.flops_per_sample),
+        ]
+        for c in est.stages
+    ]
+    header = ["stage", "kept/microbatch", "held while recomputing", "FLOPs/sample"]
+    return [
+        f"Recompute  {group_names(list(plan.recompute))}: each keeps its inputs, and its "
+        "forward runs again in backward (FLOPs include it)",
+        *_table(header, rows),
+    ]
+
+
 def _memory_lines(est: Estimate) -> list[str]:
     rows = [
         [
@@ -160,8 +181,24 @@ def _memory_lines(est: Estimate) -> list[str]:
     ]
     header = ["rank", "params", "grads", "optimizer", "activations", "total"]
     return [
-        "Memory per rank (fp32; optimizer AdamW: 2 states per parameter)",
+        f"Memory per rank ({est.memory_model.describe()})",
         *_table(header, rows),
+    ]
+
+
+def _buffer_lines(est: Estimate) -> list[str]:
+    """Transient collective buffers, when there are any: the peak a rank must fit."""
+    if not any(m.buffers for m in est.memory):
+        return []
+    low = min(est.memory, key=lambda m: m.peak)
+    high = max(est.memory, key=lambda m: m.peak)
+    span = human_bytes(high.peak)
+    if low.peak != high.peak:
+        span = f"{human_bytes(low.peak)} (rank {low.rank}) to {span} (rank {high.rank})"
+    return [
+        f"Peak per rank with transient collective buffers: {span}",
+        "  (ZeRO gradients before their reduce-scatter, a gathered ZeRO-3 unit and its gradient,",
+        "  the largest tensor-parallel message)",
     ]
 
 
@@ -207,7 +244,9 @@ def format_report(
         [f"Batch  {plan.batch}"],
         _placement_lines(plan),
         _stage_lines(plan, est),
+        _recompute_lines(plan, est),
         _memory_lines(est),
+        _buffer_lines(est),
         _collective_lines(plan, est),
         _pipeline_lines(plan, est, grid),
         extra or [],
@@ -227,6 +266,8 @@ def report_json(plan: Plan, est: Estimate) -> dict[str, Any]:
                 "params": c.params,
                 "flops_per_sample": c.flops_per_sample,
                 "activation_bytes_per_microbatch": c.activation_bytes,
+                "recompute_bytes": c.recompute_bytes,
+                "rank_flops_per_sample": c.rank_flops_per_sample,
                 "modules": list(plan.stage_modules[c.stage]),
             }
             for c in est.stages
@@ -239,6 +280,8 @@ def report_json(plan: Plan, est: Estimate) -> dict[str, Any]:
                 "optimizer": m.optimizer,
                 "activations": m.activations,
                 "total": m.total,
+                "buffers": m.buffers,
+                "peak": m.peak,
             }
             for m in est.memory
         ],

@@ -57,7 +57,7 @@ def resolve(spec: Spec, model: torch.nn.Module, gm: torch.fx.GraphModule, *, bat
     batch_plan = check_batch(spec, batch)
     # Step 5
     _check_zero(spec, warnings)
-    recompute = _resolve_recompute(spec, modules)
+    recompute = _resolve_recompute(spec, modules, gm, warnings)
     plan = Plan(
         mesh=mesh,
         shards=shards,
@@ -251,16 +251,28 @@ def _check_zero(spec: Spec, warnings: list[PlanWarning]) -> None:
         )
 
 
-def _resolve_recompute(spec: Spec, modules: dict[str, torch.nn.Module]) -> tuple[str, ...]:
+def _resolve_recompute(
+    spec: Spec,
+    modules: dict[str, torch.nn.Module],
+    gm: torch.fx.GraphModule,
+    warnings: list[PlanWarning],
+) -> tuple[str, ...]:
+    """Step 5: the modules whose forward runs again in backward (a module inside another
+    named one is covered by it); a named module that never runs is a warning."""
+    from .passes.recompute import recompute_regions
+
     names: list[str] = []
     for stmt in spec.recomputes:
         names.extend(n for n in match_modules(spec, stmt.pattern, modules) if n not in names)
-    if names:
-        first = spec.recomputes[0]
-        raise PlanError(
-            "`recompute` (activation checkpointing) is part of the language but not "
-            "supported by the compiler yet",
-            spec.locate(first.span),
-            hint="remove the recompute line for now",
+    outer = tuple(n for n in names if not any(n.startswith(o + ".") for o in names))
+    used = set(recompute_regions(gm, outer).values())
+    idle = [n for n in outer if n not in used]
+    if idle:
+        warnings.append(
+            PlanWarning(
+                f"recompute names {len(idle)} module(s) that never run in forward "
+                f"({', '.join(idle[:3])}{', ...' if len(idle) > 3 else ''}): nothing to recompute",
+                spec.locate(spec.recomputes[0].span),
+            )
         )
-    return tuple(names)
+    return outer

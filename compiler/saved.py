@@ -8,6 +8,12 @@ saved for backward while that node ran, and which parameters are saved (a
 ZeRO-3 unit whose parameters are saved is gathered again in backward; one whose
 parameters are not, e.g. an embedding table, is not).
 
+It also lists every saved storage with the node that saved it and the node whose
+output it is (`tensors`), and the storages of every node's output (`outputs`):
+compiler/activations.py reads them to count a tensor-parallel rank's share (a
+saved tensor is sliced when the value it belongs to is) and what a recomputed
+region keeps (its inputs).
+
 Parameters, buffers and tensor attributes are replaced by fake CPU tensors of
 their shape, so a model built on the `meta` device works the same as a real one.
 """
@@ -19,7 +25,7 @@ import io
 import logging
 import sys
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,7 +36,17 @@ from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from parc.errors import CompileError
 
-__all__ = ["SavedTensors", "profile_forward", "saved_tensors"]
+__all__ = ["SavedTensor", "SavedTensors", "profile_forward", "saved_tensors"]
+
+
+@dataclass(frozen=True, slots=True)
+class SavedTensor:
+    """One storage saved for backward while `node` ran (each (node, storage) pair once)."""
+
+    node: str  # the node running when autograd saved it
+    producer: str  # the node whose output it is; "" for a tensor made inside an op
+    storage: int  # the storage's index: the same storage saved twice has one index
+    nbytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +55,9 @@ class SavedTensors:
 
     params: frozenset[str]  # parameter names (as in gm) saved by some op
     node_bytes: dict[str, int]  # node name -> bytes of activations first saved there
+    tensors: tuple[SavedTensor, ...] = ()
+    # node name -> (storage index, bytes) of each tensor it outputs (parameters left out)
+    outputs: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
 
     @property
     def activation_bytes(self) -> int:
@@ -59,6 +78,11 @@ class _Recorder(torch.fx.Interpreter):
         self.saved_params: set[str] = set()
         self.node_bytes: dict[str, int] = {}
         self._seen: dict[int, torch.Tensor] = {}  # keeps bases alive so ids stay unique
+        self._index: dict[int, int] = {}  # id(base) -> storage index
+        self._made: dict[int, str] = {}  # storage index -> the node whose output it is
+        self._bases: list[torch.Tensor] = []  # every indexed base, alive so ids stay unique
+        self.tensors: dict[tuple[str, int], SavedTensor] = {}
+        self.outputs: dict[str, tuple[tuple[int, int], ...]] = {}
 
     def run_node(self, n: torch.fx.Node) -> Any:
         self.current = n.name
@@ -72,7 +96,31 @@ class _Recorder(torch.fx.Interpreter):
             raise _node_error(n, exc) from exc
         sys.stderr.write(captured.getvalue())  # what the model itself printed
         _record_shape(n, result)
+        self._record_outputs(n, result)
         return result
+
+    def _storage(self, base: torch.Tensor) -> int:
+        key = id(base)
+        if key not in self._index:
+            self._index[key] = len(self._index)
+            self._bases.append(base)
+        return self._index[key]
+
+    def _record_outputs(self, n: torch.fx.Node, result: Any) -> None:
+        found: list[tuple[int, int]] = []
+
+        def visit(obj: Any) -> Any:
+            if isinstance(obj, torch.Tensor):
+                base = obj._base if obj._base is not None else obj
+                if id(base) not in self.param_ids:
+                    index = self._storage(base)
+                    self._made.setdefault(index, n.name)
+                    found.append((index, base.untyped_storage().nbytes()))
+            return obj
+
+        map_aggregate(result, visit)
+        if found:
+            self.outputs[n.name] = tuple(found)
 
     def fetch_attr(self, target: str) -> Any:
         if target in self.params:
@@ -94,10 +142,16 @@ class _Recorder(torch.fx.Interpreter):
         name = self.param_ids.get(id(base))
         if name is not None:
             self.saved_params.add(name)
-        elif id(base) not in self._seen:
+            return t
+        size = base.untyped_storage().nbytes()
+        if id(base) not in self._seen:
             self._seen[id(base)] = base
-            size = base.untyped_storage().nbytes()
             self.node_bytes[self.current] = self.node_bytes.get(self.current, 0) + size
+        index = self._storage(base)
+        key = (self.current, index)
+        if key not in self.tensors:
+            producer = self._made.get(index, "")
+            self.tensors[key] = SavedTensor(self.current, producer, index, size)
         return t
 
     def release(self) -> None:
@@ -173,7 +227,12 @@ def profile_forward(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> SavedTen
     hooks = torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t)
     with _quiet_fake_tensor_log(), mode, hooks:
         recorder.run(*fake_inputs)
-    result = SavedTensors(frozenset(recorder.saved_params), dict(recorder.node_bytes))
+    result = SavedTensors(
+        frozenset(recorder.saved_params),
+        dict(recorder.node_bytes),
+        tuple(recorder.tensors.values()),
+        dict(recorder.outputs),
+    )
     # The fake autograd graph keeps the pack hook (and so the recorder) alive from
     # C++, where Python's collector cannot free it: drop what the recorder holds.
     recorder.release()

@@ -32,6 +32,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="parc", description="A declarative parallelism compiler for PyTorch."
@@ -47,7 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=_positive, help="global batch size (default: 8 or more)")
     p.add_argument("--strict", action="store_true", help="make fallback warnings errors")
     p.add_argument("--timeline", metavar="FILE.svg", help="draw the pipeline schedule as SVG")
+    p.add_argument("--cluster", help="add the step time on this cluster (see `parc plan -h`)")
     p.set_defaults(run=commands.cmd_compile)
+    _add_plan(sub)
     _add_check(sub)
     _add_run(sub)
     p = sub.add_parser("export", help="write a checkpoint as a plain state_dict file")
@@ -61,6 +73,31 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/demo", help="where to write the pictures and logs")
     p.set_defaults(run=commands.cmd_demo)
     return parser
+
+
+def _add_plan(sub: Any) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="which spec to run a model with on a cluster: memory, time, the best as .par",
+        epilog="CLUSTER: a preset (h100x8, a100-80gx8; presets: "
+        "h100, h200, a100-80g, a100-40g, v100, l40s, rtx4090, a10g) or keys: "
+        '"nodes=4 gpus=8 mem=80GiB tflops=400 intra=450GB/s inter=50GB/s", '
+        'e.g. "nodes=2 preset=h100". tflops: the sustained rate of one GPU on this model.',
+    )
+    p.add_argument("model", help="the model file (built on the meta device: any size works)")
+    p.add_argument("--cluster", required=True, help="the GPUs to plan for (see below)")
+    p.add_argument("--batch", type=_positive, help="global batch in samples (default: 4 per GPU)")
+    p.add_argument("--seq", type=_positive, help="plan shorter sequences than sample_batch's")
+    p.add_argument("--top", type=_positive, default=5, help="show the K best specs (default 5)")
+    p.add_argument(
+        "--precision",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="fp32 (what parc runs) or bf16 (mixed: bf16 weights/activations, fp32 master)",
+    )
+    p.add_argument("-o", "--output", metavar="FILE.par", help="write the best spec here")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(run=commands.cmd_plan)
 
 
 def _add_check(sub: Any) -> None:
@@ -98,6 +135,21 @@ def _add_run(sub: Any) -> None:
     p.add_argument("--nnodes", type=_positive, default=1, help="nodes in a multi-node run")
     p.add_argument("--node-rank", type=int, default=0, help="this node's rank")
     p.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="c10d rendezvous address")
+    p.add_argument(
+        "--max-restarts",
+        type=_non_negative,
+        default=0,
+        metavar="N",
+        help="when a rank fails, restart every rank up to N times; each resumes from the "
+        "latest complete --checkpoint (default 0)",
+    )
+    p.add_argument(
+        "--skip-nonfinite",
+        action="store_true",
+        help="skip the update of a step whose loss or gradients are NaN/inf (on every rank) "
+        "instead of stopping",
+    )
+    p.add_argument("--inject-fault", help=argparse.SUPPRESS)
     p.set_defaults(run=commands.cmd_run)
 
 

@@ -7,9 +7,9 @@ import json
 import sys
 from pathlib import Path
 
-from parc.errors import ParcError
+from parc.errors import ParcError, RuntimeFault
 
-__all__ = ["EXIT_ERROR", "EXIT_FAIL", "EXIT_OK", "cmd_check", "cmd_compile", "cmd_run"]
+__all__ = ["EXIT_ERROR", "EXIT_FAIL", "EXIT_OK", "cmd_check", "cmd_compile", "cmd_plan", "cmd_run"]
 
 EXIT_OK, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
 
@@ -19,6 +19,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from parc.compiler.output import write_outputs
     from parc.compiler.report import format_report, report_json
 
+    cluster = _cluster(args.cluster)
     analysis = analyse(args.spec, args.model, batch=args.batch, strict=args.strict)
     if args.output:
         write_outputs(analysis, Path(args.output))
@@ -26,12 +27,20 @@ def cmd_compile(args: argparse.Namespace) -> int:
     if args.timeline:
         write_timeline(analysis.plan, Path(args.timeline))
     if args.json:
-        print(json.dumps(report_json(analysis.plan, analysis.estimate), indent=2))
+        facts = report_json(analysis.plan, analysis.estimate)
+        if cluster is not None:
+            facts["cluster"] = _cluster_json(analysis, cluster)
+        print(json.dumps(facts, indent=2))
         return EXIT_OK
     title = f"parc compile {args.spec} {args.model}"
+    extra = _cluster_lines(analysis, cluster) if cluster is not None else None
     print(
         format_report(
-            analysis.plan, analysis.estimate, title=title, grid=schedule_grid(analysis.plan)
+            analysis.plan,
+            analysis.estimate,
+            title=title,
+            grid=schedule_grid(analysis.plan),
+            extra=extra,
         ),
         end="",
     )
@@ -40,6 +49,49 @@ def cmd_compile(args: argparse.Namespace) -> int:
     if args.timeline:
         print(f"wrote {args.timeline}")
     return EXIT_OK
+
+
+def _cluster(text: str | None) -> object:
+    from parc.compiler.planner.cluster import parse_cluster
+
+    return parse_cluster(text) if text is not None else None
+
+
+def _cluster_lines(analysis: object, cluster: object) -> list[str]:
+    from parc.compiler.planner.report_time import step_time_lines
+
+    return step_time_lines(analysis, cluster)
+
+
+def _cluster_json(analysis: object, cluster: object) -> dict[str, object]:
+    from parc.compiler.planner.report_time import step_time_json
+
+    return step_time_json(analysis, cluster)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from parc.compiler.memory_model import Precision
+    from parc.compiler.output import write_atomic
+    from parc.compiler.planner import plan_model
+    from parc.compiler.planner.format import format_plan, plan_json
+
+    result = plan_model(
+        args.model,
+        args.cluster,
+        batch=args.batch,
+        seq=args.seq,
+        precision=Precision(args.precision),
+    )
+    path = args.output or "SPEC.par"
+    if args.json:
+        print(json.dumps(plan_json(result, top=args.top, path=path), indent=2))
+    else:
+        print(format_plan(result, top=args.top), end="")
+    if args.output:
+        write_atomic(Path(args.output), result.spec_text(path=path))
+        if not args.json:
+            print(f"wrote {args.output} (its first lines say how to check it)")
+    return EXIT_OK if result.best is not None else EXIT_FAIL
 
 
 def _write_rank_code(analysis: object, out: Path) -> None:
@@ -123,10 +175,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         resume=args.resume,
         timeout=args.timeout,
         log=args.log,
+        skip_nonfinite=args.skip_nonfinite,
+        fault=args.inject_fault,
     )
     if under_torchrun():
         exit_hard(_train_rank(opts, args.debug))
     from parc.compiler.frontend import analyse
+    from parc.runtime.faults import parse_faults
+
+    parse_faults(args.inject_fault or "")  # a typo fails here, not on every rank
 
     # Every spec and model error surfaces here, once, before any process starts.
     analysis = analyse(args.spec, args.model, batch=args.batch)
@@ -136,6 +193,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         nnodes=args.nnodes,
         node_rank=args.node_rank,
         rdzv_endpoint=args.rdzv_endpoint,
+        max_restarts=args.max_restarts,
     )
 
 
@@ -152,7 +210,9 @@ def _train_rank(opts: object, debug: bool) -> int:
     except ParcError as exc:
         if debug:
             traceback.print_exc()
-        print(f"[rank {rank}] {exc}", file=sys.stderr)
+        # A RuntimeFault names its rank itself: "error: [rank 1, step 2] ...".
+        located = isinstance(exc, RuntimeFault) and exc.rank is not None
+        print(str(exc) if located else f"[rank {rank}] {exc}", file=sys.stderr)
         return EXIT_ERROR
     except Exception as exc:
         traceback.print_exc()

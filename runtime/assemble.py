@@ -7,7 +7,9 @@ Algorithm:
    name), in order of first use, exactly as the compiler's layout lists them.
 4. Tied weights held by several stages: one process group per set of holders.
 5. Flat units (buckets, or ZeRO-3 units) from the shared layout function.
-6. Gradient synchronisation (DP / ZeRO-1/2) or ZeRO-3 sharding for this rank.
+6. Gradient synchronisation (DP / ZeRO-1/2) or ZeRO-3 sharding for this rank,
+   then activation recomputation of the modules the spec names (last, so the
+   collectives and gathers inside a recomputed region run again with it).
 7. The optimizer: the model's `configure_optimizer`, rebuilt over the flat
    shards under ZeRO (one parameter group required, elementwise optimizers).
 8. The pipeline actions of this rank, lowered with send/recv.
@@ -26,6 +28,7 @@ from parc.compiler.estimate import stage_units
 from parc.compiler.frontend import Analysis
 from parc.compiler.layout import ParamSlice, canonical_names, param_slices, stage_params
 from parc.compiler.passes.pipeline_split import StageGraph, pipeline_split
+from parc.compiler.passes.recompute import recompute_modules
 from parc.compiler.passes.zero import shard_parameters
 from parc.dsl.ast import AXIS_DP, AXIS_PP
 from parc.errors import ParcError
@@ -75,6 +78,7 @@ def assemble(
         forward_context = sync.forward_context
     else:
         sync = GradSync(local, units, comm, zero=plan.zero, axis=AXIS_DP, tied=frozenset(tied))
+    recompute_modules(stage.gm, plan)
     # Step 7
     opt = _optimizer(optimizer, list(local.values()), sync.optimizer_params(), plan.zero)
     # Step 8

@@ -28,7 +28,8 @@ On disk:
 
     DIR/step-<N>/         one complete checkpoint: DCP's `.metadata` and
                           `__<rank>_0.distcp` files, plus `parc.json` (the step,
-                          the optimizer's class, the mesh it was saved under)
+                          the optimizer's class, the mesh it was saved under,
+                          each file's size and sha256)
     DIR/latest            the name of the newest complete checkpoint
     DIR/step-<N>.tmp/     a save in progress; never read, removed by the next save
 
@@ -36,6 +37,12 @@ Atomicity: every rank writes into `step-<N>.tmp`; after DCP's final barrier
 rank 0 adds `parc.json`, renames the directory to `step-<N>` and replaces
 `latest` (written to a temporary file, then `os.replace`). A crash at any
 point leaves either the previous checkpoint or the new one visible.
+
+Integrity (checkpoint_integrity.py): loading first checks every file against
+the sizes and sha256 digests recorded at save time, unpickles DCP's metadata
+through an allowlist and loads values with `weights_only=True`; a truncated,
+edited or crafted checkpoint is a `ParcError` on every rank, before anything
+is read into the program.
 
 Loading never fills a tensor the checkpoint lacks: a missing parameter or
 optimizer state, a parameter the model does not have, a different shape, or
@@ -47,6 +54,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import io
 import json
 import os
 import re
@@ -79,6 +87,14 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from parc.errors import ParcError
 
+from .checkpoint_integrity import (
+    INFO,
+    SafeReader,
+    load_bytes_safely,
+    read_info,
+    reading,
+    record_manifest,
+)
 from .checkpoint_layout import MODEL, OPTIM, Piece, model_pieces, rank_layout
 from .checkpoint_optim import GROUPS, OptimizerLoad, StateSpec, hyperparameters, optimizer_pieces
 
@@ -90,11 +106,11 @@ __all__ = [
     "checkpoint_path",
     "latest_checkpoint",
     "load_checkpoint",
+    "read_info",
     "save_checkpoint",
 ]
 
-FORMAT = 1
-INFO = "parc.json"
+FORMAT = 2  # 2: parc.json records every file's size and sha256 (checkpoint_integrity.py)
 LATEST = "latest"
 _STEP_DIR = re.compile(r"step-(\d+)")
 
@@ -125,6 +141,7 @@ def save_checkpoint(program: Program, directory: str | Path, step: int) -> Path:
         )
     # DCP's last collective already waits for every rank's files; this says so.
     _barrier()
+    files = record_manifest(tmp, _rank())  # every rank hashes the files it wrote
     if _rank() == 0:
         info = {
             "format": FORMAT,
@@ -132,6 +149,7 @@ def save_checkpoint(program: Program, directory: str | Path, step: int) -> Path:
             "optimizer": type(parts.optimizer).__name__,
             "mesh": str(parts.plan.mesh),
             "zero": parts.plan.zero,
+            "files": files,
         }
         (tmp / INFO).write_text(json.dumps(info, indent=2) + "\n")
         _publish(root, tmp, final)
@@ -145,9 +163,9 @@ def load_checkpoint(program: Program, directory: str | Path) -> int:
     Call on every rank. `directory` may also be one checkpoint (`DIR/step-<N>`).
     """
     path = checkpoint_path(directory)
-    info = json.loads((path / INFO).read_text())
+    info = read_info(path)
     parts = program.parts
-    reader = dcp.FileSystemReader(path)
+    reader = SafeReader(path)
     metadata = reader.read_metadata()
     check_parameters(metadata, parts.full_shapes, path)
     states = _optimizer_states(metadata, parts.full_shapes, path)
@@ -161,7 +179,7 @@ def load_checkpoint(program: Program, directory: str | Path) -> int:
     optimizer = OptimizerLoad(parts, layout, states)
     pieces = model_pieces(parts, layout, loading=True) + optimizer.pieces
     state: dict[str, Any] = {GROUPS: None} if GROUPS in metadata.state_dict_metadata else {}
-    with quiet_single_process():
+    with quiet_single_process(), reading(path):
         dcp.load(
             state,
             storage_reader=reader,
@@ -326,6 +344,11 @@ class _PieceLoadPlanner(DefaultLoadPlanner):
             assert isinstance(entry, TensorStorageMetadata)
             items += create_read_items_for_chunk_list(key, entry, chunks)
         return dataclasses.replace(plan, items=items)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        # DCP's default unpickles with weights_only=False: a crafted file would run code.
+        key = read_item.dest_index.fqn
+        self.state_dict[key] = load_bytes_safely(value, key)
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         index = read_item.dest_index

@@ -56,7 +56,21 @@ def _render(rank: int, parts: Any) -> str:
         f"# schedule: {' '.join(map(str, parts.actions))}",
         "",
     ]
-    return "\n".join(header) + _annotate(stage.gm) + "\n"
+    return "\n".join(header) + _annotate(stage.gm) + "\n" + _recomputed(stage.gm)
+
+
+def _recomputed(gm: torch.fx.GraphModule) -> str:
+    """The body of every recomputed region, after the stage's code that calls it."""
+    from .recompute import Recomputed
+
+    parts = []
+    for name, module in gm.named_children():
+        if isinstance(module, Recomputed):
+            parts.append(
+                f"\n# self.{name}: {module.region}, under torch.utils.checkpoint (its forward "
+                f"runs again in backward)\n{_annotate(module.body)}\n"
+            )
+    return "".join(parts)
 
 
 def _annotate(gm: torch.fx.GraphModule) -> str:

@@ -27,6 +27,9 @@ from typing import Any
 import torch
 
 from parc.compiler.model import ModelSource, load_model
+from parc.errors import RuntimeFault
+
+from .executor import checked_loss
 
 __all__ = [
     "Comparison",
@@ -110,7 +113,14 @@ def _reference(
         inputs, targets = source.batch(batch, step)
         xs = inputs if isinstance(inputs, tuple | list) else (inputs,)
         opt.zero_grad(set_to_none=True)
-        loss = source.loss_fn(model(*xs), targets)
+        loss = checked_loss(source.loss_fn(model(*xs), targets), source.loss_fn)
+        if not torch.isfinite(loss.detach()).all():
+            raise RuntimeFault(
+                f"the loss is {float(loss.detach())} in the single-device reference run: the "
+                "model or its data produce it, not parallelism",
+                step=step,
+                hint=f"check {source.path}: its initialisation and sample_batch(..., {step})",
+            )
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))

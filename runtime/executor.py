@@ -21,13 +21,37 @@ import torch
 
 from parc.compiler.passes.pipeline_split import Boundary, StageGraph
 from parc.dsl.ast import AXIS_PP
+from parc.errors import ModelError
 
 from .collectives import Comm, CommKind
 from .schedule import Action, ActionKind, execution_items
 
-__all__ = ["MicroState", "StageExecutor"]
+__all__ = ["MicroState", "StageExecutor", "checked_loss"]
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+
+
+def checked_loss(loss: Any, loss_fn: LossFn) -> torch.Tensor:
+    """`loss` if it is a floating-point tensor of one element, else a ModelError naming loss_fn.
+
+    One element is what `loss.backward()` on one device accepts; a per-sample
+    loss (reduction="none") would otherwise fail deep inside autograd.
+    """
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point():
+        return loss
+    code = getattr(loss_fn, "__code__", None)
+    seen = (
+        f"a {loss.dtype} tensor of shape {tuple(loss.shape)}"
+        if isinstance(loss, torch.Tensor)
+        else f"a {type(loss).__name__}"
+    )
+    raise ModelError(
+        f"loss_fn{f' (line {code.co_firstlineno})' if code else ''} returned {seen}; it must "
+        "return the loss as a floating-point scalar tensor (one element)",
+        file=code.co_filename if code else repr(loss_fn),
+        hint="reduce it over the batch, e.g. `return F.cross_entropy(output, targets)` "
+        "(mean by default) or `return losses.mean()`",
+    )
 
 
 @dataclass
@@ -108,7 +132,7 @@ class StageExecutor:
             outs = self.stage.gm(*args)
         outs = list(outs)
         if self.stage.is_last:
-            loss = self.loss_fn(outs[0], targets)
+            loss = checked_loss(self.loss_fn(outs[0], targets), self.loss_fn)
             state.loss = loss * scale
             state.sent = outs[1:]
             return float(loss.detach())

@@ -21,7 +21,8 @@ import torch.distributed.checkpoint as dcp
 from parc.compiler.layout import canonical_names
 from parc.compiler.model import ModelSource, load_model
 
-from .checkpoint import check_parameters, checkpoint_path, quiet_single_process
+from .checkpoint import check_parameters, checkpoint_path, quiet_single_process, read_info
+from .checkpoint_integrity import SafeReader, reading
 from .checkpoint_layout import MODEL
 
 __all__ = ["export_state_dict"]
@@ -41,14 +42,15 @@ def export_state_dict(
         torch.manual_seed(0)
         model = source.build()
     canonical = canonical_names(model)
-    reader = dcp.FileSystemReader(path)
+    read_info(path)  # every file against its checksums
+    reader = SafeReader(path)
     full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     check_parameters(reader.read_metadata(), full_shapes, path)
     loaded = {
         MODEL + name: torch.empty_like(p.detach(), device="cpu")
         for name, p in model.named_parameters()
     }
-    with quiet_single_process():
+    with quiet_single_process(), reading(path):
         dcp.load(loaded, storage_reader=reader, no_dist=True)
     state = {
         name: loaded[MODEL + canonical[name]] if name in canonical else value.detach().cpu()

@@ -1,13 +1,34 @@
-"""Deliberate bugs, injected on purpose to prove that parc's checks catch them.
+"""Deliberate faults, injected on purpose to prove that parc's checks and recovery work.
 
-`inject(program, name)` changes one compiled program in place. The names are
-the vocabulary of `parc check --inject-fault` (a testing aid, hidden from
-`--help`) and of the robustness tests.
+`inject(program, text)` changes one compiled program in place. `text` is a
+comma-separated list of faults in the vocabulary of `parc check
+--inject-fault` and `parc run --inject-fault` (testing aids, hidden from
+`--help`) and of the robustness tests:
+
+    skip-grad-sync          gradients are never averaged over dp (a silent bug)
+    raise@RANK:STEP         rank RANK raises RuntimeError at the start of step STEP
+    kill@RANK:STEP          rank RANK kills itself with SIGKILL there (a crashed machine)
+    hang@RANK:STEP          rank RANK sleeps for an hour there (a stuck process)
+    nan-loss@STEP           the loss of step STEP is NaN (so are its gradients)
+    nan-grad@STEP[:PARAM]   after gradient sync at step STEP, PARAM's gradient is NaN
+                            (default: the model's last parameter)
+
+Steps count from 0, as `Program.steps_done` does. A process fault (raise,
+kill, hang) happens once, like a real crash: only in the first attempt of a
+torchrun job (`TORCHELASTIC_RESTART_COUNT` unset or 0), so a run restarted by
+`--max-restarts` goes through. A numerical fault happens at its step in every
+attempt, like a NaN that the data at that step produces.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from parc.errors import ParcError
@@ -15,10 +36,97 @@ from parc.errors import ParcError
 if TYPE_CHECKING:
     from .program import Program
 
-__all__ = ["FAULTS", "inject"]
+__all__ = ["FAULTS", "Fault", "FaultKind", "inject", "parse_faults"]
+
+_HANG_S = 3600.0  # long enough that only a peer's collective timeout ends the run
 
 
-def _skip_grad_sync(program: Program) -> None:
+class FaultKind(str, Enum):
+    SKIP_GRAD_SYNC = "skip-grad-sync"
+    RAISE = "raise"
+    KILL = "kill"
+    HANG = "hang"
+    NAN_LOSS = "nan-loss"
+    NAN_GRAD = "nan-grad"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_ON_RANK = (FaultKind.RAISE, FaultKind.KILL, FaultKind.HANG)
+FORMS = (
+    "skip-grad-sync, raise@RANK:STEP, kill@RANK:STEP, hang@RANK:STEP, nan-loss@STEP, "
+    "nan-grad@STEP[:PARAM]"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """One injected fault; prints as it is written."""
+
+    kind: FaultKind
+    rank: int | None = None
+    step: int | None = None
+    param: str | None = None
+
+    def __str__(self) -> str:
+        if self.kind is FaultKind.SKIP_GRAD_SYNC:
+            return str(self.kind)
+        where = [str(v) for v in (self.rank, self.step, self.param) if v is not None]
+        return f"{self.kind}@{':'.join(where)}"
+
+
+def parse_faults(text: str) -> list[Fault]:
+    """The faults of a comma-separated list; a ParcError saying the forms for a bad one."""
+    return [_parse_one(part.strip()) for part in text.split(",") if part.strip()]
+
+
+def _parse_one(text: str) -> Fault:
+    name, _, where = text.partition("@")
+    try:
+        kind = FaultKind(name)
+    except ValueError:
+        raise _bad(text, f"'{name}' is not a fault") from None
+    fields = where.split(":") if where else []
+    try:
+        if kind is FaultKind.SKIP_GRAD_SYNC and not fields:
+            return Fault(kind)
+        if kind in _ON_RANK and len(fields) == 2:
+            return Fault(kind, rank=_number(fields[0]), step=_number(fields[1]))
+        if kind is FaultKind.NAN_LOSS and len(fields) == 1:
+            return Fault(kind, step=_number(fields[0]))
+        if kind is FaultKind.NAN_GRAD and len(fields) in (1, 2):
+            return Fault(
+                kind, step=_number(fields[0]), param=fields[1] if len(fields) > 1 else None
+            )
+    except ValueError:
+        raise _bad(text, "ranks and steps are whole numbers from 0") from None
+    raise _bad(text, f"'{kind}' is written {_form(kind)}")
+
+
+def _number(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(text)
+    return value
+
+
+def _form(kind: FaultKind) -> str:
+    return next(f for f in FORMS.split(", ") if f.startswith(f"{kind}@") or f == str(kind))
+
+
+def _bad(text: str, why: str) -> ParcError:
+    return ParcError(f"cannot read the fault '{text}': {why}", hint=f"faults: {FORMS}")
+
+
+# ---------------------------------------------------------------- injecting
+
+
+def _first_attempt() -> bool:
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+
+
+def _skip_grad_sync(program: Program, fault: Fault) -> None:
     """Gradients are never averaged over dp: each replica trains on its own slice."""
     sync = program.parts.sync
     comm = sync.comm
@@ -35,15 +143,75 @@ def _skip_grad_sync(program: Program) -> None:
     sync.comm = _Silent()
 
 
-FAULTS: dict[str, Callable[[Program], None]] = {
-    "skip-grad-sync": _skip_grad_sync,
+def _on_rank(program: Program, fault: Fault) -> None:
+    """Raise, die or hang on one rank at the start of one step (its first pipeline round)."""
+    if program.comm.rank != fault.rank or not _first_attempt():
+        return
+    executor = program.executor
+    run = executor.run
+
+    def faulty_run(*args: Any, **kwargs: Any) -> list[float]:
+        if program.steps_done == fault.step:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            if fault.kind is FaultKind.RAISE:
+                raise RuntimeError(f"injected fault {fault}")
+            if fault.kind is FaultKind.KILL:
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(_HANG_S)
+        return run(*args, **kwargs)
+
+    executor.run = faulty_run  # type: ignore[method-assign]
+
+
+def _nan_loss(program: Program, fault: Fault) -> None:
+    executor = program.executor
+    loss_fn = executor.loss_fn
+
+    def nan_loss(output: Any, targets: Any) -> Any:
+        loss = loss_fn(output, targets)
+        return loss * float("nan") if program.steps_done == fault.step else loss
+
+    executor.loss_fn = nan_loss
+
+
+def _nan_grad(program: Program, fault: Fault) -> None:
+    from .nonfinite import grad_views
+
+    parts = program.parts
+    names = list(parts.full_shapes)
+    target = fault.param or names[-1]
+    if target not in parts.full_shapes:
+        raise ParcError(
+            f"fault {fault}: the model has no parameter '{target}'",
+            hint=f"parameters: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}",
+        )
+    sync = parts.sync
+    finish = sync.finish
+
+    def finish_then_poison(*args: Any, **kwargs: Any) -> None:
+        finish(*args, **kwargs)
+        if program.steps_done == fault.step:
+            for name, view in grad_views(parts):
+                if name == target:
+                    view.fill_(float("nan"))
+
+    sync.finish = finish_then_poison
+
+
+FAULTS: dict[FaultKind, Callable[[Program, Fault], None]] = {
+    FaultKind.SKIP_GRAD_SYNC: _skip_grad_sync,
+    FaultKind.RAISE: _on_rank,
+    FaultKind.KILL: _on_rank,
+    FaultKind.HANG: _on_rank,
+    FaultKind.NAN_LOSS: _nan_loss,
+    FaultKind.NAN_GRAD: _nan_grad,
 }
 
 
-def inject(program: Program, name: str) -> None:
-    fault = FAULTS.get(name)
-    if fault is None:
-        raise ParcError(
-            f"unknown fault '{name}'", hint=f"known faults: {', '.join(sorted(FAULTS))}"
-        )
-    fault(program)
+def inject(program: Program, text: str) -> list[Fault]:
+    """Inject every fault of `text` (see the module docstring) into `program`; returns them."""
+    faults = parse_faults(text)
+    for fault in faults:
+        FAULTS[fault.kind](program, fault)
+    return faults

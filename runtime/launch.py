@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
-from parc.errors import ParcError
+from parc.errors import ModelError, ParcError
 
 if TYPE_CHECKING:
     import torch
@@ -47,6 +47,8 @@ class RunOptions:
     resume: bool = False
     timeout: float = 300.0
     log: str | None = None  # JSON lines of (step, loss) written by rank 0
+    skip_nonfinite: bool = False  # skip a NaN/inf step's update on every rank instead of stopping
+    fault: str | None = None  # faults to inject (runtime/faults.py): a testing aid
 
 
 def under_torchrun() -> bool:
@@ -60,11 +62,15 @@ def launch(
     nnodes: int = 1,
     node_rank: int = 0,
     rdzv_endpoint: str | None = None,
+    max_restarts: int = 0,
 ) -> int:
     """Run `parc <argv>` under torchrun on this node; 0 when every rank succeeded.
 
     torchrun's agent runs in this process, so a failed rank is reported in one
     line (its own error is printed by the rank) instead of a launcher traceback.
+    When any rank fails (an error, a signal, a collective timeout) the agent
+    stops the others at once; with `max_restarts` it then starts every rank
+    again (they resume from the latest checkpoint, see `_resume`).
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
@@ -74,7 +80,11 @@ def launch(
             f"the mesh has {world} ranks, which do not split evenly over {nnodes} nodes",
             hint="choose --nnodes that divides the world size",
         )
-    args = [f"--nproc-per-node={world // nnodes}", f"--nnodes={nnodes}"]
+    args = [
+        f"--nproc-per-node={world // nnodes}",
+        f"--nnodes={nnodes}",
+        f"--max-restarts={max_restarts}",
+    ]
     if nnodes == 1 and rdzv_endpoint is None:
         args.append("--standalone")
     elif rdzv_endpoint is None:
@@ -90,6 +100,12 @@ def launch(
         ]
     args += ["-m", "parc.worker"]
     os.environ["PARC_ARGV"] = json.dumps(list(argv))
+    # Workers keep their process-group keys in torchrun's store by default, and the
+    # keys of a failed attempt stay there: restarted gloo workers then dial the dead
+    # ones' addresses until the timeout (pytorch#135712). Rank 0 hosts a fresh store
+    # per attempt instead.
+    if max_restarts:
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     per_rank = max(1, (os.cpu_count() or 1) // max(1, world // nnodes))
     os.environ.setdefault("OMP_NUM_THREADS", str(per_rank))
     # The agent logs each failure with its own traceback-like lines; parc reports it once.
@@ -98,11 +114,26 @@ def launch(
         run(get_args_parser().parse_args(args))
     except ChildFailedError as exc:
         failed = ", ".join(
-            f"rank {r} (exit code {f.exitcode})" for r, f in sorted(exc.failures.items())
+            f"rank {r} ({_exit_reason(f.exitcode)})" for r, f in sorted(exc.failures.items())
         )
-        print(f"parc run: failed: {failed}; its error is printed above", file=sys.stderr)
+        tries = f" after {max_restarts} restart{'s' * (max_restarts > 1)}" if max_restarts else ""
+        print(
+            f"parc run: failed{tries}: {failed}; a rank's own error, if it could print one, "
+            "is above",
+            file=sys.stderr,
+        )
         return 1
     return 0
+
+
+def _exit_reason(code: int) -> str:
+    """`exit code 2`, or `killed by SIGKILL` for a negative code (torch reports signals so)."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
 
 
 class Progress:
@@ -130,7 +161,7 @@ class Progress:
         )
         if self.tty:
             self.out.write("\r" + line)
-        elif step + 1 == self.total or (step + 1) % max(1, self.total // 10) == 0 or step == 0:
+        elif step + 1 == self.total or (step + 1) % max(1, self.total // 10) == 0 or self.done == 1:
             self.out.write(line + "\n")
         self.out.flush()
 
@@ -163,7 +194,9 @@ def train(opts: RunOptions) -> int:
     from parc.compiler.model import load_model
     from parc.compiler.plan import MeshPlan
 
+    from .checkpoint import save_checkpoint
     from .mesh import init_world
+    from .run_errors import located
 
     spec = as_spec(opts.spec)
     init_world(MeshPlan(tuple((a.name, a.size) for a in spec.mesh.axes)), timeout_s=opts.timeout)
@@ -173,47 +206,102 @@ def train(opts: RunOptions) -> int:
     if opts.lr is not None:
         factory = _with_lr(factory, opts.lr)
     program = parc_compile(spec, source, batch=opts.batch, seed=opts.seed, optimizer=factory)
-    batch = program.plan.batch.global_batch
-    start = 0
-    if opts.resume and opts.checkpoint:
-        from .checkpoint import load_checkpoint
+    program.skip_nonfinite = opts.skip_nonfinite
+    if opts.fault:
+        from .faults import inject
 
-        start = load_checkpoint(program, opts.checkpoint)
-    progress = Progress(opts.steps - start, "tokens") if rank == 0 else None
+        inject(program, opts.fault)
+    batch = program.plan.batch.global_batch
+    with located(rank=rank, step=None, doing="resuming", timeout=opts.timeout):
+        start = _resume(program, opts, rank)
+    progress = Progress(opts.steps, "tokens") if rank == 0 else None  # counts from `start`
     losses: list[tuple[int, float]] = []
     began = time.perf_counter()
     for step in range(start, opts.steps):
         inputs, targets = source.batch(batch, step)
-        loss = program.step(inputs, targets)
-        if not math.isfinite(loss):
-            raise _nonfinite(step, loss, rank)
-        losses.append((step, loss))
+        _check_shapes(program, source.path, inputs, batch, step)
+        with located(rank=rank, step=step, doing="the step", timeout=opts.timeout):
+            loss = program.step(inputs, targets)
+        skipped = next((why for s, why in program.skipped if s == step), None)
+        if skipped is None:
+            losses.append((step, loss))
         if progress is not None:
-            items, progress.unit = _items(targets)
-            progress.update(step - start, loss, items)
-            if opts.log:
-                with open(opts.log, "a") as f:
-                    f.write(json.dumps({"step": step, "loss": loss}) + "\n")
+            _report(progress, opts.log, step, loss, targets, skipped)
         if opts.checkpoint and opts.every and (step + 1) % opts.every == 0:
-            from .checkpoint import save_checkpoint
-
-            save_checkpoint(program, opts.checkpoint, step + 1)
+            with located(
+                rank=rank,
+                step=step,
+                doing=f"saving checkpoint step-{step + 1} in {opts.checkpoint}",
+                timeout=opts.timeout,
+                hint="check that the directory can be written and has space; the previous "
+                "checkpoint is intact (saves are atomic)",
+            ):
+                save_checkpoint(program, opts.checkpoint, step + 1)
     if progress is not None:
         progress.close()
     if rank == 0 and losses:
-        _summary(losses, time.perf_counter() - began, program.plan)
+        _summary(losses, time.perf_counter() - began, program.plan, program.skipped)
     return 0
 
 
-def _nonfinite(step: int, loss: float, rank: int) -> ParcError:
-    from parc.errors import RuntimeFault
+def _report(
+    progress: Progress, log: str | None, step: int, loss: float, targets: Any, skipped: str | None
+) -> None:
+    """Rank 0: the progress bar, a line for a skipped step, and the --log entry."""
+    items, progress.unit = _items(targets)
+    if skipped is not None:
+        gap = "\n" if progress.tty else ""
+        print(f"{gap}step {step} skipped: {skipped}", file=sys.stderr)
+    progress.update(step, loss, items)
+    if log:
+        with open(log, "a") as f:
+            entry = {"step": step, "loss": None if skipped else loss, "skipped": bool(skipped)}
+            f.write(json.dumps(entry) + "\n")
 
-    return RuntimeFault(
-        f"the loss is {loss} at step {step}",
-        rank=rank,
-        step=step,
-        hint="lower the learning rate, or check the model's initialisation",
-    )
+
+def _resume(program: Any, opts: RunOptions, rank: int) -> int:
+    """The step to start at: the latest checkpoint's with --resume, or after a restart.
+
+    torchrun's `--max-restarts` restarts every worker of the job; a restarted
+    worker (TORCHELASTIC_RESTART_COUNT > 0) resumes from the latest complete
+    checkpoint by itself, or starts again from step 0 when there is none yet.
+    """
+    from .checkpoint import latest_checkpoint, load_checkpoint
+
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    if not opts.checkpoint or not (opts.resume or restart):
+        if restart and rank == 0:
+            _note(f"restart {restart}: no --checkpoint, so training starts again from step 0")
+        return 0
+    found = latest_checkpoint(opts.checkpoint)
+    if restart and found is None:
+        if rank == 0:
+            _note(f"restart {restart}: no complete checkpoint in {opts.checkpoint}; from step 0")
+        return 0
+    start = load_checkpoint(program, opts.checkpoint)
+    if restart and rank == 0:
+        _note(f"restart {restart}: resumed from {found} at step {start}")
+    return start
+
+
+def _note(text: str) -> None:
+    print(f"parc run: {text}", file=sys.stderr, flush=True)
+
+
+def _check_shapes(program: Any, model_file: str, inputs: Any, batch: int, step: int) -> None:
+    """Every step's inputs must have the shapes the program was compiled for (step 0's)."""
+    xs = list(inputs) if isinstance(inputs, tuple | list) else [inputs]
+    want = [(batch, *shape[1:]) for shape in program.parts.input_shapes]
+    got = [tuple(x.shape) for x in xs]
+    if got != want:
+        raise ModelError(
+            f"sample_batch({batch}, {step}) returned inputs of shape "
+            f"{', '.join(map(str, got))}; at step 0 they were {', '.join(map(str, want))}, the "
+            "shapes the program was compiled for",
+            file=model_file,
+            hint="return the same shapes at every step (e.g. pad or crop to a fixed sequence "
+            "length): pipeline boundaries and shards are sized for them",
+        )
 
 
 def _with_lr(factory: OptimizerFactory, lr: float) -> OptimizerFactory:
@@ -226,11 +314,15 @@ def _with_lr(factory: OptimizerFactory, lr: float) -> OptimizerFactory:
     return make
 
 
-def _summary(losses: list[tuple[int, float]], seconds: float, plan: Plan) -> None:
+def _summary(
+    losses: list[tuple[int, float]], seconds: float, plan: Plan, skipped: list[tuple[int, str]]
+) -> None:
     first, last = losses[0], losses[-1]
+    steps = [str(s) for s, _ in skipped]
     print(
         f"trained steps {first[0]}..{last[0]} on {plan.mesh}: loss {first[1]:.4f} -> {last[1]:.4f} "
-        f"in {seconds:.1f} s ({seconds / len(losses):.3f} s/step)",
+        f"in {seconds:.1f} s ({seconds / len(losses):.3f} s/step)"
+        + (f"; skipped {len(steps)} non-finite step(s): {', '.join(steps)}" if steps else ""),
         flush=True,
     )
 

@@ -44,6 +44,10 @@ def init_world(mesh: MeshPlan, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
             hint=f"start {mesh.world_size} processes (torchrun --nproc-per-node ...), or "
             "change the mesh",
         )
+    # Groups made later (mesh axes, tied weights) get torch's default timeout (30 min
+    # for gloo), not the world's: make that the world's too, so every wait is bounded.
+    c10d = dist.distributed_c10d
+    c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         if torch.cuda.is_available():
             torch.cuda.set_device(device_for_rank())

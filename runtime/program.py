@@ -8,11 +8,14 @@ Every rank gets the whole global batch; it keeps its dp slice, splits it into
 `grad_accum` rounds of `microbatches` microbatches, runs its pipeline actions,
 synchronises gradients over dp (and tied weights over pp), and steps its
 optimizer. The loss returned is the mean over the global batch, the same on
-every rank.
+every rank. A NaN or inf loss or gradient stops every rank with the same
+`RuntimeFault` before the optimizer step (or, with `skip_nonfinite`, skips
+that update on every rank): see nonfinite.py.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +31,7 @@ from parc.errors import RuntimeFault
 
 from .collectives import Comm, CommKind
 from .executor import StageExecutor
+from .nonfinite import first_nonfinite_param, grads_finite, nonfinite_fault
 from .schedule import Action
 
 __all__ = ["Program", "ProgramParts"]
@@ -65,6 +69,10 @@ class Program:
         self.comm = parts.comm
         self.optimizer = parts.optimizer
         self.steps_done = 0
+        # A non-finite loss or gradient raises a RuntimeFault on every rank, or, when
+        # True, skips that step's update on every rank and is recorded in `skipped`.
+        self.skip_nonfinite = False
+        self.skipped: list[tuple[int, str]] = []  # (step, what was not finite)
         self._stats: dict[tuple[str, str], tuple[int, int]] = {}
         self.executor = StageExecutor(
             parts.stage,
@@ -109,11 +117,25 @@ class Program:
             )
         self.parts.sync.finish(self._tied_reduce)
         self.parts.sync.arm(False)
-        self.optimizer.step()
-        self.parts.sync.after_step()
+        # Before the optimizer step: a NaN/inf must never reach the parameters (nonfinite.py).
+        loss, bad_ranks = self._global_loss(losses, grads_finite(self.parts.sync))
+        if bad_ranks or not math.isfinite(loss):
+            self._nonfinite(loss, bad_ranks > 0)
+        else:
+            self.optimizer.step()
+            self.parts.sync.after_step()
         self._stats = comm.stats.snapshot()
         self.steps_done += 1
-        return self._global_loss(losses)
+        return loss
+
+    def _nonfinite(self, loss: float, bad_grads: bool) -> None:
+        """Skip this step's update on every rank, or raise the same error on every rank."""
+        # A non-finite loss makes every gradient so: naming a parameter would say nothing.
+        param = first_nonfinite_param(self.parts) if bad_grads and math.isfinite(loss) else None
+        fault = nonfinite_fault(loss=loss, param=param, rank=self.comm.rank, step=self.steps_done)
+        if not self.skip_nonfinite:
+            raise fault
+        self.skipped.append((self.steps_done, fault.message))
 
     def _check_batch(self, xs: Sequence[torch.Tensor], targets: torch.Tensor) -> None:
         """The batch must match the traced contract; every rank raises the same error."""
@@ -146,14 +168,20 @@ class Program:
             self.comm.stats.add(CommKind.ALL_REDUCE, AXIS_PP, grad.numel())
             dist.all_reduce(grad, group=group)
 
-    def _global_loss(self, losses: list[float]) -> float:
+    def _global_loss(self, losses: list[float], grads_ok: bool) -> tuple[float, int]:
+        """The mean loss over the global batch, and how many ranks have non-finite gradients."""
         plan, comm = self.plan, self.comm
         mine = self.parts.stage.is_last and all(
             comm.index(a) == 0 for a in plan.mesh.names if a not in (AXIS_DP, AXIS_PP)
         )
-        total = torch.tensor([sum(losses) if mine else 0.0], dtype=torch.float64)
+        total = torch.tensor(  # on the rank's device: NCCL reduces no CPU tensors
+            [sum(losses) if mine else 0.0, 0.0 if grads_ok else 1.0],
+            dtype=torch.float64,
+            device=self.parts.device,
+        )
         comm.metric_sum(total)
-        return float(total.item()) / (plan.dp * plan.microbatches * plan.grad_accum)
+        loss = float(total[0].item()) / (plan.dp * plan.microbatches * plan.grad_accum)
+        return loss, int(total[1].item())
 
     # ------------------------------------------------------------ inspection
 

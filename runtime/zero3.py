@@ -30,7 +30,7 @@ from parc.compiler.layout import FlatUnit
 
 from .collectives import Comm
 
-__all__ = ["Zero3", "zero3_gather", "zero3_view"]
+__all__ = ["Zero3", "active_runtime", "zero3_gather", "zero3_view"]
 
 _ACTIVE: Zero3 | None = None
 
@@ -118,6 +118,17 @@ class Zero3:
             _ACTIVE = previous
             self._bases = {k: v for k, v in self._bases.items() if v[1]() is not None}
 
+    @contextlib.contextmanager
+    def activated(self) -> Iterator[None]:
+        """This runtime active for `zero3_gather`, without the saved-tensor hooks: a
+        recomputed region (runtime/recompute.py) gathers its units again in backward."""
+        global _ACTIVE
+        previous, _ACTIVE = _ACTIVE, self
+        try:
+            yield
+        finally:
+            _ACTIVE = previous
+
     # ---------------------------------------------------------- step side
 
     def arm(self, on: bool) -> None:
@@ -177,6 +188,11 @@ class _Gather(torch.autograd.Function):
         runtime.comm.reduce_scatter(out, grad.contiguous(), runtime.axis)
         runtime.release(ctx.unit)
         return out, None
+
+
+def active_runtime() -> Zero3 | None:
+    """The ZeRO-3 runtime whose forward is running, if any."""
+    return _ACTIVE
 
 
 def _active() -> Zero3:

@@ -433,15 +433,6 @@ BAD_SPECS = [
         "2:11",
         ("`vocab` sharding", "not supported by the compiler yet"),
     ),
-    BadSpec(
-        "recompute_is_not_compiled_yet",
-        "gpt",
-        """
-        recompute layers[*]
-        """,
-        "1:1",
-        ("`recompute`", "not supported by the compiler yet", "remove the recompute line"),
-    ),
     # --- patterns that match nothing, with a did-you-mean
     BadSpec(
         "shard_pattern_matches_nothing",

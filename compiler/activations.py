@@ -1,0 +1,91 @@
+"""Activation bytes one rank keeps per microbatch: what autograd saves, sliced and recomputed.
+
+Analysis only. Reads the fake forward's saved tensors (compiler/saved.py), the
+plan's node stages and, when the tensor-parallel analysis ran, each node's
+`parc_sharded`:
+
+1. Every storage saved for backward is charged to the stage of the node that
+   saved it, once per stage (a value two stages save lives on both).
+2. A tensor-parallel rank keeps 1/tp of a storage that belongs to a sharded
+   value: the value it is an output of, or, for a tensor an op made for itself
+   (LayerNorm's statistics, attention's log-sum-exp), the op's own output.
+3. A recomputed region keeps its inputs (tensors from outside it; parameters
+   and buffers are resident anyway) instead of what its nodes saved. While a
+   region recomputes in backward, what it saves exists again on top of that:
+   the largest such set is the stage's `recompute` bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from .passes.recompute import recompute_regions
+from .plan import Plan
+from .saved import SavedTensors
+
+__all__ = ["StageActivations", "stage_activations"]
+
+
+@dataclass(frozen=True, slots=True)
+class StageActivations:
+    """Activation bytes of one pipeline stage at one rank, per microbatch."""
+
+    stage: int
+    stored: int  # kept from a microbatch's forward to its backward
+    recompute: int  # held at once while the largest recomputed region runs again
+    regions: int  # recomputed regions in the stage
+
+    def held(self, in_flight: int) -> int:
+        """Bytes at the peak with `in_flight` microbatches stored."""
+        return self.stored * in_flight + self.recompute
+
+
+def stage_activations(
+    plan: Plan, gm: torch.fx.GraphModule, saved: SavedTensors
+) -> tuple[StageActivations, ...]:
+    """Stored and recomputation bytes of every stage (steps 1-3)."""
+    stage_of = plan.stage_of()
+    nodes = {n.name: n for n in gm.graph.nodes}
+    regions = recompute_regions(gm, plan.recompute) if plan.recompute else {}
+
+    def share(nbytes: int, node: str) -> int:
+        # Step 2
+        sharded = plan.tp > 1 and bool(nodes[node].meta.get("parc_sharded", False))
+        return nbytes // plan.tp if sharded else nbytes
+
+    stored: list[dict[int, int]] = [{} for _ in range(plan.pp)]
+    again: dict[tuple[str, int], dict[int, int]] = {}
+    for t in saved.tensors:  # Step 1
+        s = stage_of.get(t.node)
+        if s is None:
+            continue
+        size = share(t.nbytes, t.producer or t.node)
+        if t.node in regions:
+            again.setdefault((regions[t.node], s), {})[t.storage] = size
+        else:
+            stored[s][t.storage] = size
+    # Step 3
+    members: dict[tuple[str, int], list[torch.fx.Node]] = {}
+    for name, region in regions.items():
+        if name in stage_of:
+            members.setdefault((region, stage_of[name]), []).append(nodes[name])
+    for (_, s), group in members.items():
+        inside = set(group)
+        for node in group:
+            for value in node.all_input_nodes:
+                if value not in inside:
+                    for storage, nbytes in saved.outputs.get(value.name, ()):
+                        stored[s][storage] = share(nbytes, value.name)
+    out = []
+    for s in range(plan.pp):
+        extra = [
+            sum(b for k, b in kept.items() if k not in stored[s])
+            for (_, stage), kept in again.items()
+            if stage == s
+        ]
+        count = sum(1 for _, stage in members if stage == s)
+        out.append(StageActivations(s, sum(stored[s].values()), max(extra, default=0), count))
+    return tuple(out)

@@ -1,0 +1,99 @@
+"""`parc plan`: which spec to run a model with on a cluster, before spending GPU hours.
+
+    >>> from parc.compiler.planner import plan_model
+    >>> result = plan_model("examples/gpt.py", "h100x8", batch=64)   # doctest: +SKIP
+    >>> print(format_plan(result))                                    # doctest: +SKIP
+    >>> print(result.spec_text())                                     # the best, as .par
+
+Algorithm:
+1. Parse the cluster; load the model file; profile the model once on the
+   `meta` device (model_profile.py): nothing is allocated at full size.
+2. Search every spec the cluster allows (search.py); drop those that do not
+   fit; rank the rest by estimated step time.
+3. The best becomes an editable `.par` (format.py), whose `parc compile
+   --cluster` report shows the same estimate, exactly costed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+from parc.dsl.ast import ScheduleKind
+from parc.errors import ParcError
+
+from ..memory_model import MemoryModel, Precision, memory_model_of
+from ..model import ModelSource, load_model
+from .cluster import Cluster, parse_cluster
+from .model_profile import ModelProfile, profile_model
+from .search import Evaluation, Search, search
+
+__all__ = ["PlanResult", "plan_model"]
+
+
+@dataclass(frozen=True, slots=True)
+class PlanResult:
+    """What `parc plan` found, and how long it took."""
+
+    model: str  # the model file as given
+    cluster: Cluster
+    batch: int
+    memory: MemoryModel
+    profile: ModelProfile
+    search: Search
+    profile_seconds: float
+    search_seconds: float
+
+    @property
+    def best(self) -> Evaluation | None:
+        return self.search.best
+
+    def spec_text(self, evaluation: Evaluation | None = None, *, path: str = "SPEC.par") -> str:
+        """The `.par` text of `evaluation` (default: the best), to be written at `path`."""
+        from .format import spec_text
+
+        chosen = evaluation or self.best
+        if chosen is None:
+            raise ParcError(
+                f"no spec fits {self.model} on {self.cluster}",
+                hint="the plan's table says why each family fails: add GPUs, lower --batch, "
+                "or use a GPU with more memory",
+            )
+        return spec_text(self, chosen, path)
+
+
+def plan_model(
+    model: str | Path | ModuleType | ModelSource,
+    cluster: str | Cluster,
+    *,
+    batch: int | None = None,
+    seq: int | None = None,
+    precision: Precision = Precision.FP32,
+    schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B,
+) -> PlanResult:
+    """Steps 1 and 2; `batch` is the global batch in samples (default 4 per GPU)."""
+    # Step 1
+    machines = parse_cluster(cluster) if isinstance(cluster, str) else cluster
+    source = model if isinstance(model, ModelSource) else load_model(model)
+    if batch is not None and batch < 1:
+        raise ParcError(f"--batch {batch}: the global batch must be at least 1")
+    batch = batch if batch is not None else 4 * machines.world
+    started = time.perf_counter()
+    profile = profile_model(source, gpus_per_node=min(machines.gpus, machines.world), seq=seq)
+    profiled = time.perf_counter()
+    memory = memory_model_of(source.configure_optimizer, precision)
+    # Step 2
+    found = search(profile, machines, batch=batch, memory=memory, schedule=schedule)
+    name = model if isinstance(model, str | Path) else source.path
+    return PlanResult(
+        model=str(name),
+        cluster=machines,
+        batch=batch,
+        memory=memory,
+        profile=profile,
+        search=found,
+        profile_seconds=profiled - started,
+        search_seconds=time.perf_counter() - profiled,
+    )

@@ -1,0 +1,236 @@
+"""Cost one candidate spec from a model's per-unit profile: peak memory, step time, traffic.
+
+The formulas are compiler/estimate.py's (memory per ZeRO level, transient
+buffers, microbatches in flight under 1F1B or GPipe) and time_model.py's, fed
+with sums over each stage's units instead of a traced graph, so hundreds of
+candidates cost milliseconds. ZeRO padding (under dp elements a unit) is left out.
+
+1. `stage_sums`: the pp−1 cuts, where the running training FLOPs cross k/pp of
+   the total (blocks are alike, so this balances them), and each stage's sums;
+   a weight tied between two units of one stage is held once.
+2. `evaluate`: per stage, the peak bytes of one rank and one microbatch's
+   seconds (compute, tensor-parallel collectives, pipeline sends); the
+   data-parallel traffic after the pipeline; the fullest rank and the step time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from parc.dsl.ast import ScheduleKind
+
+from ..estimate import resident_elements, transient_elements
+from ..layout import DEFAULT_BUCKET_ELEMS
+from ..memory_model import MemoryModel
+from .candidate import Candidate, Evaluation, Memory
+from .cluster import Cluster
+from .model_profile import ModelProfile, TPProfile
+from .time_model import (
+    BACKWARD_SHARE,
+    LATENCY,
+    StageSeconds,
+    StepTime,
+    axis_bandwidth,
+    exposed_dp,
+    wire_bytes,
+)
+
+__all__ = ["Stages", "evaluate", "stage_sums"]
+
+
+@dataclass(frozen=True, slots=True)
+class _StageSum:
+    """One stage's sums for one (tp, pp, recompute), per sample at one rank."""
+
+    params: int
+    largest: int  # the largest ZeRO-3 unit
+    flops: int  # forward + backward (+ the recomputed forward)
+    stored: int  # activation bytes kept per microbatch
+    again: int  # held while one block recomputes
+    tp_reduce: int  # all-reduce elements, recomputed forward ones included
+    tp_gather: int
+    tp_largest: int
+    tp_calls: int
+    sent: int  # elements sent forward plus gradients sent back
+    modules: int  # ZeRO-3 units
+
+
+@dataclass(frozen=True, slots=True)
+class Stages:
+    cuts: tuple[int, ...]
+    stages: tuple[_StageSum, ...]
+    tied: int  # elements of weights tied across stages
+
+
+def stage_sums(profile: ModelProfile, tpp: TPProfile, pp: int, recompute: bool) -> Stages:
+    """Step 1: the stage cuts and each stage's sums."""
+    u = tpp.units
+    again = [recompute and b for b in profile.blocks]
+    work = [3 * c.flops + (c.flops if r else 0) for c, r in zip(u, again)]
+    cuts = _balanced_cuts(work, pp)
+    bounds = list(zip((0, *cuts), (*cuts, len(u))))
+
+    def stage(lo: int, hi: int) -> _StageSum:
+        rng = range(lo, hi)
+        # A weight tied between units of one stage is held once.
+        copies = [(n, sum(lo <= h < hi for h in homes)) for n, homes in tpp.tied]
+        forward = sum(u[i].tp_forward for i in rng if again[i])
+        return _StageSum(
+            params=sum(u[i].params for i in rng) - sum(n * (k - 1) for n, k in copies if k > 1),
+            largest=max((u[i].largest for i in rng), default=0),
+            flops=sum(work[i] for i in rng),
+            stored=sum(u[i].kept if again[i] else u[i].saved for i in rng),
+            again=max((max(u[i].saved - u[i].kept, 0) for i in rng if again[i]), default=0),
+            tp_reduce=sum(u[i].tp_reduce for i in rng) + forward,
+            tp_gather=sum(u[i].tp_gather for i in rng),
+            tp_largest=max((u[i].tp_largest for i in rng), default=0),
+            tp_calls=sum(u[i].tp_calls + (u[i].tp_forward_calls if again[i] else 0) for i in rng),
+            sent=(tpp.sent[hi - 1] if hi < len(u) else 0) + (tpp.sent[lo - 1] if lo > 0 else 0),
+            modules=sum(u[i].modules for i in rng),
+        )
+
+    stages_of = [
+        {s for s, (lo, hi) in enumerate(bounds) if any(lo <= h < hi for h in homes)}
+        for _, homes in tpp.tied
+    ]
+    tied = sum(n for (n, _), held in zip(tpp.tied, stages_of) if len(held) > 1)
+    return Stages(cuts, tuple(stage(lo, hi) for lo, hi in bounds), tied)
+
+
+def _balanced_cuts(work: list[int], pp: int) -> tuple[int, ...]:
+    """pp−1 cut positions where the running work crosses k/pp of the total; stages non-empty."""
+    total, running = sum(work), 0.0
+    cuts: list[int] = []
+    for i, w in enumerate(work):
+        k = len(cuts) + 1
+        if k >= pp:
+            break
+        before, running = running, running + w
+        if running >= total * k / pp:
+            # cut after unit i, or before it when that is closer to the target
+            at = i if (total * k / pp - before) < (running - total * k / pp) and i > 0 else i + 1
+            at = max(at, cuts[-1] + 1 if cuts else 1)
+            cuts.append(min(at, len(work) - (pp - k)))
+    while len(cuts) < pp - 1:
+        cuts.append(min((cuts[-1] if cuts else 0) + 1, len(work) - (pp - 1 - len(cuts))))
+    return tuple(cuts)
+
+
+def evaluate(
+    cand: Candidate,
+    st: Stages,
+    profile: ModelProfile,
+    cluster: Cluster,
+    batch: int,
+    mem: MemoryModel,
+    schedule: ScheduleKind,
+) -> Evaluation:
+    """Step 2: the fullest rank's peak bytes, the step time, the traffic."""
+    micro = batch // (cand.dp * cand.microbatches * cand.grad_accum)
+    links = {a: axis_bandwidth(cluster, cand.mesh, a) for a in ("tp", "pp", "dp")}
+    steps = cand.microbatches * cand.grad_accum
+    memory = [_stage_memory(cand, ss, s, micro, mem, schedule) for s, ss in enumerate(st.stages)]
+    seconds, dp_time, traffic = [], 0.0, {"tp": 0.0, "pp": 0.0, "dp": 0.0}
+    for s, ss in enumerate(st.stages):
+        took, sent = _stage_seconds(cand, ss, s, micro, mem, links, cluster)
+        seconds.append(took)
+        dp_seconds, dp_bytes = _stage_dp(cand, ss, mem, links["dp"], BACKWARD_SHARE * took.compute)
+        dp_time = max(dp_time, dp_seconds)
+        for axis, b in (("tp", sent[0] * steps), ("pp", sent[1] * steps), ("dp", dp_bytes)):
+            traffic[axis] = max(traffic[axis], b)
+    tied = wire_bytes("all_reduce", 2, st.tied * mem.grad_bytes) if cand.pp > 1 else 0.0
+    dp_time += _seconds(tied, int(tied > 0), links["pp"])
+    time = StepTime.of(
+        seconds, microbatches=cand.microbatches, grad_accum=cand.grad_accum, dp=dp_time
+    )
+    bubble = (cand.pp - 1) / (cand.microbatches + cand.pp - 1)
+    worst = max(memory, key=lambda m: m.total)
+    return Evaluation(cand, worst, time, traffic, bubble, worst.total <= cluster.budget)
+
+
+def _seconds(size: float, calls: int, link: tuple[float, bool]) -> float:
+    return size / link[0] + calls * LATENCY[link[1]] if size else 0.0
+
+
+def _stage_seconds(
+    cand: Candidate,
+    ss: _StageSum,
+    s: int,
+    micro: int,
+    mem: MemoryModel,
+    links: dict[str, tuple[float, bool]],
+    cluster: Cluster,
+) -> tuple[StageSeconds, tuple[float, float]]:
+    """One microbatch on stage `s`, and the (tp, pp) bytes it sends."""
+    width = 4 * mem.activation_scale  # bytes per activation element
+    tp_bytes = wire_bytes("all_reduce", cand.tp, ss.tp_reduce * micro * width)
+    tp_bytes += wire_bytes("all_gather", cand.tp, ss.tp_gather * micro * width)
+    pp_bytes = ss.sent * micro * width if cand.pp > 1 else 0.0
+    # A middle stage sends forward and back, on both sides; an end stage on one.
+    pp_calls = (2 - (s in (0, cand.pp - 1))) * 2 if cand.pp > 1 else 0
+    took = StageSeconds(
+        ss.flops * micro / (cluster.tflops * 1e12),
+        _seconds(tp_bytes, ss.tp_calls if cand.tp > 1 else 0, links["tp"]),
+        _seconds(pp_bytes, pp_calls, links["pp"]),
+    )
+    return took, (tp_bytes, pp_bytes)
+
+
+def _stage_dp(
+    cand: Candidate,
+    ss: _StageSum,
+    mem: MemoryModel,
+    link: tuple[float, bool],
+    backward: float,
+) -> tuple[float, float]:
+    """(exposed seconds, bytes sent) of a stage's data-parallel traffic per step."""
+    if cand.dp == 1:
+        return 0.0, 0.0
+    reduce, gather = _dp_bytes(cand, ss.params, mem)
+    repeat = cand.microbatches * cand.grad_accum if cand.zero == 3 else 1
+    calls = (ss.modules if cand.zero == 3 else -(-ss.params // DEFAULT_BUCKET_ELEMS)) * repeat
+    took = exposed_dp(
+        cand.zero,
+        _seconds(reduce * repeat, calls, link),
+        _seconds(gather * repeat, calls, link),
+        backward,
+    )
+    return took, (reduce + gather) * repeat
+
+
+def _stage_memory(
+    cand: Candidate, ss: _StageSum, s: int, micro: int, mem: MemoryModel, schedule: ScheduleKind
+) -> Memory:
+    """Peak bytes on a rank of stage `s` (compiler/estimate.py's formulas, padding aside)."""
+    n = ss.params
+    zero = cand.zero if cand.dp > 1 else 0
+    shard = -(-n // cand.dp)
+    p, g, o = resident_elements(zero, n, n, shard)
+    tp_, tg = transient_elements(zero, n, shard, ss.largest)
+    flight = 1
+    if cand.pp > 1:
+        gpipe = schedule is ScheduleKind.GPIPE
+        flight = cand.microbatches if gpipe else min(cand.pp - s, cand.microbatches)
+    acts = (ss.stored * flight + ss.again) * micro * mem.activation_scale
+    message = ss.tp_largest * micro * 4 * mem.activation_scale
+    return Memory(
+        p * mem.param_bytes,
+        g * mem.grad_bytes,
+        o * mem.optimizer_bytes,
+        int(acts),
+        int(tp_ * mem.param_bytes + tg * mem.grad_bytes + message),
+    )
+
+
+def _dp_bytes(cand: Candidate, n: int, mem: MemoryModel) -> tuple[float, float]:
+    """(gradient reduce, parameter gather) bytes a rank sends over dp: per step, or per
+    micro-step under ZeRO-3 (which gathers forward and again in backward)."""
+    if cand.dp == 1:
+        return 0.0, 0.0
+    rs = wire_bytes("reduce_scatter", cand.dp, n * mem.grad_bytes)
+    ag = wire_bytes("all_gather", cand.dp, n * mem.param_bytes)
+    if cand.zero == 3:
+        return rs, 2 * ag
+    if cand.zero == 0:
+        return wire_bytes("all_reduce", cand.dp, n * mem.grad_bytes), 0.0
+    return rs, ag

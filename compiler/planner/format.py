@@ -1,0 +1,200 @@
+"""The plan as text: the ranked table, the decision guide's verdicts, and the best as `.par`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..plan import compress_names
+from ..report import human_bytes, human_count
+from .advise import PlanResult
+from .search import TIE, Evaluation, Family
+
+__all__ = ["format_plan", "plan_json", "spec_text"]
+
+GB = 10**9
+
+
+def _seconds(t: float) -> str:
+    if t >= 100:
+        return f"{t:.0f} s"
+    if t >= 1:
+        return f"{t:.2f} s"
+    if t >= 1e-3:
+        return f"{t * 1e3:.1f} ms"
+    return f"{t * 1e6:.0f} µs"
+
+
+def _table(header: list[str], rows: list[list[str]], right: set[int]) -> list[str]:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    out = []
+    for row in [header, *rows]:
+        cells = [
+            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))
+        ]
+        out.append("  " + "  ".join(cells).rstrip())
+    return out
+
+
+def _gigabytes(n: float) -> str:
+    if not n:
+        return "-"
+    gb = n / GB
+    return f"{gb:.0f}" if gb >= 100 else f"{gb:.1f}" if gb >= 1 else f"{gb:.2g}"
+
+
+def _tokens_per_second(result: PlanResult, ev: Evaluation) -> str:
+    return human_count(result.batch * result.profile.tokens / ev.time.total)
+
+
+def _row(result: PlanResult, rank: int, ev: Evaluation) -> list[str]:
+    t = ev.traffic
+    traffic = " / ".join(_gigabytes(t[a]) for a in ("tp", "pp", "dp"))
+    return [
+        str(rank),
+        str(ev.candidate),
+        human_bytes(ev.memory.total),
+        _seconds(ev.time.total),
+        f"{ev.bubble:.1%}",
+        traffic,
+        _tokens_per_second(result, ev),
+    ]
+
+
+def format_plan(result: PlanResult, *, top: int = 5) -> str:
+    """The whole `parc plan` report."""
+    p, found = result.profile, result.search
+    blocks = sum(p.blocks)
+    lists = ", ".join(p.recompute_patterns)
+    lines = [
+        f"parc plan {result.model} on {result.cluster}",
+        f"model  {human_count(p.params)} parameters in {len(p.units)} "
+        f"unit{'s' if len(p.units) != 1 else ''}"
+        + (f" ({blocks} blocks: {lists})" if blocks else "")
+        + f"; batch {result.batch} × {p.tokens} tokens; {result.memory.describe()}",
+        f"searched {found.evaluated} specs in {_seconds(result.search_seconds)} (profile "
+        f"{_seconds(result.profile_seconds)}); {len(found.ranked)} fit in "
+        f"{human_bytes(result.cluster.budget)} usable per GPU",
+        "",
+    ]
+    if found.ranked:
+        header = ["#", "spec", "peak/GPU", "step", "bubble", "GB/GPU tp / pp / dp", "tokens/s"]
+        shown = list(found.ranked[:top])
+        if found.best is not None and found.best not in shown:
+            shown.append(found.best)
+        rows = [_row(result, found.ranked.index(ev) + 1, ev) for ev in shown]
+        for row, ev in zip(rows, shown):
+            row[0] += " *" if ev is found.best else ""
+        lines += [
+            "Fastest specs (estimated step time; * chosen: the simplest family within "
+            f"{TIE:.0%} of the fastest)",
+            *_table(header, rows, {2, 3, 4, 6}),
+            "",
+        ]
+    lines += ["Decision guide", *_guide(result), ""]
+    if found.best is not None:
+        lines += _chosen(result, found.best)
+    else:
+        lines.append("No spec fits: see the reasons above.")
+    return "\n".join(lines) + "\n"
+
+
+def _guide(result: PlanResult) -> list[str]:
+    found = result.search
+    rows = []
+    for family in Family:
+        if family in found.best_of:
+            ev = found.best_of[family]
+            verdict = "chosen" if ev is found.best else "fits"
+            rows.append([str(family), f"{verdict}: {_seconds(ev.time.total)}, {ev.candidate}"])
+        else:
+            rows.append([str(family), found.rejected[family]])
+    return _table(["family", "verdict"], rows, set())[1:]
+
+
+def _chosen(result: PlanResult, best: Evaluation) -> list[str]:
+    t = best.time
+    parts = ("compute", "tp", "pp", "dp", "bubble")
+    spent = " + ".join(f"{name} {_seconds(getattr(t, name))}" for name in parts)
+    warnings = result.profile.tp[best.candidate.tp].warnings
+    lines = [
+        f"Chosen: {best.candidate}",
+        f"  per GPU at the peak: {best.memory.describe()}",
+        f"  step {_seconds(t.total)} = {spent}; ~{_tokens_per_second(result, best)} tokens/s",
+    ]
+    if warnings:
+        lines.append(
+            f"  note: the tensor-parallel analysis falls back to {warnings} all-gather(s) "
+            "(parc compile --strict names them)"
+        )
+    return lines
+
+
+def spec_text(result: PlanResult, ev: Evaluation, path: str = "SPEC.par") -> str:
+    """`ev` as an editable `.par` file, with the estimate and the check command on top."""
+    c, p = ev.candidate, result.profile
+    lines = [
+        f"# model: {result.model}",
+        f"# parc plan for {result.cluster}; batch {result.batch}, {result.memory.precision}",
+        f"# estimate: {human_bytes(ev.memory.total)} per GPU at the peak, step "
+        f"{_seconds(ev.time.total)}, bubble {ev.bubble:.1%}",
+        f"# check: parc compile {path} {result.model} --batch {result.batch} "
+        f'--cluster "{result.cluster.text}"',
+        f"mesh {c.mesh}" if c.mesh.axes else "# one device: no mesh",
+    ]
+    if c.tp > 1:
+        lines += list(p.tp[c.tp].shard_lines)
+    if c.pp > 1:
+        bounds = zip((0, *c.cuts), (*c.cuts, len(p.units)))
+        lines += [
+            f"stage {compress_names(p.units[lo:hi])} -> {s}" for s, (lo, hi) in enumerate(bounds)
+        ]
+        lines += [f"microbatches {c.microbatches}", "schedule 1f1b"]
+    if c.dp > 1 and c.zero:
+        lines.append(f"zero {c.zero}")
+    if c.grad_accum > 1:
+        lines.append(f"grad_accum {c.grad_accum}")
+    if c.recompute:
+        lines += [f"recompute {pattern}" for pattern in p.recompute_patterns]
+    return "\n".join(lines) + "\n"
+
+
+def plan_json(result: PlanResult, *, top: int = 5, path: str = "SPEC.par") -> dict[str, Any]:
+    """The plan's facts as plain data."""
+
+    def one(ev: Evaluation) -> dict[str, Any]:
+        c = ev.candidate
+        return {
+            "spec": str(c),
+            "mesh": dict(c.mesh.axes),
+            "zero": c.zero,
+            "microbatches": c.microbatches,
+            "grad_accum": c.grad_accum,
+            "recompute": c.recompute,
+            "family": str(c.family),
+            "memory": {
+                k: getattr(ev.memory, k)
+                for k in ("params", "grads", "optimizer", "activations", "buffers", "total")
+            },
+            "step_seconds": ev.time.total,
+            "time": {k: getattr(ev.time, k) for k in ("compute", "tp", "pp", "dp", "bubble")},
+            "bubble": ev.bubble,
+            "traffic_bytes": dict(ev.traffic),
+        }
+
+    found = result.search
+    return {
+        "model": result.model,
+        "cluster": str(result.cluster),
+        "batch": result.batch,
+        "evaluated": found.evaluated,
+        "best": [one(ev) for ev in found.ranked[:top]],
+        "families": {
+            str(f): (
+                {"fits": one(found.best_of[f])}
+                if f in found.best_of
+                else {"rejected": found.rejected[f]}
+            )
+            for f in Family
+        },
+        "spec": result.spec_text(path=path) if found.best else None,
+    }

@@ -1,0 +1,368 @@
+"""What the planner knows about a model, from one trace on the `meta` device.
+
+`profile_model(source, gpus_per_node=8)` builds nothing at full size: the model
+is built on `meta`, traced once, and one fake forward at micro-batch 1 records
+shapes and saved tensors (compiler/saved.py). Every candidate spec is then
+costed from these per-unit numbers (search.py), without tracing again.
+
+Algorithm:
+1. Build on meta, trace, run the fake forward at micro-batch 1 (`seq` slices
+   the sample's dim 1).
+2. Units: the model's top-level pieces in forward order. A child of a
+   ModuleList or Sequential is a unit of its own (a *block*); any other
+   top-level module is one; a node outside every module joins the unit before
+   it. Pipeline stages are runs of units; `recompute` recomputes the blocks.
+3. Tensor-parallel layout (Megatron's pairs, found in the dataflow): a Linear
+   inside a block is `row` when every Linear whose output reaches its input
+   (without passing another Linear) is `col`, else `col`: q, k, v → o and
+   gate, up → down; fc1 → fc2.
+4. For every tensor-parallel size (a divisor of the GPUs of a node): resolve
+   a spec with those shard lines and run the tensor-parallel analysis; a
+   ParcError is why that size cannot work. Per unit at one rank: local
+   parameter elements, forward FLOPs, saved bytes, the bytes a recomputed
+   block keeps (its inputs), collectives.
+5. The elements a pipeline cut after each unit sends forward.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+
+from parc.dsl import parse_spec
+from parc.dsl.ast import ShardKind
+from parc.errors import ParcError
+
+from ..cost import node_costs, output_numel, tensor_metas
+from ..layout import ParamSlice, canonical_names, param_slices
+from ..model import ModelSource
+from ..passes.placement import Partial, Shard
+from ..passes.tp_analysis import analyse_tensor_parallel
+from ..plan import Plan
+from ..recompute_cost import forward_tp_collectives, param_readers
+from ..resolve import resolve
+from ..saved import SavedTensors, profile_forward
+from ..stages import activation_nodes
+from ..trace import module_path, trace_model
+
+__all__ = ["ModelProfile", "TPProfile", "UnitCost", "profile_model"]
+
+_CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)
+
+
+@dataclass(frozen=True, slots=True)
+class UnitCost:
+    """One unit at one rank of a tensor-parallel size, per sample (micro-batch 1)."""
+
+    params: int  # local parameter elements (a tied weight counts in every unit using it)
+    largest: int  # the largest ZeRO-3 unit (one module's parameters), local elements
+    flops: int  # forward FLOPs
+    saved: int  # bytes saved for backward
+    kept: int  # bytes a recomputed block keeps instead (its inputs)
+    tp_reduce: int  # tensor-parallel all-reduce elements, forward + backward
+    tp_gather: int  # tensor-parallel all-gather elements, forward + backward
+    tp_forward: int  # of those, forward elements (they run again when recomputed)
+    tp_calls: int  # tensor-parallel collectives
+    tp_forward_calls: int  # of those, forward ones
+    tp_largest: int  # the largest single tensor-parallel message, elements
+    modules: int  # modules owning parameters here (ZeRO-3 gathers one unit per module)
+
+
+@dataclass(frozen=True, slots=True)
+class TPProfile:
+    """The model at one tensor-parallel size."""
+
+    tp: int
+    units: tuple[UnitCost, ...]
+    sent: tuple[int, ...]  # elements per sample a cut after unit i sends (one rank)
+    tied: tuple[tuple[int, tuple[int, ...]], ...]  # (local elements, units using it)
+    shard_lines: tuple[str, ...]
+    warnings: int  # fallback all-gathers the analysis warned about
+
+
+@dataclass(frozen=True, slots=True)
+class ModelProfile:
+    """Per-unit costs at every feasible tensor-parallel size, and why others are not."""
+
+    path: str
+    units: tuple[str, ...]
+    blocks: tuple[bool, ...]
+    recompute_patterns: tuple[str, ...]  # `layers[*]` for each list of blocks
+    params: int  # parameter elements of the whole model
+    tokens: int  # elements of the first input per sample (the sequence length of an LM)
+    tp: dict[int, TPProfile]
+    rejected_tp: dict[int, str]
+
+
+def profile_model(
+    source: ModelSource, *, gpus_per_node: int = 8, seq: int | None = None
+) -> ModelProfile:
+    """Steps 1-5 (see the module docstring)."""
+    enabled = gc.isenabled()
+    gc.disable()  # many long-lived fx objects: see compiler/frontend.py
+    try:
+        return _profile(source, gpus_per_node, seq)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _profile(source: ModelSource, gpus_per_node: int, seq: int | None) -> ModelProfile:
+    # Step 1
+    torch.manual_seed(0)
+    model = source.build(device="meta")
+    gm = trace_model(model)
+    inputs = _sample(source, seq)
+    saved = profile_forward(gm, inputs)
+    # Step 2
+    unit_of, units = _units(gm, model)
+    blocks = tuple(_is_block(model, u) for u in units)
+    # Step 3
+    layout = _megatron_layout(gm, unit_of, set(u for u, b in zip(units, blocks) if b))
+    shard_lines = _shard_lines(layout, model)
+    # Steps 4 and 5
+    base = _Base(gm, model, saved, unit_of, units)
+    profiles, rejected = {1: base.at(1, (), 0, {})}, {}
+    for tp in (d for d in range(2, gpus_per_node + 1) if gpus_per_node % d == 0):
+        if not shard_lines:
+            rejected[tp] = "no Linear inside a repeated block to split"
+            continue
+        try:
+            plan, warnings = _analyse_tp(gm, model, shard_lines, tp)
+        except ParcError as exc:
+            rejected[tp] = exc.message
+            continue
+        profiles[tp] = base.at(tp, shard_lines, warnings, param_slices(plan, model))
+    first = inputs[0] if isinstance(inputs[0], torch.Tensor) else torch.zeros(1)
+    return ModelProfile(
+        path=source.path,
+        units=tuple(units),
+        blocks=blocks,
+        recompute_patterns=_recompute_patterns(units, blocks),
+        params=sum(p.numel() for p in model.parameters()),
+        tokens=max(1, first.numel()),
+        tp=profiles,
+        rejected_tp=rejected,
+    )
+
+
+def _sample(source: ModelSource, seq: int | None) -> tuple[Any, ...]:
+    inputs, _ = source.batch(1, 0)
+    xs = tuple(inputs) if isinstance(inputs, tuple | list) else (inputs,)
+    if seq is None:
+        return xs
+    long = [x for x in xs if x.dim() >= 2]
+    if not long or any(x.shape[1] < seq for x in long):
+        have = long[0].shape[1] if long else 0
+        raise ParcError(
+            f"--seq {seq}: the model's sample_batch gives sequences of {have}; parc plans "
+            "shorter ones by slicing dim 1 of the inputs, not longer ones",
+            hint="set the model's own sequence length (e.g. LLAMA_SEQ) instead",
+        )
+    return tuple(x.narrow(1, 0, seq) if x.dim() >= 2 else x for x in xs)
+
+
+def _units(gm: torch.fx.GraphModule, model: torch.nn.Module) -> tuple[dict[str, str], list[str]]:
+    """Step 2: node name -> unit, and the units in forward order."""
+    modules = dict(model.named_modules())
+    unit_of: dict[str, str] = {}
+    order: list[str] = []
+    last = ""
+    for node in gm.graph.nodes:
+        path = module_path(node)
+        if path:
+            top = path[0]
+            if isinstance(modules.get(top), torch.nn.Sequential) and len(path) > 1:
+                top = path[1]
+            last = top
+            if top not in order:
+                order.append(top)
+        unit_of[node.name] = last
+    order = order or [""]  # no module at all: the whole model is one unit
+    return {n: u or order[0] for n, u in unit_of.items()}, order
+
+
+def _is_block(model: torch.nn.Module, unit: str) -> bool:
+    parent = unit.rpartition(".")[0]
+    return bool(parent) and isinstance(model.get_submodule(parent), _CONTAINERS)
+
+
+def _recompute_patterns(units: list[str], blocks: tuple[bool, ...]) -> tuple[str, ...]:
+    lists = dict.fromkeys(u.rpartition(".")[0] for u, b in zip(units, blocks) if b)
+    return tuple(f"{name}[*]" for name in lists)
+
+
+def _megatron_layout(
+    gm: torch.fx.GraphModule, unit_of: dict[str, str], blocks: set[str]
+) -> dict[str, ShardKind]:
+    """Step 3: module name -> col or row for the Linears inside blocks."""
+    layout: dict[str, ShardKind] = {}
+    feeds: dict[torch.fx.Node, frozenset[object]] = {}  # kinds of the nearest Linears
+    for node in gm.graph.nodes:
+        ins = [a for a in node.all_input_nodes if a in feeds]
+        reaching = frozenset().union(*(feeds[a] for a in ins)) if ins else frozenset()
+        linear = node.op == "call_module" and isinstance(
+            gm.get_submodule(str(node.target)), torch.nn.Linear
+        )
+        if node.op == "placeholder":
+            feeds[node] = frozenset({None})
+        elif linear and unit_of[node.name] in blocks:
+            kind = ShardKind.ROW if reaching == {ShardKind.COL} else ShardKind.COL
+            layout[str(node.target)] = kind
+            feeds[node] = frozenset({kind})
+        elif linear:
+            feeds[node] = frozenset({None})
+        elif node.op != "get_attr" and any(True for _ in tensor_metas(node)):
+            feeds[node] = reaching  # sizes and parameters carry no data between Linears
+    return layout
+
+
+def _shard_lines(layout: dict[str, ShardKind], model: torch.nn.Module) -> tuple[str, ...]:
+    """`shard layers[*].attn.q col tp` where every block of a list agrees, else one per module."""
+    by_suffix: dict[tuple[str, str, ShardKind], list[str]] = {}
+    for name, kind in layout.items():
+        parts = name.split(".")
+        i = next(i for i, p in enumerate(parts) if p.isdigit())
+        by_suffix.setdefault((".".join(parts[:i]), ".".join(parts[i + 1 :]), kind), []).append(
+            parts[i]
+        )
+    lines = []
+    for (lst, suffix, kind), indices in by_suffix.items():
+        container = model.get_submodule(lst)
+        if len(indices) == len(list(container.children())):
+            lines.append(f"shard {lst}[*]{'.' + suffix if suffix else ''} {kind} tp")
+        else:
+            lines += [f"shard {lst}.{i}{'.' + suffix if suffix else ''} {kind} tp" for i in indices]
+    return tuple(lines)
+
+
+def _analyse_tp(
+    gm: torch.fx.GraphModule, model: torch.nn.Module, lines: tuple[str, ...], tp: int
+) -> tuple[Plan, int]:
+    """Step 4: the tensor-parallel analysis at `tp` (writes node.meta); how many warnings."""
+    spec = parse_spec(f"mesh tp={tp}\n" + "".join(f"{line}\n" for line in lines))
+    plan = resolve(spec, model, gm, batch=1)
+    return plan, len(analyse_tensor_parallel(gm, plan, spec))
+
+
+class _Base:
+    """Facts that do not depend on the tensor-parallel size, and `at(tp)` for those that do."""
+
+    def __init__(
+        self,
+        gm: torch.fx.GraphModule,
+        model: torch.nn.Module,
+        saved: SavedTensors,
+        unit_of: dict[str, str],
+        units: list[str],
+    ) -> None:
+        self.gm, self.model, self.saved = gm, model, saved
+        index = {u: i for i, u in enumerate(units)}
+        self.unit = {n: index[u] for n, u in unit_of.items()}
+        self.n = len(units)
+        self.members: list[list[torch.fx.Node]] = [[] for _ in units]
+        for node in gm.graph.nodes:
+            self.members[self.unit[node.name]].append(node)
+        self.tensors: list[list[Any]] = [[] for _ in units]
+        for t in saved.tensors:
+            self.tensors[self.unit[t.node]].append(t)
+        self.costs = node_costs(gm)
+        canonical = canonical_names(model)
+        self.numel = {canonical[n]: p.numel() for n, p in model.named_parameters()}
+        self.homes = {
+            p: tuple(sorted({self.unit[r] for r in readers}))
+            for p, readers in param_readers(gm, canonical).items()
+        }
+        self.acts = activation_nodes(gm)
+
+    def at(
+        self, tp: int, lines: tuple[str, ...], warnings: int, slices: dict[str, ParamSlice]
+    ) -> TPProfile:
+        """Per-unit costs with node.meta as the tensor-parallel analysis at `tp` left it."""
+        nodes = list(self.gm.graph.nodes)
+        sharded = {n.name for n in nodes if tp > 1 and n.meta.get("parc_sharded")}
+        split = {n.name for n in nodes if tp > 1 and _split(n.meta.get("parc_tp"))}
+        forward = forward_tp_collectives(self.gm) if tp > 1 else {}
+        local = {n: v // slices[n].parts if n in slices else v for n, v in self.numel.items()}
+        units = [self._unit(i, tp, sharded, split, local, forward) for i in range(self.n)]
+        tied = tuple((local[p], homes) for p, homes in self.homes.items() if len(homes) > 1)
+        return TPProfile(tp, tuple(units), self._sent(tp, sharded), tied, lines, warnings)
+
+    def _unit(
+        self,
+        i: int,
+        tp: int,
+        sharded: set[str],
+        split: set[str],
+        local: dict[str, int],
+        forward: dict[str, list[tuple[str, int]]],
+    ) -> UnitCost:
+        mine = self.members[i]
+        owners: dict[str, int] = {}
+        for p, homes in self.homes.items():
+            if i in homes:
+                owner = p.rpartition(".")[0]
+                owners[owner] = owners.get(owner, 0) + local[p]
+        comms = [c for n in mine for c in n.meta.get("parc_collectives", ())] if tp > 1 else []
+        return UnitCost(
+            params=sum(owners.values()),
+            largest=max(owners.values(), default=0),
+            flops=sum(self.costs[n.name].flops // (tp if n.name in split else 1) for n in mine),
+            saved=self._saved_bytes(i, tp, sharded),
+            kept=self._kept_bytes(mine, tp, sharded),
+            tp_reduce=sum(e for k, e in comms if k == "all_reduce"),
+            tp_gather=sum(e for k, e in comms if k == "all_gather"),
+            tp_forward=sum(e for n in mine for _, e in forward.get(n.name, ())),
+            tp_calls=len(comms),
+            tp_forward_calls=sum(len(forward.get(n.name, ())) for n in mine),
+            tp_largest=max((e for _, e in comms), default=0),
+            modules=len(owners),
+        )
+
+    def _saved_bytes(self, i: int, tp: int, sharded: set[str]) -> int:
+        found: dict[int, int] = {}
+        for t in self.tensors[i]:
+            found[t.storage] = _share(t.nbytes, t.producer or t.node, tp, sharded)
+        return sum(found.values())
+
+    def _kept_bytes(self, mine: list[torch.fx.Node], tp: int, sharded: set[str]) -> int:
+        inside = set(mine)
+        found: dict[int, int] = {}
+        for node in mine:
+            for value in node.all_input_nodes:
+                if value not in inside:
+                    for storage, nbytes in self.saved.outputs.get(value.name, ()):
+                        found[storage] = _share(nbytes, value.name, tp, sharded)
+        return sum(found.values())
+
+    def _sent(self, tp: int, sharded: set[str]) -> tuple[int, ...]:
+        """Step 5: what crosses each cut, from a difference array over cut positions."""
+        delta = [0] * (self.n + 1)
+        for node in self.gm.graph.nodes:
+            if node.name not in self.acts or not node.users:
+                continue
+            first = self.unit[node.name]
+            last = max(self.unit.get(u.name, first) for u in node.users)
+            if last > first:
+                numel = output_numel(node) // (tp if node.name in sharded else 1)
+                delta[first] += numel
+                delta[last] -= numel
+        out, running = [], 0
+        for i in range(self.n):
+            running += delta[i]
+            out.append(running)
+        return tuple(out)
+
+
+def _share(nbytes: int, node: str, tp: int, sharded: set[str]) -> int:
+    return nbytes // tp if node in sharded else nbytes
+
+
+def _split(place: object) -> bool:
+    """A node whose work a tensor-parallel rank does 1/tp of (sharded or partial output)."""
+    places = place if isinstance(place, tuple) else (place,)
+    return any(isinstance(p, Shard | Partial) for p in places)

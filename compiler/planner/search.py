@@ -1,0 +1,161 @@
+"""Enumerate specs for a model on a cluster, cost each from the profile, keep those that fit.
+
+No candidate is traced: each is costed from the per-unit numbers of
+model_profile.py (evaluate.py, with the formulas of compiler/estimate.py and
+time_model.py).
+
+Algorithm:
+1. Meshes: pp × dp × tp = the cluster's GPUs; tp a size the profile can
+   shard (at most one node: tensor-parallel traffic is per layer), pp at most
+   the number of units, the global batch divisible by dp.
+2. Stages: pp runs of units cut where the running forward FLOPs cross k/pp of
+   the total (blocks are alike, so this balances them); cached per (tp, pp,
+   recompute) with each stage's sums.
+3. For each zero level (1-3 only with dp > 1), recompute (of every block) or
+   not, microbatches m and grad_accum a (m·a divides the replica's batch; m is
+   1 without a pipeline): the fullest rank's peak bytes and the step time.
+4. Candidates that fit (peak ≤ the usable memory) ranked by step time. The
+   time model is not precise to a few percent: among the candidates within
+   `TIE` of the fastest, the chosen one is of the simplest family in the
+   decision guide's order (DDP, ZeRO-1/2, ZeRO-3, TP, PP, TP+PP), then the
+   fastest of it.
+5. A family of the decision guide (DDP, ZeRO-1/2, ZeRO-3, TP, PP, TP+PP) with
+   no candidate that fits is rejected with one line: why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from parc.dsl.ast import ScheduleKind
+
+from ..memory_model import MemoryModel
+from ..report import human_bytes
+from .candidate import Candidate, Evaluation, Family, Memory
+from .cluster import Cluster
+from .evaluate import Stages, evaluate, stage_sums
+from .model_profile import ModelProfile
+
+__all__ = ["TIE", "Candidate", "Evaluation", "Family", "Memory", "Search", "search"]
+
+TIE = 0.05  # step times within 5% of the fastest count as equal
+
+
+@dataclass(frozen=True, slots=True)
+class Search:
+    ranked: tuple[Evaluation, ...]  # the candidates that fit, best first
+    rejected: dict[Family, str]  # families with none that fits, and why
+    evaluated: int
+    best_of: dict[Family, Evaluation] = field(default_factory=dict)
+    chosen: Evaluation | None = None  # the simplest of those within TIE of the fastest
+
+    @property
+    def best(self) -> Evaluation | None:
+        return self.chosen
+
+
+def search(
+    profile: ModelProfile,
+    cluster: Cluster,
+    *,
+    batch: int,
+    memory: MemoryModel,
+    schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B,
+) -> Search:
+    """Steps 1-5 (see the module docstring)."""
+    fits: list[Evaluation] = []
+    closest: dict[Family, Evaluation] = {}
+    evaluated = 0
+    for cand, stages in _candidates(profile, cluster, batch):
+        ev = evaluate(cand, stages, profile, cluster, batch, memory, schedule)
+        evaluated += 1
+        family = cand.family
+        if ev.fits:
+            fits.append(ev)
+        elif family not in closest or ev.memory.total < closest[family].memory.total:
+            closest[family] = ev
+    fits.sort(key=_rank)  # Step 4
+    best_of: dict[Family, Evaluation] = {}
+    for ev in fits:
+        best_of.setdefault(ev.candidate.family, ev)
+    order = list(Family)
+    close = [ev for ev in fits if ev.time.total <= (1 + TIE) * fits[0].time.total]
+    chosen = min(close, key=lambda ev: (order.index(ev.candidate.family), _rank(ev)), default=None)
+    rejected = {  # Step 5
+        f: _why(f, closest.get(f), profile, cluster, batch) for f in Family if f not in best_of
+    }
+    return Search(tuple(fits), rejected, evaluated, best_of, chosen)
+
+
+def _rank(ev: Evaluation) -> tuple[float, ...]:
+    c = ev.candidate
+    return (ev.time.total, c.zero, c.recompute, (c.tp > 1) + (c.pp > 1), c.grad_accum)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _candidates(
+    profile: ModelProfile, cluster: Cluster, batch: int
+) -> Iterator[tuple[Candidate, Stages]]:
+    world, units = cluster.world, len(profile.units)
+    cache: dict[tuple[int, int, bool], Stages] = {}
+    for tp, tpp in sorted(profile.tp.items()):  # Step 1
+        if world % tp:
+            continue
+        for pp in (p for p in _divisors(world // tp) if p <= units):
+            dp = world // (tp * pp)
+            if batch % dp:
+                continue
+            replica = batch // dp
+            for recompute in (False, True) if any(profile.blocks) else (False,):
+                key = (tp, pp, recompute)
+                if key not in cache:
+                    cache[key] = stage_sums(profile, tpp, pp, recompute)  # Step 2
+                stages = cache[key]
+                for m, a in _splits(replica, pp):  # Step 3
+                    for zero in (0, 1, 2, 3) if dp > 1 else (0,):
+                        yield Candidate(tp, pp, dp, zero, m, a, recompute, stages.cuts), stages
+
+
+def _splits(replica: int, pp: int) -> Iterator[tuple[int, int]]:
+    for m in _divisors(replica) if pp > 1 else [1]:
+        for a in _divisors(replica // m):
+            yield m, a
+
+
+def _why(
+    family: Family,
+    closest: Evaluation | None,
+    profile: ModelProfile,
+    cluster: Cluster,
+    batch: int,
+) -> str:
+    """One line: why no candidate of `family` fits."""
+    if closest is not None:
+        mem = closest.memory
+        line = (
+            f"out of memory: at least {human_bytes(mem.total)} per GPU > "
+            f"{human_bytes(cluster.budget)} usable ({mem.describe()}; with {closest.candidate})"
+        )
+        if family is Family.ZERO_3 and mem.buffers > mem.total / 3:
+            line += "; one gathered unit and its gradient alone are too big: split layers (TP)"
+        return line
+    tps = [t for t in profile.tp if t > 1 and cluster.world % t == 0]
+    if family in (Family.TP, Family.TP_PP) and not tps:
+        sizes = "; ".join(f"tp={t}: {why}" for t, why in sorted(profile.rejected_tp.items()))
+        return f"not possible: {sizes or 'one GPU per node, and TP stays inside a node'}"
+    if cluster.world == 1:
+        return "not possible: one GPU"
+    units = len(profile.units)
+    if family in (Family.PP, Family.TP_PP) and units < 2:
+        return "not possible: the model is one unit, nothing to cut into stages"
+    if family is Family.TP_PP and not any(
+        (cluster.world // t) % p == 0
+        for t in tps
+        for p in range(2, min(units, cluster.world // t) + 1)
+    ):
+        return f"not possible on {cluster.world} GPUs: needs tp × pp ≥ 4 dividing them"
+    return f"not possible: no mesh of this kind divides the batch {batch} evenly over dp"

@@ -1,0 +1,163 @@
+"""Step time: compute at the GPU's sustained rate plus communication at each axis's bandwidth.
+
+A deliberately simple model, whose every term the plan table shows:
+
+- compute: a microbatch's FLOPs at one rank / `cluster.tflops`;
+- a collective over n ranks moves, per rank, with S the full tensor's bytes
+  (ring algorithms): all-reduce 2(n−1)/n·S, all-gather and reduce-scatter
+  (n−1)/n·S; a pipeline send S. It takes that / the axis's bandwidth;
+- an axis's link: `intra` bandwidth when its groups lie inside one node, else
+  `inter` (rank order is row-major, the last mesh axis fastest); every call
+  also pays a latency (`LATENCY`), which is what makes many small messages
+  (tiny microbatches, per-layer collectives of a small model) expensive;
+- pipeline: each of the `grad_accum` rounds takes (m + p − 1) × the slowest
+  stage's microbatch time (compute + its tensor-parallel traffic + its sends);
+  the (p − 1) extra slots are the bubble;
+- data-parallel traffic after the pipeline: the gradients' all-reduce (zero 0)
+  or reduce-scatter (zero 1, 2) overlaps the last microbatch's backward (parc
+  starts each bucket as it fills), only what is longer shows; the all-gather
+  of updated parameters (zero 1, 2) comes after the optimizer step; ZeRO-3's
+  gathers and reduce-scatters happen in every micro-step, in the way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from parc.dsl.ast import AXIS_DP, AXIS_PP
+
+from ..estimate import Estimate
+from ..plan import MeshPlan, Plan
+from .cluster import Cluster
+
+__all__ = [
+    "BACKWARD_SHARE",
+    "LATENCY",
+    "StageSeconds",
+    "StepTime",
+    "axis_bandwidth",
+    "estimate_step_time",
+    "exposed_dp",
+    "transfer_seconds",
+    "wire_bytes",
+]
+
+# Seconds one collective or send costs beyond its bytes, inside a node and across
+# nodes: NCCL's small-message latency is ~10 µs over NVLink, ~20-30 µs over IB.
+LATENCY = {True: 10e-6, False: 25e-6}
+# Backward is 2 of the 3 forward-equivalents of a training step's FLOPs.
+BACKWARD_SHARE = 2 / 3
+
+
+def wire_bytes(kind: str, n: int, size: float) -> float:
+    """Bytes one rank sends for a collective of `size` bytes (full tensor) over n ranks."""
+    if n <= 1:
+        return 0.0
+    if kind == "all_reduce":
+        return 2 * (n - 1) / n * size
+    if kind in ("all_gather", "reduce_scatter"):
+        return (n - 1) / n * size
+    return size  # send / recv
+
+
+def axis_bandwidth(cluster: Cluster, mesh: MeshPlan, axis: str) -> tuple[float, bool]:
+    """(bytes/s, inside a node) of `axis`'s groups in `mesh` laid out on `cluster`."""
+    stride = 1
+    for name, size in reversed(mesh.axes):
+        if name == axis:
+            span = stride * size
+            inside = span <= cluster.gpus and cluster.gpus % span == 0
+            return (cluster.intra if inside else cluster.inter), inside
+        stride *= size
+    return cluster.intra, True
+
+
+def transfer_seconds(
+    cluster: Cluster, mesh: MeshPlan, axis: str, kind: str, size: float, calls: int
+) -> float:
+    """Seconds `calls` collectives of `kind` over `axis`, `size` bytes in all, take."""
+    n = mesh.size(axis)
+    if n == 1 or calls == 0:
+        return 0.0
+    bandwidth, inside = axis_bandwidth(cluster, mesh, axis)
+    return wire_bytes(kind, n, size) / bandwidth + calls * LATENCY[inside]
+
+
+def exposed_dp(zero: int, reduce: float, gather: float, backward: float) -> float:
+    """Data-parallel seconds not hidden by the last microbatch's `backward` seconds.
+
+    `reduce`: the gradients' all-reduce or reduce-scatter; `gather`: the
+    parameters' all-gather (after the step for zero 1, 2; every micro-step for 3).
+    """
+    if zero == 3:
+        return reduce + gather
+    return max(0.0, reduce - backward) + gather
+
+
+@dataclass(frozen=True, slots=True)
+class StageSeconds:
+    """One microbatch's forward + backward on one stage."""
+
+    compute: float
+    tp: float  # tensor-parallel collectives
+    pp: float  # sends to the neighbouring stages
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.tp + self.pp
+
+
+@dataclass(frozen=True, slots=True)
+class StepTime:
+    """Seconds of one training step, by what they are spent on."""
+
+    compute: float  # the slowest stage's compute over all its microbatches
+    tp: float
+    pp: float
+    dp: float  # data-parallel gradient and parameter traffic
+    bubble: float  # pipeline slots the slowest stage waits
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.tp + self.pp + self.dp + self.bubble
+
+    @staticmethod
+    def of(
+        stages: Sequence[StageSeconds], *, microbatches: int, grad_accum: int, dp: float
+    ) -> StepTime:
+        """The pipeline's time from its stages' microbatch times, plus dp traffic."""
+        slowest = max(stages, key=lambda s: s.total)
+        steps = microbatches * grad_accum
+        bubble = grad_accum * (len(stages) - 1) * slowest.total
+        return StepTime(slowest.compute * steps, slowest.tp * steps, slowest.pp * steps, dp, bubble)
+
+
+def estimate_step_time(plan: Plan, est: Estimate, cluster: Cluster) -> StepTime:
+    """The step time of a compiled plan (its Estimate) on `cluster` (for `parc compile`)."""
+    micro_steps = plan.microbatches * plan.grad_accum
+    rate = cluster.tflops * 1e12
+    width = 4 * est.memory_model.activation_scale  # bytes per activation element
+    stages, dp = [], 0.0
+    for cost, (_, comms) in zip(est.stages, est.collectives):
+        tp = pp = reduce = gather = 0.0
+        for c in comms:
+            if c.axis == AXIS_DP:
+                took = transfer_seconds(cluster, plan.mesh, c.axis, c.kind, c.elements * 4, c.count)
+                if c.kind == "all_gather":
+                    gather += took
+                else:
+                    reduce += took
+            elif c.axis == AXIS_PP and c.kind == "all_reduce":  # weights tied across stages
+                reduce += transfer_seconds(cluster, plan.mesh, c.axis, c.kind, c.elements * 4, 1)
+            elif c.axis == AXIS_PP:
+                if c.kind == "send":
+                    size = c.elements * width
+                    pp += transfer_seconds(cluster, plan.mesh, c.axis, c.kind, size, c.count)
+            else:
+                size = c.elements * width
+                tp += transfer_seconds(cluster, plan.mesh, c.axis, c.kind, size, c.count)
+        compute = cost.rank_flops_per_sample * plan.batch.micro / rate
+        stages.append(StageSeconds(compute, tp / micro_steps, pp / micro_steps))
+        dp = max(dp, exposed_dp(plan.zero, reduce, gather, BACKWARD_SHARE * compute))
+    return StepTime.of(stages, microbatches=plan.microbatches, grad_accum=plan.grad_accum, dp=dp)

@@ -1,0 +1,71 @@
+"""What recomputation costs: a recomputed region's forward runs twice per microbatch.
+
+Analysis only, on the front end's analysed graph:
+
+- FLOPs: the region's forward FLOPs once more.
+- Tensor-parallel collectives: its nodes' forward ones (the all-reduce of a
+  partial sum, an all-gather) run again; backward ones (the all-reduce of
+  Megatron's f, the all-gather behind a local slice) do not. The forward ones
+  are read from the analysis's rewrite records, counted where the rewrite
+  inserts them (at the first consumer of a shared conversion).
+- ZeRO-3: a unit whose parameters only one region reads is gathered inside it,
+  so it is gathered again when the region recomputes; a unit read outside a
+  region is gathered again in backward when autograd saved its parameters (a
+  recomputed region saves its inputs, parameters included).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx
+
+from .cost import params_of_node
+from .passes.placement import ConvKind, LowerKind, NodeRewrite, Replicate
+
+__all__ = ["forward_tp_collectives", "param_readers"]
+
+_FORWARD = {ConvKind.ALL_REDUCE: "all_reduce", ConvKind.ALL_GATHER: "all_gather"}
+
+
+def _numel(node: torch.fx.Node) -> int:
+    shape = getattr(node.meta.get("tensor_meta"), "shape", None)
+    return math.prod(shape) if shape is not None else 0
+
+
+def forward_tp_collectives(gm: torch.fx.GraphModule) -> dict[str, list[tuple[str, int]]]:
+    """Node name -> (kind, elements) of the forward collectives inserted for it."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    made: set[tuple[str, tuple]] = set()
+    out: dict[str, list[tuple[str, int]]] = {}
+    for node in gm.graph.nodes:
+        rewrite: NodeRewrite | None = node.meta.get("parc_tp_rewrite")
+        if rewrite is None:
+            continue
+        found = []
+        for name, steps in rewrite.converts:
+            for i, step in enumerate(steps):
+                key = (name, tuple(steps[: i + 1]))
+                if key in made:
+                    continue  # shared with an earlier consumer
+                made.add(key)
+                if step.kind in _FORWARD:
+                    found.append((_FORWARD[step.kind], _numel(by_name[name])))
+        lowering = rewrite.lowering
+        row = lowering is not None and lowering.kind is LowerKind.LINEAR_ROW
+        if row and isinstance(node.meta.get("parc_tp"), Replicate):
+            found.append(("all_reduce", _numel(node)))  # a row Linear's, before its bias
+        if found:
+            out[node.name] = found
+    return out
+
+
+def param_readers(gm: torch.fx.GraphModule, canonical: dict[str, str]) -> dict[str, set[str]]:
+    """Canonical parameter name -> the nodes that compute with it (a get_attr's users)."""
+    out: dict[str, set[str]] = {}
+    for node in gm.graph.nodes:
+        readers = [u.name for u in node.users] if node.op == "get_attr" else [node.name]
+        for name in params_of_node(node, gm):
+            out.setdefault(canonical.get(name, name), set()).update(readers)
+    return out

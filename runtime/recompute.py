@@ -1,0 +1,70 @@
+"""Activation recomputation at run time: a region's forward runs again in backward.
+
+The `recompute` compiler pass (compiler/passes/recompute.py) moves the nodes of
+each recomputed module into a body GraphModule and calls it through a
+`Recomputed` module. Its forward is `torch.utils.checkpoint.checkpoint(body,
+*inputs, use_reentrant=False)`: autograd keeps only the region's inputs, and
+the first time backward needs one of the region's saved tensors the whole body
+runs again.
+
+- The whole body runs again (`early_stop=False`): its forward collectives
+  (tensor-parallel all-reduces and all-gathers, ZeRO-3 gathers) run exactly
+  twice per microbatch, which is what the estimate counts.
+- The recomputation runs in backward, outside the stage's forward: the contexts
+  the forward ran under (the active `Comm`, the active ZeRO-3 runtime, without
+  its saved-tensor hooks, which would hide the recomputed tensors from
+  checkpoint) are captured at forward time and entered again around it.
+- Random ops (dropout) draw the same numbers again: checkpoint restores the RNG.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from parc.errors import RuntimeFault
+
+from . import zero3
+from .collectives import Comm, active_comm
+
+__all__ = ["Recomputed"]
+
+
+class Recomputed(torch.nn.Module):
+    """Calls `body` under activation checkpointing; `region` names the recomputed module."""
+
+    def __init__(self, body: torch.fx.GraphModule, region: str) -> None:
+        super().__init__()
+        self.body = body
+        self.region = region
+
+    def forward(self, *args: Any) -> Any:
+        return checkpoint(
+            self.body, *args, use_reentrant=False, context_fn=_contexts, early_stop=False
+        )
+
+    def extra_repr(self) -> str:
+        return f"region={self.region!r}"
+
+
+def _contexts() -> tuple[contextlib.AbstractContextManager[None], Any]:
+    """(forward context, recomputation context): called by checkpoint during forward."""
+    try:
+        comm: Comm | None = active_comm()
+    except RuntimeFault:
+        comm = None  # a graph with no parc collectives, run outside Program.step
+    return contextlib.nullcontext(), _reactivated(comm, zero3.active_runtime())
+
+
+@contextlib.contextmanager
+def _reactivated(comm: Comm | None, runtime: zero3.Zero3 | None) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        if comm is not None:
+            stack.enter_context(comm.active())
+        if runtime is not None:
+            stack.enter_context(runtime.activated())
+        yield

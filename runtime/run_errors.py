@@ -1,0 +1,96 @@
+"""What a rank of `parc run` says when something fails: a RuntimeFault at its rank and step.
+
+    with located(rank=1, step=2, doing="the step", timeout=300):
+        program.step(inputs, targets)
+
+turns whatever the block raises into one readable error:
+
+- a ParcError passes through (a RuntimeFault gets the rank and step if it lacks them);
+- a failed collective (gloo's "Connection closed by peer", "Timed out waiting
+  ...", any `torch.distributed.DistError`): "a collective failed while ...",
+  with the hint that another rank failed or is stuck, or that --timeout is short;
+- DCP's CheckpointException (a BaseException wrapping each rank's failure) is
+  unwrapped: a ParcError inside is raised as is, anything else as below;
+- anything else: "<doing> raised <Type>: <message>", and the innermost frame
+  outside torch (the model's line, or parc's), so no traceback is needed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+from collections.abc import Iterator
+
+from parc.errors import ParcError, RuntimeFault
+
+__all__ = ["located"]
+
+
+@contextlib.contextmanager
+def located(
+    *, rank: int, step: int | None, doing: str, timeout: float, hint: str | None = None
+) -> Iterator[None]:
+    """Raise anything the block raises as a RuntimeFault naming `rank`, `step` and `doing`."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as exc:
+        inner = [e for e, _ in exc.failures.values()]
+        first = next((e for e in inner if isinstance(e, ParcError)), inner[0] if inner else exc)
+        raise _fault(first, rank, step, doing, timeout, hint) from None
+    except Exception as exc:
+        fault = _fault(exc, rank, step, doing, timeout, hint)
+        if fault is exc:
+            raise
+        raise fault from exc
+
+
+def _fault(
+    exc: BaseException, rank: int, step: int | None, doing: str, timeout: float, hint: str | None
+) -> ParcError:
+    if isinstance(exc, RuntimeFault) and exc.rank is None:
+        exc.rank, exc.step = rank, exc.step if exc.step is not None else step
+    if isinstance(exc, ParcError):
+        return exc
+    text = (str(exc).strip().splitlines() or [""])[0]
+    if _comm_failure(exc):
+        return RuntimeFault(
+            f"a collective failed: {_strip_source(text)}",
+            rank=rank,
+            step=step,
+            hint="another rank failed or is stuck (its error is printed too); if the run is "
+            f"only slow, raise --timeout (now {timeout:g} s)",
+        )
+    where = _innermost_frame(exc)
+    return RuntimeFault(
+        f"{doing} raised {type(exc).__name__}: {text}" + (f"\n  at {where}" if where else ""),
+        rank=rank,
+        step=step,
+        hint=hint or "run again with --debug for the whole traceback",
+    )
+
+
+def _comm_failure(exc: BaseException) -> bool:
+    import torch.distributed as dist
+
+    text = str(exc)
+    return isinstance(exc, dist.DistError) or (
+        isinstance(exc, RuntimeError)
+        and any(s in text for s in ("gloo", "Timed out", "Connection closed by peer"))
+    )
+
+
+def _strip_source(text: str) -> str:
+    """gloo's message without its C++ source location and its advice to read the logs."""
+    text = text.split("] ", 1)[1] if text.startswith("[") and "] " in text else text
+    return text.split(" This is typically", 1)[0]
+
+
+def _innermost_frame(exc: BaseException) -> str | None:
+    """`file:line: code` of the innermost frame outside torch (the model's, or parc's)."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/torch/" not in f.filename]
+    if not frames:
+        return None
+    last = frames[-1]
+    return f"{last.filename}:{last.lineno}: {(last.line or '').strip()}"

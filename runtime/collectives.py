@@ -151,7 +151,7 @@ class Comm:
             out.copy_(inp.reshape(out.shape))
             return _DONE
         self.stats.add(CommKind.ALL_GATHER, axis, out.numel())
-        return dist.all_gather_into_tensor(out, inp, group=self._group(axis), async_op=async_op)
+        return all_gather_flat(out, inp, group=self._group(axis), async_op=async_op)
 
     def reduce_scatter(
         self, out: torch.Tensor, inp: torch.Tensor, axis: str, *, async_op: bool = False
@@ -161,7 +161,7 @@ class Comm:
             out.copy_(inp.reshape(out.shape))
             return _DONE
         self.stats.add(CommKind.REDUCE_SCATTER, axis, inp.numel())
-        return dist.reduce_scatter_tensor(out, inp, group=self._group(axis), async_op=async_op)
+        return reduce_scatter_flat(out, inp, group=self._group(axis), async_op=async_op)
 
     def p2p(self, ops: list[tuple[CommKind, torch.Tensor, int]], axis: str) -> None:
         """Post sends and receives (kind, tensor, global peer rank) as one batch and wait."""
@@ -189,6 +189,10 @@ class _Done:
 
 _DONE = _Done()
 _ACTIVE: Comm | None = None
+
+# torch 2.13 renamed these (the old names warn); torch 2.4-2.12 only have the old ones.
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def active_comm() -> Comm:

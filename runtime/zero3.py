@@ -28,7 +28,7 @@ import torch
 
 from parc.compiler.layout import FlatUnit
 
-from .collectives import Comm
+from .collectives import Comm, all_gather_flat
 
 __all__ = ["Zero3", "active_runtime", "zero3_gather", "zero3_view"]
 
@@ -161,13 +161,12 @@ class Zero3:
 
     def full_local(self, name: str) -> torch.Tensor:
         """This rank's whole (tensor-parallel local) value of parameter `name`, uncounted."""
-        import torch.distributed as dist
 
         unit, off = self.offsets[name]
         shard = self.shards[unit].detach()
         if self.dp > 1:
             full = torch.empty(self.units[unit].padded, dtype=shard.dtype, device=shard.device)
-            dist.all_gather_into_tensor(full, shard, group=self.comm.groups[self.axis])
+            all_gather_flat(full, shard, group=self.comm.groups[self.axis])
         else:
             full = shard
         n = math.prod(self.shapes[name])

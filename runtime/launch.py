@@ -93,9 +93,24 @@ def launch(
             hint="e.g. --rdzv-endpoint node0.example.com:29500 on every node",
         )
     else:
+        # Static rendezvous: node k holds global ranks k·n … k·n+n−1, so the mesh's
+        # innermost axes (tp) stay inside a node and rank 0 is on --node-rank 0.
+        # (c10d rendezvous would number nodes in the order they join.)
+        if not 0 <= node_rank < nnodes:
+            raise ParcError(
+                f"--node-rank {node_rank} is outside 0..{nnodes - 1} for --nnodes {nnodes}",
+                hint="number the nodes 0, 1, ... and start node 0 first",
+            )
+        host, _, port = rdzv_endpoint.rpartition(":")
+        if not host or not port.isdigit():
+            raise ParcError(
+                f"--rdzv-endpoint '{rdzv_endpoint}' is not HOST:PORT",
+                hint="e.g. --rdzv-endpoint node0.example.com:29500 (node 0's address)",
+            )
         args += [
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={rdzv_endpoint}",
+            "--rdzv-backend=static",
+            f"--master-addr={host}",
+            f"--master-port={port}",
             f"--node-rank={node_rank}",
         ]
     args += ["-m", "parc.worker"]

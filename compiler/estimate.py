@@ -27,6 +27,7 @@ from .layout import (
     local_shape,
     param_slices,
     stage_params,
+    zero3_owner,
 )
 from .memory_model import ADAMW, MemoryModel
 from .passes.placement import Partial, Shard
@@ -179,8 +180,7 @@ def stage_units(
     shapes = {canonical[n]: tuple(p.shape) for n, p in model.named_parameters()}
     tied = frozenset(n for n in per_stage[s] if sum(n in other for other in per_stage) > 1)
     local = [
-        (n, math.prod(local_shape(shapes[n], slices.get(n))), n.rpartition(".")[0])
-        for n in per_stage[s]
+        (n, math.prod(local_shape(shapes[n], slices.get(n))), zero3_owner(n)) for n in per_stage[s]
     ]
     units = flat_units(local, zero=plan.zero, dp=plan.dp, bucket_elems=bucket_elems, solo=tied)
     return units, sum(n for _, n, _ in local), tied

@@ -36,10 +36,12 @@ __all__ = [
     "local_shape",
     "param_slices",
     "stage_params",
+    "zero3_owner",
 ]
 
-# DDP's default bucket is 25 MiB; in fp32 elements:
+# DDP's default bucket is 25 MiB, its first one 1 MiB; in fp32 elements:
 DEFAULT_BUCKET_ELEMS = 25 * 2**20 // 4
+FIRST_BUCKET_ELEMS = 2**20 // 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +147,21 @@ def stage_params(plan: Plan, gm: torch.fx.GraphModule, model: torch.nn.Module) -
     return out
 
 
+def zero3_owner(name: str) -> str:
+    """The ZeRO-3 unit a parameter belongs to: its block, as FSDP users wrap them.
+
+    The shortest prefix of the name that ends at an index of a module list
+    (`layers.3.attn.qkv.weight` -> `layers.3`), else its top-level module
+    (`wte.weight` -> `wte`). Gathering a block at once costs a few collectives per
+    block instead of one per Linear (each a blocking round trip).
+    """
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return parts[0] if len(parts) > 1 else ""
+
+
 def _pad(n: int, dp: int) -> int:
     return math.ceil(n / dp) * dp if n else 0
 
@@ -159,7 +176,7 @@ def flat_units(
 ) -> tuple[FlatUnit, ...]:
     """Group (name, local numel, owner module) in order of first use into flat units.
 
-    ZeRO-3: one unit per owner module, in order of use. Otherwise: buckets in
+    ZeRO-3: one unit per owner (`zero3_owner`), in order of use. Otherwise: buckets in
     reverse order of use, each closed once it reaches `bucket_elems`. A name in
     `solo` (a weight tied across stages) is a unit of its own, so every stage
     holding it lays it out the same way and their gradients can be summed.
@@ -173,14 +190,18 @@ def flat_units(
         groups = list(owners.values())
     else:
         current: list[tuple[str, int]] = []
+        # As DDP: a small first bucket (the last layers' gradients, ready first) so
+        # communication starts early in backward, then full-size buckets.
+        limit = min(bucket_elems, FIRST_BUCKET_ELEMS)
         for name, numel, _ in reversed(params):
             if name in solo:
                 groups.append([(name, numel)])
                 continue
             current.append((name, numel))
-            if sum(n for _, n in current) >= bucket_elems:
+            if sum(n for _, n in current) >= limit:
                 groups.append(current)
                 current = []
+                limit = bucket_elems
         if current:
             groups.append(current)
     units = []

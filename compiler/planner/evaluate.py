@@ -53,6 +53,7 @@ class _StageSum:
     tp_calls: int
     sent: int  # elements sent forward plus gradients sent back
     modules: int  # ZeRO-3 units
+    regathered: int  # ZeRO-3 elements gathered again in backward (their units save params)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +88,7 @@ def stage_sums(profile: ModelProfile, tpp: TPProfile, pp: int, recompute: bool) 
             tp_calls=sum(u[i].tp_calls + (u[i].tp_forward_calls if again[i] else 0) for i in rng),
             sent=(tpp.sent[hi - 1] if hi < len(u) else 0) + (tpp.sent[lo - 1] if lo > 0 else 0),
             modules=sum(u[i].modules for i in rng),
+            regathered=sum(u[i].regathered for i in rng),
         )
 
     stages_of = [
@@ -186,7 +188,7 @@ def _stage_dp(
     """(exposed seconds, bytes sent) of a stage's data-parallel traffic per step."""
     if cand.dp == 1:
         return 0.0, 0.0
-    reduce, gather = _dp_bytes(cand, ss.params, mem)
+    reduce, gather = _dp_bytes(cand, ss.params, ss.regathered, mem)
     repeat = cand.microbatches * cand.grad_accum if cand.zero == 3 else 1
     calls = (ss.modules if cand.zero == 3 else -(-ss.params // DEFAULT_BUCKET_ELEMS)) * repeat
     took = exposed_dp(
@@ -222,15 +224,16 @@ def _stage_memory(
     )
 
 
-def _dp_bytes(cand: Candidate, n: int, mem: MemoryModel) -> tuple[float, float]:
+def _dp_bytes(cand: Candidate, n: int, regathered: int, mem: MemoryModel) -> tuple[float, float]:
     """(gradient reduce, parameter gather) bytes a rank sends over dp: per step, or per
-    micro-step under ZeRO-3 (which gathers forward and again in backward)."""
+    micro-step under ZeRO-3 (which gathers forward, and again in backward the units
+    whose parameters autograd saved)."""
     if cand.dp == 1:
         return 0.0, 0.0
     rs = wire_bytes("reduce_scatter", cand.dp, n * mem.grad_bytes)
     ag = wire_bytes("all_gather", cand.dp, n * mem.param_bytes)
     if cand.zero == 3:
-        return rs, 2 * ag
+        return rs, ag + wire_bytes("all_gather", cand.dp, regathered * mem.param_bytes)
     if cand.zero == 0:
         return wire_bytes("all_reduce", cand.dp, n * mem.grad_bytes), 0.0
     return rs, ag

@@ -38,7 +38,7 @@ from parc.dsl.ast import ShardKind
 from parc.errors import ParcError
 
 from ..cost import node_costs, output_numel, tensor_metas
-from ..layout import ParamSlice, canonical_names, param_slices
+from ..layout import ParamSlice, canonical_names, param_slices, zero3_owner
 from ..model import ModelSource
 from ..passes.placement import Partial, Shard
 from ..passes.tp_analysis import analyse_tensor_parallel
@@ -69,7 +69,8 @@ class UnitCost:
     tp_calls: int  # tensor-parallel collectives
     tp_forward_calls: int  # of those, forward ones
     tp_largest: int  # the largest single tensor-parallel message, elements
-    modules: int  # modules owning parameters here (ZeRO-3 gathers one unit per module)
+    modules: int  # ZeRO-3 units owning parameters here (one gather per unit)
+    regathered: int  # local elements of ZeRO-3 units gathered again in backward (saved)
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,6 +273,7 @@ class _Base:
             self.tensors[self.unit[t.node]].append(t)
         self.costs = node_costs(gm)
         canonical = canonical_names(model)
+        self.canonical = canonical
         self.numel = {canonical[n]: p.numel() for n, p in model.named_parameters()}
         self.homes = {
             p: tuple(sorted({self.unit[r] for r in readers}))
@@ -303,9 +305,10 @@ class _Base:
     ) -> UnitCost:
         mine = self.members[i]
         owners: dict[str, int] = {}
+        saved_owners = {zero3_owner(self.canonical.get(p, p)) for p in self.saved.params}
         for p, homes in self.homes.items():
             if i in homes:
-                owner = p.rpartition(".")[0]
+                owner = zero3_owner(p)
                 owners[owner] = owners.get(owner, 0) + local[p]
         comms = [c for n in mine for c in n.meta.get("parc_collectives", ())] if tp > 1 else []
         return UnitCost(
@@ -321,6 +324,7 @@ class _Base:
             tp_forward_calls=sum(len(forward.get(n.name, ())) for n in mine),
             tp_largest=max((e for _, e in comms), default=0),
             modules=len(owners),
+            regathered=sum(n for o, n in owners.items() if o in saved_owners),
         )
 
     def _saved_bytes(self, i: int, tp: int, sharded: set[str]) -> int:

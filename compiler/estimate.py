@@ -203,7 +203,8 @@ def transient_elements(zero: int, padded: int, shard: int, largest_unit: int) ->
     zero 1: the reduce-scattered shards wait in their own buffers until the step;
     zero 2: the full gradient buckets exist during backward too (freed after their
     reduce-scatter), so its peak is zero 1's; zero 3: one gathered unit and its
-    full gradient before the reduce-scatter.
+    full gradient before the reduce-scatter (in forward: the gathered unit and the
+    next one, prefetched; the same bytes when parameters and gradients share a dtype).
     """
     if zero == 1:
         return 0, shard

@@ -77,15 +77,34 @@ class Zero3:
             self.shards.append(torch.nn.Parameter(shard))
         self._bases: dict[int, tuple[int, weakref.ref[torch.Tensor]]] = {}
         self._cache: dict[int, torch.Tensor] = {}
+        self._prefetched: dict[int, tuple[torch.Tensor, Any]] = {}
+        self._in_forward = False
 
     # ---------------------------------------------------------- graph side
 
     def gather(self, unit: int, shard: torch.Tensor) -> torch.Tensor:
-        """All-gather a unit's flat parameters (counted) and remember the buffer."""
-        full = torch.empty(self.units[unit].padded, dtype=shard.dtype, device=shard.device)
-        self.comm.all_gather(full, shard.detach(), self.axis)
+        """All-gather a unit's flat parameters (counted) and remember the buffer.
+
+        In forward, the next unit's gather is started right away, so it travels
+        while this unit computes (as FSDP's prefetch); it is the same one
+        collective the next unit would issue, only earlier.
+        """
+        pending = self._prefetched.pop(unit, None)
+        if pending is not None:
+            full, work = pending
+            work.wait()
+        else:
+            full = self._start(unit, shard, async_op=False)[0]
+        if self._in_forward and unit + 1 < len(self.units):
+            nxt = unit + 1
+            self._prefetched[nxt] = self._start(nxt, self.shards[nxt], async_op=True)
         self._bases[id(full)] = (unit, weakref.ref(full))
         return full
+
+    def _start(self, unit: int, shard: torch.Tensor, *, async_op: bool) -> tuple[torch.Tensor, Any]:
+        full = torch.empty(self.units[unit].padded, dtype=shard.dtype, device=shard.device)
+        work = self.comm.all_gather(full, shard.detach(), self.axis, async_op=async_op)
+        return full, work
 
     def release(self, unit: int) -> None:
         self._cache.pop(unit, None)
@@ -111,11 +130,17 @@ class Zero3:
         """Run a stage's forward with gathered parameters saved as handles."""
         global _ACTIVE
         previous, _ACTIVE = _ACTIVE, self
+        self._in_forward = True
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield
         finally:
             _ACTIVE = previous
+            self._in_forward = False
+            # A forward that stopped early leaves a prefetch nobody will read.
+            for _, work in self._prefetched.values():
+                work.wait()
+            self._prefetched.clear()
             self._bases = {k: v for k, v in self._bases.items() if v[1]() is not None}
 
     @contextlib.contextmanager

@@ -79,6 +79,40 @@ def slowest_rank(per_rank: Sequence[Sequence[float]]) -> list[float]:
     return [max(values) for values in zip(*per_rank)]
 
 
+def alternate_profiles(
+    sides: dict[str, Any], batches: Sequence[Any], warmup: int
+) -> dict[str, Any]:
+    """cProfile each side's steps, alternating sides step by step (so machine load hits
+    both alike) after `warmup` unprofiled steps; a barrier before each profiled step."""
+    import cProfile
+
+    import torch.distributed as dist
+
+    profilers = {name: cProfile.Profile() for name in sides}
+    for i, batch in enumerate(batches):
+        for name, impl in sides.items():
+            if i < warmup:
+                timed_step(impl, batch)
+                continue
+            dist.barrier()
+            profilers[name].enable()
+            impl.step(*batch)
+            profilers[name].disable()
+    return profilers
+
+
+def write_profile(
+    report: Any, title: str, profiler: Any, cumulative: int = 30, tottime: int = 15
+) -> None:
+    """A profile's top functions by cumulative and by own time, under a title."""
+    import pstats
+
+    report.write(f"\n===== {title}\n")
+    stats = pstats.Stats(profiler, stream=report)
+    stats.sort_stats("cumulative").print_stats(cumulative)
+    stats.sort_stats("tottime").print_stats(tottime)
+
+
 def md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     """A GitHub markdown table; columns whose cells all start with a number are right-aligned."""
     align = [

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -43,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import (
     ROOT,
+    alternate_profiles,
     live_tensor_bytes,
     md_table,
     median,
@@ -51,7 +51,10 @@ from _common import (
     peak_rss_bytes,
     resident_bytes,
     rss_bytes,
+    slowest_rank,
     tensors_in,
+    timed_step,
+    write_profile,
 )
 
 MODEL = ROOT / "examples" / "gpt.py"
@@ -201,16 +204,6 @@ def _batches() -> list[Any]:
     return [source.batch(BATCH, s) for s in range(WARMUP + STEPS)]
 
 
-def _timed_step(impl: Any, batch: Any) -> tuple[float, float, float]:
-    """Wall seconds, CPU seconds (every thread of this rank, gloo's included) and the loss."""
-    import torch.distributed as dist
-
-    dist.barrier()
-    wall, cpu = time.perf_counter(), time.process_time()
-    loss = impl.step(*batch)
-    return time.perf_counter() - wall, time.process_time() - cpu, loss
-
-
 def time_pair(index: int) -> dict[str, Any]:
     """Case: both sides of PAIRS[index], steps alternating; times, losses, resident bytes."""
     pair = PAIRS[index]
@@ -218,7 +211,7 @@ def time_pair(index: int) -> dict[str, Any]:
     out: dict[str, Any] = {s: {"wall": [], "cpu": [], "losses": []} for s in sides}
     for batch in _batches():
         for name, impl in sides.items():
-            wall, cpu, loss = _timed_step(impl, batch)
+            wall, cpu, loss = timed_step(impl, batch)
             out[name]["wall"].append(wall)
             out[name]["cpu"].append(cpu)
             out[name]["losses"].append(loss)
@@ -246,7 +239,7 @@ def peak_rss(side: str, index: int) -> dict[str, int]:
     start, tensors = rss_bytes(), live_tensor_bytes()
     impl = _build(side, PAIRS[index])
     for batch in _batches()[:WARMUP]:
-        _timed_step(impl, batch)
+        timed_step(impl, batch)
     live = live_tensor_bytes() - tensors
     del impl
     return {"start": start, "peak": peak_rss_bytes(), "end": rss_bytes(), "live": live}
@@ -254,29 +247,17 @@ def peak_rss(side: str, index: int) -> dict[str, int]:
 
 def profile_pair(index: int, steps: int) -> str:
     """Case: cProfile `steps` steps of each side on rank 0 after warm-up; the top entries."""
-    import cProfile
     import io
-    import pstats
 
     import torch.distributed as dist
 
     pair = PAIRS[index]
     sides = {"parc": _build("parc", pair), "native": _build("native", pair)}
-    batches = _batches()
+    profilers = alternate_profiles(sides, _batches()[: WARMUP + steps], WARMUP)
     report = io.StringIO()
-    for name, impl in sides.items():
-        for batch in batches[:WARMUP]:
-            _timed_step(impl, batch)
-        profiler = cProfile.Profile()
-        profiler.enable()
-        for batch in batches[WARMUP : WARMUP + steps]:
-            impl.step(*batch)
-        profiler.disable()
-        if dist.get_rank() == 0:
-            report.write(f"\n===== {pair.name}: {name}, {steps} steps =====\n")
-            stats = pstats.Stats(profiler, stream=report)
-            stats.sort_stats("cumulative").print_stats(30)
-            stats.sort_stats("tottime").print_stats(15)
+    if dist.get_rank() == 0:
+        for name, profiler in profilers.items():
+            write_profile(report, f"{pair.name}: {name}, {steps} steps", profiler)
     return report.getvalue()
 
 
@@ -285,8 +266,7 @@ def profile_pair(index: int, steps: int) -> str:
 
 def _per_step(ranks: list[dict[str, Any]], side: str, kind: str) -> list[float]:
     """Per timed step, the slowest rank's `kind` ("wall" or "cpu") seconds."""
-    per_rank = [r[side][kind][WARMUP:] for r in ranks]
-    return [max(ts) for ts in zip(*per_rank)]
+    return slowest_rank([r[side][kind][WARMUP:] for r in ranks])
 
 
 def _measure() -> dict[str, Any]:

@@ -50,7 +50,16 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import ROOT, md_table, median, slowest_rank, spread, timed_step
+from _common import (
+    ROOT,
+    alternate_profiles,
+    md_table,
+    median,
+    slowest_rank,
+    spread,
+    timed_step,
+    write_profile,
+)
 
 MODEL = ROOT / "examples" / "gpt.py"
 # ~300 ms of compute per rank-step on one thread: 4 blocks of width 256 per stage, 8 sequences
@@ -263,30 +272,16 @@ def time_all() -> dict[str, Any]:
 
 def profile_pair(schedule: Schedule, steps: int) -> str:
     """Case: cProfile `steps` steps of parc and native on every rank; the top entries."""
-    import cProfile
     import io
-    import pstats
 
     import torch.distributed as dist
 
     sides = {side: _build(side, schedule) for side in ("parc", "native")}
-    batches = _batches()
+    profilers = alternate_profiles(sides, _batches()[: WARMUP + steps], WARMUP)
     report = io.StringIO()
-    profilers = {name: cProfile.Profile() for name in sides}
-    for i, batch in enumerate(batches[: WARMUP + steps]):
-        for name, impl in sides.items():  # alternating, so load hits both alike
-            if i < WARMUP:
-                timed_step(impl, batch)
-                continue
-            dist.barrier()
-            profilers[name].enable()
-            impl.step(*batch)
-            profilers[name].disable()
     for name, profiler in profilers.items():
-        report.write(f"\n===== rank {dist.get_rank()}: {name} {schedule.value}, {steps} steps\n")
-        stats = pstats.Stats(profiler, stream=report)
-        stats.sort_stats("cumulative").print_stats(30)
-        stats.sort_stats("tottime").print_stats(15)
+        title = f"rank {dist.get_rank()}: {name} {schedule.value}, {steps} steps"
+        write_profile(report, title, profiler)
     return report.getvalue()
 
 

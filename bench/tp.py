@@ -40,7 +40,16 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import ROOT, md_table, median, slowest_rank, spread, timed_step
+from _common import (
+    ROOT,
+    alternate_profiles,
+    md_table,
+    median,
+    slowest_rank,
+    spread,
+    timed_step,
+    write_profile,
+)
 
 WORLD = 2  # tp
 LR = 3e-4
@@ -273,32 +282,17 @@ def _native_collectives(impl: _Native, batch: Any) -> dict[str, int]:
 
 def profile_pair(index: int, steps: int) -> str:
     """Case: cProfile `steps` steps of each side on rank 0 after warm-up; the top entries."""
-    import cProfile
     import io
-    import pstats
 
     import torch.distributed as dist
 
     pair = PAIRS[index]
     sides = {"parc": _build("parc", pair), "native": _build("native", pair)}
-    batches = _batches(pair)
+    profilers = alternate_profiles(sides, _batches(pair)[: WARMUP + steps], WARMUP)
     report = io.StringIO()
-    profilers = {name: cProfile.Profile() for name in sides}
-    for i, batch in enumerate(batches[: WARMUP + steps]):
-        for name, impl in sides.items():  # alternating, so load hits both alike
-            if i < WARMUP:
-                timed_step(impl, batch)
-                continue
-            dist.barrier()
-            profilers[name].enable()
-            impl.step(*batch)
-            profilers[name].disable()
-    for name, profiler in profilers.items():
-        if dist.get_rank() == 0:
-            report.write(f"\n===== {pair.name}: {name}, {steps} steps =====\n")
-            stats = pstats.Stats(profiler, stream=report)
-            stats.sort_stats("cumulative").print_stats(35)
-            stats.sort_stats("tottime").print_stats(25)
+    if dist.get_rank() == 0:
+        for name, profiler in profilers.items():
+            write_profile(report, f"{pair.name}: {name}, {steps} steps", profiler, 35, 25)
     return report.getvalue()
 
 

@@ -36,6 +36,8 @@ from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from parc.errors import CompileError
 
+from .layout import canonical_names
+
 __all__ = ["SavedTensor", "SavedTensors", "profile_forward", "saved_tensors"]
 
 
@@ -191,9 +193,9 @@ def _node_error(n: torch.fx.Node, exc: Exception) -> CompileError:
 def _fake_state(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
     """Fake CPU tensors for every parameter and buffer; tied names share one tensor."""
     state: dict[str, torch.Tensor] = {}
-    first: dict[int, str] = {}
+    canonical = canonical_names(gm)
     for name, p in gm.named_parameters(remove_duplicate=False):
-        key = first.setdefault(id(p), name)
+        key = canonical[name]
         if key not in state:
             state[key] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="cpu"))
         state[name] = state[key]

@@ -98,10 +98,11 @@ def assign_stages(
             if name in named:
                 explicit[node.name] = named[name]
                 break
-    stages = fill_stages(gm, {k: v[0] for k, v in explicit.items()}, activation_nodes(gm))
+    activations = activation_nodes(gm)
+    stages = fill_stages(gm, {k: v[0] for k, v in explicit.items()}, activations)
     # Step 3
-    _check_forward(spec, gm, stages, explicit)
-    _check_nonempty(spec, gm, stages, pp)
+    _check_forward(spec, gm, stages, explicit, activations)
+    _check_nonempty(spec, stages, pp, activations)
     return tuple(stages.items()), stage_module_names(gm, stages, modules, pp)
 
 
@@ -189,8 +190,8 @@ def _check_forward(
     gm: torch.fx.GraphModule,
     stages: dict[str, int],
     explicit: dict[str, tuple[int, Stage]],
+    activations: set[str],
 ) -> None:
-    activations = activation_nodes(gm)
     for node in gm.graph.nodes:
         for arg in node.all_input_nodes:
             if arg.name in activations and stages[arg.name] > stages[node.name]:
@@ -207,8 +208,7 @@ def _check_forward(
                 )
 
 
-def _check_nonempty(spec: Spec, gm: torch.fx.GraphModule, stages: dict[str, int], pp: int) -> None:
-    activations = activation_nodes(gm)
+def _check_nonempty(spec: Spec, stages: dict[str, int], pp: int, activations: set[str]) -> None:
     used = {stages[n] for n in activations}
     for stage in range(pp):
         if stage not in used:

@@ -47,6 +47,7 @@ import torch.fx
 from parc.dsl.ast import ShardKind, Spec
 from parc.runtime.collectives import CommKind
 
+from ..layout import canonical_names
 from ..plan import ModuleShard, Plan, PlanWarning
 from . import tp_messages as msg
 from .placement import (
@@ -64,7 +65,7 @@ from .placement import (
 )
 from .tp_context import Decision, Misaligned, NotDivisible, OpContext
 from .tp_dims import output_metas
-from .tp_params import canonical_names, col_blocks, param_placements
+from .tp_params import col_blocks, param_placements
 from .tp_rules import METADATA_OPS, PARTIAL_RULES, RULES, TRANSPARENT_OPS
 from .tp_shapes import SizeError, evaluate, size_fixes
 

@@ -19,25 +19,16 @@ import torch.fx
 from parc.dsl.ast import ShardKind
 from parc.errors import CompileError
 
-from ..layout import param_slices
+from ..layout import canonical_names, param_slices
 from ..plan import Plan
 from .placement import Shard
 from .tp_dims import arg, norm_dim, output_metas, view_groups
 from .tp_rules import TRANSPARENT_OPS
 
-__all__ = ["canonical_names", "col_blocks", "param_placements"]
+__all__ = ["col_blocks", "param_placements"]
 
 _SPLITS = ("split", "chunk", torch.split, torch.chunk)
 _VIEWS = ("view", "reshape", torch.reshape)
-
-
-def canonical_names(gm: torch.nn.Module) -> dict[str, str]:
-    """Every parameter name (tied ones included) -> the first name of that tensor."""
-    first: dict[int, str] = {}
-    return {
-        name: first.setdefault(id(p), name)
-        for name, p in gm.named_parameters(remove_duplicate=False)
-    }
 
 
 def col_blocks(gm: torch.fx.GraphModule, plan: Plan) -> dict[str, int]:

@@ -5,8 +5,12 @@ activation dataflow graph: every path from the inputs to the loss passes
 through it, so cutting right after it sends exactly one tensor to the next
 stage (for a transformer: the residual stream between blocks).
 
-The cost of a stage is its training FLOPs (3 × forward); parameter bytes break
-ties. `balanced_cuts` picks the pp−1 cuts minimising the slowest stage with a
+The cost of a stage is its training seconds on a device (`DeviceRates`, CPU
+defaults: compiler/cost.py): FLOPs at a rate, plus the bytes its ops move
+(inputs and parameters read, outputs written) at a bandwidth, plus a fixed
+time per op. FLOPs alone put a block whose big matmuls run efficiently on a
+par with as many FLOPs of small, memory- and overhead-bound blocks.
+`balanced_cuts` picks the pp−1 cuts minimising the slowest stage with a
 dynamic program over the chain of legal cuts.
 """
 
@@ -17,7 +21,7 @@ import functools
 import networkx as nx
 import torch.fx
 
-from .cost import NodeCost
+from .cost import CPU_RATES, DeviceRates, NodeCost
 
 __all__ = ["balanced_cuts", "legal_cuts"]
 
@@ -53,23 +57,28 @@ def legal_cuts(gm: torch.fx.GraphModule, activations: set[str]) -> list[str]:
 
 
 def balanced_cuts(
-    gm: torch.fx.GraphModule, activations: set[str], costs: dict[str, NodeCost], pp: int
+    gm: torch.fx.GraphModule,
+    activations: set[str],
+    costs: dict[str, NodeCost],
+    pp: int,
+    rates: DeviceRates = CPU_RATES,
 ) -> list[str] | None:
-    """pp−1 legal cuts minimising the slowest stage's cost, or None if there are too few."""
+    """pp−1 legal cuts minimising the slowest stage's seconds at `rates`, or None if there
+    are too few."""
     cuts = legal_cuts(gm, activations)
     if len(cuts) < pp - 1:
         return None
     order = [n.name for n in gm.graph.nodes]
     position = {name: i for i, name in enumerate(order)}
-    prefix = [0]
+    prefix = [0.0]
     for name in order:
-        prefix.append(prefix[-1] + 3 * costs[name].flops)
+        prefix.append(prefix[-1] + rates.seconds(costs[name]))
     # Boundary k: cost of everything up to and including cut k; boundaries -1 and end.
     bounds = [0] + [prefix[position[c] + 1] for c in cuts] + [prefix[-1]]
     n_cuts = len(cuts)
 
     @functools.cache
-    def best(start: int, stages_left: int) -> tuple[int, tuple[int, ...]]:
+    def best(start: int, stages_left: int) -> tuple[float, tuple[int, ...]]:
         """Min over placements of the max stage cost, from boundary `start` onward."""
         if stages_left == 1:
             return bounds[-1] - bounds[start], ()
@@ -81,7 +90,8 @@ def balanced_cuts(
         # Equal slowest stages: take the latest cuts, so a cheap trailing op (an
         # activation after its Linear) stays with the layer before it.
         slowest = min(cost for cost, _ in options)
-        return slowest, max(ks for cost, ks in options if cost == slowest)
+        tie = slowest * (1 + 1e-9)  # sums of the same seconds in another order
+        return slowest, max(ks for cost, ks in options if cost <= tie)
 
     _, chosen = best(0, pp)
     return [cuts[k - 1] for k in chosen]

@@ -19,7 +19,8 @@ Explicit stages (`assign_stages`):
 `stage auto` (`auto_stages`): legal cuts are the activation nodes that dominate
 the output in the activation dataflow graph (networkx), e.g. the residual
 stream between blocks; a small dynamic program over that chain picks the pp−1
-cuts that minimise the slowest stage's training FLOPs.
+cuts that minimise the slowest stage's training seconds (FLOPs, bytes moved and
+ops at CPU rates: compiler/cost.py, compiler/auto_stage.py).
 """
 
 from __future__ import annotations
@@ -242,7 +243,7 @@ def stage_module_names(
 def auto_stages(
     spec: Spec, gm: torch.fx.GraphModule, modules: dict[str, torch.nn.Module]
 ) -> tuple[NodeStages, StageModules]:
-    """`stage auto`: cut the dominator chain of the output to balance training FLOPs."""
+    """`stage auto`: cut the dominator chain of the output to balance training seconds."""
     from .auto_stage import balanced_cuts
 
     pp = spec.mesh.size(AXIS_PP)

@@ -129,7 +129,11 @@ def _add_run(sub: Any) -> None:
     p.add_argument(
         "--every", type=_positive, default=0, metavar="K", help="save a checkpoint every K steps"
     )
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest checkpoint in --checkpoint DIR, up to --steps",
+    )
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per collective")
     p.add_argument("--log", metavar="FILE", help="append (step, loss) JSON lines here")
     p.add_argument("--nnodes", type=_positive, default=1, help="nodes in a multi-node run")
@@ -150,7 +154,44 @@ def _add_run(sub: Any) -> None:
         "instead of stopping",
     )
     p.add_argument("--inject-fault", help=argparse.SUPPRESS)
-    p.set_defaults(run=commands.cmd_run)
+    p.set_defaults(run=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """`parc run`: its `--resume` checks, then the run."""
+    _check_resume(args)
+    return commands.cmd_run(args)
+
+
+def _check_resume(args: argparse.Namespace) -> None:
+    """`--resume` needs `--checkpoint`, a usable checkpoint there and steps left to train.
+
+    Checked once, in the launching process, before any rank starts (each rank
+    then verifies every file as it loads). A checkpoint already at or past
+    `--steps` is an error (exit 2): the run would train nothing.
+    """
+    if not args.resume:
+        return
+    if not args.checkpoint:
+        raise ParcError(
+            "--resume needs --checkpoint DIR: the directory of checkpoints to resume from",
+            hint="e.g. `parc run SPEC MODEL --checkpoint ckpt --resume`; without --resume a "
+            "run starts at step 0",
+        )
+    from parc.runtime.launch import under_torchrun
+
+    if under_torchrun():
+        return
+    from parc.runtime.checkpoint_find import resume_point
+
+    point = resume_point(args.checkpoint)
+    if point.step >= args.steps:
+        raise ParcError(
+            f"checkpoint {point.path} is already at step {point.step} ≥ --steps {args.steps}: "
+            "there is nothing to train",
+            hint=f"--steps is the step to train up to, counting the {point.step} already done: "
+            f"pass --steps greater than {point.step} to train further",
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

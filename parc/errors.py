@@ -26,6 +26,7 @@ __all__ = [
     "RuntimeFault",
     "SourceSpan",
     "SpecError",
+    "clip",
     "format_caret",
 ]
 
@@ -44,11 +45,39 @@ class SourceSpan:
         return f"{self.file}:{self.line}:{self.column}"
 
 
+CLIP = 60  # characters of a user's token a message quotes (a 2 MB token stays readable)
+_TAB = 8  # an echoed tab becomes spaces to the next multiple of 8, as a terminal shows it
+_WIDTH = 100  # characters of a source line echoed; a longer one is cut around its caret
+_BEFORE = 30  # of which, before the caret
+
+
+def clip(text: object, limit: int = CLIP) -> str:
+    """`text` as a message quotes it: at most `limit` characters, "…" for the rest."""
+    shown = str(text)
+    return shown if len(shown) <= limit else shown[: limit - 1] + "…"
+
+
+def _shown_at(text: str, column: int) -> int:
+    """Where 1-based `column` of `text` is once tabs are expanded (past the end: beyond it)."""
+    return len(text[: column - 1].expandtabs(_TAB)) + max(0, column - 1 - len(text))
+
+
 def format_caret(span: SourceSpan) -> str:
-    """The source line indented by four spaces and a caret line under the span."""
-    width = max(1, span.end_column - span.column)
-    pad = " " * (span.column - 1)
-    return f"    {span.text}\n    {pad}{'^' * width}"
+    """The source line indented by four spaces and a caret line under the span.
+
+    Tabs are expanded in the line and counted in the caret's indent, so the caret
+    stays under the span. A line longer than 100 characters is shown as a window
+    around the span with "…" where text was left out, the caret at most that wide.
+    """
+    line = span.text.expandtabs(_TAB)
+    start, end = (_shown_at(span.text, column) for column in (span.column, span.end_column))
+    if len(line) <= _WIDTH:
+        return f"    {line}\n    {' ' * start}{'^' * max(1, end - start)}"
+    lo = max(0, min(start - _BEFORE, len(line) - _WIDTH))
+    hi = lo + _WIDTH
+    shown = ("…" if lo else "") + line[lo:hi] + ("…" if hi < len(line) else "")
+    pad = start - lo + (1 if lo else 0)
+    return f"    {shown}\n    {' ' * pad}{'^' * max(1, min(end, hi) - start)}"
 
 
 class ParcError(Exception):

@@ -42,7 +42,10 @@ Integrity (checkpoint_integrity.py): loading first checks every file against
 the sizes and sha256 digests recorded at save time, unpickles DCP's metadata
 through an allowlist and loads values with `weights_only=True`; a truncated,
 edited or crafted checkpoint is a `ParcError` on every rank, before anything
-is read into the program.
+is read into the program. `parc.json` itself is sealed and its entries checked
+(checkpoint_manifest.py), and which checkpoint a directory means
+(checkpoint_find.py) never leaves the directory nor falls back to an older
+checkpoint when the newest is unusable.
 
 Loading never fills a tensor the checkpoint lacks: a missing parameter or
 optimizer state, a parameter the model does not have, a different shape, or
@@ -55,9 +58,7 @@ import contextlib
 import dataclasses
 import difflib
 import io
-import json
 import os
-import re
 import shutil
 import warnings
 from collections.abc import Iterator
@@ -87,8 +88,8 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from parc.errors import ParcError
 
+from .checkpoint_find import LATEST, checkpoint_path, latest_checkpoint
 from .checkpoint_integrity import (
-    INFO,
     SafeReader,
     load_bytes_safely,
     read_info,
@@ -96,6 +97,7 @@ from .checkpoint_integrity import (
     record_manifest,
 )
 from .checkpoint_layout import MODEL, OPTIM, Piece, model_pieces, rank_layout
+from .checkpoint_manifest import write_manifest
 from .checkpoint_optim import GROUPS, OptimizerLoad, StateSpec, hyperparameters, optimizer_pieces
 
 if TYPE_CHECKING:
@@ -111,8 +113,6 @@ __all__ = [
 ]
 
 FORMAT = 2  # 2: parc.json records every file's size and sha256 (checkpoint_integrity.py)
-LATEST = "latest"
-_STEP_DIR = re.compile(r"step-(\d+)")
 
 
 def save_checkpoint(program: Program, directory: str | Path, step: int) -> Path:
@@ -151,7 +151,7 @@ def save_checkpoint(program: Program, directory: str | Path, step: int) -> Path:
             "zero": parts.plan.zero,
             "files": files,
         }
-        (tmp / INFO).write_text(json.dumps(info, indent=2) + "\n")
+        write_manifest(tmp, info)  # sealed: an edit of parc.json is refused at load
         _publish(root, tmp, final)
     _barrier()  # every rank returns once the checkpoint is visible
     return final
@@ -165,7 +165,7 @@ def load_checkpoint(program: Program, directory: str | Path) -> int:
     path = checkpoint_path(directory)
     info = read_info(path)
     parts = program.parts
-    reader = SafeReader(path)
+    reader = SafeReader(path, info["files"])
     metadata = reader.read_metadata()
     check_parameters(metadata, parts.full_shapes, path)
     states = _optimizer_states(metadata, parts.full_shapes, path)
@@ -189,37 +189,6 @@ def load_checkpoint(program: Program, directory: str | Path) -> int:
     optimizer.install(state.get(GROUPS), str(path))
     program.steps_done = int(info["step"])
     return program.steps_done
-
-
-def latest_checkpoint(directory: str | Path) -> Path | None:
-    """The newest complete checkpoint in `directory`: the one `latest` names, else the highest
-    complete `step-<N>`; None when there is none. `*.tmp` directories are never candidates.
-    """
-    root = Path(directory)
-    with_latest = root / LATEST
-    if with_latest.is_file():
-        named = root / with_latest.read_text().strip()
-        if _complete(named):
-            return named
-    steps = [
-        (int(m.group(1)), p)
-        for p in (root.iterdir() if root.is_dir() else [])
-        if (m := _STEP_DIR.fullmatch(p.name)) and _complete(p)
-    ]
-    return max(steps)[1] if steps else None
-
-
-def checkpoint_path(directory: str | Path) -> Path:
-    """`directory` itself if it is a complete checkpoint, else its latest; a ParcError if none."""
-    root = Path(directory)
-    path = root if _complete(root) else latest_checkpoint(root)
-    if path is None:
-        raise ParcError(
-            f"no complete checkpoint in {root}",
-            hint="pass the directory save_checkpoint wrote (it holds step-<N>/ and `latest`); "
-            "step-<N>.tmp directories are unfinished saves and are never loaded",
-        )
-    return path
 
 
 def check_parameters(
@@ -373,14 +342,6 @@ def _publish(root: Path, tmp: Path, final: Path) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(pointer, root / LATEST)
-
-
-def _complete(path: Path) -> bool:
-    return (
-        not path.name.endswith(".tmp")
-        and (path / ".metadata").is_file()
-        and (path / INFO).is_file()
-    )
 
 
 @contextlib.contextmanager

@@ -1,7 +1,7 @@
 """Checkpoint integrity: checksums written at save, verified before anything is read.
 
 A checkpoint directory holds DCP's `.metadata` (a pickle), one `__<rank>_<i>.distcp`
-file per writing rank and parc's own `parc.json`. Two dangers:
+file per writing rank and parc's own `parc.json`. Three dangers:
 
 - damage: a truncated copy, a disk error, a file edited by hand. At save time
   every rank hashes the files it wrote (sha256; in parallel), rank 0 gathers
@@ -17,6 +17,11 @@ file per writing rank and parc's own `parc.json`. Two dangers:
   planners load values with `weights_only=True`, as DCP already loads tensors.
   A checkpoint whose manifest was rewritten to match a crafted file is thus
   still refused.
+- paths that leave the checkpoint: `parc.json` is sealed and its entries
+  checked (checkpoint_manifest.py); a file that is a link out of the
+  checkpoint is refused, and so is a `.metadata` whose storage index points at
+  any file but the data files the manifest lists (DCP would read
+  `../../outside.distcp` as readily as its own files).
 """
 
 from __future__ import annotations
@@ -24,10 +29,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
-import json
 import pathlib
 import pickle
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +42,9 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from parc.errors import ParcError
+from parc.errors import ParcError, clip
+
+from .checkpoint_manifest import INFO, METADATA, damaged, read_manifest
 
 __all__ = [
     "INFO",
@@ -50,10 +56,9 @@ __all__ = [
     "reading",
     "record_manifest",
     "verify_files",
+    "verify_metadata",
 ]
 
-INFO = "parc.json"
-METADATA = ".metadata"
 _CHUNK = 1 << 20
 
 # What DCP's metadata pickle may name, and nothing else (see SafeReader).
@@ -101,30 +106,21 @@ def record_manifest(directory: Path, rank: int) -> dict[str, dict[str, Any]] | N
     return dict(sorted(files.items()))
 
 
-def _check_file(directory: Path, name: str, want: dict[str, Any]) -> str | None:
-    """What is wrong with one file, or None."""
+def _check_file(
+    directory: Path, name: str, want: dict[str, Any], *, digest: bool = True
+) -> str | None:
+    """What is wrong with one file, or None; without `digest`, only what `stat` tells."""
     path = directory / name
+    if path.is_symlink():
+        return f"{name} is a link to {path.resolve()}; a checkpoint's files are its own"
     if not path.is_file():
         return f"{name} is missing"
     size = path.stat().st_size
     if size != want.get("bytes"):
         return f"{name} has {size} bytes; {want.get('bytes')} were written (truncated or changed)"
-    if _sha256(path) != want.get("sha256"):
+    if digest and _sha256(path) != want.get("sha256"):
         return f"the sha256 of {name} differs from the one recorded at save time (changed)"
     return None
-
-
-def _damaged(directory: Path, problems: list[str]) -> ParcError:
-    older = sorted(
-        (p.name for p in directory.parent.glob("step-*") if p != directory and p.is_dir()),
-        key=lambda n: (len(n), n),
-    )
-    return ParcError(
-        f"checkpoint {directory} is damaged: " + "; ".join(problems),
-        hint="nothing was loaded; load an earlier checkpoint of the same run"
-        + (f" (in {directory.parent}: {', '.join(older)})" if older else "")
-        + ", or save a new one",
-    )
 
 
 def verify_files(directory: Path, info: dict[str, Any]) -> None:
@@ -133,14 +129,7 @@ def verify_files(directory: Path, info: dict[str, Any]) -> None:
     Each rank checks `.metadata` and its share of the data files; the findings
     are gathered so that every rank raises the same error.
     """
-    files = info.get("files")
-    if not isinstance(files, dict) or METADATA not in files:
-        raise ParcError(
-            f"checkpoint {directory} has no checksums in its parc.json; parc loads only "
-            "checkpoints it can verify",
-            hint="it was saved by a parc without checksums or parc.json was edited; "
-            "save it again with this parc",
-        )
+    files = info["files"]  # read_manifest checked every entry
     names = sorted(n for n in files if n != METADATA)
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
@@ -151,17 +140,26 @@ def verify_files(directory: Path, info: dict[str, Any]) -> None:
         dist.all_gather_object(found, problems)
         problems = sorted({p for each in found for p in each})
     if problems:
-        raise _damaged(directory, problems)
+        raise damaged(directory, problems)
+
+
+def verify_metadata(directory: Path, info: dict[str, Any]) -> None:
+    """What one process can check cheaply: every file of the manifest in `info` is there,
+    its own (not a link) and of its recorded size, and `.metadata` has its sha256.
+    """
+    files = info["files"]
+    problems = [
+        p
+        for name, want in files.items()
+        if (p := _check_file(directory, name, want, digest=name == METADATA)) is not None
+    ]
+    if problems:
+        raise damaged(directory, problems)
 
 
 def read_info(path: Path) -> dict[str, Any]:
-    """A checkpoint's `parc.json`, after every file was checked against its checksums."""
-    try:
-        info = json.loads((path / INFO).read_text())
-    except (OSError, ValueError) as exc:
-        raise _damaged(path, [f"its {INFO} cannot be read ({exc})"]) from exc
-    if not isinstance(info, dict):
-        raise _damaged(path, [f"its {INFO} is not a JSON object"])
+    """A checkpoint's sealed `parc.json`, after every file was checked against its checksums."""
+    info = read_manifest(path)
     verify_files(path, info)
     return info
 
@@ -188,11 +186,15 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class SafeReader(dcp.FileSystemReader):
-    """DCP's reader with `.metadata` unpickled through an allowlist (see the module docstring)."""
+    """DCP's reader with `.metadata` unpickled through an allowlist and its storage index
+    limited to the data files of the manifest (`files`: its names; by default read from
+    `parc.json`). See the module docstring.
+    """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, files: Collection[str] | None = None) -> None:
         super().__init__(path)
         self._where = Path(path)
+        self._files = files
         self._metadata: Metadata | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -203,15 +205,35 @@ class SafeReader(dcp.FileSystemReader):
             except ParcError:
                 raise
             except Exception as exc:
-                raise _damaged(self._where, [f"{METADATA} cannot be read ({exc})"]) from exc
+                raise damaged(self._where, [f"{METADATA} cannot be read ({exc})"]) from exc
             if not isinstance(loaded, Metadata):
-                raise _damaged(self._where, [f"{METADATA} holds a {type(loaded).__name__}"])
+                raise damaged(self._where, [f"{METADATA} holds a {type(loaded).__name__}"])
+            files = self._files if self._files is not None else read_manifest(self._where)["files"]
+            _check_storage(self._where, loaded, files)
             self._metadata = loaded
         if getattr(self._metadata, "storage_meta", None) is None:
             self._metadata.storage_meta = StorageMeta()
         assert self._metadata.storage_meta is not None
         self._metadata.storage_meta.load_id = self.load_id
         return self._metadata
+
+
+def _check_storage(where: Path, metadata: Metadata, files: Collection[str]) -> None:
+    """Every file DCP would read must be a data file the manifest lists (and checksums)."""
+    data = {name for name in files if name != METADATA}
+    index = metadata.storage_data
+    if not isinstance(index, dict):
+        raise damaged(where, [f"{METADATA} has no storage index (it was not written by DCP)"])
+    for item in index.values():
+        target = getattr(item, "relative_path", None)
+        if not isinstance(target, str) or target not in data:
+            raise damaged(
+                where,
+                [
+                    f"{METADATA} points at '{clip(target)}', which is not one of the data files "
+                    f"{INFO} lists ({', '.join(sorted(data)[:3])}); refusing to read it"
+                ],
+            )
 
 
 def load_bytes_safely(value: io.BytesIO, key: str) -> Any:
@@ -248,4 +270,4 @@ def reading(path: Path) -> Iterator[None]:
         first = failures[0] if failures else exc
         if isinstance(first, pickle.UnpicklingError):
             raise _not_plain("(a tensor)", first) from None
-        raise _damaged(path, [f"reading it failed: {type(first).__name__}: {first}"]) from None
+        raise damaged(path, [f"reading it failed: {type(first).__name__}: {first}"]) from None

@@ -26,6 +26,7 @@ from parc.compiler.model import load_model
 from parc.errors import ParcError
 from parc.runtime import checkpoint as checkpoint_module
 from parc.runtime.checkpoint import load_checkpoint, save_checkpoint
+from parc.runtime.checkpoint_manifest import write_manifest
 from parc.runtime.equivalence import make_optimizer, model_env
 from parc.runtime.export import export_state_dict
 from parc.runtime.pool import WorkerError
@@ -70,11 +71,12 @@ def _refused(checkpoint: Path, *says: str) -> str:
 
 
 def _rewrite_manifest(checkpoint: Path, name: str) -> None:
-    """What someone who controls the whole directory can do: make the checksums match."""
+    """What someone who controls the whole directory can do: make the checksums (and the
+    manifest's seal) match."""
     info = json.loads((checkpoint / "parc.json").read_text())
     data = (checkpoint / name).read_bytes()
     info["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (checkpoint / "parc.json").write_text(json.dumps(info))
+    write_manifest(checkpoint, info)
 
 
 def test_a_checkpoint_records_every_file_and_loads(saved: Path) -> None:
@@ -123,7 +125,7 @@ def test_an_unreadable_or_unverifiable_parc_json_is_refused(saved: Path) -> None
     (saved / "parc.json").write_text("{ not json")
     _refused(saved, "its parc.json cannot be read")
     del info["files"]
-    (saved / "parc.json").write_text(json.dumps(info))
+    write_manifest(saved, info)  # resealed: a seal alone is not enough
     _refused(saved, "has no checksums in its parc.json", "save it again")
 
 

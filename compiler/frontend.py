@@ -100,9 +100,10 @@ def _analyse(
     batch_plan = check_batch(spec, batch)
     torch.manual_seed(seed)
     built = source.build(device=device)
-    gm = trace_model(built)
-    inputs, _ = source.batch(batch_plan.micro, 0)
-    saved = profile_forward(gm, inputs if isinstance(inputs, tuple | list) else (inputs,))
+    sample, _ = source.batch(batch_plan.micro, 0)
+    inputs = tuple(sample) if isinstance(sample, tuple | list) else (sample,)
+    gm = trace_model(built, inputs)
+    saved = profile_forward(gm, inputs)
     plan = resolve(spec, built, gm, batch=batch)
     annotate_stages(gm, plan)
     if plan.tp_axis is not None and plan.tp > 1:

@@ -38,7 +38,7 @@ from parc.errors import CompileError
 
 from .layout import canonical_names
 
-__all__ = ["SavedTensor", "SavedTensors", "profile_forward", "saved_tensors"]
+__all__ = ["SavedTensor", "SavedTensors", "evaluate_nodes", "profile_forward", "saved_tensors"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,14 +66,44 @@ class SavedTensors:
         return sum(self.node_bytes.values())
 
 
-class _Recorder(torch.fx.Interpreter):
+class _FakeRunner(torch.fx.Interpreter):
+    """Runs graph nodes on fake parameters (`params`) instead of the module's own."""
+
+    def __init__(self, gm: torch.fx.GraphModule, params: Mapping[str, torch.Tensor]) -> None:
+        super().__init__(gm)
+        self.params = params
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        try:
+            return super().run_node(n)
+        except CompileError:
+            raise
+        except Exception as exc:
+            raise _node_error(n, exc) from exc
+
+    def fetch_attr(self, target: str) -> Any:
+        if target in self.params:
+            return self.params[target]
+        value = super().fetch_attr(target)
+        if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+            # A plain tensor attribute (a constant): a fake CPU copy of its shape.
+            return torch.empty(value.shape, dtype=value.dtype, device="cpu")
+        return value
+
+    def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
+        module = self.fetch_attr(str(target))
+        names = [n for n, _ in module.named_parameters()] + [n for n, _ in module.named_buffers()]
+        own = {n: self.params[f"{target}.{n}"] for n in names if f"{target}.{n}" in self.params}
+        return torch.func.functional_call(module, own, args, kwargs)
+
+
+class _Recorder(_FakeRunner):
     """Runs the graph, recording shapes and which node is running when a tensor is saved."""
 
     def __init__(
         self, gm: torch.fx.GraphModule, params: Mapping[str, torch.Tensor], mode: FakeTensorMode
     ) -> None:
-        super().__init__(gm)
-        self.params = params
+        super().__init__(gm, params)
         self.mode = mode
         self.param_ids = {id(p): n for n, p in params.items()}
         self.current = ""
@@ -89,13 +119,8 @@ class _Recorder(torch.fx.Interpreter):
     def run_node(self, n: torch.fx.Node) -> Any:
         self.current = n.name
         captured = io.StringIO()
-        try:
-            with contextlib.redirect_stderr(captured):
-                result = super().run_node(n)
-        except CompileError:
-            raise
-        except Exception as exc:
-            raise _node_error(n, exc) from exc
+        with contextlib.redirect_stderr(captured):
+            result = super().run_node(n)
         sys.stderr.write(captured.getvalue())  # what the model itself printed
         _record_shape(n, result)
         self._record_outputs(n, result)
@@ -123,21 +148,6 @@ class _Recorder(torch.fx.Interpreter):
         map_aggregate(result, visit)
         if found:
             self.outputs[n.name] = tuple(found)
-
-    def fetch_attr(self, target: str) -> Any:
-        if target in self.params:
-            return self.params[target]
-        value = super().fetch_attr(target)
-        if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
-            # A plain tensor attribute (a constant): a fake CPU copy of its shape.
-            return torch.empty(value.shape, dtype=value.dtype, device="cpu")
-        return value
-
-    def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
-        module = self.fetch_attr(str(target))
-        names = [n for n, _ in module.named_parameters()] + [n for n, _ in module.named_buffers()]
-        own = {n: self.params[f"{target}.{n}"] for n in names if f"{target}.{n}" in self.params}
-        return torch.func.functional_call(module, own, args, kwargs)
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         base = t._base if t._base is not None else t
@@ -216,15 +226,46 @@ def _quiet_fake_tensor_log() -> Iterator[None]:
         log.setLevel(level)
 
 
+def _fake_inputs(inputs: Sequence[Any]) -> list[Any]:
+    return [
+        torch.empty(x.shape, dtype=x.dtype, device="cpu") if isinstance(x, torch.Tensor) else x
+        for x in inputs
+    ]
+
+
+def evaluate_nodes(
+    gm: torch.fx.GraphModule, inputs: Sequence[Any], wanted: Sequence[torch.fx.Node]
+) -> dict[torch.fx.Node, Any]:
+    """The values of `wanted` in a fake forward at `inputs`, running only what they need.
+
+    Sizes and Python numbers come out as they are; a tensor comes out fake (its
+    shape and dtype are real, its values are not). A node that fails raises the
+    same CompileError as `profile_forward`.
+    """
+    needed: set[torch.fx.Node] = set()
+    todo = list(wanted)
+    while todo:
+        node = todo.pop()
+        if node not in needed:
+            needed.add(node)
+            todo.extend(node.all_input_nodes)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        runner = _FakeRunner(gm, _fake_state(gm))
+        runner.args_iter = iter(_fake_inputs(inputs))
+    with _quiet_fake_tensor_log(), mode:
+        for node in gm.graph.nodes:
+            if node.op == "placeholder" or node in needed:  # placeholders consume inputs in order
+                runner.env[node] = runner.run_node(node)
+    return {node: runner.env[node] for node in wanted}
+
+
 def profile_forward(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> SavedTensors:
     """Record every node's `tensor_meta` and the saved tensors of one fake forward."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         state = _fake_state(gm)
-        fake_inputs = [
-            torch.empty(x.shape, dtype=x.dtype, device="cpu") if isinstance(x, torch.Tensor) else x
-            for x in inputs
-        ]
+        fake_inputs = _fake_inputs(inputs)
     recorder = _Recorder(gm, state, mode)
     hooks = torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t)
     with _quiet_fake_tensor_log(), mode, hooks:

@@ -5,6 +5,12 @@ qualified names are what `.par` patterns match), records stack traces so later
 errors can quote the user's source line, and turns fx's tracing failures into a
 `CompileError` that names the module, the line and the fix.
 
+Given the sample inputs, it traces forward as `model(*inputs)` runs eagerly: a
+parameter the inputs do not give is traced at its default (`targets=None`
+takes the `targets is None` branch; fx would otherwise make it an input), and
+asserts on shapes are checked at the inputs' shapes and dropped
+(compiler/trace_asserts.py).
+
 `propagate_shapes` runs `ShapeProp` under a `FakeTensorMode`, so it allocates
 nothing and works on a model built on the `meta` device:
 
@@ -17,9 +23,12 @@ nothing and works on a model built on the `meta` device:
 
 from __future__ import annotations
 
+import inspect
+import linecache
 import os
 import re
 import traceback
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +36,8 @@ import torch
 import torch.fx
 
 from parc.errors import CompileError
+
+from .trace_asserts import ASSERT_FIX, TracedAssert, assert_site, check_asserts
 
 __all__ = ["module_path", "node_source", "propagate_shapes", "trace_model"]
 
@@ -44,6 +55,16 @@ class _ParcTracer(torch.fx.Tracer):
         self.record_stack_traces = True
         self.current: list[tuple[str, type]] = []
         self.failed_in: tuple[str, type] | None = None  # the innermost module that raised
+        self.asserts: list[TracedAssert] = []  # conditions let pass, checked after tracing
+
+    def to_bool(self, obj: torch.fx.Proxy) -> bool:
+        """An assert's condition passes for now (checked after tracing); any other branch
+        on a traced value is fx's TraceError."""
+        site = assert_site(inspect.currentframe())
+        if site is None:
+            return super().to_bool(obj)
+        self.asserts.append(TracedAssert(obj.node, site))
+        return True
 
     def call_module(
         self,
@@ -64,20 +85,112 @@ class _ParcTracer(torch.fx.Tracer):
             self.current.pop()
 
 
-def trace_model(model: torch.nn.Module) -> torch.fx.GraphModule:
-    """Symbolically trace `model`, keeping torch.nn leaves as `call_module` nodes."""
+def trace_model(
+    model: torch.nn.Module, inputs: Sequence[Any] | None = None
+) -> torch.fx.GraphModule:
+    """Symbolically trace `model`, keeping torch.nn leaves as `call_module` nodes.
+
+    `inputs` are the sample inputs, as passed to `model(*inputs)`: forward's
+    parameters after them are traced at their defaults and are not inputs of the
+    graph, and forward's asserts on shapes are checked at their shapes. Without
+    them every parameter of forward is an input.
+    """
+    defaults = _defaults_not_given(model, inputs)
     tracer = _ParcTracer()
     try:
-        graph = tracer.trace(model)
+        with warnings.catch_warnings():
+            # fx cannot guard a default of a type it does not know; the graph has no such input.
+            warnings.filterwarnings("ignore", "Was not able to add assertion")
+            graph = tracer.trace(model, concrete_args=defaults or None)
     except Exception as exc:
         raise _trace_error(exc, tracer, model) from exc
-    return torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
+    gm = torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
+    if defaults:
+        _drop_default_inputs(gm, len(inputs or ()))
+    check_asserts(gm, tracer.asserts, inputs)
+    return gm
+
+
+def _defaults_not_given(model: torch.nn.Module, inputs: Sequence[Any] | None) -> dict[str, Any]:
+    """forward's parameters that `inputs` leave out, with their defaults."""
+    if inputs is None:
+        return {}
+    params = list(inspect.signature(model.forward).parameters.values())
+    kinds = {p.kind for p in params}
+    if inspect.Parameter.VAR_POSITIONAL in kinds:
+        return {}  # forward(*args): any number of inputs is fine
+    positional = [p for p in params if p.kind in _POSITIONAL]
+    rest = positional[len(inputs) :] + [p for p in params if p.kind is _KEYWORD]
+    missing = [p.name for p in rest if p.default is inspect.Parameter.empty]
+    if len(inputs) > len(positional) or missing:
+        raise _arity_error(model, params, len(inputs), missing)
+    return {p.name: p.default for p in rest}
+
+
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+_KEYWORD = inspect.Parameter.KEYWORD_ONLY
+
+
+def _arity_error(
+    model: torch.nn.Module, params: list[inspect.Parameter], given: int, missing: list[str]
+) -> CompileError:
+    names = ", ".join(p.name for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD)
+    wants = f"{type(model).__name__}.forward({names})"
+    got = f"sample_batch gives {given} input{'s' if given != 1 else ''} (passed as model(*inputs))"
+    if missing:
+        return CompileError(
+            f"{wants} needs {', '.join(repr(m) for m in missing)}, but {got}",
+            source=_definition(model),
+            hint="return every input forward needs from sample_batch, as a tuple "
+            "(`return (x, mask), targets`), or give the parameter a default",
+        )
+    takes = sum(p.kind in _POSITIONAL for p in params)
+    return CompileError(
+        f"{wants} takes {takes} input{'s' if takes != 1 else ''}, but {got}",
+        source=_definition(model),
+        hint="return only forward's inputs as sample_batch's first item; the targets go "
+        "second (`return inputs, targets`) and reach loss_fn, not forward",
+    )
+
+
+def _definition(model: torch.nn.Module) -> str | None:
+    """`file:line: def forward(...)` of the model's forward."""
+    try:
+        code = type(model).forward.__code__
+    except AttributeError:
+        return None
+    line = linecache.getline(code.co_filename, code.co_firstlineno).strip()
+    return f"{code.co_filename}:{code.co_firstlineno}: {line or 'def forward(...)'}"
+
+
+def _drop_default_inputs(gm: torch.fx.GraphModule, given: int) -> None:
+    """Remove the placeholders fx made for defaulted parameters, and its guards on them.
+
+    fx keeps such a parameter as an input with a check that it still has its
+    default; nothing else reads it (the traced code saw the default itself).
+    """
+    extra = [n for n in gm.graph.nodes if n.op == "placeholder"][given:]
+    guards: set[torch.fx.Node] = set()
+    todo = list(extra)
+    while todo:
+        for user in todo.pop().users:
+            if user not in guards:
+                guards.add(user)
+                todo.append(user)
+    for node in reversed(list(gm.graph.nodes)):
+        if node in guards or node in extra:
+            gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
 
 
 def _trace_error(exc: Exception, tracer: _ParcTracer, model: torch.nn.Module) -> CompileError:
     name, cls = tracer.failed_in or ("", type(model))
     where = f"module '{name}' ({cls.__name__})" if name else f"the model ({cls.__name__})"
     frame = _user_frame(exc)
+    code = frame.split(": ", 1)[1] if frame and ": " in frame else ""
+    if isinstance(exc, AssertionError) or (code.startswith("assert") and _CONTROL_FLOW in str(exc)):
+        return _assert_error(exc, where, frame)
     if _CONTROL_FLOW in str(exc):
         return CompileError(
             f"{where} cannot be traced: its forward uses a value computed from the "
@@ -94,6 +207,29 @@ def _trace_error(exc: Exception, tracer: _ParcTracer, model: torch.nn.Module) ->
         hint="parc traces forward() with torch.fx.symbolic_trace; keep forward free of "
         "data-dependent Python and of calls that inspect tensor values",
     )
+
+
+def _assert_error(exc: Exception, where: str, frame: str | None) -> CompileError:
+    """An assert that tracing cannot pass: on a traced value's type, or a test that chooses."""
+    at = frame.rsplit(": ", 1)[0] if frame else "forward"
+    if isinstance(exc, AssertionError):
+        said = f" ({exc})" if str(exc) else ""
+        what = (
+            f"an assert in {where} failed while tracing, at {at}{said}: parc traces forward "
+            "with torch.fx, where a tensor is a symbolic Proxy (no values, no torch.Tensor "
+            "type), so an assert on a tensor's type or on a value computed from its data fails"
+        )
+        return CompileError(what, source=frame, hint=ASSERT_FIX)
+    what = (
+        f"an assert in {where} cannot be traced, at {at}: its test combines traced values "
+        "with `or`, `not`, `... if ... else ...` or a comprehension, so whether it holds "
+        "is not known while tracing"
+    )
+    hint = (
+        "write it as comparisons joined by `and` (`assert not t > n` as `assert t <= n`), "
+        "which parc checks at the traced shapes; or " + ASSERT_FIX[0].lower() + ASSERT_FIX[1:]
+    )
+    return CompileError(what, source=frame, hint=hint)
 
 
 def _user_frame(exc: BaseException) -> str | None:

@@ -116,8 +116,8 @@ def _profile(source: ModelSource, gpus_per_node: int, seq: int | None) -> ModelP
     # Step 1
     torch.manual_seed(0)
     model = source.build(device="meta")
-    gm = trace_model(model)
     inputs = _sample(source, seq)
+    gm = trace_model(model, inputs)
     saved = profile_forward(gm, inputs)
     # Step 2
     unit_of, units = _units(gm, model)

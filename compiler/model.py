@@ -28,6 +28,8 @@ import torch.nn.functional as F
 
 from parc.errors import ModelError
 
+from .default_loss import DefaultLoss
+
 __all__ = ["ModelSource", "default_loss", "load_model"]
 
 Batch = tuple[Any, torch.Tensor]
@@ -245,7 +247,7 @@ def load_model(source: str | Path | ModuleType) -> ModelSource:
         module=module,
         build_model=_function(module, "build_model", path, True),
         sample_batch=_function(module, "sample_batch", path, True),
-        loss_fn=_function(module, "loss_fn", path, False) or default_loss,
+        loss_fn=_function(module, "loss_fn", path, False) or DefaultLoss(path),
         configure_optimizer=_function(module, "configure_optimizer", path, False)
         or _default_optimizer,
     )

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from parc import blame
 from parc.errors import ParcError, RuntimeFault
 
 __all__ = ["EXIT_ERROR", "EXIT_FAIL", "EXIT_OK", "cmd_check", "cmd_compile", "cmd_plan", "cmd_run"]
@@ -215,6 +216,12 @@ def _train_rank(opts: object, debug: bool) -> int:
         print(str(exc) if located else f"[rank {rank}] {exc}", file=sys.stderr)
         return EXIT_ERROR
     except Exception as exc:
+        frame = blame.raised_by_user(exc)  # e.g. configure_optimizer, called as it compiles
+        if frame is not None:
+            if debug:
+                traceback.print_exc()
+            print(f"[rank {rank}] {blame.user_error(exc, frame)}", file=sys.stderr)
+            return EXIT_ERROR
         traceback.print_exc()
         print(f"[rank {rank}] internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 3

@@ -48,7 +48,7 @@ def checked_loss(loss: Any, loss_fn: LossFn) -> torch.Tensor:
     raise ModelError(
         f"loss_fn{f' (line {code.co_firstlineno})' if code else ''} returned {seen}; it must "
         "return the loss as a floating-point scalar tensor (one element)",
-        file=code.co_filename if code else repr(loss_fn),
+        file=code.co_filename if code else getattr(loss_fn, "path", repr(loss_fn)),
         hint="reduce it over the batch, e.g. `return F.cross_entropy(output, targets)` "
         "(mean by default) or `return losses.mean()`",
     )
@@ -125,11 +125,14 @@ class StageExecutor:
         self, state: MicroState, inputs: Sequence[torch.Tensor], targets: Any, scale: float
     ) -> float | None:
         args = [*state.received, *(inputs[i] for i in self.stage.model_inputs)]
+        # `gm.forward`, not `gm(...)`: on an error raised in the generated code itself, fx's
+        # __call__ prints that code to stderr and drops the traceback, which is what names
+        # the user's line (parc.blame). parc registers no hooks on a stage's GraphModule.
         if self.forward_context is not None:
             with self.forward_context():
-                outs = self.stage.gm(*args)
+                outs = self.stage.gm.forward(*args)
         else:
-            outs = self.stage.gm(*args)
+            outs = self.stage.gm.forward(*args)
         outs = list(outs)
         if self.stage.is_last:
             loss = checked_loss(self.loss_fn(outs[0], targets), self.loss_fn)

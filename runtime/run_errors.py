@@ -11,16 +11,18 @@ turns whatever the block raises into one readable error:
   with the hint that another rank failed or is stuck, or that --timeout is short;
 - DCP's CheckpointException (a BaseException wrapping each rank's failure) is
   unwrapped: a ParcError inside is raised as is, anything else as below;
-- anything else: "<doing> raised <Type>: <message>", and the innermost frame
-  outside torch (the model's line, or parc's), so no traceback is needed.
+- anything else: "<doing> raised <Type>: <message>", and where: the innermost
+  line of the user's code (the model file's forward, loss_fn or optimizer, a
+  traced node mapped back to its source line; see parc/blame.py), else parc's,
+  so no traceback is needed.
 """
 
 from __future__ import annotations
 
 import contextlib
-import traceback
 from collections.abc import Iterator
 
+from parc import blame
 from parc.errors import ParcError, RuntimeFault
 
 __all__ = ["located"]
@@ -62,7 +64,7 @@ def _fault(
             hint="another rank failed or is stuck (its error is printed too); if the run is "
             f"only slow, raise --timeout (now {timeout:g} s)",
         )
-    where = _innermost_frame(exc)
+    where = blame.where(exc)
     return RuntimeFault(
         f"{doing} raised {type(exc).__name__}: {text}" + (f"\n  at {where}" if where else ""),
         rank=rank,
@@ -85,12 +87,3 @@ def _strip_source(text: str) -> str:
     """gloo's message without its C++ source location and its advice to read the logs."""
     text = text.split("] ", 1)[1] if text.startswith("[") and "] " in text else text
     return text.split(" This is typically", 1)[0]
-
-
-def _innermost_frame(exc: BaseException) -> str | None:
-    """`file:line: code` of the innermost frame outside torch (the model's, or parc's)."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/torch/" not in f.filename]
-    if not frames:
-        return None
-    last = frames[-1]
-    return f"{last.filename}:{last.lineno}: {(last.line or '').strip()}"

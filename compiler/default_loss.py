@@ -1,0 +1,118 @@
+"""The loss of a model file without `loss_fn`: cross-entropy, with its inputs checked.
+
+    loss = DefaultLoss(path)(output, targets)
+
+Cross-entropy over the output's last dim (the classes or the vocabulary),
+averaged over every other position. Its preconditions are checked first, so a
+mistake is a `ModelError` naming the model file and the fix instead of an
+error from inside `F.cross_entropy` (and, on a GPU, instead of a device-side
+assert that poisons the CUDA context): the output must be one floating-point
+tensor, the targets integer class indices, one per output position, in
+[0, classes) (or the ignore index -100).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from parc.errors import ModelError
+
+__all__ = ["IGNORE_INDEX", "DefaultLoss"]
+
+IGNORE_INDEX = -100  # F.cross_entropy's default: targets equal to it are skipped
+_FIX = "define loss_fn(output, targets) in {path}, or {other}"
+# Every message says which loss it means: the user wrote none.
+_DEFAULT = (
+    "the default loss (cross-entropy over the output's last dim: the file defines no loss_fn)"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class DefaultLoss:
+    """Cross-entropy for the model file `path` (named in every error)."""
+
+    path: str
+
+    def __call__(self, output: Any, targets: Any) -> torch.Tensor:
+        self._check_output(output)
+        self._check_targets(output, targets)
+        # Any integer dtype is a class index; cross_entropy takes int64 only.
+        flat = targets.reshape(-1).long()
+        return F.cross_entropy(output.reshape(-1, output.shape[-1]), flat)
+
+    def _error(self, message: str, other: str) -> ModelError:
+        return ModelError(message, file=self.path, hint=_FIX.format(path=self.path, other=other))
+
+    def _check_output(self, output: Any) -> None:
+        if isinstance(output, torch.Tensor) and output.is_floating_point() and output.dim() >= 1:
+            return
+        raise self._error(
+            f"the model's forward returned {_describe(output)}; {_DEFAULT} needs the logits "
+            "as one floating-point tensor",
+            _index_hint(output) or "return the logits tensor from forward",
+        )
+
+    def _check_targets(self, output: torch.Tensor, targets: Any) -> None:
+        classes = output.shape[-1]
+        wanted = (
+            f"integer class indices in [0, {classes}) ({classes} classes: the size of the "
+            "output's last dim, e.g. the vocabulary)"
+        )
+        integer = isinstance(targets, torch.Tensor) and not (
+            targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool
+        )
+        if not integer:
+            raise self._error(
+                f"sample_batch returned targets as {_describe(targets)}; {_DEFAULT} needs {wanted}",
+                "return class indices from sample_batch (e.g. `targets.long()`); for "
+                "regression or soft labels, e.g. `return F.mse_loss(output, targets)`",
+            )
+        positions = output.numel() // max(classes, 1)
+        if targets.numel() != positions:
+            raise self._error(
+                f"sample_batch returned targets of shape {tuple(targets.shape)} for an output of "
+                f"shape {tuple(output.shape)}; {_DEFAULT} needs one class index per output "
+                f"position (shape {tuple(output.shape[:-1])})",
+                "return targets with the output's shape without its last dim",
+            )
+        # One fused check (one device sync) per call: out of range is an IndexError on
+        # the CPU and a device-side assert on a GPU.
+        bad = ((targets < 0) & (targets != IGNORE_INDEX)) | (targets >= classes)
+        if bool(bad.any()):
+            seen = targets[bad]
+            raise self._error(
+                f"sample_batch returned targets from {int(seen.min())} to {int(seen.max())} "
+                f"outside [0, {classes}) ({int(bad.sum())} of {targets.numel()}); {_DEFAULT} "
+                f"needs {wanted}",
+                f"make the output's last dim the number of classes (or the vocabulary size, "
+                f"at least {int(targets.max()) + 1} here), or fix the targets",
+            )
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    if isinstance(value, dict):
+        keys = ", ".join(repr(k) for k in list(value)[:5])
+        return f"a dict with keys {keys}" if value else "an empty dict"
+    if isinstance(value, tuple | list):
+        items = ", ".join(_describe(v) for v in list(value)[:3])
+        more = ", ..." if len(value) > 3 else ""
+        return f"a {type(value).__name__} of {len(value)} ({items}{more})"
+    name = type(value).__name__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+
+
+def _index_hint(output: Any) -> str | None:
+    """How to pick the logits out of a dict or tuple output, when one entry is a tensor."""
+    if isinstance(output, dict):
+        keys = [k for k, v in output.items() if isinstance(v, torch.Tensor)]
+        if keys:
+            return f"return the logits from forward (e.g. `return out[{keys[0]!r}]`)"
+    if isinstance(output, tuple | list) and output and isinstance(output[0], torch.Tensor):
+        return "return only the logits from forward (e.g. the first item)"
+    return None

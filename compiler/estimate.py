@@ -18,6 +18,7 @@ import torch.fx
 from parc.dsl.ast import AXIS_PP, ScheduleKind
 
 from .activations import StageActivations, stage_activations
+from .blocks import find_blocks
 from .cost import NodeCost, node_costs
 from .layout import (
     DEFAULT_BUCKET_ELEMS,
@@ -179,8 +180,10 @@ def stage_units(
     canonical = canonical_names(model)
     shapes = {canonical[n]: tuple(p.shape) for n, p in model.named_parameters()}
     tied = frozenset(n for n in per_stage[s] if sum(n in other for other in per_stage) > 1)
+    blocks = find_blocks(model)
     local = [
-        (n, math.prod(local_shape(shapes[n], slices.get(n))), zero3_owner(n)) for n in per_stage[s]
+        (n, math.prod(local_shape(shapes[n], slices.get(n))), zero3_owner(n, blocks))
+        for n in per_stage[s]
     ]
     units = flat_units(local, zero=plan.zero, dp=plan.dp, bucket_elems=bucket_elems, solo=tied)
     return units, sum(n for _, n, _ in local), tied

@@ -24,6 +24,7 @@ import torch.fx
 from parc.dsl.ast import ShardKind
 from parc.errors import PlanError
 
+from .blocks import Blocks
 from .cost import params_of_node
 from .plan import Plan
 
@@ -147,19 +148,19 @@ def stage_params(plan: Plan, gm: torch.fx.GraphModule, model: torch.nn.Module) -
     return out
 
 
-def zero3_owner(name: str) -> str:
+def zero3_owner(name: str, blocks: Blocks) -> str:
     """The ZeRO-3 unit a parameter belongs to: its block, as FSDP users wrap them.
 
-    The shortest prefix of the name that ends at an index of a module list
-    (`layers.3.attn.qkv.weight` -> `layers.3`), else its top-level module
-    (`wte.weight` -> `wte`). Gathering a block at once costs a few collectives per
-    block instead of one per Linear (each a blocking round trip).
+    The unit of its module (compiler/blocks.py): the repeated block it sits in at any
+    depth (`layers.3.attn.qkv.weight` -> `layers.3`, `model.layers.3.mlp.up.weight` ->
+    `model.layers.3`), else the outermost module holding no block (`wte.weight` ->
+    `wte`, `model.tok.weight` -> `model.tok`); a raw parameter of a module that holds
+    blocks is a unit with that module's other raw ones. Gathering a block at once costs
+    a few collectives per block instead of one per Linear (each a blocking round trip).
     """
-    parts = name.split(".")
-    for i, part in enumerate(parts[:-1]):
-        if part.isdigit():
-            return ".".join(parts[: i + 1])
-    return parts[0] if len(parts) > 1 else ""
+    module = name.rpartition(".")[0]
+    unit = blocks.unit_of(module)
+    return module if unit is None else unit
 
 
 def _pad(n: int, dp: int) -> int:

@@ -49,7 +49,7 @@ def test_every_preset_prints_what_it_holds() -> None:
         assert f"× 8 {name} (" in str(preset)
         assert parse_cluster(f"{name}x2").gpus == 2
     assert str(parse_cluster("nodes=2 preset=h100")) == (
-        "2 nodes × 8 h100 (80.00 GiB, 400 TFLOP/s), intra 450 GB/s, inter 50 GB/s"
+        "2 nodes × 8 h100 (80.00 GiB, 400 TFLOP/s bf16), intra 450 GB/s, inter 50 GB/s"
     )
 
 

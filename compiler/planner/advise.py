@@ -26,7 +26,7 @@ from parc.errors import ParcError
 
 from ..memory_model import MemoryModel, Precision, memory_model_of
 from ..model import ModelSource, load_model
-from .cluster import Cluster, parse_cluster
+from .cluster import Cluster, ComputeRate, parse_cluster
 from .model_profile import ModelProfile, profile_model
 from .search import Evaluation, Search, search
 
@@ -41,6 +41,7 @@ class PlanResult:
     cluster: Cluster
     batch: int
     memory: MemoryModel
+    rate: ComputeRate  # what the FLOPs are priced at: the cluster's rate at the precision
     profile: ModelProfile
     search: Search
     profile_seconds: float
@@ -76,6 +77,7 @@ def plan_model(
     """Steps 1 and 2; `batch` is the global batch in samples (default 4 per GPU)."""
     # Step 1
     machines = parse_cluster(cluster) if isinstance(cluster, str) else cluster
+    rate = machines.rate(precision)  # before the profile: a missing rate fails fast
     source = model if isinstance(model, ModelSource) else load_model(model)
     if batch is not None and batch < 1:
         raise ParcError(f"--batch {batch}: the global batch must be at least 1")
@@ -92,6 +94,7 @@ def plan_model(
         cluster=machines,
         batch=batch,
         memory=memory,
+        rate=rate,
         profile=profile,
         search=found,
         profile_seconds=profiled - started,

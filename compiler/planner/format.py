@@ -71,6 +71,7 @@ def format_plan(result: PlanResult, *, top: int = 5) -> str:
         f"unit{'s' if len(p.units) != 1 else ''}"
         + (f" ({blocks} blocks: {lists})" if blocks else "")
         + f"; batch {result.batch} × {p.tokens} tokens; {result.memory.describe()}",
+        f"compute priced as {result.rate}",
         f"searched {found.evaluated} specs in {_seconds(result.search_seconds)} (profile "
         f"{_seconds(result.profile_seconds)}); {len(found.ranked)} fit in "
         f"{human_bytes(result.cluster.budget)} usable per GPU",
@@ -135,6 +136,7 @@ def spec_text(result: PlanResult, ev: Evaluation, path: str = "SPEC.par") -> str
     lines = [
         f"# model: {result.model}",
         f"# parc plan for {result.cluster}; batch {result.batch}, {result.memory.precision}",
+        f"# compute priced as {result.rate}",
         f"# estimate: {human_bytes(ev.memory.total)} per GPU at the peak, step "
         f"{_seconds(ev.time.total)}, bubble {ev.bubble:.1%}",
         f"# check: parc compile {path} {result.model} --batch {result.batch} "
@@ -185,6 +187,7 @@ def plan_json(result: PlanResult, *, top: int = 5, path: str = "SPEC.par") -> di
     return {
         "model": result.model,
         "cluster": str(result.cluster),
+        "rate": result.rate.as_json(),
         "batch": result.batch,
         "evaluated": found.evaluated,
         "best": [one(ev) for ev in found.ranked[:top]],

@@ -8,10 +8,11 @@ costed from these per-unit numbers (search.py), without tracing again.
 Algorithm:
 1. Build on meta, trace, run the fake forward at micro-batch 1 (`seq` slices
    the sample's dim 1).
-2. Units: the model's top-level pieces in forward order. A child of a
-   ModuleList or Sequential is a unit of its own (a *block*); any other
-   top-level module is one; a node outside every module joins the unit before
-   it. Pipeline stages are runs of units; `recompute` recomputes the blocks.
+2. Units (compiler/blocks.py, the finder ZeRO-3 uses too), in forward order:
+   each repeated block at any depth (`layers.<i>`, `model.layers.<i>`), and
+   the outermost modules holding no block (`tok`, `model.norm`, `lm_head`); a
+   node outside every unit joins the unit before it. Pipeline stages are runs
+   of units; `recompute` recomputes the blocks.
 3. Tensor-parallel layout (Megatron's pairs, found in the dataflow): a Linear
    inside a block is `row` when every Linear whose output reaches its input
    (without passing another Linear) is `col`, else `col`: q, k, v → o and
@@ -37,6 +38,7 @@ from parc.dsl import parse_spec
 from parc.dsl.ast import ShardKind
 from parc.errors import ParcError
 
+from ..blocks import Blocks, find_blocks
 from ..cost import node_costs, output_numel, tensor_metas
 from ..layout import ParamSlice, canonical_names, param_slices, zero3_owner
 from ..model import ModelSource
@@ -50,8 +52,6 @@ from ..stages import activation_nodes
 from ..trace import module_path, trace_model
 
 __all__ = ["ModelProfile", "TPProfile", "UnitCost", "profile_model"]
-
-_CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +92,7 @@ class ModelProfile:
     path: str
     units: tuple[str, ...]
     blocks: tuple[bool, ...]
-    recompute_patterns: tuple[str, ...]  # `layers[*]` for each list of blocks
+    recompute_patterns: tuple[str, ...]  # `layers[*]` (`model.layers[*]`) per list of blocks
     params: int  # parameter elements of the whole model
     tokens: int  # elements of the first input per sample (the sequence length of an LM)
     tp: dict[int, TPProfile]
@@ -120,13 +120,14 @@ def _profile(source: ModelSource, gpus_per_node: int, seq: int | None) -> ModelP
     gm = trace_model(model, inputs)
     saved = profile_forward(gm, inputs)
     # Step 2
-    unit_of, units = _units(gm, model)
-    blocks = tuple(_is_block(model, u) for u in units)
+    found = find_blocks(model)
+    unit_of, units = _units(gm, found)
+    blocks = tuple(u in found.blocks for u in units)
     # Step 3
     layout = _megatron_layout(gm, unit_of, set(u for u, b in zip(units, blocks) if b))
-    shard_lines = _shard_lines(layout, model)
+    shard_lines = _shard_lines(layout, model, found)
     # Steps 4 and 5
-    base = _Base(gm, model, saved, unit_of, units)
+    base = _Base(gm, model, saved, unit_of, units, found)
     profiles, rejected = {1: base.at(1, (), 0, {})}, {}
     for tp in (d for d in range(2, gpus_per_node + 1) if gpus_per_node % d == 0):
         if not shard_lines:
@@ -167,29 +168,21 @@ def _sample(source: ModelSource, seq: int | None) -> tuple[Any, ...]:
     return tuple(x.narrow(1, 0, seq) if x.dim() >= 2 else x for x in xs)
 
 
-def _units(gm: torch.fx.GraphModule, model: torch.nn.Module) -> tuple[dict[str, str], list[str]]:
+def _units(gm: torch.fx.GraphModule, blocks: Blocks) -> tuple[dict[str, str], list[str]]:
     """Step 2: node name -> unit, and the units in forward order."""
-    modules = dict(model.named_modules())
     unit_of: dict[str, str] = {}
     order: list[str] = []
     last = ""
     for node in gm.graph.nodes:
         path = module_path(node)
-        if path:
-            top = path[0]
-            if isinstance(modules.get(top), torch.nn.Sequential) and len(path) > 1:
-                top = path[1]
-            last = top
-            if top not in order:
-                order.append(top)
+        unit = blocks.unit_of(path[-1]) if path else None
+        if unit is not None:
+            last = unit
+            if unit not in order:
+                order.append(unit)
         unit_of[node.name] = last
     order = order or [""]  # no module at all: the whole model is one unit
     return {n: u or order[0] for n, u in unit_of.items()}, order
-
-
-def _is_block(model: torch.nn.Module, unit: str) -> bool:
-    parent = unit.rpartition(".")[0]
-    return bool(parent) and isinstance(model.get_submodule(parent), _CONTAINERS)
 
 
 def _recompute_patterns(units: list[str], blocks: tuple[bool, ...]) -> tuple[str, ...]:
@@ -222,15 +215,17 @@ def _megatron_layout(
     return layout
 
 
-def _shard_lines(layout: dict[str, ShardKind], model: torch.nn.Module) -> tuple[str, ...]:
+def _shard_lines(
+    layout: dict[str, ShardKind], model: torch.nn.Module, blocks: Blocks
+) -> tuple[str, ...]:
     """`shard layers[*].attn.q col tp` where every block of a list agrees, else one per module."""
     by_suffix: dict[tuple[str, str, ShardKind], list[str]] = {}
     for name, kind in layout.items():
-        parts = name.split(".")
-        i = next(i for i, p in enumerate(parts) if p.isdigit())
-        by_suffix.setdefault((".".join(parts[:i]), ".".join(parts[i + 1 :]), kind), []).append(
-            parts[i]
-        )
+        block = blocks.block_of(name)
+        assert block is not None  # the layout covers Linears inside blocks only
+        lst, _, index = block.rpartition(".")
+        suffix = name[len(block) + 1 :]
+        by_suffix.setdefault((lst, suffix, kind), []).append(index)
     lines = []
     for (lst, suffix, kind), indices in by_suffix.items():
         container = model.get_submodule(lst)
@@ -260,8 +255,9 @@ class _Base:
         saved: SavedTensors,
         unit_of: dict[str, str],
         units: list[str],
+        blocks: Blocks,
     ) -> None:
-        self.gm, self.model, self.saved = gm, model, saved
+        self.gm, self.model, self.saved, self.blocks = gm, model, saved, blocks
         index = {u: i for i, u in enumerate(units)}
         self.unit = {n: index[u] for n, u in unit_of.items()}
         self.n = len(units)
@@ -305,10 +301,12 @@ class _Base:
     ) -> UnitCost:
         mine = self.members[i]
         owners: dict[str, int] = {}
-        saved_owners = {zero3_owner(self.canonical.get(p, p)) for p in self.saved.params}
+        saved_owners = {
+            zero3_owner(self.canonical.get(p, p), self.blocks) for p in self.saved.params
+        }
         for p, homes in self.homes.items():
             if i in homes:
-                owner = zero3_owner(p)
+                owner = zero3_owner(p, self.blocks)
                 owners[owner] = owners.get(owner, 0) + local[p]
         comms = [c for n in mine for c in n.meta.get("parc_collectives", ())] if tp > 1 else []
         return UnitCost(

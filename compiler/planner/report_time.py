@@ -30,6 +30,7 @@ def step_time_json(analysis: Any, cluster: Any) -> dict[str, Any]:
     peak = max(m.peak for m in est.memory)
     return {
         "cluster": str(cluster),
+        "rate": cluster.rate(est.memory_model.precision).as_json(),
         "step_seconds": time.total,
         "time": {part: getattr(time, part) for part in _PARTS},
         "peak_bytes": peak,
@@ -54,6 +55,7 @@ def step_time_lines(analysis: Any, cluster: Any) -> list[str]:
         f"Step time on {cluster}: {_seconds(facts['step_seconds'])} "
         f"(~{human_count(tokens / facts['step_seconds'])} tokens/s)",
         "  " + " + ".join(f"{part} {_seconds(time[part])}" for part in _PARTS),
+        f"  compute priced as {cluster.rate(analysis.estimate.memory_model.precision)}",
     ]
     links = [
         f"{axis} {'inside a node' if link['inside_node'] else 'across nodes'} "

@@ -2,7 +2,9 @@
 
 A deliberately simple model, whose every term the plan table shows:
 
-- compute: a microbatch's FLOPs at one rank / `cluster.tflops`;
+- compute: a microbatch's FLOPs at one rank / the cluster's rate at the plan's
+  precision (`Cluster.rate`: bf16 at `tflops`, fp32 at `fp32_tflops` or, with
+  `fp32=tf32`, at `tf32_tflops`);
 - a collective over n ranks moves, per rank, with S the full tensor's bytes
   (ring algorithms): all-reduce 2(n−1)/n·S, all-gather and reduce-scatter
   (n−1)/n·S; a pipeline send S. It takes that / the axis's bandwidth;
@@ -136,7 +138,7 @@ class StepTime:
 def estimate_step_time(plan: Plan, est: Estimate, cluster: Cluster) -> StepTime:
     """The step time of a compiled plan (its Estimate) on `cluster` (for `parc compile`)."""
     micro_steps = plan.microbatches * plan.grad_accum
-    rate = cluster.tflops * 1e12
+    rate = cluster.rate(est.memory_model.precision).tflops * 1e12
     width = 4 * est.memory_model.activation_scale  # bytes per activation element
     stages, dp = [], 0.0
     for cost, (_, comms) in zip(est.stages, est.collectives):

@@ -195,6 +195,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         node_rank=args.node_rank,
         rdzv_endpoint=args.rdzv_endpoint,
         max_restarts=args.max_restarts,
+        timeout=args.timeout,
     )
 
 

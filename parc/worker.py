@@ -2,7 +2,8 @@
 
 The `parc` arguments travel in the PARC_ARGV environment variable (JSON), not
 on torchrun's command line, where torchrun's own options (`--nnodes`,
-`--log-dir`, ...) would swallow or reject them.
+`--log-dir`, ...) would swallow or reject them. A worker first ties itself to
+the launcher (runtime/lifeline.py): it dies when `parc run` does, even by SIGKILL.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import os
 import sys
 
 from parc.cli import main
+from parc.runtime.lifeline import tie_to_launcher
 
 if __name__ == "__main__":
+    tie_to_launcher()
     sys.exit(main(json.loads(os.environ["PARC_ARGV"])))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -63,6 +64,7 @@ def launch(
     node_rank: int = 0,
     rdzv_endpoint: str | None = None,
     max_restarts: int = 0,
+    timeout: float = 300.0,
 ) -> int:
     """Run `parc <argv>` under torchrun on this node; 0 when every rank succeeded.
 
@@ -70,59 +72,25 @@ def launch(
     line (its own error is printed by the rank) instead of a launcher traceback.
     When any rank fails (an error, a signal, a collective timeout) the agent
     stops the others at once; with `max_restarts` it then starts every rank
-    again (they resume from the latest checkpoint, see `_resume`).
+    again (they resume from the latest checkpoint, see `_resume`). The workers
+    die with this process, even when it is killed with SIGKILL
+    (runtime/lifeline.py). A single-node run listens on 127.0.0.1 only
+    (runtime/rendezvous.py); a multi-node run waits at most `timeout` seconds
+    for the other nodes.
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    if world % nnodes:
-        raise ParcError(
-            f"the mesh has {world} ranks, which do not split evenly over {nnodes} nodes",
-            hint="choose --nnodes that divides the world size",
-        )
-    args = [
-        f"--nproc-per-node={world // nnodes}",
-        f"--nnodes={nnodes}",
-        f"--max-restarts={max_restarts}",
-    ]
-    if nnodes == 1 and rdzv_endpoint is None:
-        args.append("--standalone")
-    elif rdzv_endpoint is None:
-        raise ParcError(
-            "multi-node runs need --rdzv-endpoint HOST:PORT",
-            hint="e.g. --rdzv-endpoint node0.example.com:29500 on every node",
-        )
-    else:
-        # Static rendezvous: node k holds global ranks k·n … k·n+n−1, so the mesh's
-        # innermost axes (tp) stay inside a node and rank 0 is on --node-rank 0.
-        # (c10d rendezvous would number nodes in the order they join.)
-        if not 0 <= node_rank < nnodes:
-            raise ParcError(
-                f"--node-rank {node_rank} is outside 0..{nnodes - 1} for --nnodes {nnodes}",
-                hint="number the nodes 0, 1, ... and start node 0 first",
-            )
-        host, _, port = rdzv_endpoint.rpartition(":")
-        if not host or not port.isdigit():
-            raise ParcError(
-                f"--rdzv-endpoint '{rdzv_endpoint}' is not HOST:PORT",
-                hint="e.g. --rdzv-endpoint node0.example.com:29500 (node 0's address)",
-            )
-        args += [
-            "--rdzv-backend=static",
-            f"--master-addr={host}",
-            f"--master-port={port}",
-            f"--node-rank={node_rank}",
-        ]
-    args += ["-m", "parc.worker"]
+    from .lifeline import mark_launcher
+    from .rendezvous import is_rendezvous_timeout, missing_nodes, wait_for_node0
+
+    args = _torchrun_args(world, nnodes, node_rank, rdzv_endpoint, max_restarts, timeout)
     os.environ["PARC_ARGV"] = json.dumps(list(argv))
-    # Workers keep their process-group keys in torchrun's store by default, and the
-    # keys of a failed attempt stay there: restarted gloo workers then dial the dead
-    # ones' addresses until the timeout (pytorch#135712). Rank 0 hosts a fresh store
-    # per attempt instead.
-    if max_restarts:
-        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    mark_launcher()
     per_rank = max(1, (os.cpu_count() or 1) // max(1, world // nnodes))
     os.environ.setdefault("OMP_NUM_THREADS", str(per_rank))
+    if nnodes > 1 and node_rank > 0:
+        wait_for_node0(nnodes, node_rank, rdzv_endpoint or "", timeout)
     # The agent logs each failure with its own traceback-like lines; parc reports it once.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
@@ -138,7 +106,47 @@ def launch(
             file=sys.stderr,
         )
         return 1
+    except Exception as exc:
+        if nnodes == 1 or not is_rendezvous_timeout(exc):
+            raise
+        what = (
+            f"node 0 waited {timeout:g} s at the rendezvous {rdzv_endpoint} for the other "
+            f"{nnodes - 1} node(s); not all of them came ({str(exc).strip()})"
+        )
+        raise missing_nodes(what, nnodes, rdzv_endpoint or "") from None
     return 0
+
+
+def _torchrun_args(
+    world: int,
+    nnodes: int,
+    node_rank: int,
+    endpoint: str | None,
+    max_restarts: int,
+    timeout: float,
+) -> list[str]:
+    """torchrun's command line for this node; checks what torchrun would fail on later."""
+    from .mesh import check_local_ranks
+    from .rendezvous import loopback_collectives, torchrun_rendezvous
+
+    if world % nnodes:
+        raise ParcError(
+            f"the mesh has {world} ranks, which do not split evenly over {nnodes} nodes",
+            hint="choose --nnodes that divides the world size",
+        )
+    check_local_ranks(world // nnodes, nnodes=nnodes)
+    if nnodes == 1 and endpoint is None:
+        loopback_collectives()
+    return [
+        f"--nproc-per-node={world // nnodes}",
+        f"--nnodes={nnodes}",
+        f"--max-restarts={max_restarts}",
+        # torchrun's rendezvous waits are whole seconds; never below one.
+        f"--rdzv-conf=timeout={max(1, math.ceil(timeout))}",
+        *torchrun_rendezvous(nnodes, node_rank, endpoint),
+        "-m",
+        "parc.worker",
+    ]
 
 
 def _exit_reason(code: int) -> str:

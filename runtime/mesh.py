@@ -18,9 +18,22 @@ from parc.errors import RuntimeFault
 
 from .collectives import Comm
 
-__all__ = ["DEFAULT_TIMEOUT_S", "backend", "build_comm", "device_for_rank", "init_world"]
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "backend",
+    "build_comm",
+    "check_local_ranks",
+    "device_for_rank",
+    "init_world",
+    "max_local_ranks",
+]
 
 DEFAULT_TIMEOUT_S = 300.0
+# CPU ranks one node may run: each is a whole Python + torch process (~0.3 GB, seconds
+# to start), so more than a few per core only thrashes, and a mesh of millions would
+# exhaust memory and pids before the first step. Tests run 2 per core.
+_RANKS_PER_CPU = 8
+_MIN_CPU_RANKS = 64
 
 
 def backend() -> str:
@@ -33,6 +46,28 @@ def device_for_rank() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
+
+
+def max_local_ranks() -> tuple[int, str]:
+    """The most ranks one node may run, and why: one per GPU, or a few per CPU core."""
+    if torch.cuda.is_available():
+        gpus = torch.cuda.device_count()
+        return gpus, f"one rank per GPU and this node has {gpus}"
+    cpus = os.cpu_count() or 1
+    limit = max(_MIN_CPU_RANKS, _RANKS_PER_CPU * cpus)
+    return limit, f"each rank is a process; {limit} is {_RANKS_PER_CPU} per CPU core here"
+
+
+def check_local_ranks(count: int, *, nnodes: int = 1) -> None:
+    """Refuse to start more processes on this node than `max_local_ranks` allows."""
+    limit, why = max_local_ranks()
+    if count <= limit:
+        return
+    node = "this node" if nnodes == 1 else f"each of the {nnodes} nodes"
+    raise RuntimeFault(
+        f"the mesh needs {count:,} ranks on {node}, more than the {limit} it can run ({why})",
+        hint="use a smaller mesh, or spread it over more nodes (--nnodes)",
+    )
 
 
 def init_world(mesh: MeshPlan, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:

@@ -1,0 +1,152 @@
+"""Processes and sockets as Linux's /proc shows them: for the tests of what `parc run` leaves.
+
+Dependency-free: every process a test starts carries a unique token in its
+environment (inherited by torchrun's workers and anything they start), so
+`tagged(token)` finds all of them, whatever session or process group they
+moved to; `listening(pids)` reads /proc/net/tcp{,6} for their listening sockets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TOKEN_ENV = "PARC_TEST_TOKEN"
+MODEL = ROOT / "tests" / "models" / "mlp_sgd.py"  # examples/mlp.py trained with SGD
+TINY = {"MLP_LAYERS": "2", "MLP_DIM": "8", "MLP_OUT": "3"}
+_SCRIPT = Path(sys.executable).with_name("parc")
+PARC = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "parc.cli"]
+_LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's `st` column
+LINUX_PROC = pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux's /proc")
+
+
+def start_parc(args: Sequence[str | Path], cwd: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """Start `parc ARGS` in a session of its own, stdout and stderr to files in `cwd`.
+
+    Returns the process and the token every process of the run carries.
+    """
+    token = uuid.uuid4().hex
+    env = {**os.environ, **TINY, "OMP_NUM_THREADS": "1", TOKEN_ENV: token}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # a launcher, not a torchrun worker
+        env.pop(key, None)
+    with (cwd / "stdout.txt").open("wb") as out, (cwd / "stderr.txt").open("wb") as err:
+        proc = subprocess.Popen(
+            [*PARC, *map(str, args)],
+            cwd=cwd,
+            env=env,
+            stdout=out,
+            stderr=err,
+            start_new_session=True,
+        )
+    return proc, token
+
+
+def tagged(token: str) -> list[int]:
+    """Live processes (not zombies) whose environment holds `token`."""
+    needle = f"{TOKEN_ENV}={token}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:  # gone, or not ours
+            continue
+        if needle in environ.split(b"\0") and alive(int(entry.name)):
+            found.append(int(entry.name))
+    return sorted(found)
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
+
+
+def kill_all(token: str) -> None:
+    """SIGKILL every process of the run (cleanup; whatever the test found)."""
+    for pid in tagged(token):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def wait_for(
+    condition: Callable[[], bool],
+    timeout: float,
+    what: str,
+    cwd: Path,
+    proc: subprocess.Popen[bytes] | None = None,
+) -> None:
+    """Poll `condition` until true; fail with the run's stderr after `timeout` seconds,
+    or as soon as `proc` has ended."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"{what}: the run ended first (exit {proc.returncode})\n{stderr(cwd)}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} did not happen in {timeout} s\n{stderr(cwd)}")
+        time.sleep(0.2)
+
+
+def stderr(cwd: Path) -> str:
+    path = cwd / "stderr.txt"
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def listening(pids: Iterable[int]) -> list[tuple[int, str, int]]:
+    """(pid, address, port) of every TCP socket in LISTEN state that one of `pids` holds."""
+    by_inode = {inode: pid for pid in pids for inode in _socket_inodes(pid)}
+    found = []
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        if not Path(table).exists():
+            continue
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], int(fields[9])
+            if state == _LISTEN and inode in by_inode:
+                address, port = local.split(":")
+                found.append((by_inode[inode], _address(address, family), int(port, 16)))
+    return found
+
+
+def is_loopback(address: str) -> bool:
+    return ipaddress.ip_address(address).is_loopback
+
+
+def _socket_inodes(pid: int) -> set[int]:
+    inodes = set()
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return inodes
+    for fd in fds:
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(int(target[8:-1]))
+    return inodes
+
+
+def _address(hex_address: str, family: int) -> str:
+    """/proc/net/tcp's hex address: 32-bit words, each in host byte order."""
+    raw = bytes.fromhex(hex_address)
+    if sys.byteorder == "big":
+        return socket.inet_ntop(family, raw)
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    return socket.inet_ntop(family, words)

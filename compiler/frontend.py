@@ -24,6 +24,7 @@ from parc.dsl.ast import Spec
 from .estimate import Estimate, estimate
 from .memory_model import memory_model_of
 from .model import ModelSource, load_model
+from .model_state import batch_statistics_warnings, buffer_versions, untraced_writes
 from .passes.pipeline_split import annotate_stages
 from .plan import Plan
 from .resolve import check_batch, resolve
@@ -100,9 +101,11 @@ def _analyse(
     batch_plan = check_batch(spec, batch)
     torch.manual_seed(seed)
     built = source.build(device=device)
+    versions = buffer_versions(built)
     sample, _ = source.batch(batch_plan.micro, 0)
     inputs = tuple(sample) if isinstance(sample, tuple | list) else (sample,)
     gm = trace_model(built, inputs)
+    untraced_writes(built, versions, source.path)
     saved = profile_forward(gm, inputs)
     plan = resolve(spec, built, gm, batch=batch)
     annotate_stages(gm, plan)
@@ -111,6 +114,9 @@ def _analyse(
 
         found = analyse_tensor_parallel(gm, plan, spec, strict=strict)
         plan = dataclasses.replace(plan, warnings=plan.warnings + tuple(found))
+    batch_stats = batch_statistics_warnings(built, plan, spec)
+    if batch_stats:
+        plan = dataclasses.replace(plan, warnings=plan.warnings + tuple(batch_stats))
     memory = memory_model_of(source.configure_optimizer)
     return Analysis(
         spec, source, built, gm, plan, estimate(plan, gm, built, saved, memory=memory), saved

@@ -2,7 +2,8 @@
 
 Algorithm:
 1. Tensor parallel: analyse placements, rewrite the graph for this rank's tp index.
-2. Pipeline: split into stages; keep this rank's stage.
+2. Pipeline: split into stages; keep this rank's stage and the persistent buffers it
+   holds (runtime/buffers.py; every stage's graph says which stage holds which).
 3. Parameters: the stage's parameters by canonical name (a tied weight has one
    name), in order of first use, exactly as the compiler's layout lists them.
 4. Tied weights held by several stages: one process group per set of holders.
@@ -27,12 +28,14 @@ import torch.distributed as dist
 from parc.compiler.estimate import stage_units
 from parc.compiler.frontend import Analysis
 from parc.compiler.layout import ParamSlice, canonical_names, param_slices, stage_params
+from parc.compiler.model_state import state_names
 from parc.compiler.passes.pipeline_split import StageGraph, pipeline_split
 from parc.compiler.passes.recompute import recompute_modules
 from parc.compiler.passes.zero import shard_parameters
 from parc.dsl.ast import AXIS_DP, AXIS_PP
 from parc.errors import ParcError
 
+from .buffers import rank_buffers
 from .collectives import Comm
 from .grad_sync import GradSync
 from .program import ProgramParts
@@ -53,11 +56,16 @@ def assemble(
     device: torch.device,
 ) -> ProgramParts:
     plan, model = analysis.plan, analysis.model
+    # Before any pass: ZeRO-3 replaces the parameters of the modules the stages share.
+    keys = state_names(model)
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}  # first names: canonical
     # Step 1
     gm = _tensor_parallel(analysis, comm)
     # Step 2
-    stage = pipeline_split(gm, plan)[comm.index(AXIS_PP)]
+    stages = pipeline_split(gm, plan)
+    stage = stages[comm.index(AXIS_PP)]
     stage.gm.to(device)
+    buffers = rank_buffers(model, stages, stage.stage)  # the live tensors, on the device
     # Step 3
     canonical = canonical_names(model)
     per_stage = stage_params(plan, analysis.gm, model)
@@ -102,6 +110,9 @@ def assemble(
         holders=holders,
         tied=tied,
         forward_context=forward_context,
+        dtypes=dtypes,
+        buffers=buffers,
+        names=keys,
     )
 
 

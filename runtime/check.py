@@ -28,6 +28,7 @@ class CheckResult:
     optimizer: str
     tolerance: Tolerance
     comparison: Comparison
+    warnings: tuple[str, ...] = ()  # the plan's (e.g. BatchNorm under dp): likely causes
 
     @property
     def ok(self) -> bool:
@@ -52,7 +53,8 @@ def run_check(
     spec = as_spec(spec_path)
     source = load_model(model_file)
     batch = batch or default_batch(spec)
-    analyse(spec, source, batch=batch)  # every spec and model error, before any process starts
+    # Every spec and model error, before any process starts.
+    plan = analyse(spec, source, batch=batch).plan
     ref = reference_run(source.path, steps=steps, batch=batch, seed=seed, optimizer=optimizer)
     with WorkerPool(spec.mesh.world_size, timeout=timeout) as pool:
         results = pool.run(
@@ -66,9 +68,9 @@ def run_check(
             fault=fault,
         )
     tol = Tolerance.for_optimizer(optimizer, steps)
-    return CheckResult(
-        spec_path, model_file, steps, batch, optimizer, tol, compare_runs(ref, results[0], tol)
-    )
+    comparison = compare_runs(ref, results[0], tol)
+    warnings = tuple(str(w) for w in plan.warnings)
+    return CheckResult(spec_path, model_file, steps, batch, optimizer, tol, comparison, warnings)
 
 
 def format_check(result: CheckResult) -> str:
@@ -97,7 +99,10 @@ def format_check(result: CheckResult) -> str:
             where.append(f"the loss first diverges at step {c.first_bad_step}")
         if c.bad_param is not None:
             where.append(f"parameter '{c.bad_param}' diverges")
+        if c.bad_buffer is not None:
+            where.append(f"buffer '{c.bad_buffer}' diverges")
         lines.append("  NOT EQUIVALENT: " + "; ".join(where))
+        lines += [f"  the plan warned (a likely cause): {w}" for w in result.warnings]
     return "\n".join(lines) + "\n"
 
 
@@ -118,6 +123,8 @@ def check_json(result: CheckResult) -> dict[str, Any]:
         "worst_param": c.worst_param,
         "first_bad_step": c.first_bad_step,
         "bad_param": c.bad_param,
+        "bad_buffer": c.bad_buffer,
+        "warnings": list(result.warnings),
         "tolerance": {
             "loss_rtol": result.tolerance.loss_rtol,
             "param_rtol": result.tolerance.param_rtol,

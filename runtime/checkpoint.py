@@ -11,6 +11,7 @@
 
 Layout independence. Every tensor is stored under its name in the full model
 and its full shape: `model.<param>` (a tied weight once, under its first name),
+`buffer.<name>` (persistent buffers, whole: checkpoint_buffers.py),
 `optim.<state>.<param>` (checkpoint_optim.py) and `optim.param_groups`. A rank
 writes only what it holds, as boxes of those full tensors
 (checkpoint_layout.py): its tensor-parallel slice (each block of a fused
@@ -47,7 +48,7 @@ is read into the program. `parc.json` itself is sealed and its entries checked
 (checkpoint_find.py) never leaves the directory nor falls back to an older
 checkpoint when the newest is unusable.
 
-Loading never fills a tensor the checkpoint lacks: a missing parameter or
+Loading never fills a tensor the checkpoint lacks: a missing parameter, buffer or
 optimizer state, a parameter the model does not have, a different shape, or
 another optimizer class is a `ParcError` on every rank, before anything is read.
 """
@@ -88,6 +89,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from parc.errors import ParcError
 
+from .checkpoint_buffers import buffer_pieces, check_buffers
 from .checkpoint_find import LATEST, checkpoint_path, latest_checkpoint
 from .checkpoint_integrity import (
     SafeReader,
@@ -132,6 +134,7 @@ def save_checkpoint(program: Program, directory: str | Path, step: int) -> Path:
     parts = program.parts
     layout = rank_layout(parts)
     pieces = model_pieces(parts, layout, loading=False) + optimizer_pieces(parts, layout)
+    pieces += buffer_pieces(parts, loading=False)
     with quiet_single_process():
         dcp.save(
             {GROUPS: hyperparameters(parts.optimizer)},
@@ -168,6 +171,7 @@ def load_checkpoint(program: Program, directory: str | Path) -> int:
     reader = SafeReader(path, info["files"])
     metadata = reader.read_metadata()
     check_parameters(metadata, parts.full_shapes, path)
+    check_buffers(metadata, parts.buffers.shapes, path)
     states = _optimizer_states(metadata, parts.full_shapes, path)
     if states and info.get("optimizer") != type(parts.optimizer).__name__:
         raise ParcError(
@@ -178,6 +182,7 @@ def load_checkpoint(program: Program, directory: str | Path) -> int:
     layout = rank_layout(parts)
     optimizer = OptimizerLoad(parts, layout, states)
     pieces = model_pieces(parts, layout, loading=True) + optimizer.pieces
+    pieces += buffer_pieces(parts, loading=True)
     state: dict[str, Any] = {GROUPS: None} if GROUPS in metadata.state_dict_metadata else {}
     with quiet_single_process(), reading(path):
         dcp.load(

@@ -2,7 +2,8 @@
 
 Reference: the unmodified model on one process, same initial weights (same
 seed), same global batches, same optimizer. Parallel: the compiled program on a
-gloo world. Compare the loss at every step and every parameter after the last.
+gloo world. Compare the loss at every step, and every parameter and persistent
+buffer (BatchNorm's running statistics, counters) after the last.
 
 Tolerances (fp32), calibrated on this machine and kept here once:
 - losses: rtol 1e-5. A parallel run sums the same products in another order
@@ -10,7 +11,9 @@ Tolerances (fp32), calibrated on this machine and kept here once:
   a few ulps, ~1e-7 relative; 1e-5 leaves room over many steps and catches any
   real error (a missing gradient reduction changes the loss at step 1 by >1e-3).
 - parameters after K SGD steps: rtol 1e-4, atol 1e-6, for the same reason,
-  compounded over K updates.
+  compounded over K updates. Floating-point buffers use the same bounds (running
+  statistics are means of activations those updates produced); integer
+  buffers (step counters) must be equal.
 - AdamW divides by √v: where a gradient is near zero a 1e-7 difference changes
   the update by up to lr, so AdamW runs compare losses and bound parameters by
   atol 5 × lr × steps (documented, looser).
@@ -19,7 +22,6 @@ Tolerances (fp32), calibrated on this machine and kept here once:
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -27,7 +29,6 @@ from typing import Any
 
 import torch
 
-from parc.blame import input_dtype_hint, user_code
 from parc.compiler.model import ModelSource, load_model
 from parc.errors import RuntimeFault
 
@@ -109,21 +110,13 @@ def _reference(
 ) -> dict[str, Any]:
     torch.manual_seed(seed)
     model = source.build()
-    # Everything below is the user's code on plain PyTorch: its errors are the model
-    # file's, named by function and line (parc/blame.py).
-    ref, path = "in the single-device reference run", source.path
-    with user_code(path, f"creating the optimizer {ref}"):
-        opt = _optimizer_for(source, optimizer)(model.parameters())
+    opt = _optimizer_for(source, optimizer)(model.parameters())
     losses = []
     for step in range(steps):
         inputs, targets = source.batch(batch, step)
         xs = inputs if isinstance(inputs, tuple | list) else (inputs,)
         opt.zero_grad(set_to_none=True)
-        dtypes = functools.partial(input_dtype_hint, xs, model)
-        with user_code(path, f"the model's forward {ref}", step=step, hint=dtypes):
-            output = model(*xs)
-        with user_code(path, f"loss_fn {ref}", step=step):
-            loss = checked_loss(source.loss_fn(output, targets), source.loss_fn)
+        loss = checked_loss(source.loss_fn(model(*xs), targets), source.loss_fn)
         if not torch.isfinite(loss.detach()).all():
             raise RuntimeFault(
                 f"the loss is {float(loss.detach())} in the single-device reference run: the "
@@ -131,13 +124,12 @@ def _reference(
                 step=step,
                 hint=f"check {source.path}: its initialisation and sample_batch(..., {step})",
             )
-        with user_code(path, f"the backward of the loss {ref}", step=step):
-            loss.backward()
-        with user_code(path, f"the optimizer step {ref}", step=step):
-            opt.step()
+        loss.backward()
+        opt.step()
         losses.append(float(loss.detach()))
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {"losses": losses, "params": params}
+    buffers = {n: v.detach().clone() for n, v in model.state_dict().items() if n not in params}
+    return {"losses": losses, "params": params, "buffers": buffers}
 
 
 def parallel_case(
@@ -189,12 +181,15 @@ class Comparison:
     worst_param: str = ""
     first_bad_step: int | None = None
     bad_param: str | None = None
+    bad_buffer: str | None = None  # a persistent buffer that differs (or is missing)
 
     def describe(self) -> str:
         if self.ok:
             return "equivalent"
         if self.first_bad_step is not None:
             return f"losses diverge at step {self.first_bad_step}"
+        if self.bad_param is None:
+            return f"buffer '{self.bad_buffer}' diverges"
         return f"parameter '{self.bad_param}' diverges (max |diff| {self.max_param_diff:.3g})"
 
 
@@ -216,5 +211,23 @@ def compare_runs(ref: dict[str, Any], par: dict[str, Any], tol: Tolerance) -> Co
             worst, worst_name = diff, name
         if not torch.allclose(got, expected, rtol=tol.param_rtol, atol=tol.param_atol):
             bad = bad or name
-    ok = first_bad is None and bad is None
-    return Comparison(ok, rows, worst, worst_name, first_bad, bad)
+    bad_buffer = _first_bad_buffer(ref.get("buffers", {}), par["params"], tol)
+    ok = first_bad is None and bad is None and bad_buffer is None
+    return Comparison(ok, rows, worst, worst_name, first_bad, bad, bad_buffer)
+
+
+def _first_bad_buffer(
+    ref: dict[str, torch.Tensor], par: dict[str, torch.Tensor], tol: Tolerance
+) -> str | None:
+    """The first reference buffer the parallel state lacks or that differs from it."""
+    for name, expected in ref.items():
+        got = par.get(name)
+        if got is None or got.shape != expected.shape or got.dtype != expected.dtype:
+            return name
+        if not expected.is_floating_point():
+            same = torch.equal(got, expected)
+        else:
+            same = torch.allclose(got, expected, rtol=tol.param_rtol, atol=tol.param_atol)
+        if not same:
+            return name
+    return None

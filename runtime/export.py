@@ -5,10 +5,12 @@
     model.load_state_dict(torch.load("gpt.pt", weights_only=True))
 
 Runs in one process, without a process group: DCP reads the full tensors
-(`model.<param>`, whatever layout saved them) and the result carries every
-name the model's own `state_dict()` has: tied parameters under each of their
-names (one shared tensor), buffers as `build_model()` makes them (training
-does not change them; parc does not checkpoint buffers).
+(`model.<param>`, whatever layout saved them) and the persistent buffers
+(`buffer.<name>`: BatchNorm's running statistics and any other buffer as
+training left it, dp rank 0's replica's; runtime/buffers.py), and the result
+carries every name the model's own `state_dict()` has, in its order: tied
+parameters under each of their names (one shared tensor), named by the same
+function as `Program.state_dict()` (`compiler.model_state.name_state`).
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from parc.compiler.layout import canonical_names
 from parc.compiler.model import ModelSource, load_model
+from parc.compiler.model_state import name_state, persistent_buffers, state_names
 
 from .checkpoint import check_parameters, checkpoint_path, quiet_single_process, read_info
+from .checkpoint_buffers import BUFFER, check_buffers
 from .checkpoint_integrity import SafeReader, reading
 from .checkpoint_layout import MODEL
 
@@ -36,26 +39,27 @@ def export_state_dict(
     """
     path = checkpoint_path(checkpoint_dir)
     source = model_file if isinstance(model_file, ModelSource) else load_model(model_file)
-    # Seeded and on a forked RNG: buffers come out as a fresh run makes them, and the
+    # Seeded and on a forked RNG: the model is built as a run builds it, and the
     # caller's random state is left alone.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = source.build()
-    canonical = canonical_names(model)
     read_info(path)  # every file against its checksums
     reader = SafeReader(path)
-    full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    check_parameters(reader.read_metadata(), full_shapes, path)
+    metadata = reader.read_metadata()
+    check_parameters(metadata, {n: tuple(p.shape) for n, p in model.named_parameters()}, path)
+    built = dict(model.named_buffers())
+    buffers = persistent_buffers(model)
+    check_buffers(metadata, {n: tuple(built[n].shape) for n in buffers}, path)
+    # Holders with each tensor's own dtype and shape; DCP reads each whole into one.
     loaded = {
         MODEL + name: torch.empty_like(p.detach(), device="cpu")
         for name, p in model.named_parameters()
     }
+    loaded |= {BUFFER + n: torch.empty_like(built[n], device="cpu") for n in buffers}
     with quiet_single_process(), reading(path):
         dcp.load(loaded, storage_reader=reader, no_dist=True)
-    state = {
-        name: loaded[MODEL + canonical[name]] if name in canonical else value.detach().cpu()
-        for name, value in model.state_dict().items()
-    }
+    state = name_state(state_names(model), {k.partition(".")[2]: v for k, v in loaded.items()})
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     torch.save(state, out)

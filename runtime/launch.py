@@ -4,10 +4,11 @@ Outside torchrun (`RANK` unset) `launch` starts `python -m torch.distributed.run
 with `--nproc-per-node = world size / nnodes`, re-running the same `parc run`
 command line in every process. Under torchrun `train` runs directly: join the
 process group (NCCL on GPUs, gloo otherwise), compile, resume from a
-checkpoint if asked, train with a progress bar on rank 0, save every K steps,
-and print a summary. Workers end with `os._exit` after flushing: torch + gloo
-can abort at interpreter exit after a correct run (a gloo thread still frees
-tensors during shutdown), which would turn success into a crash.
+checkpoint if asked, train with a progress bar on rank 0, save every K steps
+and after the last one, and print a summary. Workers end with `os._exit` after
+flushing: torch + gloo can abort at interpreter exit after a correct run (a
+gloo thread still frees tensors during shutdown), which would turn success
+into a crash.
 """
 
 from __future__ import annotations
@@ -250,7 +251,9 @@ def train(opts: RunOptions) -> int:
             losses.append((step, loss))
         if progress is not None:
             _report(progress, opts.log, step, loss, targets, skipped)
-        if opts.checkpoint and opts.every and (step + 1) % opts.every == 0:
+        # The last step is always saved: `--every` only adds the saves in between.
+        due = step + 1 == opts.steps or (opts.every and (step + 1) % opts.every == 0)
+        if opts.checkpoint and due:
             with located(
                 rank=rank,
                 step=step,

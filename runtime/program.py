@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ from parc.compiler.plan import Plan
 from parc.dsl.ast import AXIS_DP, AXIS_PP
 from parc.errors import RuntimeFault
 
+from .buffers import Buffers
 from .collectives import Comm, CommKind
 from .executor import StageExecutor
 from .nonfinite import first_nonfinite_param, grads_finite, nonfinite_fault
@@ -58,6 +59,10 @@ class ProgramParts:
     holders: dict[str, int]  # canonical name -> first pp stage holding it
     tied: dict[str, Any]  # canonical name -> process group over the stages holding it
     forward_context: Callable[[], Any] | None = None
+    dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # canonical name -> dtype
+    buffers: Buffers = field(default_factory=Buffers)  # persistent buffers (buffers.py)
+    # Every key of the model's state_dict(), in order -> its canonical parameter or buffer.
+    names: dict[str, str] = field(default_factory=dict)
 
 
 class Program:
@@ -190,7 +195,13 @@ class Program:
         return dict(self._stats)
 
     def state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
-        """The full, unsharded model parameters by their names in the original model."""
+        """The model's full `state_dict()` (call on every rank): every key the original model's
+        has, tied aliases included (one shared tensor), parameters unsharded, persistent
+        buffers as dp rank 0's replica holds them (runtime/gather.py), on the CPU.
+
+        `build_model().load_state_dict(program.state_dict())` loads it strictly.
+        `rank0_only`: every rank still takes part; the others return {}.
+        """
         from .gather import gather_full_state
 
         state = gather_full_state(self.parts)

@@ -15,11 +15,15 @@ runs again.
   its saved-tensor hooks, which would hide the recomputed tensors from
   checkpoint) are captured at forward time and entered again around it.
 - Random ops (dropout) draw the same numbers again: checkpoint restores the RNG.
+- Buffers the body updates in place (BatchNorm's running statistics and
+  num_batches_tracked) are restored after the recomputation: they change once
+  per forward, as on one device, not twice.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -43,28 +47,47 @@ class Recomputed(torch.nn.Module):
         self.region = region
 
     def forward(self, *args: Any) -> Any:
+        # A module the region calls functionally arrives as an argument, with its buffers.
+        modules = [self.body, *(a for a in args if isinstance(a, torch.nn.Module))]
+        buffers = [b for m in modules for b in m.buffers()]
+        contexts = functools.partial(_contexts, buffers)
         return checkpoint(
-            self.body, *args, use_reentrant=False, context_fn=_contexts, early_stop=False
+            self.body, *args, use_reentrant=False, context_fn=contexts, early_stop=False
         )
 
     def extra_repr(self) -> str:
         return f"region={self.region!r}"
 
 
-def _contexts() -> tuple[contextlib.AbstractContextManager[None], Any]:
+def _contexts(buffers: list[torch.Tensor]) -> tuple[contextlib.AbstractContextManager[None], Any]:
     """(forward context, recomputation context): called by checkpoint during forward."""
     try:
         comm: Comm | None = active_comm()
     except RuntimeFault:
         comm = None  # a graph with no parc collectives, run outside Program.step
-    return contextlib.nullcontext(), _reactivated(comm, zero3.active_runtime())
+    return contextlib.nullcontext(), _reactivated(comm, zero3.active_runtime(), buffers)
 
 
 @contextlib.contextmanager
-def _reactivated(comm: Comm | None, runtime: zero3.Zero3 | None) -> Iterator[None]:
+def _reactivated(
+    comm: Comm | None, runtime: zero3.Zero3 | None, buffers: list[torch.Tensor]
+) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         if comm is not None:
             stack.enter_context(comm.active())
         if runtime is not None:
             stack.enter_context(runtime.activated())
+        stack.enter_context(_buffers_kept(buffers))
         yield
+
+
+@contextlib.contextmanager
+def _buffers_kept(buffers: list[torch.Tensor]) -> Iterator[None]:
+    """Undo what the recomputation writes into the region's buffers (it is not a new forward)."""
+    saved = [b.clone() for b in buffers]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, value in zip(buffers, saved):
+                b.copy_(value)

@@ -140,6 +140,8 @@ def _readers_between(
 ) -> list[torch.fx.Node]:
     """Nodes outside the region, between its first and last node, that read from it."""
     tainted: list[torch.fx.Node] = []
+    if len(members) < 2:  # nothing lies between: the walk below would wrap around the graph
+        return tainted
     seen = set(inside)
     node = members[0].next
     while node is not members[-1]:

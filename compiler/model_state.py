@@ -1,0 +1,164 @@
+"""What a model's `state_dict()` holds besides parameters, and who changes it in forward.
+
+- `state_names`: every key of `model.state_dict()` -> the canonical name of its
+  tensor (the first name of a tied parameter, or of a buffer registered under
+  several names). `Program.state_dict()` and `parc export` both expand their
+  canonical tensors through it, so a tied alias (`lm_head.weight` = `wte.weight`)
+  is never dropped; `name_state` does the expansion.
+- `persistent_buffers`: the canonical names of the buffers `state_dict()` holds
+  (`register_buffer(..., persistent=True)`, BatchNorm's running statistics).
+  They are model state: gathered, checkpointed and exported like parameters.
+- `buffer_writes`: graph nodes that update a buffer in place from no parameter
+  (`self.calls.add_(1)`): their result is unused, so a pass that keeps only
+  what the output needs must keep them explicitly.
+- `untraced_writes`: buffers forward changed while fx traced it without recording
+  the change (`self.calls.add_(1)` on a real tensor runs once, at trace time):
+  a ModelError, since training would never update them.
+- `batch_statistics_warnings`: modules that normalise over the batch they are
+  given (BatchNorm) see one microbatch of one dp replica, not the global batch.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx
+
+from parc.dsl.ast import Spec
+from parc.errors import ModelError
+
+from .layout import canonical_names
+from .plan import Plan, PlanWarning
+
+__all__ = [
+    "BATCH_STATISTICS",
+    "batch_statistics_warnings",
+    "buffer_aliases",
+    "buffer_versions",
+    "buffer_writes",
+    "name_state",
+    "persistent_buffers",
+    "state_names",
+    "untraced_writes",
+]
+
+# Modules whose training-mode forward uses statistics over the batch dim (rules as data).
+BATCH_STATISTICS: tuple[type[torch.nn.Module], ...] = (torch.nn.modules.batchnorm._BatchNorm,)
+# Calls that write their first argument in place besides `Tensor.<name>_` methods.
+_WRITES = (operator.setitem, torch.Tensor.copy_)
+
+
+def state_names(model: torch.nn.Module) -> dict[str, str]:
+    """Every `model.state_dict()` key, in its order -> the canonical name of that tensor."""
+    params = canonical_names(model)
+    buffers = buffer_aliases(model)
+    return {key: params.get(key, buffers.get(key, key)) for key in model.state_dict()}
+
+
+def name_state(names: dict[str, str], tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model's `state_dict()` from its canonical tensors: every key of `names`
+    (`state_names(model)`), in order; the aliases of a tensor share it."""
+    missing = sorted({c for c in names.values() if c not in tensors})
+    if missing:
+        raise AssertionError(f"no value for {missing[:5]} among the model's state")
+    return {key: tensors[canonical] for key, canonical in names.items()}
+
+
+def persistent_buffers(model: torch.nn.Module) -> list[str]:
+    """Canonical names of the buffers `model.state_dict()` holds, in its order."""
+    aliases = buffer_aliases(model)
+    out: list[str] = []
+    for key in model.state_dict():
+        name = aliases.get(key)
+        if name is not None and name not in out:
+            out.append(name)
+    return out
+
+
+def buffer_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """Every buffer name (shared ones included) -> the first name of that tensor."""
+    first: dict[int, str] = {}
+    return {
+        name: first.setdefault(id(b), name)
+        for name, b in model.named_buffers(remove_duplicate=False)
+    }
+
+
+def buffer_writes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """Nodes that write a module buffer in place (`buf.add_(1)`, `buf[i] = v`, `buf.copy_(x)`)."""
+    buffers = {name for name, _ in gm.named_buffers(remove_duplicate=False)}
+    out = []
+    for node in gm.graph.nodes:
+        inplace = (node.op == "call_method" and str(node.target).endswith("_")) or (
+            node.op == "call_function" and node.target in _WRITES
+        )
+        if inplace and node.args and _reads_buffer(node.args[0], buffers):
+            out.append(node)
+    return out
+
+
+def _reads_buffer(arg: object, buffers: set[str]) -> bool:
+    """`arg` is a buffer's get_attr, or a view of one (`buf[0]`, `buf.view(...)`)."""
+    while isinstance(arg, torch.fx.Node):
+        if arg.op == "get_attr":
+            return str(arg.target) in buffers
+        views = arg.op == "call_method" and arg.target in ("view", "reshape", "narrow")
+        if not (views or arg.target is operator.getitem) or not arg.args:
+            return False
+        arg = arg.args[0]
+    return False
+
+
+def buffer_versions(model: torch.nn.Module) -> dict[str, int]:
+    """Each buffer's version counter (every in-place write bumps it, on any device)."""
+    return {name: b._version for name, b in model.named_buffers()}
+
+
+def untraced_writes(model: torch.nn.Module, before: dict[str, int], model_file: str) -> None:
+    """A ModelError when tracing wrote a buffer: fx ran that update instead of recording it."""
+    changed = [n for n, b in model.named_buffers() if b._version != before.get(n, b._version)]
+    if changed:
+        raise ModelError(
+            f"forward() updates buffer(s) {', '.join(repr(n) for n in changed[:3])} with an "
+            "operation torch.fx cannot record (all its operands are the module's own tensors "
+            "or constants, e.g. `self.count.add_(1)`): it ran once while parc traced the model "
+            "and would never run in training",
+            file=model_file,
+            hint="compute the update from the input so it is traced, e.g. "
+            "`self.count.add_(torch.ones_like(x[0, 0], dtype=self.count.dtype))`, or keep it "
+            "inside a torch.nn module call (as BatchNorm's num_batches_tracked)",
+        )
+
+
+def batch_statistics_warnings(model: torch.nn.Module, plan: Plan, spec: Spec) -> list[PlanWarning]:
+    """A warning when BatchNorm-like modules would see less than the global batch per forward."""
+    split = plan.dp * plan.microbatches * plan.grad_accum
+    found = [
+        (name, type(m).__name__)
+        for name, m in model.named_modules()
+        if isinstance(m, BATCH_STATISTICS) and m.training
+    ]
+    if split == 1 or not found:
+        return []
+    names = ", ".join(f"'{n}'" for n, _ in found[:3]) + (" ..." if len(found) > 3 else "")
+    kinds = "/".join(sorted({k for _, k in found}))
+    parts = [f"{k}={v}" for k, v in (("dp", plan.dp),) if v > 1] + [
+        f"{k} {v}"
+        for k, v in (("microbatches", plan.microbatches), ("grad_accum", plan.grad_accum))
+        if v > 1
+    ]
+    return [
+        PlanWarning(
+            f"{len(found)} module(s) ({kinds}: {names}) normalise with the statistics of the "
+            f"batch they see: here each forward sees {plan.batch.micro} of the "
+            f"{plan.batch.global_batch} samples of a step ({' × '.join(parts)}), so losses, "
+            "gradients and running statistics differ from one device's (as DDP without "
+            "SyncBatchNorm: parc does not synchronise batch statistics). The running "
+            "statistics kept (state_dict, checkpoints, export) are dp rank 0's, updated once "
+            "per microbatch. To train exactly as one device: dp=1 with microbatches 1 and "
+            "grad_accum 1 (tp, or pp with microbatches 1), or a per-sample norm (LayerNorm, "
+            "GroupNorm)",
+            spec.locate(spec.mesh.span),
+        )
+    ]

@@ -1,0 +1,79 @@
+"""Persistent buffers in a checkpoint: `buffer.<name>`, whole, the model's copy.
+
+A buffer is never sharded (runtime/buffers.py), so it is one piece of its own
+full shape. Saving: only the rank holding the model's copy writes it (the first
+stage holding it, dp rank 0, index 0 on every other axis), so DCP never has to
+choose between replicas whose running statistics differ. Loading: every rank
+holding the buffer reads it whole into its live tensor. As with parameters, a
+buffer the checkpoint lacks is never left as built: it is an error.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from parc.dsl.ast import AXIS_PP
+from parc.errors import ParcError
+
+from .checkpoint_layout import Piece
+
+if TYPE_CHECKING:
+    from .program import ProgramParts
+
+__all__ = ["BUFFER", "buffer_pieces", "check_buffers"]
+
+BUFFER = "buffer."  # + buffer name: a persistent buffer (BatchNorm statistics, counters)
+
+
+def buffer_pieces(parts: ProgramParts, *, loading: bool) -> list[Piece]:
+    """The buffers this rank writes (the model's copies it holds) or reads (all it holds)."""
+    bufs, comm = parts.buffers, parts.comm
+    if not loading and any(comm.index(a) != 0 for a in parts.plan.mesh.names if a != AXIS_PP):
+        return []  # a dp replica's (or tp rank's) copy is not the model's
+    stage = comm.index(AXIS_PP)
+    pieces = []
+    for name, local in bufs.local.items():
+        if not loading and bufs.holders[name] != stage:
+            continue
+        if not local.is_contiguous():
+            raise ParcError(
+                f"buffer '{name}' is not contiguous in memory; checkpoints read buffers in place",
+                hint=f"register it contiguous in build_model (e.g. `.contiguous()` on '{name}')",
+            )
+        pieces.append(Piece(BUFFER + name, tuple(local.shape), (0,) * local.dim(), local.detach()))
+    return pieces
+
+
+def check_buffers(metadata: Metadata, shapes: dict[str, tuple[int, ...]], path: Path) -> None:
+    """The checkpoint's buffers must be the model's persistent buffers, with their shapes."""
+    saved = {
+        k[len(BUFFER) :]: v for k, v in metadata.state_dict_metadata.items() if k.startswith(BUFFER)
+    }
+    extra = sorted(n for n in saved if n not in shapes)
+    if extra:
+        raise ParcError(
+            f"checkpoint {path} has buffers the model lacks: "
+            + ", ".join(f"'{n}'" for n in extra[:5])
+            + (f" and {len(extra) - 5} more" if len(extra) > 5 else ""),
+            hint="was it saved from another model, or the same model at another size?",
+        )
+    for name, shape in shapes.items():
+        entry = saved.get(name)
+        if not isinstance(entry, TensorStorageMetadata):
+            close = difflib.get_close_matches(name, list(saved), n=3)
+            raise ParcError(
+                f"checkpoint {path} has no buffer '{name}' (key '{BUFFER}{name}'); it holds "
+                f"{len(saved)} buffers" + (f", e.g. {', '.join(close)}" if close else ""),
+                hint="a checkpoint from another model, or one saved before parc checkpointed "
+                "buffers (it lacks the running statistics): save it again from a current run",
+            )
+        if tuple(entry.size) != tuple(shape):
+            raise ParcError(
+                f"buffer '{name}' has shape {tuple(entry.size)} in checkpoint {path}; the "
+                f"model's is {tuple(shape)}",
+                hint="build the model with the sizes the checkpoint was saved with",
+            )

@@ -81,8 +81,10 @@ def _add_plan(sub: Any) -> None:
         help="which spec to run a model with on a cluster: memory, time, the best as .par",
         epilog="CLUSTER: a preset (h100x8, a100-80gx8; presets: "
         "h100, h200, a100-80g, a100-40g, v100, l40s, rtx4090, a10g) or keys: "
-        '"nodes=4 gpus=8 mem=80GiB tflops=400 intra=450GB/s inter=50GB/s", '
-        'e.g. "nodes=2 preset=h100". tflops: the sustained rate of one GPU on this model.',
+        '"nodes=4 gpus=8 mem=80GiB tflops=400 fp32_tflops=27 intra=450GB/s inter=50GB/s", '
+        'e.g. "nodes=2 preset=h100". tflops: the sustained bf16 rate of one GPU on this '
+        "model; fp32_tflops, tf32_tflops: the same in fp32 and TF32; fp32=tf32 prices fp32 "
+        "matmuls as TF32 (the default, ieee, is PyTorch's full fp32).",
     )
     p.add_argument("model", help="the model file (built on the meta device: any size works)")
     p.add_argument("--cluster", required=True, help="the GPUs to plan for (see below)")

@@ -9,6 +9,7 @@ DESIGN.md §7's tolerances (parc/runtime/equivalence.py), as every parallel test
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -168,6 +169,7 @@ def test_a_nested_70b_llama_plans_like_the_top_level_one(top_70b: ModelProfile) 
     assert "shard model.layers[*].attn.q col tp" in spec and "recompute model.layers[*]" in spec
 
 
+@functools.cache
 def _small_plan() -> PlanResult:
     with model_env(SMALL):
         return plan_model(

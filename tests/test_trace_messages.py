@@ -70,7 +70,7 @@ def test_without_inputs_every_parameter_of_forward_stays_an_input() -> None:
 @pytest.mark.multiprocess
 def test_nanogpt_style_model_trains_as_one_device_under_dp2(gloo_pool) -> None:
     comparison, _ = check_equivalent(gloo_pool, SPEC, str(NANOGPT), env={}, steps=2)
-    assert comparison.equivalent, comparison
+    assert comparison.ok, comparison
 
 
 # ---------------------------------------------------------------- errors

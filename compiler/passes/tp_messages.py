@@ -122,15 +122,52 @@ def not_divisible_error(
 ) -> PlanError:
     parts = " × ".join(str(p) for p in exc.parts)
     axis = plan.tp_axis
-    return PlanError(
+    message = (
         f"'{origin}' is sharded over {axis}={plan.tp}, and {describe(node, gm)}{_at(node)} "
         f"splits its sharded dim of size {exc.size} into {parts} (heads × head_dim): each "
-        f"rank needs whole heads, but n_head={exc.bad} is not divisible by {axis}={exc.tp}",
-        span,
-        hint=f"use a {axis} size that divides {exc.bad}, change the number of heads, or "
-        f"leave '{origin}' replicated",
-        names=tuple(n for n in (origin, node.name) if n),
+        f"rank needs whole heads, but n_head={exc.bad} is not divisible by {axis}={exc.tp}"
     )
+    hint = (
+        f"use a {axis} size that divides {exc.bad}, change the number of heads, or "
+        f"leave '{origin}' replicated"
+    )
+    shared = _shared_heads(node)
+    if shared is not None:  # grouped-query (or multi-query) attention's key/value heads
+        message += (
+            f"; these are key/value heads (n_kv_heads={exc.bad}: {describe(shared, gm)}"
+            f"{_at(shared)} shares each among query heads)"
+        )
+        hint = (
+            f"use a {axis} size that divides n_kv_heads={exc.bad}, or replicate the key/value "
+            f"projections (as Megatron does for n_kv_heads < {axis}): remove the `shard` lines "
+            f"of '{origin}' and its value projection and keep the query projection col and "
+            f"the output projection row; each rank then computes every kv head and uses "
+            f"those its query heads need (one all-gather of each k/v gradient per block, "
+            f"in backward)"
+        )
+    return PlanError(message, span, hint=hint, names=tuple(n for n in (origin, node.name) if n))
+
+
+# Ops that repeat a heads dim so several query heads read one key/value head.
+_REPEATS = frozenset({"repeat_interleave", "expand", "repeat", "expand_as"})
+
+
+def _shared_heads(view: torch.fx.Node, hops: int = 8) -> torch.fx.Node | None:
+    """The op within `hops` users of `view` that repeats its heads for grouped-query attention."""
+    frontier, seen = [view], {view}
+    for _ in range(hops):
+        nxt = []
+        for node in frontier:
+            for user in node.users:
+                name = user.target if isinstance(user.target, str) else user.target.__name__
+                gqa = user.kwargs.get("enable_gqa") is True  # sdpa repeats kv heads itself
+                if name in _REPEATS or gqa:
+                    return user
+                if user not in seen:
+                    seen.add(user)
+                    nxt.append(user)
+        frontier = nxt
+    return None
 
 
 def misaligned_error(

@@ -39,18 +39,24 @@ def reshape(ctx: OpContext) -> Decision | None:
 
     Splitting S(d) into (heads, head_dim) shards the first output dim, whose size
     must divide by the axis size; a fused S(d, k) split as (k, heads, head_dim)
-    shards the heads.
+    shards the heads. One head (`view(B, T, 1, head_dim)`, the single kv head of
+    multi-query attention) is such a split too: sharding head_dim instead would
+    give attention no rule but all-gathers, so it is NotDivisible like any
+    heads count the axis does not divide.
     """
     x = ctx.arg(0)
     s = ctx.sharded(x)
     if s is None:
         return None
     src, dst = ctx.shape(x), ctx.out_shape
-    group = next((g for g in view_groups(src, dst) if s.dim in g[0]), None)
-    if group is None or group[0][0] != s.dim or not group[1]:
+    groups = view_groups(src, dst)
+    at = next((i for i, g in enumerate(groups) if s.dim in g[0]), None)
+    if at is None or groups[at][0][0] != s.dim or not groups[at][1]:
         return None
-    _, gj = group
+    _, gj = groups[at]
     parts = tuple(dst[j] for j in gj)
+    if s.blocks == 1 and _one_head_before(ctx.node, groups, at):
+        raise NotDivisible(src[s.dim], (1, *parts), 1, ctx.tp)
     if s.blocks > 1 and parts[0] == s.blocks and len(parts) > 1:
         out, size, need = Shard(gj[1]), parts[1], ctx.tp
     else:
@@ -60,6 +66,22 @@ def reshape(ctx: OpContext) -> Decision | None:
             return None
         raise NotDivisible(src[s.dim], parts, size, need)
     return _with_size(ctx, out, _shape_args(ctx.node))
+
+
+def _one_head_before(node: torch.fx.Node, groups: list, at: int) -> bool:
+    """A view with explicit sizes that puts a new size-1 dim just before the sharded group.
+
+    `unsqueeze` and friends are left alone: they add a dim, they do not name heads.
+    """
+    explicit = node.op == "call_method" and node.target in ("view", "reshape", "unflatten")
+    explicit = explicit or node.target in (torch.reshape, torch.unflatten)
+    if not explicit or at == 0 or len(groups[at][1]) != 1:
+        return False
+    before, after = groups[at - 1], groups[at - 2] if at >= 2 else None
+    new_one = before[0] == () and before[1] == (groups[at][1][0] - 1,)
+    # (.., 1, hd) viewed again as (.., 1, hd): the heads dim is already there, not new.
+    kept = after is not None and after[1] == () and after[0] == (groups[at][0][0] - 1,)
+    return new_one and not kept
 
 
 def _shape_args(node: torch.fx.Node) -> dict[int, ArgPath] | None:

@@ -43,6 +43,7 @@ __all__ = [
     "RankMemory",
     "StageCost",
     "estimate",
+    "late_elements",
     "resident_elements",
     "stage_units",
     "transient_elements",
@@ -64,9 +65,13 @@ class StageCost:
 class RankMemory:
     """Bytes resident on one rank after a step (activations at their peak).
 
-    `buffers` are transient collective buffers on top of `total` (ZeRO's full
-    gradient buckets before their reduce-scatter, a gathered ZeRO-3 unit and its
-    gradient, the largest tensor-parallel message); `peak` adds them.
+    `peak` is the most the rank holds at once during a step: parameters,
+    optimizer state, the gradients alive at the activation peak (`peak_grads`:
+    ZeRO-2 drops its shards before backward, so none), activations and
+    `buffers`, the transient collective buffers alive then (ZeRO-2's first
+    gradient bucket, or all its full buckets under accumulation; a gathered
+    ZeRO-3 unit and its gradient; the largest tensor-parallel message), or,
+    where more, what the end of backward holds once activations are freed.
     """
 
     rank: int
@@ -75,6 +80,7 @@ class RankMemory:
     optimizer: int
     activations: int
     buffers: int = 0
+    peak_grads: int | None = None  # gradient bytes at the peak, when not `grads`
 
     @property
     def total(self) -> int:
@@ -82,7 +88,8 @@ class RankMemory:
 
     @property
     def peak(self) -> int:
-        return self.total + self.buffers
+        grads = self.grads if self.peak_grads is None else self.peak_grads
+        return self.params + grads + self.optimizer + self.activations + self.buffers
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,22 +207,49 @@ def resident_elements(zero: int, n_local: int, padded: int, shard: int) -> tuple
     return shard, shard, shard
 
 
-def transient_elements(zero: int, padded: int, shard: int, largest_unit: int) -> tuple[int, int]:
-    """(parameter, gradient) elements of transient dp buffers at the backward peak.
+def transient_elements(
+    zero: int,
+    padded: int,
+    shard: int,
+    largest_unit: int,
+    *,
+    first_bucket: int | None = None,
+    accumulating: bool = True,
+) -> tuple[int, int]:
+    """(parameter, gradient) elements of transient dp buffers at the activation peak.
 
-    zero 1: the reduce-scattered shards wait in their own buffers until the step;
-    zero 2: the full gradient buckets exist during backward too (freed after their
-    reduce-scatter), so its peak is zero 1's; zero 3: one gathered unit and its
-    full gradient before the reduce-scatter (in forward: the gathered unit and the
-    next one, prefetched; the same bytes when parameters and gradients share a dtype).
+    The peak of activations is the start of backward (runtime/grad_sync.py):
+    zero 1: nothing yet (a reduce-scattered shard is made once its bucket is
+    ready, as backward frees activations); zero 2: the first bucket (`units[0]`,
+    whose gradients arrive first) is allocated while nearly every activation is
+    alive; under accumulation (`accumulating`: several micro-steps or
+    microbatches per step) every full bucket lives from the first micro-step
+    to the last one's reduce-scatter. Without the layout (`first_bucket` None,
+    the planner) zero 2 is costed as accumulating. zero 3: one gathered unit and
+    its full gradient before the reduce-scatter (in forward: the gathered unit
+    and the next one, prefetched; the same bytes when parameters and gradients
+    share a dtype).
     """
-    if zero == 1:
-        return 0, shard
     if zero == 2:
-        return 0, padded
+        return 0, padded if accumulating or first_bucket is None else first_bucket
     if zero == 3:
         return largest_unit, largest_unit
     return 0, 0
+
+
+def late_elements(zero: int, units: tuple[FlatUnit, ...]) -> int:
+    """Gradient elements of dp buffers at the end of backward, once activations are freed.
+
+    One reduce-scatter is in flight while the next bucket starts: zero 1 holds
+    those two buckets' reduced shards, zero 2 their two full buffers and every
+    new shard.
+    """
+    two = sorted(units, key=lambda u: u.padded, reverse=True)[:2]
+    if zero == 1:
+        return sum(u.shard for u in two)
+    if zero == 2:
+        return sum(u.padded for u in two) + sum(u.shard for u in units)
+    return 0
 
 
 def _rank_memory(
@@ -226,20 +260,36 @@ def _rank_memory(
     in_flight: int,
     memory: MemoryModel,
     comms: tuple[Collective, ...],
-) -> tuple[int, int, int, int, int]:
+) -> tuple[int, int, int, int, int, int | None]:
     padded = sum(u.padded for u in units)
     shard = sum(u.shard for u in units)
+    zero = plan.zero if plan.dp > 1 else 0
     p, g, o = resident_elements(plan.zero, n_local, padded, shard)
     largest = max((u.padded for u in units), default=0)
-    tp, tg = transient_elements(plan.zero if plan.dp > 1 else 0, padded, shard, largest)
+    tp, tg = transient_elements(
+        zero,
+        padded,
+        shard,
+        largest,
+        first_bucket=units[0].padded if units else 0,
+        accumulating=plan.microbatches * plan.grad_accum > 1,
+    )
     per_call = [c.elements // c.count for c in comms if c.axis == plan.tp_axis and c.count]
     message = max(per_call, default=0) * 4  # fp32 activations: a tensor-parallel result
+    activations = int(act.held(in_flight) * memory.activation_scale)
+    early = tp * memory.param_bytes + tg * memory.grad_bytes
+    early += int(message * memory.activation_scale)
+    # Once backward has freed the activations: what the last buckets hold instead.
+    late = late_elements(zero, units) * memory.grad_bytes
     return (
         p * memory.param_bytes,
         g * memory.grad_bytes,
         o * memory.optimizer_bytes,
-        int(act.held(in_flight) * memory.activation_scale),
-        tp * memory.param_bytes + tg * memory.grad_bytes + int(message * memory.activation_scale),
+        activations,
+        max(early, late - activations),
+        # Zero 2 drops last step's shards before backward: at its peak no gradient is
+        # alive but the buckets counted in `early` (its new shards are in `late`).
+        0 if zero == 2 else None,
     )
 
 

@@ -12,8 +12,21 @@ gradient has been accumulated (a post-accumulate-grad hook counts them).
   gradient; the optimizer holds state only for its shards of the flat
   parameters (`optimizer_params`), and `after_step` all-gathers the updated
   shards back into the flat parameter buffer the parameters are views of.
-- zero 2: as zero 1, and the full gradient buffers are freed after the
-  reduce-scatter: between steps a rank keeps only its gradient shards.
+- zero 2: as zero 1, but a unit's full gradient buffer exists only while it is
+  needed: it is allocated when the unit's first gradient arrives (a tensor
+  pre-hook points every `.grad` of the unit into it before autograd
+  accumulates), reduce-scattered into this rank's gradient shard as soon as it
+  is ready, and freed when that reduce-scatter completes, which is waited for
+  when the next unit is launched (one reduce-scatter in flight). Full
+  gradients of all units are never alive at once. The shards of the last step
+  are dropped when the next one starts (as `zero_grad(set_to_none=True)`), so
+  at the activation peak (the start of backward) a rank holds no gradient but
+  the first bucket filling; by the end it holds its new shards (Ψ/dp) and the
+  bucket in flight. Under accumulation (`grad_accum` > 1
+  or several microbatches) the full buffers persist from the first micro-step
+  to the last one's reduce-scatter: the sum over micro-steps is formed in
+  them, so dp traffic stays one reduce-scatter per unit per step (reducing
+  every micro-step would multiply it by the micro-steps, as ZeRO-3 does).
 
 Hooks only communicate when `arm(True)` was called: the runtime arms them for
 the last micro-step of a step, so `grad_accum` micro-steps move no data. A
@@ -83,7 +96,10 @@ class GradSync:
             unit.tied = [n for n in spec.params if n in tied]
             self.units.append(unit)
             for p in params:
-                p.register_post_accumulate_grad_hook(_hook(weakref.ref(self), len(self.units) - 1))
+                ref, index = weakref.ref(self), len(self.units) - 1
+                if zero == 2:  # before AccumulateGrad reads `.grad`: allocate lazily
+                    p.register_hook(_pre_hook(ref, index))
+                p.register_post_accumulate_grad_hook(_hook(ref, index))
         if zero >= 1:
             for unit in self.units:
                 self._flatten_params(unit)
@@ -105,17 +121,39 @@ class GradSync:
         return flat[self.index * n : (self.index + 1) * n]
 
     def prepare(self) -> None:
-        """Zero (or allocate) the gradient buffers and point every `.grad` into them."""
+        """Before a step: zero the gradient buffers and point every `.grad` into them.
+
+        Zero 0 and 1 keep their buffers between steps; zero 2 allocates a unit's
+        buffer only when its first gradient arrives (`_allocate`).
+        """
         for unit in self.units:
-            p0 = unit.params[0]
-            size = unit.spec.padded if self.zero >= 1 else unit.spec.numel
+            unit.ready, unit.work, unit.launched = 0, None, False
+            if self.zero == 2:
+                unit.grad = None
+                for p in unit.params:
+                    p.grad = None
+                assert unit.shard is not None
+                unit.shard.grad = None  # stepped already; the reduce-scatter makes the next
+                continue
             if unit.grad is None:
+                size = unit.spec.padded if self.zero >= 1 else unit.spec.numel
+                p0 = unit.params[0]
                 unit.grad = torch.zeros(size, dtype=p0.dtype, device=p0.device)
             else:
                 unit.grad.zero_()
-            for p, off in zip(unit.params, unit.offsets):
-                p.grad = unit.grad[off : off + p.numel()].view_as(p)
-            unit.ready, unit.work, unit.launched = 0, None, False
+            self._point_grads(unit)
+
+    def _point_grads(self, unit: _Unit) -> None:
+        assert unit.grad is not None
+        for p, off in zip(unit.params, unit.offsets):
+            p.grad = unit.grad[off : off + p.numel()].view_as(p)
+
+    def _allocate(self, unit: _Unit) -> None:
+        """Zero 2: the unit's zeroed full buffer, made when its first gradient arrives."""
+        if unit.grad is None:
+            p0 = unit.params[0]
+            unit.grad = torch.zeros(unit.spec.padded, dtype=p0.dtype, device=p0.device)
+            self._point_grads(unit)
 
     def arm(self, on: bool) -> None:
         """Communicate as units become ready (the last micro-step) or not (accumulation).
@@ -138,15 +176,43 @@ class GradSync:
         if unit.launched:
             return
         unit.launched = True
-        assert unit.grad is not None
         if self.zero == 0:
+            assert unit.grad is not None
             unit.work = self.comm.all_reduce(unit.grad, self.axis, async_op=True)
             return
         assert unit.shard is not None
-        # zero 1 keeps the full buffer, so the reduced shard lands in a transient
-        # tensor and is copied into the buffer's own slice in `finish`.
+        # One reduce-scatter in flight: the previous one completes (zero 1 copies its
+        # shard into place, zero 2 frees its full buffer) before this one starts.
+        for other in self.units:
+            if other.work is not None:
+                self._complete(other)
+        if unit.grad is None:  # zero 2, no gradient reached this unit: it still takes part
+            self._allocate(unit)
+        # Zero 1 keeps the full buffer, so the reduced shard lands in a transient tensor
+        # and is copied into the buffer's own slice in `_complete`; zero 2 keeps it.
         unit.reduced = torch.empty_like(unit.shard.detach())
+        assert unit.grad is not None
         unit.work = self.comm.reduce_scatter(unit.reduced, unit.grad, self.axis, async_op=True)
+
+    def _complete(self, unit: _Unit) -> None:
+        """Wait for the unit's collective and average it over dp; zero 2 frees its buffer."""
+        unit.work.wait()
+        unit.work = None  # a finished gloo Work still holds its tensors
+        assert unit.grad is not None
+        if self.zero == 0:
+            unit.grad.div_(self.dp)
+            return
+        assert unit.shard is not None and unit.reduced is not None
+        unit.reduced.div_(self.dp)
+        if self.zero == 1:
+            unit.shard.grad = self._my_slice(unit.grad, unit)
+            unit.shard.grad.copy_(unit.reduced)
+        else:
+            unit.shard.grad = unit.reduced
+            for p in unit.params:
+                p.grad = None
+            unit.grad = None
+        unit.reduced = None
 
     def finish(self, tied_reduce: TiedReduce | None = None) -> None:
         """After the last backward: sum tied gradients, finish every unit, average over dp."""
@@ -157,23 +223,8 @@ class GradSync:
                     tied_reduce(name, unit.grad)
             self._launch(unit)
         for unit in self.units:
-            unit.work.wait()
-            unit.work = None  # a finished gloo Work still holds its output tensor
-            assert unit.grad is not None
-            if self.zero == 0:
-                unit.grad.div_(self.dp)
-                continue
-            assert unit.shard is not None and unit.reduced is not None
-            unit.reduced.div_(self.dp)
-            if self.zero == 1:
-                unit.shard.grad = self._my_slice(unit.grad, unit)
-                unit.shard.grad.copy_(unit.reduced)
-            else:
-                unit.shard.grad = unit.reduced
-                for p in unit.params:
-                    p.grad = None
-                unit.grad = None
-            unit.reduced = None
+            if unit.work is not None:
+                self._complete(unit)
 
     def full_local(self, name: str) -> torch.Tensor | None:
         """Parameters stay whole on this rank at levels 0-2: the caller reads them directly."""
@@ -205,3 +256,15 @@ def _hook(sync: weakref.ref[GradSync], index: int) -> Callable[[torch.Tensor], N
             owner._on_grad(index)
 
     return on_grad
+
+
+def _pre_hook(sync: weakref.ref[GradSync], index: int) -> Callable[[torch.Tensor], None]:
+    """Zero 2: runs before autograd accumulates a parameter's gradient, so `.grad` is
+    already a view of the unit's buffer and AccumulateGrad adds into it in place."""
+
+    def before_grad(_: torch.Tensor) -> None:
+        owner = sync()
+        if owner is not None:
+            owner._allocate(owner.units[index])
+
+    return before_grad

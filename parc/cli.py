@@ -1,21 +1,30 @@
 """The `parc` command line: a thin layer over the Python API.
 
+Exit codes: 0 success, 1 a check or run that failed, 2 a user mistake, 3 a bug in
+parc, 128 + N a stop by signal N (130 Ctrl-C, 143 SIGTERM: the processes parc
+started are stopped first).
+
 Every user mistake is a `ParcError`, printed without a traceback (exit 2);
-`--debug` shows the traceback. An unexpected exception is a parc bug: it is
-reported as an internal error (exit 3) and `--debug` shows where.
+`--debug` shows the traceback. So is an exception raised in the user's own code
+(the innermost frame outside the libraries is the model file's: parc/blame.py)
+and a model file calling sys.exit(). Output paths are checked before any work
+starts. Any other exception is a parc bug: it is reported as an internal error
+(exit 3) and `--debug` shows where.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from parc import commands
-from parc.errors import ParcError
+from parc import blame, commands
+from parc.errors import ModelError, ParcError
 
 __all__ = ["main"]
 
@@ -39,6 +48,30 @@ def _non_negative(text: str) -> int:
         raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = _number(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def _learning_rate(text: str) -> float:
+    value = _number(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {text}")
     return value
 
 
@@ -115,7 +148,7 @@ def _add_check(sub: Any) -> None:
         help="sgd (momentum 0.9; the default: exposes gradient-scale bugs) or adamw",
     )
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds per collective")
+    p.add_argument("--timeout", type=_seconds, default=300.0, help="seconds per collective")
     p.add_argument("--inject-fault", help=argparse.SUPPRESS)
     p.set_defaults(run=commands.cmd_check)
 
@@ -126,7 +159,9 @@ def _add_run(sub: Any) -> None:
     p.add_argument("model", help="the model file")
     p.add_argument("--steps", type=_positive, default=100, help="training steps (default 100)")
     p.add_argument("--batch", type=_positive, help="global batch size")
-    p.add_argument("--lr", type=float, help="learning rate (overrides configure_optimizer's)")
+    p.add_argument(
+        "--lr", type=_learning_rate, help="learning rate (overrides configure_optimizer's)"
+    )
     p.add_argument("--checkpoint", metavar="DIR", help="save a checkpoint here after the last step")
     p.add_argument(
         "--every",
@@ -140,7 +175,7 @@ def _add_run(sub: Any) -> None:
         action="store_true",
         help="continue from the latest checkpoint in --checkpoint DIR, up to --steps",
     )
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds per collective")
+    p.add_argument("--timeout", type=_seconds, default=300.0, help="seconds per collective")
     p.add_argument("--log", metavar="FILE", help="append (step, loss) JSON lines here")
     p.add_argument("--nnodes", type=_positive, default=1, help="nodes in a multi-node run")
     p.add_argument("--node-rank", type=int, default=0, help="this node's rank")
@@ -207,6 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.argv = [a for a in argv if a != "--debug"] if args.command != "run" else argv
     run: Callable[[argparse.Namespace], int] = args.run
     try:
+        _check_outputs(args)
         return run(args)
     except ParcError as exc:
         if args.debug:
@@ -214,17 +250,83 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(str(exc), file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
-        print("parc: interrupted", file=sys.stderr)
-        return 130
+        return _signalled(signal.SIGINT)
+    except SystemExit as exc:
+        return _exited(exc, args.debug)
     except Exception as exc:
-        if args.debug:
-            traceback.print_exc()
-        print(
-            f"parc: internal error: {type(exc).__name__}: {exc}\n"
-            "  this is a bug in parc; run again with --debug for the traceback and report it",
-            file=sys.stderr,
-        )
-        return EXIT_INTERNAL
+        return _unexpected(exc, args.debug)
+
+
+# What each command writes, checked before any work starts (a --log that cannot be
+# written must not fail after step 0 has trained): (attribute, flag, kind, example).
+_OUTPUTS: dict[str, tuple[tuple[str, str, str, str], ...]] = {
+    "compile": (("output", "-o", "DIR", "plan"), ("timeline", "--timeline", "FILE", "t.svg")),
+    "plan": (("output", "-o", "FILE", "best.par"),),
+    "run": (("log", "--log", "FILE", "log.jsonl"), ("checkpoint", "--checkpoint", "DIR", "c")),
+    "export": (("output", "-o", "FILE", "model.pt"),),
+    "demo": (("out", "--out", "DIR", "demo"),),
+}
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """A ParcError naming the flag if one of the command's output paths cannot be written."""
+    outputs = [(getattr(args, a, None), *rest) for a, *rest in _OUTPUTS.get(args.command, ())]
+    if not any(path for path, *_ in outputs):
+        return
+    from pathlib import Path
+
+    from parc.compiler.output import PathKind, check_writable
+
+    for path, flag, kind, example in outputs:
+        if path:
+            check_writable(Path(path), PathKind[kind], flag, example)
+
+
+def _signalled(sig: signal.Signals) -> int:
+    """Ctrl-C or a termination signal: a stop the user asked for, not an error (128 + signal)."""
+    what = "interrupted" if sig is signal.SIGINT else f"terminated by {sig.name}"
+    if "RANK" not in os.environ:  # a rank stays quiet: its launcher says it once
+        print(f"parc: {what}; every process parc started was stopped", file=sys.stderr)
+    return 128 + int(sig)
+
+
+def _exited(exc: SystemExit, debug: bool) -> int:
+    """A model file that calls sys.exit(): an error (exit 2), never a silent success."""
+    frame = blame.raised_by_user(exc)
+    if frame is None:
+        raise exc
+    if debug:
+        traceback.print_exc()
+    call = "importing the model file" if frame.function == "<module>" else frame.function
+    error = ModelError(
+        f"{call} called sys.exit({exc.code!r}): parc stops with an error, not a success"
+        f"\n  at {frame}",
+        file=frame.file,
+        hint="a model file's functions must return (build_model its module, sample_batch "
+        "a batch); to stop with an error, raise an exception",
+    )
+    print(str(error), file=sys.stderr)
+    return EXIT_ERROR
+
+
+def _unexpected(exc: Exception, debug: bool) -> int:
+    """A signal torchrun's agent turned into an exception, the user's code failing (exit 2),
+    or, when neither, a bug in parc (exit 3)."""
+    sig = getattr(exc, "sigval", None)  # torch.distributed.elastic's SignalException
+    if isinstance(sig, signal.Signals):
+        return _signalled(sig)
+    if debug:
+        traceback.print_exc()
+    frame = blame.raised_by_user(exc)
+    if frame is not None:
+        print(str(blame.user_error(exc, frame)), file=sys.stderr)
+        return EXIT_ERROR
+    print(
+        f"parc: internal error: {type(exc).__name__}: {exc}\n"
+        "  this is a bug in parc; run again with --debug for the traceback and report it",
+        file=sys.stderr,
+    )
+    return EXIT_INTERNAL
 
 
 def entry() -> None:

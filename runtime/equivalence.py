@@ -22,6 +22,7 @@ Tolerances (fp32), calibrated on this machine and kept here once:
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from typing import Any
 
 import torch
 
+from parc.blame import input_dtype_hint, user_code
 from parc.compiler.model import ModelSource, load_model
 from parc.errors import RuntimeFault
 
@@ -110,13 +112,21 @@ def _reference(
 ) -> dict[str, Any]:
     torch.manual_seed(seed)
     model = source.build()
-    opt = _optimizer_for(source, optimizer)(model.parameters())
+    # Everything below is the user's code on plain PyTorch: its errors are the model
+    # file's, named by function and line (parc/blame.py).
+    ref, path = "in the single-device reference run", source.path
+    with user_code(path, f"creating the optimizer {ref}"):
+        opt = _optimizer_for(source, optimizer)(model.parameters())
     losses = []
     for step in range(steps):
         inputs, targets = source.batch(batch, step)
         xs = inputs if isinstance(inputs, tuple | list) else (inputs,)
         opt.zero_grad(set_to_none=True)
-        loss = checked_loss(source.loss_fn(model(*xs), targets), source.loss_fn)
+        dtypes = functools.partial(input_dtype_hint, xs, model)
+        with user_code(path, f"the model's forward {ref}", step=step, hint=dtypes):
+            output = model(*xs)
+        with user_code(path, f"loss_fn {ref}", step=step):
+            loss = checked_loss(source.loss_fn(output, targets), source.loss_fn)
         if not torch.isfinite(loss.detach()).all():
             raise RuntimeFault(
                 f"the loss is {float(loss.detach())} in the single-device reference run: the "
@@ -124,8 +134,10 @@ def _reference(
                 step=step,
                 hint=f"check {source.path}: its initialisation and sample_batch(..., {step})",
             )
-        loss.backward()
-        opt.step()
+        with user_code(path, f"the backward of the loss {ref}", step=step):
+            loss.backward()
+        with user_code(path, f"the optimizer step {ref}", step=step):
+            opt.step()
         losses.append(float(loss.detach()))
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     buffers = {n: v.detach().clone() for n, v in model.state_dict().items() if n not in params}

@@ -18,19 +18,22 @@ import torch
 import torch.fx
 
 from parc.compiler.stages import assign_stages, auto_stages
-from parc.dsl import match_names, suggest
+from parc.dsl import match_names, pattern_width, suggest
 from parc.dsl.ast import (
     AXIS_DP,
     AXIS_PP,
     GradAccum,
+    IndexAll,
+    IndexRange,
     Microbatches,
     Pattern,
+    Schedule,
     Shard,
     ShardKind,
     Spec,
     Zero,
 )
-from parc.errors import PlanError
+from parc.errors import PlanError, clip
 
 from .layout import param_slices
 from .plan import BatchPlan, MeshPlan, ModuleShard, Plan, PlanWarning
@@ -57,6 +60,7 @@ def resolve(spec: Spec, model: torch.nn.Module, gm: torch.fx.GraphModule, *, bat
     batch_plan = check_batch(spec, batch)
     # Step 5
     _check_zero(spec, warnings)
+    _check_schedule(spec, warnings)
     recompute = _resolve_recompute(spec, modules, gm, warnings)
     plan = Plan(
         mesh=mesh,
@@ -91,17 +95,49 @@ def _check_ties(spec: Spec, plan: Plan, model: torch.nn.Module) -> None:
 
 
 def match_modules(spec: Spec, pattern: Pattern, modules: dict[str, torch.nn.Module]) -> list[str]:
-    """Module names matched by `pattern`; none is a PlanError with suggestions."""
+    """Module names matched by `pattern`; none, or a range past the end of its list, is a
+    PlanError with suggestions."""
     names = match_names(pattern, modules)
     if names:
+        _check_ranges(spec, pattern, names, modules)
         return names
     close = suggest(pattern, modules)
     hint = f"did you mean {', '.join(repr(c) for c in close)}?" if close else None
     raise PlanError(
-        f"pattern '{pattern}' matches no module of the model",
+        f"pattern '{clip(pattern)}' matches no module of the model",
         spec.locate(pattern.span),
         hint=hint,
     )
+
+
+def _check_ranges(
+    spec: Spec, pattern: Pattern, names: list[str], modules: dict[str, torch.nn.Module]
+) -> None:
+    """Each `name[a:b]` of `pattern` stays inside every list it matched into: Python's
+    slice semantics would quietly read `layers[0:7]` of 2 layers as `layers[0:2]`."""
+    width = pattern_width(pattern)
+    at = 0  # where the segment starts, counted from the first segment
+    for segment in pattern.segments:
+        if isinstance(segment, IndexRange):
+            for name in names:
+                parts = name.split(".")
+                container = ".".join(parts[: len(parts) - width + at + 1])
+                count = _list_length(modules[container])
+                if segment.stop > count:
+                    raise PlanError(
+                        f"range {clip(segment)} reaches past the end of '{container}', which "
+                        f"has {count} entries ({segment.name}[0:{count}])",
+                        spec.locate(pattern.span),
+                        hint=f"a range must lie inside its list: write "
+                        f"{segment.name}[{segment.start}:{count}], or build the model deeper",
+                        names=(container,),
+                    )
+        at += 2 if isinstance(segment, IndexRange | IndexAll) else 1
+
+
+def _list_length(module: torch.nn.Module) -> int:
+    """The number of entries of a list of modules: one past its highest numbered child."""
+    return 1 + max((int(n) for n, _ in module.named_children() if n.isdecimal()), default=-1)
 
 
 def _check_axes(spec: Spec) -> str | None:
@@ -112,16 +148,17 @@ def _check_axes(spec: Spec) -> str | None:
         if shard.axis in (AXIS_DP, AXIS_PP):
             role = "data-parallel" if shard.axis == AXIS_DP else "pipeline"
             raise PlanError(
-                f"axis '{shard.axis}' is the {role} axis; `shard` needs a tensor-parallel axis",
+                f"axis '{clip(shard.axis)}' is the {role} axis; `shard` needs a tensor-parallel "
+                "axis",
                 spec.locate(shard.axis_span),
                 hint="add one to the mesh (e.g. `mesh dp=2 tp=2`) and write `shard ... tp`",
             )
         if not mesh.has(shard.axis):
-            known = ", ".join(a.name for a in mesh.axes) or "none"
+            known = ", ".join(clip(a.name) for a in mesh.axes) or "none"
             raise PlanError(
-                f"axis '{shard.axis}' is not in the mesh (axes: {known})",
+                f"axis '{clip(shard.axis)}' is not in the mesh (axes: {known})",
                 spec.locate(shard.axis_span),
-                hint=f"add it to the mesh line, e.g. `mesh {shard.axis}=2`",
+                hint=f"add it to the mesh line, e.g. `mesh {clip(shard.axis)}=2`",
             )
         tp_axes.setdefault(shard.axis, shard)
     if len(tp_axes) > 1:
@@ -135,10 +172,10 @@ def _check_axes(spec: Spec) -> str | None:
     for axis in mesh.axes:
         if axis.name not in (AXIS_DP, AXIS_PP) and axis.name not in tp_axes:
             raise PlanError(
-                f"mesh axis '{axis.name}' has no role: it is not dp or pp and no `shard` "
+                f"mesh axis '{clip(axis.name)}' has no role: it is not dp or pp and no `shard` "
                 "statement uses it",
                 spec.locate(axis.span),
-                hint=f"shard modules over it (`shard mlp.fc1 col {axis.name}`), rename it to "
+                hint=f"shard modules over it (`shard mlp.fc1 col {clip(axis.name)}`), rename it to "
                 "dp or pp, or remove it",
             )
     return next(iter(tp_axes), None)
@@ -190,9 +227,9 @@ def _check_shardable(spec: Spec, shard: Shard, name: str, module: torch.nn.Modul
         raise _not_shardable(spec, shard, name, module)
     if dim % size:
         raise PlanError(
-            f"'{name}' has {what}={dim}, which is not divisible by {shard.axis}={size}",
+            f"'{name}' has {what}={dim}, which is not divisible by {clip(shard.axis)}={size}",
             spec.locate(shard.pattern.span),
-            hint=f"use a {shard.axis} size that divides {dim}, or leave '{name}' replicated",
+            hint=f"use a {clip(shard.axis)} size that divides {dim}, or leave '{name}' replicated",
             names=(name,),
         )
 
@@ -201,10 +238,10 @@ def _not_shardable(spec: Spec, shard: Shard, name: str, module: torch.nn.Module)
     allowed = "a Linear or an Embedding" if shard.kind is ShardKind.COL else "a Linear"
     inside = next((n for n, m in module.named_modules() if isinstance(m, torch.nn.Linear)), None)
     if isinstance(module, torch.nn.Embedding):
-        hint = f"an Embedding splits its embedding_dim: `shard {name} col {shard.axis}`"
+        hint = f"an Embedding splits its embedding_dim: `shard {name} col {clip(shard.axis)}`"
     elif inside:
         hint = f"name the Linear layers inside it, e.g. `shard {name}.{inside} {shard.kind} "
-        hint += f"{shard.axis}`"
+        hint += f"{clip(shard.axis)}`"
     else:
         hint = f"leave '{name}' replicated: remove it from this shard statement"
     return PlanError(
@@ -246,6 +283,18 @@ def _check_zero(spec: Spec, warnings: list[PlanWarning]) -> None:
             PlanWarning(
                 f"zero {spec.zero} shards over the dp axis, which has size 1 here: "
                 "nothing is sharded",
+                spec.locate(node.span),
+            )
+        )
+
+
+def _check_schedule(spec: Spec, warnings: list[PlanWarning]) -> None:
+    node = spec.statement(Schedule)
+    if node is not None and spec.mesh.size(AXIS_PP) == 1:
+        warnings.append(
+            PlanWarning(
+                f"`{node}` orders the microbatches of a pipeline, and pp has size 1 "
+                "here: there is no pipeline, so it has no effect",
                 spec.locate(node.span),
             )
         )

@@ -54,7 +54,7 @@ from parc.dsl.syntax_errors import (
     syntax_error,
     token_span,
 )
-from parc.errors import SpecError
+from parc.errors import SpecError, clip
 
 __all__ = ["STATEMENT_KEYWORDS", "load_spec", "parse_spec"]
 
@@ -121,8 +121,8 @@ class _SpaceInPattern(Exception):
     def error(self, source: SourceText) -> SpecError:
         before, after = token_span(self.before), token_span(self.after)
         return source.error(
-            f"a pattern cannot contain spaces (found one between '{self.before}' and "
-            f"'{self.after}')",
+            f"a pattern cannot contain spaces (found one between '{clip(self.before)}' and "
+            f"'{clip(self.after)}')",
             Span(after.line, before.end_column, after.column),
         )
 
@@ -183,7 +183,7 @@ class _Builder(Transformer[Token, Any]):
         for axis in axes:
             if axis.name in first:
                 raise self._source.error(
-                    f"mesh axis '{axis.name}' is declared twice",
+                    f"mesh axis '{clip(axis.name)}' is declared twice",
                     axis.span,
                     hint=f"the first is at column {first[axis.name].span.column}; keep one",
                 )
@@ -192,7 +192,7 @@ class _Builder(Transformer[Token, Any]):
 
     def axis(self, meta: Meta, children: list[Token]) -> Axis:
         name, _, size = children
-        value = self._integer(size, f"the size of mesh axis '{name}'", minimum=1)
+        value = self._integer(size, f"the size of mesh axis '{clip(name)}'", minimum=1)
         return Axis(str(name), value, _meta_span(meta))
 
     def shard(self, meta: Meta, children: list[Any]) -> Shard:
@@ -219,7 +219,7 @@ class _Builder(Transformer[Token, Any]):
             # user it is as likely a pattern missing its `-> N`.
             end = token_span(word).end_column
             raise self._source.error(
-                f"expected '->' and a stage number after '{word}'",
+                f"expected '->' and a stage number after '{clip(word)}'",
                 Span(meta.line, end, end + 1),
                 hint="did you mean 'stage auto'?" if did_you_mean(word, ["auto"]) else None,
             )
@@ -262,9 +262,9 @@ class _Builder(Transformer[Token, Any]):
             raise self._source.error(
                 f"the range [{start}:{stop}] is empty; its start must be less than its stop",
                 _meta_span(meta),
-                hint=f"write {name}[{stop}:{start}] to select indices {stop} to {start - 1}"
+                hint=f"write {clip(name)}[{stop}:{start}] to select indices {stop} to {start - 1}"
                 if stop < start
-                else f"to select the one index {start}, write {name}[{start}]",
+                else f"to select the one index {start}, write {clip(name)}[{start}]",
             )
         return (IndexRange(str(name), start, stop),)
 
@@ -279,9 +279,9 @@ class _Builder(Transformer[Token, Any]):
         text = str(token)
         span = token_span(token)
         if not re.fullmatch(r"-?[0-9]+", text):
-            raise self._source.error(f"{what} must be a whole number, got '{text}'", span)
+            raise self._source.error(f"{what} must be a whole number, got '{clip(text)}'", span)
         if len(text.lstrip("-")) > _MAX_DIGITS:
-            raise self._source.error(f"{what} is too large: '{text}'", span)
+            raise self._source.error(f"{what} is too large: '{clip(text)}'", span)
         value = int(text)
         if maximum is not None and not minimum <= value <= maximum:
             allowed = ", ".join(str(v) for v in range(minimum, maximum + 1))
@@ -295,7 +295,7 @@ class _Builder(Transformer[Token, Any]):
         if token in allowed:
             return kind(str(token))
         raise self._source.error(
-            f"'{token}' is not {what}; expected one of {', '.join(allowed)}",
+            f"'{clip(token)}' is not {what}; expected one of {', '.join(allowed)}",
             token_span(token),
             hint=did_you_mean(str(token), allowed),
         )

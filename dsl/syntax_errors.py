@@ -4,7 +4,10 @@ The parser (`parc.dsl.parser`) reads `.par` text with lark; when the grammar
 refuses a line, `syntax_error` says what was expected in the user's words
 ("expected '->' and a stage number after 'layers[0:2]'"), never with a lark
 terminal name, and points a caret at the bad token. `SourceText` quotes the
-offending line in every error the parser raises.
+offending line in every error the parser raises. A token quoted in a message
+is clipped to 60 characters (`parc.errors.clip`) and the echoed line is cut
+around the caret (`parc.errors.format_caret`), so a 2 MB token makes a short
+error, not a 6 MB one.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from lark import Token
 from lark.exceptions import UnexpectedCharacters, UnexpectedInput
 
 from parc.dsl.ast import Span
-from parc.errors import SourceSpan, SpecError
+from parc.errors import SourceSpan, SpecError, clip
 
 __all__ = ["STATEMENT_KEYWORDS", "SourceText", "did_you_mean", "syntax_error", "token_span"]
 
@@ -101,7 +104,7 @@ def syntax_error(err: UnexpectedInput, source: SourceText) -> SpecError:
     if isinstance(err, UnexpectedCharacters):
         bad = f"unexpected character {text[column - 1 : column]!r}"
     else:
-        bad = "" if ends_line else f"unexpected '{token}'"
+        bad = "" if ends_line else f"unexpected '{clip(token)}'"
     span = Span(line, column, column + (1 if ends_line else len(str(token))))
     if accepts & {"MESH", "SHARD", "STAGE"}:
         return _statement_start_error(token, bad, span, source)
@@ -110,7 +113,7 @@ def syntax_error(err: UnexpectedInput, source: SourceText) -> SpecError:
     before = text[: column - 1].split("#")[0]  # no token contains '#': the rest is a comment
     previous = _PREVIOUS.search(before)
     if previous:
-        expected += f" after '{previous.group(1)}'"
+        expected += f" after '{clip(previous.group(1))}'"
     return source.error(f"{bad}; {expected}" if bad else expected, span)
 
 
@@ -118,7 +121,7 @@ def _statement_start_error(token: Any, bad: str, span: Span, source: SourceText)
     allowed = ", ".join(STATEMENT_KEYWORDS)
     if isinstance(token, Token) and re.fullmatch(r"[A-Za-z0-9_]+", token):
         return source.error(
-            f"unknown statement '{token}'; expected one of {allowed}",
+            f"unknown statement '{clip(token)}'; expected one of {allowed}",
             span,
             hint=did_you_mean(str(token), STATEMENT_KEYWORDS),
         )

@@ -130,9 +130,10 @@ def test_malformed_spec_is_reported_at_its_place(
     for word in words:
         assert word in err.message, f"{word!r} not in {err.message!r}"
     source_line = text.split("\n")[line - 1].removesuffix("\r")
-    caret = "    " + " " * (column - 1) + "^" * width
+    # Tabs are echoed as spaces to the next multiple of 8, and the caret indented to match.
+    caret = "    " + " " * len(source_line[: column - 1].expandtabs(8)) + "^" * width
     # split("\n"), not splitlines(): the quoted line may hold a form feed
-    assert shown.split("\n")[1:3] == [f"    {source_line}", caret], shown
+    assert shown.split("\n")[1:3] == [f"    {source_line.expandtabs(8)}", caret], shown
     assert not LARK_WORDS.search(shown), shown
 
 

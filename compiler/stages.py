@@ -158,7 +158,7 @@ def _check_range_gaps(spec: Spec) -> None:
         found.sort(key=lambda r: r[0])
         for (_, stop, first), (start, _, second) in itertools.pairwise(found):
             if start > stop:
-                base = key.rpartition(".")[2] if "." in key else key
+                base = key  # as written: `model.layers[1:2]` names the gap in a nested list
                 raise PlanError(
                     f"{base}[{stop}:{start}] is in no stage: the ranges on lines "
                     f"{first.span.line} and {second.span.line} leave a gap",

@@ -200,3 +200,12 @@ def test_zero3_units_and_stage_auto_of_a_nested_model_match_the_top_level_one() 
     assert auto[0].plan.stage_modules == tuple(
         tuple(_nested_name(m) for m in stage) for stage in auto[1].plan.stage_modules
     )
+
+
+def test_a_gap_between_nested_stage_ranges_names_the_nested_list() -> None:
+    spec = "mesh pp=2\nstage model.tok, model.layers[0:1] -> 0\n"
+    spec += "stage model.layers[2:4], model.norm, lm_head -> 1\n"
+    with model_env({**SMALL, "LLAMA_LAYERS": "4"}), pytest.raises(ParcError) as info:
+        analyse(spec, NESTED)
+    assert "model.layers[1:2] is in no stage" in str(info.value)
+    assert "extend one of the ranges to cover model.layers[1:2]" in str(info.value)

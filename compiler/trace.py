@@ -115,7 +115,10 @@ def _defaults_not_given(model: torch.nn.Module, inputs: Sequence[Any] | None) ->
     """forward's parameters that `inputs` leave out, with their defaults."""
     if inputs is None:
         return {}
-    params = list(inspect.signature(model.forward).parameters.values())
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):  # no Python signature: fx traces every parameter
+        return {}
     kinds = {p.kind for p in params}
     if inspect.Parameter.VAR_POSITIONAL in kinds:
         return {}  # forward(*args): any number of inputs is fine

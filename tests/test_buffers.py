@@ -170,6 +170,34 @@ def test_a_buffer_update_fx_cannot_record_is_an_error_naming_it() -> None:
     assert "torch.ones_like(x[0, 0]" in text, "the fix that fx records"
 
 
+# ------------------------------------------------------------ parc check
+
+
+def test_the_equivalence_comparison_fails_on_a_buffer_alone() -> None:
+    ref = reference_run(BN, steps=1, batch=BATCH, optimizer="sgd")
+    same = {"losses": ref["losses"], "params": {**ref["params"], **ref["buffers"]}}
+    assert compare_runs(ref, same, Tolerance()).ok
+    moved = dict(
+        same["params"], **{"norms.0.running_var": same["params"]["norms.0.running_var"] + 1e-3}
+    )
+    result = compare_runs(ref, {**same, "params": moved}, Tolerance())
+    assert not result.ok and result.bad_buffer == "norms.0.running_var", result
+    assert result.describe() == "buffer 'norms.0.running_var' diverges"
+    counted = dict(same["params"], calls=same["params"]["calls"] + 1)
+    assert compare_runs(ref, {**same, "params": counted}, Tolerance()).bad_buffer == "calls"
+
+
+def test_parc_check_names_batchnorm_as_the_cause_under_dp(tmp_path: Path) -> None:
+    from parc.runtime.check import format_check, run_check
+
+    (tmp_path / "dp2.par").write_text("mesh dp=2\n")
+    result = run_check(str(tmp_path / "dp2.par"), BN, steps=2, batch=BATCH)
+    text = format_check(result)
+    assert not result.ok, text
+    assert "buffer 'norm_in.running_mean' diverges" in text, text
+    assert "the plan warned (a likely cause)" in text and "SyncBatchNorm" in text, text
+
+
 # ------------------------------------------------------------ parc run and export
 
 

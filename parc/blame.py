@@ -75,10 +75,11 @@ class Frame:
 
 
 def where(exc: BaseException) -> Frame | None:
-    """The innermost user frame of `exc`'s traceback, else a traced node, else parc's."""
+    """The innermost frame of `exc`'s traceback that is the user's or a traced node's,
+    else parc's innermost: the line whose code failed, not the one calling parc."""
     frames = _frames(exc)
-    for owner in (Owner.USER, Owner.TRACED, Owner.PARC):
-        found = [f for f in frames if f.owner is owner]
+    for owners in ((Owner.USER, Owner.TRACED), (Owner.PARC,)):
+        found = [f for f in frames if f.owner in owners]
         if found:
             return found[-1]
     return None

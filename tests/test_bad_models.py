@@ -10,6 +10,15 @@ The files under tests/models/run/ pass `parc compile` (it builds the model on
     nan_init.py             build_model() makes a NaN weight
     inf_in_batch.py         the batch of step 2 holds an inf
 
+and, tested in tests/test_user_mistakes.py (issue 12.5: none may be "a bug in parc"):
+
+    forward_returns_dict.py / forward_returns_tuple.py   no loss_fn, forward's output
+                            is not the logits tensor the default cross-entropy needs
+    float_targets.py / targets_out_of_range.py   targets the default cross-entropy cannot take
+    int64_inputs.py / float64_inputs.py   inputs of another dtype than the weights
+    loss_raises.py / embedding_index_out_of_range.py   torch raises inside loss_fn / forward
+    optimizer_raises.py / optimizer_step_raises.py   configure_optimizer / its step() raises
+
 Each is driven through the way a user meets it: `parc check` (whose
 single-device reference runs first), `Program.step` on every rank of a gloo
 world (every rank must raise the same error: none may hang), and `parc run`.
@@ -54,6 +63,10 @@ def test_every_run_time_model_has_a_test() -> None:
         "nan_init.py",
         "inf_in_batch.py",
     }
+    from test_user_mistakes import CHECKED, RANKS
+
+    tested |= {case.file for case in CHECKED} | {file for file, *_ in RANKS}
+    tested |= {"optimizer_raises.py"}  # test_user_mistakes.py: through `parc run`
     assert {p.name for p in RUN_MODELS.glob("*.py")} == tested
 
 

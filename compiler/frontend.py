@@ -21,10 +21,12 @@ import torch.fx
 from parc.dsl import load_spec, parse_spec
 from parc.dsl.ast import Spec
 
+from .dropout import dropout_warnings
 from .estimate import Estimate, estimate
 from .memory_model import memory_model_of
 from .model import ModelSource, load_model
 from .model_state import batch_statistics_warnings, buffer_versions, untraced_writes
+from .optimizers import optimizer_warnings
 from .passes.pipeline_split import annotate_stages
 from .plan import Plan
 from .resolve import check_batch, resolve
@@ -117,6 +119,12 @@ def _analyse(
     batch_stats = batch_statistics_warnings(built, plan, spec)
     if batch_stats:
         plan = dataclasses.replace(plan, warnings=plan.warnings + tuple(batch_stats))
+    plan = dataclasses.replace(
+        plan,
+        warnings=plan.warnings
+        + tuple(dropout_warnings(gm, plan, spec))
+        + tuple(optimizer_warnings(source.configure_optimizer, plan, spec)),
+    )
     memory = memory_model_of(source.configure_optimizer)
     return Analysis(
         spec, source, built, gm, plan, estimate(plan, gm, built, saved, memory=memory), saved

@@ -143,9 +143,10 @@ def _add_check(sub: Any) -> None:
     p.add_argument("--batch", type=_positive, help="global batch size")
     p.add_argument(
         "--optimizer",
-        choices=["sgd", "adamw"],
-        default="sgd",
-        help="sgd (momentum 0.9; the default: exposes gradient-scale bugs) or adamw",
+        choices=["model", "sgd", "adamw"],
+        default="model",
+        help="model (the default: the model file's configure_optimizer), or override it with "
+        "sgd (lr 0.1, momentum 0.9) or adamw (lr 1e-3)",
     )
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.add_argument("--timeout", type=_seconds, default=300.0, help="seconds per collective")

@@ -11,8 +11,9 @@ Algorithm:
 6. Gradient synchronisation (DP / ZeRO-1/2) or ZeRO-3 sharding for this rank,
    then activation recomputation of the modules the spec names (last, so the
    collectives and gathers inside a recomputed region run again with it).
-7. The optimizer: the model's `configure_optimizer`, rebuilt over the flat
-   shards under ZeRO (one parameter group required, elementwise optimizers).
+7. The optimizer: the model's `configure_optimizer`, refused where the layout
+   would change what it computes (compiler/optimizers.py), rebuilt over the
+   flat shards under ZeRO (one parameter group required).
 8. The pipeline actions of this rank, lowered with send/recv.
 """
 
@@ -29,6 +30,7 @@ from parc.compiler.estimate import stage_units
 from parc.compiler.frontend import Analysis
 from parc.compiler.layout import ParamSlice, canonical_names, param_slices, stage_params
 from parc.compiler.model_state import state_names
+from parc.compiler.optimizers import check_optimizer, factory_origin
 from parc.compiler.passes.pipeline_split import StageGraph, pipeline_split
 from parc.compiler.passes.recompute import recompute_modules
 from parc.compiler.passes.zero import shard_parameters
@@ -88,7 +90,7 @@ def assemble(
         sync = GradSync(local, units, comm, zero=plan.zero, axis=AXIS_DP, tied=frozenset(tied))
     recompute_modules(stage.gm, plan)
     # Step 7
-    opt = _optimizer(optimizer, list(local.values()), sync.optimizer_params(), plan.zero)
+    opt = _optimizer(optimizer, analysis, list(local.values()), sync.optimizer_params())
     # Step 8
     actions = lower_comms(generate(plan.schedule, plan.pp, plan.microbatches))[stage.stage]
     holders = {n: min(s for s, ns in enumerate(per_stage) if n in ns) for n in full_shapes}
@@ -191,12 +193,20 @@ def _all_coords(plan: Any, axes: list[str]) -> list[dict[str, int]]:
 
 def _optimizer(
     factory: OptimizerFactory,
+    analysis: Analysis,
     params: list[torch.nn.Parameter],
     shards: list[torch.nn.Parameter],
-    zero: int,
 ) -> torch.optim.Optimizer:
+    """The factory's optimizer over this rank's parameters, or rebuilt over its ZeRO shards.
+
+    Refuses (ParcError, on every rank alike) an optimizer the layout would make
+    train a different model (compiler/optimizers.py): not elementwise under ZeRO
+    or tp, cross-tensor under pp, or closure-based anywhere.
+    """
     opt = factory(params)
-    if zero == 0:
+    origin, file = factory_origin(factory, analysis.source)
+    check_optimizer(opt, analysis.plan, origin=origin, file=file)
+    if analysis.plan.zero == 0:
         return opt
     if len(opt.param_groups) != 1:
         raise ParcError(

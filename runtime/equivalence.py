@@ -15,8 +15,15 @@ Tolerances (fp32), calibrated on this machine and kept here once:
   statistics are means of activations those updates produced); integer
   buffers (step counters) must be equal.
 - AdamW divides by √v: where a gradient is near zero a 1e-7 difference changes
-  the update by up to lr, so AdamW runs compare losses and bound parameters by
-  atol 5 × lr × steps (documented, looser).
+  the update by up to lr, so `Tolerance.for_optimizer("adamw")` bounds
+  parameters by atol 5 × lr × steps: no parameter can move more in that many
+  steps, so only the losses have teeth there. The tests that use it compare
+  losses too; `parc check` does not rely on it.
+- `parc check` (runtime/check.py) uses calibrated bounds instead
+  (runtime/calibration.py): per tensor, 16 × the distance of a noise twin of
+  the reference (the same training rounded differently), on step 0's gradients
+  (which catch a gradient scale error that Adam's parameters hide) and on the
+  parameters after the last step.
 """
 
 from __future__ import annotations
@@ -58,7 +65,11 @@ def make_optimizer(name: str) -> Callable[[Iterable[torch.nn.Parameter]], torch.
         return lambda params: torch.optim.SGD(params, lr=SGD_LR, momentum=SGD_MOMENTUM)
     if name == "adamw":
         return lambda params: torch.optim.AdamW(params, lr=ADAMW_LR)
-    raise ValueError(f"unknown optimizer '{name}'; expected sgd or adamw")
+    if name == "gradient":  # writes each gradient into its parameter (calibration.py)
+        from .calibration import GradientProbe
+
+        return GradientProbe
+    raise ValueError(f"unknown optimizer '{name}'; expected sgd, adamw or gradient")
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,26 +112,39 @@ def reference_run(
     seed: int = 0,
     optimizer: str = "sgd",
     env: dict[str, str] | None = None,
+    twin: bool = False,
 ) -> dict[str, Any]:
-    """Train the unmodified model on one process; losses per step and final parameters."""
+    """Train the unmodified model on one process; losses per step, final parameters and
+    buffers, and the gradients of step 0 ("grads", by parameter name).
+
+    `twin` runs the noise twin of runtime/calibration.py instead: the same
+    training, rounded differently (every batch in reverse sample order, every
+    module's output moved by one ulp).
+    """
     with model_env(env):
-        return _reference(load_model(model_file), steps, batch, seed, optimizer)
+        return _reference(load_model(model_file), steps, batch, seed, optimizer, twin)
 
 
 def _reference(
-    source: ModelSource, steps: int, batch: int, seed: int, optimizer: str
+    source: ModelSource, steps: int, batch: int, seed: int, optimizer: str, twin: bool = False
 ) -> dict[str, Any]:
     torch.manual_seed(seed)
     model = source.build()
+    if twin:
+        from .calibration import nudge_outputs
+
+        nudge_outputs(model)
     # Everything below is the user's code on plain PyTorch: its errors are the model
     # file's, named by function and line (parc/blame.py).
     ref, path = "in the single-device reference run", source.path
     with user_code(path, f"creating the optimizer {ref}"):
         opt = _optimizer_for(source, optimizer)(model.parameters())
-    losses = []
+    losses, grads = [], {}
     for step in range(steps):
         inputs, targets = source.batch(batch, step)
         xs = inputs if isinstance(inputs, tuple | list) else (inputs,)
+        if twin:
+            xs, targets = tuple(x.flip(0) for x in xs), targets.flip(0)
         opt.zero_grad(set_to_none=True)
         dtypes = functools.partial(input_dtype_hint, xs, model)
         with user_code(path, f"the model's forward {ref}", step=step, hint=dtypes):
@@ -136,12 +160,17 @@ def _reference(
             )
         with user_code(path, f"the backward of the loss {ref}", step=step):
             loss.backward()
+        if step == 0:
+            grads = {
+                n: torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+                for n, p in model.named_parameters()
+            }
         with user_code(path, f"the optimizer step {ref}", step=step):
             opt.step()
         losses.append(float(loss.detach()))
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     buffers = {n: v.detach().clone() for n, v in model.state_dict().items() if n not in params}
-    return {"losses": losses, "params": params, "buffers": buffers}
+    return {"losses": losses, "params": params, "buffers": buffers, "grads": grads}
 
 
 def parallel_case(
@@ -194,12 +223,21 @@ class Comparison:
     first_bad_step: int | None = None
     bad_param: str | None = None
     bad_buffer: str | None = None  # a persistent buffer that differs (or is missing)
+    # Calibrated checks (runtime/calibration.py): step 0's gradients, and each worst
+    # tensor's distance as a fraction of its bound (above 1 fails).
+    param_margin: float = 0.0
+    max_grad_diff: float = 0.0
+    worst_grad: str = ""
+    bad_grad: str | None = None
+    grad_margin: float = 0.0
 
     def describe(self) -> str:
         if self.ok:
             return "equivalent"
         if self.first_bad_step is not None:
             return f"losses diverge at step {self.first_bad_step}"
+        if self.bad_grad is not None:
+            return f"the gradient of '{self.bad_grad}' differs at step 0"
         if self.bad_param is None:
             return f"buffer '{self.bad_buffer}' diverges"
         return f"parameter '{self.bad_param}' diverges (max |diff| {self.max_param_diff:.3g})"

@@ -6,6 +6,10 @@ comma-separated list of faults in the vocabulary of `parc check
 `--help`) and of the robustness tests:
 
     skip-grad-sync          gradients are never averaged over dp (a silent bug)
+    grad-scale              gradients are divided by dp a second time (a silent bug)
+    grad-ulp                every synchronised gradient element moves one ulp up or
+                            down, every step: the size of a rounding difference, which
+                            `parc check` must accept
     raise@RANK:STEP         rank RANK raises RuntimeError at the start of step STEP
     kill@RANK:STEP          rank RANK kills itself with SIGKILL there (a crashed machine)
     hang@RANK:STEP          rank RANK sleeps for an hour there (a stuck process)
@@ -43,6 +47,8 @@ _HANG_S = 3600.0  # long enough that only a peer's collective timeout ends the r
 
 class FaultKind(str, Enum):
     SKIP_GRAD_SYNC = "skip-grad-sync"
+    GRAD_SCALE = "grad-scale"
+    GRAD_ULP = "grad-ulp"
     RAISE = "raise"
     KILL = "kill"
     HANG = "hang"
@@ -54,9 +60,10 @@ class FaultKind(str, Enum):
 
 
 _ON_RANK = (FaultKind.RAISE, FaultKind.KILL, FaultKind.HANG)
+_BARE = (FaultKind.SKIP_GRAD_SYNC, FaultKind.GRAD_SCALE, FaultKind.GRAD_ULP)
 FORMS = (
     "skip-grad-sync, raise@RANK:STEP, kill@RANK:STEP, hang@RANK:STEP, nan-loss@STEP, "
-    "nan-grad@STEP[:PARAM]"
+    "nan-grad@STEP[:PARAM], grad-scale, grad-ulp"
 )
 
 
@@ -70,7 +77,7 @@ class Fault:
     param: str | None = None
 
     def __str__(self) -> str:
-        if self.kind is FaultKind.SKIP_GRAD_SYNC:
+        if self.kind in _BARE:
             return str(self.kind)
         where = [str(v) for v in (self.rank, self.step, self.param) if v is not None]
         return f"{self.kind}@{':'.join(where)}"
@@ -89,7 +96,7 @@ def _parse_one(text: str) -> Fault:
         raise _bad(text, f"'{name}' is not a fault") from None
     fields = where.split(":") if where else []
     try:
-        if kind is FaultKind.SKIP_GRAD_SYNC and not fields:
+        if kind in _BARE and not fields:
             return Fault(kind)
         if kind in _ON_RANK and len(fields) == 2:
             return Fault(kind, rank=_number(fields[0]), step=_number(fields[1]))
@@ -127,7 +134,8 @@ def _first_attempt() -> bool:
 
 
 def _skip_grad_sync(program: Program, fault: Fault) -> None:
-    """Gradients are never averaged over dp: each replica trains on its own slice."""
+    """Gradients are never summed over dp (all-reduce, or ZeRO's reduce-scatter): each
+    replica, or each ZeRO shard, steps on its own samples' gradient only."""
     sync = program.parts.sync
     comm = sync.comm
 
@@ -140,7 +148,57 @@ def _skip_grad_sync(program: Program, fault: Fault) -> None:
 
             return _DONE
 
+        def reduce_scatter(self, out: Any, inp: Any, axis: str, *, async_op: bool = False) -> Any:
+            """ZeRO: this rank's part of its own gradient, not of the sum over dp."""
+            from .collectives import _DONE
+
+            n, i = out.numel(), comm.index(axis)
+            out.copy_(inp.reshape(-1)[i * n : (i + 1) * n].view_as(out))
+            return _DONE
+
     sync.comm = _Silent()
+
+
+def _after_sync(program: Program, change: Callable[[str, Any], None]) -> None:
+    """Call `change(name, view)` on each synchronised gradient view, every step, before
+    the optimizer reads them (the views of runtime/nonfinite.py: this rank's part)."""
+    from .nonfinite import grad_views
+
+    sync = program.parts.sync
+    finish = sync.finish
+
+    def finish_then_change(*args: Any, **kwargs: Any) -> None:
+        finish(*args, **kwargs)
+        for name, view in grad_views(program.parts):
+            change(name, view)
+
+    sync.finish = finish_then_change
+
+
+def _grad_scale(program: Program, fault: Fault) -> None:
+    """Gradients averaged twice: divided by dp once more after synchronisation."""
+    dp = program.parts.sync.dp
+    _after_sync(program, lambda name, view: view.div_(dp))
+
+
+def _grad_ulp(program: Program, fault: Fault) -> None:
+    """One ulp per element per step, with a sign drawn from (step, parameter, position).
+
+    The signs depend on nothing rank-specific but the view's place, so a parameter
+    replicated over tp moves alike on every tp rank, as a rounding difference in a
+    replicated computation would.
+    """
+    import zlib
+
+    import torch
+
+    def nudge(name: str, view: Any) -> None:
+        seed = zlib.crc32(f"{program.steps_done}:{name}:{view.storage_offset()}".encode())
+        up = torch.rand(view.shape, generator=torch.Generator().manual_seed(seed)) < 0.5
+        toward = torch.where(up, float("inf"), float("-inf")).to(view.dtype)
+        view.copy_(torch.nextafter(view, toward.to(view.device)))
+
+    _after_sync(program, nudge)
 
 
 def _on_rank(program: Program, fault: Fault) -> None:
@@ -201,6 +259,8 @@ def _nan_grad(program: Program, fault: Fault) -> None:
 
 FAULTS: dict[FaultKind, Callable[[Program, Fault], None]] = {
     FaultKind.SKIP_GRAD_SYNC: _skip_grad_sync,
+    FaultKind.GRAD_SCALE: _grad_scale,
+    FaultKind.GRAD_ULP: _grad_ulp,
     FaultKind.RAISE: _on_rank,
     FaultKind.KILL: _on_rank,
     FaultKind.HANG: _on_rank,

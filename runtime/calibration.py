@@ -1,0 +1,212 @@
+"""`parc check`'s tolerances, calibrated by a noise twin of the reference run.
+
+A fixed per-element tolerance cannot tell rounding from a bug under Adam: where
+a gradient is near zero (a key bias, whose exact gradient is 0), a 1e-9
+rounding difference flips the sign of a whole `lr` step, so a bound loose
+enough for that passes every bug too (the old `atol = 5·lr·steps`). And Adam
+is almost invariant to a constant gradient scale, so no bound on parameters
+alone sees gradients averaged twice. The check therefore compares two things,
+each against what rounding alone does to this model, optimizer and batch:
+
+1. The gradients of step 0, gathered whole from the parallel run by one
+   step of `GradientProbe` (an optimizer that writes each gradient into its
+   parameter, through the same ZeRO shards, tp slices and stages), against
+   the reference's. Any gradient bug (a missing all-reduce, a second 1/dp)
+   shows here whatever the optimizer.
+2. The parameters after the last step, and every step's loss.
+
+The noise twin is the single-device reference run again with every batch in
+reverse sample order and every module's output moved by one ulp up or down
+(`nudge_outputs`): the same model on the same data, rounded differently where
+layouts round differently (dp sums replica halves and microbatches
+accumulate: other orders over the batch; tp splits matmuls and all-reduces
+partial sums: other roundings of module outputs). Whatever training does to a
+rounding difference (Adam's normalisation, momentum, growth over steps) it
+does to the twin too, so one multiple of the twin's distance holds for every
+optimizer and step count. Per tensor T (Euclidean norms over its elements):
+
+    ‖parallel − reference‖ ≤ NOISE_MULT · ‖twin − reference‖ + floor · ‖reference‖
+    loss at each step:  rel. diff ≤ LOSS_RTOL + NOISE_MULT · (the twin's rel. diff)
+
+Measured (fp32, gloo, 2 cores; examples/mlp.py, a 2-layer examples/gpt.py and
+examples/llama.py under dp=2, dp=2 zero 1 and zero 3, tp=2, pp=2 with 2
+microbatches and dp=2 × tp=2; SGD and AdamW; 3 and 10 steps): a correct run is
+at most 0.17 of its bound on every tensor (2.8× the twin's distance), and so
+is one whose every gradient element moves one ulp every step
+(`--inject-fault grad-ulp`). `skip-grad-sync` and `grad-scale` (a second 1/dp)
+put step 0's gradients 1.2e5× or more past their bound, and the parameters
+12× (AdamW, grad-scale) to 2e5× past it. NOISE_MULT = 16 leaves 6× over the
+worst correct run. Batch reversal alone was not enough: under tp=2 with AdamW
+a correct run was 25× its distance.
+
+The floor covers tensors the twin reproduces bit for bit (LayerNorm weights
+whose gradients sum in a fixed order): floor = 4·ε·(steps + 1), ε = 2⁻²³ the
+fp32 machine epsilon: one ulp of difference per element per step, and of the
+gradient, is at most ε·‖T‖ each (4× for rounding of the update itself).
+
+If the twin itself moves step 0's loss by more than TWIN_GATE, the model's
+output depends on the order of samples or on random draws (dropout): there is
+no rounding-only distance to calibrate against, and the check says so instead
+of passing anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .equivalence import LOSS_RTOL, Comparison, Tolerance, compare_runs
+
+__all__ = [
+    "FP32_EPS",
+    "NOISE_MULT",
+    "TWIN_GATE",
+    "GradientProbe",
+    "TensorBound",
+    "calibrated_compare",
+    "nudge_outputs",
+    "twin_unstable",
+]
+
+NOISE_MULT = 16.0
+FP32_EPS = 2.0**-23
+FLOOR_ULPS = 4.0
+# A reordered sum moves an fp32 loss by ~1e-7; dropout or an order-dependent
+# model moves it by its own effect (>1e-3 for p=0.1). LOSS_RTOL sits between.
+TWIN_GATE = LOSS_RTOL
+
+
+def nudge_outputs(model: torch.nn.Module) -> None:
+    """Move every floating-point output of `model` and of its leaf modules by one ulp, up or
+    down (a fixed pseudo-random sign per element and call), keeping its gradient.
+
+    Where a tp layout splits a matmul and all-reduces the partial sums, its outputs
+    round differently by about this much; batch reversal alone does not touch them.
+    """
+    calls = [0]
+
+    def nudge(module: torch.nn.Module, args: Any, out: Any) -> Any:
+        if not isinstance(out, torch.Tensor) or not out.is_floating_point():
+            return None
+        calls[0] += 1
+        signs = torch.rand(out.shape, generator=torch.Generator().manual_seed(calls[0]))
+        toward = torch.where(signs < 0.5, float("inf"), float("-inf")).to(out)
+        value = out.detach()
+        return out + (torch.nextafter(value, toward) - value)
+
+    for module in model.modules():
+        if module is model or not any(True for _ in module.children()):
+            module.register_forward_hook(nudge)
+
+
+class GradientProbe(torch.optim.Optimizer):
+    """An optimizer whose step writes each parameter's gradient into it (lr 1, no memory).
+
+    Stepped once through a compiled program, `Program.state_dict()` then returns
+    the step's synchronised gradients, gathered whole. It is elementwise, so it
+    runs under every layout.
+    """
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    p.zero_()
+                else:
+                    p.copy_(p.grad)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorBound:
+    """One tensor's distance from the reference and the bound it must stay under."""
+
+    name: str
+    diff: float  # ‖parallel − reference‖
+    bound: float  # NOISE_MULT · ‖twin − reference‖ + floor
+
+    @property
+    def ratio(self) -> float:
+        return self.diff / self.bound if self.bound > 0 else (0.0 if self.diff == 0 else 1e30)
+
+
+def floor(steps: int) -> float:
+    """The relative floor after `steps` updates (the module docstring)."""
+    return FLOOR_ULPS * FP32_EPS * (steps + 1)
+
+
+def tensor_bounds(
+    ref: dict[str, torch.Tensor],
+    twin: dict[str, torch.Tensor],
+    par: dict[str, torch.Tensor],
+    steps: int,
+) -> list[TensorBound]:
+    """Every reference tensor's distance and bound; a tensor missing from `par` gets inf."""
+    out = []
+    for name, expected in ref.items():
+        got = par.get(name)
+        scale = float(expected.norm())
+        noise = float((twin[name] - expected).norm())
+        bound = NOISE_MULT * noise + floor(steps) * scale
+        if got is None or got.shape != expected.shape:
+            out.append(TensorBound(name, float("inf"), bound))
+        else:
+            out.append(TensorBound(name, float((got - expected).norm()), bound))
+    return out
+
+
+def twin_unstable(ref: dict[str, Any], twin: dict[str, Any]) -> float | None:
+    """The twin's relative loss difference at step 0 when above TWIN_GATE, else None."""
+    a, b = ref["losses"][0], twin["losses"][0]
+    rel = abs(a - b) / max(abs(a), 1e-12)
+    return rel if rel > TWIN_GATE else None
+
+
+def calibrated_compare(
+    ref: dict[str, Any], twin: dict[str, Any], par: dict[str, Any], par_grads: dict[str, Any]
+) -> Comparison:
+    """Compare a parallel run with the reference at the twin's noise (module docstring).
+
+    `ref` and `twin` are `reference_run` results (with step-0 "grads"), `par` a
+    `parallel_case` result, `par_grads` the parameters of a one-step
+    `GradientProbe` parallel run. Buffers are compared as `compare_runs` does.
+    """
+    steps = len(ref["losses"])
+    base = compare_runs(ref, par, Tolerance())  # losses are redone below; buffers kept
+    rows, first_bad = [], None
+    for step, (a, b, t) in enumerate(
+        zip(ref["losses"], par["losses"], twin["losses"], strict=True)
+    ):
+        rel = abs(a - b) / max(abs(a), 1e-12)
+        allowed = LOSS_RTOL + NOISE_MULT * abs(a - t) / max(abs(a), 1e-12)
+        rows.append((step, a, b, rel))
+        if rel > allowed and first_bad is None:
+            first_bad = step
+    params = tensor_bounds(ref["params"], twin["params"], par["params"], steps)
+    grads = tensor_bounds(ref["grads"], twin["grads"], par_grads, 0)
+    worst_p = max(params, key=lambda t: t.ratio, default=TensorBound("", 0.0, 1.0))
+    worst_g = max(grads, key=lambda t: t.ratio, default=TensorBound("", 0.0, 1.0))
+    bad_param = next((t.name for t in params if t.ratio > 1), None)
+    bad_grad = next((t.name for t in grads if t.ratio > 1), None)
+    ok = first_bad is None and bad_param is None and bad_grad is None
+    ok = ok and getattr(base, "bad_buffer", None) is None
+    return dataclasses.replace(
+        base,
+        ok=ok,
+        rows=rows,
+        first_bad_step=first_bad,
+        max_param_diff=worst_p.diff,
+        worst_param=worst_p.name,
+        bad_param=bad_param,
+        param_margin=worst_p.ratio,
+        max_grad_diff=worst_g.diff,
+        worst_grad=worst_g.name,
+        bad_grad=bad_grad,
+        grad_margin=worst_g.ratio,
+    )

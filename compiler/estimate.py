@@ -33,6 +33,7 @@ from .layout import (
 from .memory_model import ADAMW, MemoryModel
 from .passes.placement import Partial, Shard
 from .plan import Plan
+from .rank_memories import RankMemories
 from .recompute_cost import forward_tp_collectives, param_readers
 from .saved import SavedTensors
 from .traffic import Collective, StageTraffic, stage_collectives
@@ -95,7 +96,7 @@ class RankMemory:
 @dataclass(frozen=True, slots=True)
 class Estimate:
     stages: tuple[StageCost, ...]
-    memory: tuple[RankMemory, ...]
+    memory: RankMemories  # a Sequence[RankMemory] by rank
     collectives: tuple[tuple[int, tuple[Collective, ...]], ...]  # per pp stage
     bubble: float
     in_flight: tuple[int, ...] = field(default=())
@@ -149,14 +150,13 @@ def estimate(
         traffic = StageTraffic(s, units, tied, saved_params, regions, readers, forward_tp)
         comms.append((s, stage_collectives(plan, gm, traffic)))
         mem = _rank_memory(plan, n_local, units, act, _in_flight(plan, s), memory, comms[-1][1])
-        for rank in range(plan.mesh.world_size):
-            if plan.mesh.coords(rank).get(AXIS_PP, 0) == s:
-                ranks.append(RankMemory(rank, *mem))
-    ranks.sort(key=lambda m: m.rank)
+        # Every rank of a stage holds the same: one record per stage (rank_memories.py).
+        ranks.append(RankMemory(plan.mesh.rank_of({AXIS_PP: s}), *mem))
     p, m = plan.pp, plan.microbatches
     bubble = (p - 1) / (m + p - 1) if p > 1 else 0.0
     in_flight = tuple(_in_flight(plan, s) for s in range(plan.pp))
-    return Estimate(tuple(stages), tuple(ranks), tuple(comms), bubble, in_flight, memory)
+    by_rank = RankMemories(plan.mesh, tuple(ranks))
+    return Estimate(tuple(stages), by_rank, tuple(comms), bubble, in_flight, memory)
 
 
 def _split_nodes(plan: Plan, gm: torch.fx.GraphModule) -> frozenset[str]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from .estimate import Estimate
+from .estimate import Estimate, RankMemory
 from .plan import Plan, compress_names
 
 __all__ = ["format_report", "human_bytes", "human_count", "report_json", "stage_lines"]
@@ -50,7 +50,12 @@ def _numeric(rows: list[list[str]], i: int) -> bool:
     return all(_NUMBER.match(r[i]) for r in rows)
 
 
-def _mesh_lines(plan: Plan, max_ranks: int = 64) -> list[str]:
+# Per-rank rows a report lists; a bigger mesh is summarised (a row per pipeline stage
+# for memory, the first ranks for coordinates): `mesh dp=100000000` is a few lines.
+MAX_RANK_ROWS = 64
+
+
+def _mesh_lines(plan: Plan, max_ranks: int = MAX_RANK_ROWS) -> list[str]:
     names = list(plan.mesh.names)
     lines = [f"Mesh  {plan.mesh}  (world size {plan.mesh.world_size}, last axis fastest)"]
     if not names:
@@ -168,30 +173,35 @@ def _recompute_lines(plan: Plan, est: Estimate) -> list[str]:
 
 
 def _memory_lines(est: Estimate) -> list[str]:
-    rows = [
-        [
-            str(m.rank),
-            human_bytes(m.params),
-            human_bytes(m.grads),
-            human_bytes(m.optimizer),
-            human_bytes(m.activations),
-            human_bytes(m.total),
-        ]
-        for m in est.memory
-    ]
-    header = ["rank", "params", "grads", "optimizer", "activations", "total"]
+    """A row per rank, or per pipeline stage when the mesh has more than MAX_RANK_ROWS."""
+    memory = est.memory
+    if len(memory) <= MAX_RANK_ROWS:
+        rows, first = [[str(m.rank), *_byte_cells(m)] for m in memory], "rank"
+    else:
+        each = f"{memory.ranks_per_stage:,} ranks"
+        labels = [f"stage {s} ({each})" for s in range(len(memory.by_stage))]
+        if len(memory.by_stage) == 1:
+            labels = [f"all {each}"]
+        rows = [[label, *_byte_cells(m)] for label, m in zip(labels, memory.by_stage, strict=True)]
+        first = "ranks"
+    header = [first, "params", "grads", "optimizer", "activations", "total"]
     return [
         f"Memory per rank ({est.memory_model.describe()})",
         *_table(header, rows),
     ]
 
 
+def _byte_cells(m: RankMemory) -> list[str]:
+    return [human_bytes(b) for b in (m.params, m.grads, m.optimizer, m.activations, m.total)]
+
+
 def _buffer_lines(est: Estimate) -> list[str]:
     """Transient collective buffers, when there are any: the peak a rank must fit."""
-    if not any(m.buffers for m in est.memory):
+    stages = est.memory.by_stage  # every rank of a stage holds the same
+    if not any(m.buffers for m in stages):
         return []
-    low = min(est.memory, key=lambda m: m.peak)
-    high = max(est.memory, key=lambda m: m.peak)
+    low = min(stages, key=lambda m: m.peak)
+    high = max(stages, key=lambda m: m.peak)
     span = human_bytes(high.peak)
     if low.peak != high.peak:
         span = f"{human_bytes(low.peak)} (rank {low.rank}) to {span} (rank {high.rank})"
@@ -257,9 +267,13 @@ def format_report(
 
 def report_json(plan: Plan, est: Estimate) -> dict[str, Any]:
     """The report's facts as plain data."""
+    listed = min(plan.mesh.world_size, MAX_RANK_ROWS)
     return {
         "plan": plan.to_json(),
-        "ranks": [{"rank": r, **plan.mesh.coords(r)} for r in range(plan.mesh.world_size)],
+        # The first MAX_RANK_ROWS ranks (every rank of a mesh no bigger); memory_by_stage
+        # holds what every rank of each pipeline stage holds.
+        "world_size": plan.mesh.world_size,
+        "ranks": [{"rank": r, **plan.mesh.coords(r)} for r in range(listed)],
         "stages": [
             {
                 "stage": c.stage,
@@ -272,18 +286,15 @@ def report_json(plan: Plan, est: Estimate) -> dict[str, Any]:
             }
             for c in est.stages
         ],
-        "memory": [
+        "memory": [{"rank": m.rank, **_memory_json(m)} for m in est.memory[:listed]],
+        "memory_by_stage": [
             {
-                "rank": m.rank,
-                "params": m.params,
-                "grads": m.grads,
-                "optimizer": m.optimizer,
-                "activations": m.activations,
-                "total": m.total,
-                "buffers": m.buffers,
-                "peak": m.peak,
+                "stage": s,
+                "ranks": est.memory.ranks_per_stage,
+                "first_rank": m.rank,
+                **_memory_json(m),
             }
-            for m in est.memory
+            for s, m in enumerate(est.memory.by_stage)
         ],
         "collectives": [
             {
@@ -298,4 +309,16 @@ def report_json(plan: Plan, est: Estimate) -> dict[str, Any]:
             for c in comms
         ],
         "bubble": est.bubble,
+    }
+
+
+def _memory_json(m: RankMemory) -> dict[str, int]:
+    return {
+        "params": m.params,
+        "grads": m.grads,
+        "optimizer": m.optimizer,
+        "activations": m.activations,
+        "total": m.total,
+        "buffers": m.buffers,
+        "peak": m.peak,
     }

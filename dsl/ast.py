@@ -228,6 +228,13 @@ class StageAuto:
         return "stage auto"
 
 
+# The most microbatches a pipeline takes: its schedule holds 2 compute actions per
+# microbatch and stage (plus their sends and receives), built before step 0 and drawn
+# in the report, and past a few thousand each microbatch is too small to keep a
+# device busy. `grad_accum N` accumulates over more samples without a longer schedule.
+MAX_MICROBATCHES = 4096
+
+
 @dataclass(frozen=True, slots=True)
 class Microbatches:
     count: int

@@ -25,6 +25,7 @@ from lark.exceptions import UnexpectedInput, VisitError
 from lark.tree import Meta
 
 from parc.dsl.ast import (
+    MAX_MICROBATCHES,
     Axis,
     GradAccum,
     IndexAll,
@@ -61,12 +62,21 @@ __all__ = ["STATEMENT_KEYWORDS", "load_spec", "parse_spec"]
 # Statements that may appear once; a second one is an error naming the first.
 _SINGLETONS = (Mesh, Microbatches, Schedule, Zero, GradAccum, StageAuto)
 _MAX_DIGITS = 18  # int() refuses very long digit strings; no real spec needs more
+# Parsing and resolving take ~0.5 ms a line; a real spec has a few dozen lines
+# (`parc plan` writes ~1 KiB), so 256 KiB (~10,000 lines, a few seconds) is plenty.
+MAX_SPEC_BYTES = 256 * 1024
 
 _E = TypeVar("_E", bound=Enum)
 
 
 def parse_spec(text: str, filename: str = "<spec>") -> Spec:
     """Parse the text of a `.par` file; `filename` only labels error messages."""
+    if len(text) > MAX_SPEC_BYTES:
+        raise SpecError(
+            f"spec {filename} is {len(text):,} characters, more than a spec may be "
+            f"({MAX_SPEC_BYTES // 1024} KiB)",
+            hint="a spec is a few dozen lines of text: check what was passed",
+        )
     source = SourceText(filename, tuple(line.removesuffix("\r") for line in text.split("\n")))
     try:
         # The grammar ends every statement with a newline; a last line without
@@ -87,9 +97,21 @@ def parse_spec(text: str, filename: str = "<spec>") -> Spec:
 
 
 def load_spec(path: str | Path) -> Spec:
-    """Read and parse a `.par` file; an unreadable file is a `SpecError` naming it."""
+    """Read and parse a `.par` file; an unreadable or oversized file is a `SpecError` naming it.
+
+    At most MAX_SPEC_BYTES + 1 bytes are read, so a huge file (or `/dev/zero`)
+    fails at once instead of being read and parsed line by line.
+    """
     try:
-        text = Path(path).read_text(encoding="utf-8-sig")  # -sig: drop a BOM if present
+        with Path(path).open("rb") as f:
+            data = f.read(MAX_SPEC_BYTES + 1)
+        if len(data) > MAX_SPEC_BYTES:
+            raise SpecError(
+                f"spec file '{path}' is larger than {MAX_SPEC_BYTES // 1024} KiB, the most a "
+                "spec may be",
+                hint="a spec is a few dozen lines of text: check that this is the right file",
+            )
+        text = data.decode("utf-8-sig")  # -sig: drop a BOM if present
     except (OSError, UnicodeDecodeError) as err:
         reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
         raise SpecError(
@@ -227,6 +249,14 @@ class _Builder(Transformer[Token, Any]):
 
     def microbatches(self, meta: Meta, children: list[Token]) -> Microbatches:
         value = self._integer(children[1], "the number of microbatches", minimum=1)
+        if value > MAX_MICROBATCHES:
+            raise self._source.error(
+                f"the number of microbatches is at most {MAX_MICROBATCHES}, got {value}: the "
+                "pipeline schedule is built and drawn with 2 actions per microbatch and stage",
+                token_span(children[1]),
+                hint="accumulate over more samples with `grad_accum N` (N passes of the "
+                "pipeline per step) instead",
+            )
         return Microbatches(value, _meta_span(meta))
 
     def schedule(self, meta: Meta, children: list[Token]) -> Schedule:

@@ -55,7 +55,10 @@ def max_local_ranks() -> tuple[int, str]:
         return gpus, f"one rank per GPU and this node has {gpus}"
     cpus = os.cpu_count() or 1
     limit = max(_MIN_CPU_RANKS, _RANKS_PER_CPU * cpus)
-    return limit, f"each rank is a process; {limit} is {_RANKS_PER_CPU} per CPU core here"
+    return limit, (
+        f"each rank is a process; with {cpus} CPU cores here that is {_RANKS_PER_CPU} a core, "
+        f"{_MIN_CPU_RANKS} at least"
+    )
 
 
 def check_local_ranks(count: int, *, nnodes: int = 1) -> None:
@@ -66,7 +69,7 @@ def check_local_ranks(count: int, *, nnodes: int = 1) -> None:
     node = "this node" if nnodes == 1 else f"each of the {nnodes} nodes"
     raise RuntimeFault(
         f"the mesh needs {count:,} ranks on {node}, more than the {limit} it can run ({why})",
-        hint="use a smaller mesh, or spread it over more nodes (--nnodes)",
+        hint="use a smaller mesh, or spread it over more nodes (`parc run --nnodes N`)",
     )
 
 

@@ -32,8 +32,10 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TypeAlias
 
-from parc.dsl.ast import ScheduleKind
+from parc.dsl.ast import MAX_MICROBATCHES, ScheduleKind
 from parc.errors import ParcError
+
+from .schedule_grid import MAX_GRID_COLUMNS, render_grid
 
 __all__ = [
     "Action",
@@ -177,6 +179,13 @@ def _check_sizes(stages: int, microbatches: int) -> None:
         raise ScheduleError(
             f"a pipeline schedule needs at least 1 stage and 1 microbatch; "
             f"got stages={stages}, microbatches={microbatches}"
+        )
+    if microbatches > MAX_MICROBATCHES:
+        # The `.par` parser refuses these with the spec's line; this guards direct calls.
+        raise ScheduleError(
+            f"a pipeline schedule takes at most {MAX_MICROBATCHES} microbatches; got "
+            f"{microbatches}",
+            hint="accumulate over more samples with grad_accum instead",
         )
 
 
@@ -343,18 +352,21 @@ def format_grid(
     *,
     marks: Collection[tuple[int, int]] = (),
     width: int = 120,
+    max_columns: int = MAX_GRID_COLUMNS,
 ) -> str:
     """A step × rank text grid: one row per rank, one column per step.
 
     For a schedule a column is a position in the rank's list; for a `Timeline` it is
     a unit of time, idle steps print as ``.`` and a multi-unit action continues as
     ``~``. `marks` holds (rank, column) cells to print as ``>1F3<``. Columns wrap into
-    blocks to keep lines under `width` characters.
+    blocks to keep lines under `width` characters. At most `max_columns` columns are
+    drawn (from the first, or from a little before the first mark), then a line
+    says how many more there are: a long pipeline repeats its steady state.
     """
     if isinstance(schedule, Timeline):
-        return _render("t", _timeline_rows(schedule), marks, width)
+        return render_grid("t", _timeline_rows(schedule), marks, width, max_columns)
     rows = {rank: [str(a) for a in actions] for rank, actions in schedule.items()}
-    return _render("step", rows, marks, width)
+    return render_grid("step", rows, marks, width, max_columns)
 
 
 def _timeline_rows(timeline: Timeline) -> dict[int, list[str]]:
@@ -365,27 +377,3 @@ def _timeline_rows(timeline: Timeline) -> dict[int, list[str]]:
             row[slot.start : slot.end] = [str(slot.action)] + ["~"] * (slot.end - slot.start - 1)
         rows[rank] = row
     return rows
-
-
-def _render(
-    axis: str, rows: Mapping[int, Sequence[str]], marks: Collection[tuple[int, int]], width: int
-) -> str:
-    ncols = max((len(row) for row in rows.values()), default=0)
-    # Room for the marks ">…<" plus one space, so that marked neighbours stay apart.
-    cell = max((len(text) for row in rows.values() for text in row), default=1) + 3
-    label = max(len(axis), *(len(f"rank {r}") for r in rows), 0) + 1
-    per_block = max(1, (width - label) // cell)
-    blocks = []
-    for first in range(0, max(ncols, 1), per_block):
-        columns = range(first, min(ncols, first + per_block))
-        lines = [axis.ljust(label) + "".join(f" {c}".ljust(cell) for c in columns)]
-        for rank in sorted(rows):
-            row = rows[rank]
-            texts = (row[c] if c < len(row) else "" for c in columns)
-            cells = (
-                (f">{t}<" if (rank, c) in marks else f" {t} ").ljust(cell)
-                for c, t in zip(columns, texts, strict=True)
-            )
-            lines.append(f"rank {rank}".ljust(label) + "".join(cells))
-        blocks.append("\n".join(line.rstrip() for line in lines))
-    return "\n\n".join(blocks)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
+import inspect
 import sys
 import traceback
 from collections.abc import Callable, Iterable, Iterator
@@ -228,7 +229,37 @@ def _function(module: ModuleType, name: str, path: str, required: bool) -> Any:
             file=path,
             hint=f"define it with `def {name}(...)`",
         )
+    _check_call(fn, name, path)
     return fn
+
+
+# How parc calls each function of a model file (the model convention).
+_CALLS = {
+    "build_model": (),
+    "sample_batch": ("batch_size", "step"),
+    "loss_fn": ("output", "targets"),
+    "configure_optimizer": ("params",),
+}
+
+
+def _check_call(fn: Any, name: str, path: str) -> None:
+    """A function parc cannot call with its arguments fails here, not as a TypeError mid-run."""
+    args = _CALLS[name]
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to check
+        return
+    try:
+        signature.bind(*args)
+    except TypeError as exc:
+        code = getattr(fn, "__code__", None)
+        line = f" (line {code.co_firstlineno})" if code is not None else ""
+        raise ModelError(
+            f"`{name}{signature}`{line} cannot be called as {name}({', '.join(args)}): {exc}",
+            file=path,
+            hint=f"parc calls {name}({', '.join(args)}); give it exactly these parameters "
+            "(extra ones need defaults)",
+        ) from None
 
 
 def load_model(source: str | Path | ModuleType) -> ModelSource:

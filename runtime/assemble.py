@@ -39,6 +39,7 @@ from parc.errors import ParcError
 
 from .buffers import rank_buffers
 from .collectives import Comm
+from .executor import checked_optimizer
 from .grad_sync import GradSync
 from .program import ProgramParts
 from .schedule import generate, lower_comms
@@ -203,7 +204,7 @@ def _optimizer(
     train a different model (compiler/optimizers.py): not elementwise under ZeRO
     or tp, cross-tensor under pp, or closure-based anywhere.
     """
-    opt = factory(params)
+    opt = checked_optimizer(factory(params), analysis.source.path)
     origin, file = factory_origin(factory, analysis.source)
     check_optimizer(opt, analysis.plan, origin=origin, file=file)
     if analysis.plan.zero == 0:

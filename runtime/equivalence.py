@@ -41,7 +41,7 @@ from parc.blame import input_dtype_hint, user_code
 from parc.compiler.model import ModelSource, load_model
 from parc.errors import RuntimeFault
 
-from .executor import checked_loss
+from .executor import checked_loss, checked_optimizer
 
 __all__ = [
     "Comparison",
@@ -138,7 +138,7 @@ def _reference(
     # file's, named by function and line (parc/blame.py).
     ref, path = "in the single-device reference run", source.path
     with user_code(path, f"creating the optimizer {ref}"):
-        opt = _optimizer_for(source, optimizer)(model.parameters())
+        opt = checked_optimizer(_optimizer_for(source, optimizer)(model.parameters()), path)
     losses, grads = [], {}
     for step in range(steps):
         inputs, targets = source.batch(batch, step)

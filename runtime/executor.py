@@ -26,7 +26,7 @@ from parc.errors import ModelError
 from .collectives import Comm, CommKind
 from .schedule import Action, ActionKind, execution_items
 
-__all__ = ["MicroState", "StageExecutor", "checked_loss"]
+__all__ = ["MicroState", "StageExecutor", "checked_loss", "checked_optimizer"]
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
@@ -51,6 +51,18 @@ def checked_loss(loss: Any, loss_fn: LossFn) -> torch.Tensor:
         file=code.co_filename if code else getattr(loss_fn, "path", repr(loss_fn)),
         hint="reduce it over the batch, e.g. `return F.cross_entropy(output, targets)` "
         "(mean by default) or `return losses.mean()`",
+    )
+
+
+def checked_optimizer(opt: Any, path: str) -> torch.optim.Optimizer:
+    """`opt` if configure_optimizer made a torch optimizer, else a ModelError of `path`."""
+    if isinstance(opt, torch.optim.Optimizer):
+        return opt
+    made = "None (no `return`?)" if opt is None else f"a {type(opt).__name__}"
+    raise ModelError(
+        f"configure_optimizer returned {made}; it must return a torch.optim.Optimizer",
+        file=path,
+        hint="end it with e.g. `return torch.optim.AdamW(params, lr=3e-4)`",
     )
 
 

@@ -125,6 +125,11 @@ CHECKED = [
         at=("loss_fn", "picked = output.gather(1, targets[:, None, None])"),
     ),
     Mistake(
+        "optimizer_returns_none.py",
+        ("configure_optimizer returned None (no `return`?); it must return a torch.optim",),
+        "`return torch.optim.AdamW(params, lr=3e-4)`",
+    ),
+    Mistake(
         "embedding_index_out_of_range.py",
         ("the model's forward in the single-device reference run raised IndexError",),
         "--debug",
@@ -208,6 +213,24 @@ def test_a_rank_names_the_model_file_and_function_of_an_error_in_a_step(
     for text in texts:  # every rank raises, none hangs
         assert says.format(path=RUN_MODELS / file, at=at, code=code) in text, text
         _clean(text)
+
+
+# ---------------------------------------------------------------- functions parc cannot call
+
+
+def test_a_loss_fn_parc_cannot_call_is_refused_by_parc_compile(
+    spec: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    path = MODELS / "loss_fn_one_argument.py"
+    code = main(["compile", str(spec), str(path)])
+    out, err = capfd.readouterr()
+    assert code == 2, out + err
+    assert err.startswith(
+        f"{path}: error: `loss_fn(output: torch.Tensor) -> torch.Tensor` (line 15) cannot be "
+        "called as loss_fn(output, targets)"
+    ), err
+    assert "parc calls loss_fn(output, targets)" in err
+    _clean(out + err)
 
 
 # ---------------------------------------------------------------- sys.exit in a model file

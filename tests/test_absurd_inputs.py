@@ -4,9 +4,9 @@ Each command runs in a subprocess with a wall-clock timeout and an address-space
 cap (`_run`), so a regression fails (timeout, MemoryError) instead of hanging
 the suite or eating the machine's memory. The cases, from the audit of issue 12:
 
-- `mesh dp=100000000`: the report lists a few ranks and one memory row per
-  pipeline stage (it built one row per rank: > 1 GB, minutes); `parc run` and
-  `parc check` refuse to start 10^8 processes on one machine.
+- `mesh dp=100000000`: the report (also with `--cluster`) lists a few ranks and
+  one memory row per pipeline stage (it built one row per rank: > 1 GB,
+  minutes); `parc run` and `parc check` refuse to start 10^8 processes here.
 - `microbatches 99999999999999999`: refused by the parser above 4096, with the
   reason (tests/bad_specs/microbatches_*.par); a pipeline of 4096 compiles and
   its report draws the first steps of the schedule only.
@@ -92,11 +92,12 @@ def _refused(done: Done, *words: str) -> None:
 
 def test_a_mesh_of_100_million_ranks_compiles_to_a_short_report(tmp_path: Path) -> None:
     (tmp_path / "huge.par").write_text(HUGE_MESH)
-    done = _run("compile", "huge.par", MLP, cwd=tmp_path)
+    done = _run("compile", "huge.par", MLP, "--cluster", "h100x8", cwd=tmp_path)
     assert done.code == 0, done.err
     assert "all 100,000,000 ranks" in done.out  # one memory row for every rank
     assert "... 99999936 more ranks" in done.out  # the mesh table lists 64
-    assert len(done.out.splitlines()) < 120, done.out
+    assert "the mesh needs 100000000 GPUs; the cluster has 8" in done.out  # --cluster's verdict
+    assert len(done.out.splitlines()) < 150, done.out
 
 
 def test_the_json_report_of_a_huge_pipeline_lists_64_ranks_and_each_stage(tmp_path: Path) -> None:

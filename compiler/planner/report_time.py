@@ -27,7 +27,7 @@ def step_time_json(analysis: Any, cluster: Any) -> dict[str, Any]:
     assert isinstance(analysis, Analysis) and isinstance(cluster, Cluster)
     plan, est = analysis.plan, analysis.estimate
     time = estimate_step_time(plan, est, cluster)
-    peak = max(m.peak for m in est.memory)
+    peak = max(m.peak for m in est.memory.by_stage)  # every rank of a stage holds the same
     return {
         "cluster": str(cluster),
         "rate": cluster.rate(est.memory_model.precision).as_json(),

@@ -13,6 +13,9 @@ plan's node stages and, when the tensor-parallel analysis ran, each node's
    and buffers are resident anyway) instead of what its nodes saved. While a
    region recomputes in backward, what it saves exists again on top of that:
    the largest such set is the stage's `recompute` bytes.
+4. Without recomputation, each stored storage is freed by the backward of the
+   first node (in forward order) that saved it: `freed_at` lists those bytes by
+   node, for compiler/grad_buffers.py's walk of the backward.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class StageActivations:
     stored: int  # kept from a microbatch's forward to its backward
     recompute: int  # held at once while the largest recomputed region runs again
     regions: int  # recomputed regions in the stage
+    freed_at: tuple[tuple[str, int], ...] = ()  # (node, stored bytes its backward frees)
 
     def held(self, in_flight: int) -> int:
         """Bytes at the peak with `in_flight` microbatches stored."""
@@ -57,6 +61,7 @@ def stage_activations(
         return nbytes // plan.tp if sharded else nbytes
 
     stored: list[dict[int, int]] = [{} for _ in range(plan.pp)]
+    first_saver: list[dict[int, str]] = [{} for _ in range(plan.pp)]  # Step 4
     again: dict[tuple[str, int], dict[int, int]] = {}
     for t in saved.tensors:  # Step 1
         s = stage_of.get(t.node)
@@ -67,6 +72,7 @@ def stage_activations(
             again.setdefault((regions[t.node], s), {})[t.storage] = size
         else:
             stored[s][t.storage] = size
+            first_saver[s].setdefault(t.storage, t.node)
     # Step 3
     members: dict[tuple[str, int], list[torch.fx.Node]] = {}
     for name, region in regions.items():
@@ -87,5 +93,10 @@ def stage_activations(
             if stage == s
         ]
         count = sum(1 for _, stage in members if stage == s)
-        out.append(StageActivations(s, sum(stored[s].values()), max(extra, default=0), count))
+        freed: dict[str, int] = {}
+        if not count:
+            for storage, saver in first_saver[s].items():
+                freed[saver] = freed.get(saver, 0) + stored[s][storage]
+        total = sum(stored[s].values())
+        out.append(StageActivations(s, total, max(extra, default=0), count, tuple(freed.items())))
     return tuple(out)

@@ -20,6 +20,7 @@ from parc.dsl.ast import AXIS_PP, ScheduleKind
 from .activations import StageActivations, stage_activations
 from .blocks import find_blocks
 from .cost import NodeCost, node_costs
+from .grad_buffers import backward_buffers
 from .layout import (
     DEFAULT_BUCKET_ELEMS,
     FlatUnit,
@@ -136,7 +137,7 @@ def estimate(
     canonical = canonical_names(model)
     activations = stage_activations(plan, gm, saved)
     regions = _regions(plan, gm)
-    readers = param_readers(gm, canonical) if plan.zero == 3 else {}
+    readers = param_readers(gm, canonical) if plan.zero in (1, 2, 3) else {}
     forward_tp = forward_tp_collectives(gm) if regions and plan.tp > 1 else {}
     saved_params = frozenset(canonical.get(n, n) for n in saved.params)
     split = _split_nodes(plan, gm)
@@ -149,7 +150,9 @@ def estimate(
         )
         traffic = StageTraffic(s, units, tied, saved_params, regions, readers, forward_tp)
         comms.append((s, stage_collectives(plan, gm, traffic)))
-        mem = _rank_memory(plan, n_local, units, act, _in_flight(plan, s), memory, comms[-1][1])
+        walked = _walk_backward(plan, gm, stage_of, s, units, act, readers, tied, memory)
+        flight = _in_flight(plan, s)
+        mem = _rank_memory(plan, n_local, units, act, flight, memory, comms[-1][1], walked)
         # Every rank of a stage holds the same: one record per stage (rank_memories.py).
         ranks.append(RankMemory(plan.mesh.rank_of({AXIS_PP: s}), *mem))
     p, m = plan.pp, plan.microbatches
@@ -252,6 +255,29 @@ def late_elements(zero: int, units: tuple[FlatUnit, ...]) -> int:
     return 0
 
 
+def _walk_backward(
+    plan: Plan,
+    gm: torch.fx.GraphModule,
+    stage_of: dict[str, int],
+    s: int,
+    units: tuple[FlatUnit, ...],
+    act: StageActivations,
+    readers: dict[str, set[str]],
+    tied: frozenset[str],
+    memory: MemoryModel,
+) -> int | None:
+    """ZeRO-1/2 buffer bytes above the activations at the peak of a step of one
+    micro-step (compiler/grad_buffers.py); None where the formulas apply instead
+    (accumulation, recomputation, zero 0 or 3)."""
+    one_micro_step = plan.microbatches * plan.grad_accum == 1
+    if plan.dp == 1 or plan.zero not in (1, 2) or not one_micro_step or act.regions:
+        return None
+    order = [n.name for n in gm.graph.nodes if stage_of.get(n.name) == s]
+    scale = memory.activation_scale
+    freed = {node: int(b * scale) for node, b in act.freed_at}
+    return backward_buffers(plan.zero, units, order, freed, readers, tied, memory.grad_bytes)
+
+
 def _rank_memory(
     plan: Plan,
     n_local: int,
@@ -260,6 +286,7 @@ def _rank_memory(
     in_flight: int,
     memory: MemoryModel,
     comms: tuple[Collective, ...],
+    walked: int | None = None,
 ) -> tuple[int, int, int, int, int, int | None]:
     padded = sum(u.padded for u in units)
     shard = sum(u.shard for u in units)
@@ -279,14 +306,16 @@ def _rank_memory(
     activations = int(act.held(in_flight) * memory.activation_scale)
     early = tp * memory.param_bytes + tg * memory.grad_bytes
     early += int(message * memory.activation_scale)
-    # Once backward has freed the activations: what the last buckets hold instead.
-    late = late_elements(zero, units) * memory.grad_bytes
+    if walked is not None:  # the backward walked: the buckets' bytes at the peak
+        buffers = walked + int(message * memory.activation_scale)
+    else:  # once backward has freed the activations: what the last buckets hold instead
+        buffers = max(early, late_elements(zero, units) * memory.grad_bytes - activations)
     return (
         p * memory.param_bytes,
         g * memory.grad_bytes,
         o * memory.optimizer_bytes,
         activations,
-        max(early, late - activations),
+        buffers,
         # Zero 2 drops last step's shards before backward: at its peak no gradient is
         # alive but the buckets counted in `early` (its new shards are in `late`).
         0 if zero == 2 else None,

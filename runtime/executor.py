@@ -9,6 +9,11 @@ Forward of microbatch m on stage s: `gm(*received, *model_inputs)` returns
 Backward: the last stage calls `backward` on its scaled loss, the others on
 their sent tensors with the gradients received for them; the gradients of the
 received tensors are sent back.
+
+A single stage (pp=1) has nothing to overlap: whatever the schedule, each
+microbatch's backward runs right after its forward (`one_at_a_time`), so only
+one microbatch's activations are alive at once. The gradients accumulate in
+the same order as under GPipe's or 1F1B's (microbatch order), so bitwise alike.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from parc.errors import ModelError
 from .collectives import Comm, CommKind
 from .schedule import Action, ActionKind, execution_items
 
-__all__ = ["MicroState", "StageExecutor", "checked_loss", "checked_optimizer"]
+__all__ = ["MicroState", "StageExecutor", "checked_loss", "checked_optimizer", "one_at_a_time"]
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
@@ -111,6 +116,8 @@ class StageExecutor:
         last_round: bool,
     ) -> list[float]:
         """Run the actions for len(inputs) microbatches; the unscaled losses (last stage)."""
+        if self.prev is None and self.next is None:
+            actions = one_at_a_time(actions)
         states = [MicroState() for _ in inputs]
         losses: list[float] = []
         last_b = max((i for i, a in enumerate(actions) if a.kind is ActionKind.B), default=-1)
@@ -198,6 +205,26 @@ class StageExecutor:
                 state.received = [b.requires_grad_(b.is_floating_point()) for b in bufs]
             else:
                 state.grads_in = bufs
+
+
+def one_at_a_time(actions: Sequence[Action]) -> list[Action]:
+    """A single stage's compute actions with each microbatch's backward right after its
+    forward, microbatches in the order of their forwards (the order GPipe and 1F1B
+    accumulate gradients in).
+
+    >>> from .schedule import gpipe
+    >>> one_at_a_time(gpipe(1, 3)[0])
+    [0F0, 0B0, 0F1, 0B1, 0F2, 0B2]
+    """
+    assert all(a.kind.is_compute for a in actions), "a single stage sends nothing"
+    backward = {a.microbatch: a for a in actions if a.kind is ActionKind.B}
+    out: list[Action] = []
+    for a in actions:
+        if a.kind is ActionKind.F:
+            out.append(a)
+            if a.microbatch in backward:
+                out.append(backward.pop(a.microbatch))
+    return out + list(backward.values())
 
 
 def _buffers(contract: Sequence[Boundary], device: torch.device) -> list[torch.Tensor]:

@@ -110,14 +110,21 @@ def _reads_buffer(arg: object, buffers: set[str]) -> bool:
     return False
 
 
-def buffer_versions(model: torch.nn.Module) -> dict[str, int]:
-    """Each buffer's version counter (every in-place write bumps it, on any device)."""
-    return {name: b._version for name, b in model.named_buffers()}
+def buffer_versions(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
+    """Each buffer's (identity, version counter): every in-place write bumps the counter,
+    on any device; a buffer replaced by a new tensor is not a write."""
+    return {name: (id(b), b._version) for name, b in model.named_buffers()}
 
 
-def untraced_writes(model: torch.nn.Module, before: dict[str, int], model_file: str) -> None:
+def untraced_writes(
+    model: torch.nn.Module, before: dict[str, tuple[int, int]], model_file: str
+) -> None:
     """A ModelError when tracing wrote a buffer: fx ran that update instead of recording it."""
-    changed = [n for n, b in model.named_buffers() if b._version != before.get(n, b._version)]
+    changed = [
+        n
+        for n, b in model.named_buffers()
+        if before.get(n, (id(b), b._version)) != (id(b), b._version) and before[n][0] == id(b)
+    ]
     if changed:
         raise ModelError(
             f"forward() updates buffer(s) {', '.join(repr(n) for n in changed[:3])} with an "
@@ -127,7 +134,8 @@ def untraced_writes(model: torch.nn.Module, before: dict[str, int], model_file: 
             file=model_file,
             hint="compute the update from the input so it is traced, e.g. "
             "`self.count.add_(torch.ones_like(x[0, 0], dtype=self.count.dtype))`, or keep it "
-            "inside a torch.nn module call (as BatchNorm's num_batches_tracked)",
+            "inside a torch.nn module call (as BatchNorm's num_batches_tracked); a cache "
+            "filled once belongs in build_model",
         )
 
 

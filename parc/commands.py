@@ -145,7 +145,9 @@ def write_timeline(plan: object, path: Path) -> None:
 
 def cmd_check(args: argparse.Namespace) -> int:
     from parc.runtime.check import check_json, format_check, run_check
+    from parc.runtime.faults import parse_faults
 
+    parse_faults(args.inject_fault or "")  # a typo fails here, not as a traceback per rank
     result = run_check(
         args.spec,
         args.model,

@@ -271,6 +271,7 @@ MISUSE = [
     (["run", SPEC, MODEL, "--timeout", "inf"], "--timeout: must be a finite number, got inf"),
     (["run", SPEC, MODEL, "--lr", "nan"], "--lr: must be a finite number, got nan"),
     (["run", SPEC, MODEL, "--lr", "-0.1"], "--lr: must be at least 0, got -0.1"),
+    (["check", SPEC, MODEL, "--inject-fault", "nonsense"], "'nonsense' is not a fault"),
     # output paths, refused before anything is compiled or trained
     (["export", "{DIR}", MODEL, "-o", "{DIR}"], "-o {DIR}: is a directory"),
     (["export", "{DIR}", MODEL, "-o", "{UNDER_FILE}"], "-o {UNDER_FILE}: {FILE} is a file"),

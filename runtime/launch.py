@@ -106,7 +106,10 @@ def launch(
             "is above",
             file=sys.stderr,
         )
-        return 1
+        # A rank that stopped on a user mistake (its own exit 2) makes the run one too; the
+        # ranks torchrun then stopped by a signal (negative codes) are its consequence.
+        codes = {f.exitcode for f in exc.failures.values() if f.exitcode > 0}
+        return 2 if codes == {2} else 1
     except Exception as exc:
         if nnodes == 1 or not is_rendezvous_timeout(exc):
             raise

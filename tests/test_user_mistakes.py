@@ -414,4 +414,5 @@ def test_a_failing_configure_optimizer_is_a_located_rank_error_not_a_bug(spec: P
     assert f"] {path}: error: configure_optimizer raised TypeError" in err, err
     assert f"at {path}:{at} in configure_optimizer: {line}" in err, err
     assert "(exit code 2)" in err and "(exit code 3)" not in err, err
+    assert proc.returncode == 2, err  # a user mistake on a rank is one for the run
     _clean(err)

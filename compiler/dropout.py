@@ -3,7 +3,11 @@
 parc runs each rank's forward with that rank's own random generator: a rank
 draws a dropout mask for the tensor it holds (one dp replica's samples, one
 microbatch, one tp rank's features, one pipeline stage's layers), so the masks
-differ from the ones one device draws for the whole batch and model. The run
+differ from the ones one device draws for the whole batch and model. Each (dp
+replica, pipeline stage) has its own stream (parc/api.py), so replicas and
+stages draw independent masks; the ranks of one tp group share a stream, so a
+dropout on a replicated activation drops the same elements on all of them (a
+dropout on a tp-sharded activation draws the same pattern on each shard). The run
 trains a model with the same dropout rate but other masks; `parc check` cannot
 call it equivalent. `dropout_sites` finds the dropout the graph applies
 (analysis only: nothing is rewritten), `dropout_warnings` says so at compile

@@ -18,7 +18,7 @@ import torch
 from parc.compiler.frontend import analyse, as_spec
 from parc.compiler.layout import DEFAULT_BUCKET_ELEMS
 from parc.compiler.model import ModelSource, load_model
-from parc.dsl.ast import Spec
+from parc.dsl.ast import AXIS_DP, AXIS_PP, Spec
 from parc.runtime.assemble import assemble
 from parc.runtime.mesh import build_comm, device_for_rank
 from parc.runtime.program import Program
@@ -48,12 +48,30 @@ def compile(
     # Built on the CPU from `seed`, exactly as a single-device run would build it.
     analysis = analyse(as_spec(spec), source, batch=batch, device="cpu", seed=seed, strict=strict)
     comm = build_comm(analysis.plan.mesh)
-    return Program(
-        assemble(
-            analysis,
-            comm,
-            optimizer=optimizer or source.configure_optimizer,
-            bucket_elems=bucket_elems,
-            device=device or device_for_rank(),
-        )
+    parts = assemble(
+        analysis,
+        comm,
+        optimizer=optimizer or source.configure_optimizer,
+        bucket_elems=bucket_elems,
+        device=device or device_for_rank(),
     )
+    _seed_random_streams(seed, comm.index(AXIS_DP), comm.index(AXIS_PP))
+    return Program(parts)
+
+
+def _seed_random_streams(seed: int, dp_index: int, pp_index: int) -> None:
+    """Give each (dp replica, pipeline stage) its own random stream for training.
+
+    Every rank built the model from `seed`, so their generators are in the same state:
+    left so, every replica would draw the same dropout masks for its samples and every
+    stage the same masks for its layers (correlated noise one device never has). Ranks
+    of one tp group keep one stream: a dropout on a replicated activation must drop the
+    same elements on each of them, or the replicas of that activation drift apart.
+    Replica 0 of stage 0 keeps the single-device stream.
+    """
+    if dp_index == 0 and pp_index == 0:
+        return
+    stream = (seed * 1_000_003 + dp_index * 7_919 + pp_index * 104_729 + 1) % 2**63
+    torch.manual_seed(stream)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(stream)

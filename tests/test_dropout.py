@@ -4,8 +4,10 @@ by `parc check` as the cause when a layout cannot reproduce one device's masks."
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from parc.cli import main
 from parc.compiler.dropout import dropout_sites
@@ -72,3 +74,52 @@ def test_parc_check_names_dropout_as_the_cause(
     assert code == 1, out + err
     assert "NOT EQUIVALENT: the single-device run itself changes when its batch is reversed" in out
     assert "the plan warned (a likely cause): " in out and "applies dropout at 7 place(s)" in out
+
+
+def streams_and_replicas(spec: str, steps: int) -> dict[str, Any]:
+    """On every rank: a draw from its generator right after compile, and, after `steps`
+    steps with dropout, the parameters it holds whole (not tp-sliced)."""
+    from parc.api import compile as parc_compile
+
+    source = load_model(MODEL)
+    program = parc_compile(spec, source, batch=8)
+    peek = torch.Generator()
+    peek.set_state(torch.random.get_rng_state())  # a copy: training's stream does not move
+    draw = torch.rand(16, generator=peek)
+    for step in range(steps):
+        program.step(*source.batch(8, step))
+    whole = {
+        n: p.detach().clone()
+        for n, p in program.parts.local_params.items()
+        if n not in program.parts.slices
+    }
+    coords = dict(program.comm.coords)
+    return {"draw": draw, "whole": whole, "coords": coords}
+
+
+TP_SPEC = (
+    "mesh dp=2 tp=2\nshard attn.qkv col tp\nshard attn.proj row tp\n"
+    "shard fc1 col tp\nshard fc2 row tp\n"
+)
+
+
+@pytest.mark.multiprocess
+def test_replicas_draw_independent_masks_and_a_tp_group_draws_one(gloo_pool: Any) -> None:
+    ranks = gloo_pool(4).run(streams_and_replicas, TP_SPEC, 2)
+    by_dp: dict[int, list[dict[str, Any]]] = {}
+    for r in ranks:
+        by_dp.setdefault(r["coords"]["dp"], []).append(r)
+    assert sorted(by_dp) == [0, 1] and all(len(g) == 2 for g in by_dp.values())
+    # Replica 0 keeps the single-device stream; replica 1 draws other masks.
+    torch.manual_seed(0)
+    load_model(MODEL).build()
+    assert torch.equal(by_dp[0][0]["draw"], torch.rand(16))
+    assert not torch.equal(by_dp[0][0]["draw"], by_dp[1][0]["draw"])
+    for group in by_dp.values():
+        a, b = group
+        # One stream per tp group: a dropout on a replicated activation drops the same
+        # elements on both ranks, so the replicated weights stay bitwise the same.
+        assert torch.equal(a["draw"], b["draw"])
+        assert a["whole"].keys() == b["whole"].keys() and a["whole"]
+        for name, value in a["whole"].items():
+            assert torch.equal(value, b["whole"][name]), name

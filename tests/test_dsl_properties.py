@@ -37,6 +37,7 @@ from parc.dsl import (
     Zero,
     parse_spec,
 )
+from parc.dsl.ast import MAX_MICROBATCHES
 from parc.errors import SpecError
 
 # Thrice the profile's count for the cheap fuzzing tests (ci: 120, under the 200 cap).
@@ -78,7 +79,7 @@ shards = st.builds(Shard, patterns, st.sampled_from(ShardKind), identifiers)
 stages = st.builds(Stage, st.lists(patterns, min_size=1, max_size=3).map(tuple), st.integers(0, 16))
 singletons: list[st.SearchStrategy[Statement]] = [
     meshes(),
-    st.integers(1, 10**6).map(Microbatches),
+    st.integers(1, MAX_MICROBATCHES).map(Microbatches),  # the language bound (dsl/ast.py)
     st.sampled_from(ScheduleKind).map(Schedule),
     st.integers(0, 3).map(Zero),
     st.integers(1, 10**6).map(GradAccum),

@@ -189,13 +189,16 @@ def stage_units(
     slices = param_slices(plan, model)
     canonical = canonical_names(model)
     shapes = {canonical[n]: tuple(p.shape) for n, p in model.named_parameters()}
+    dtypes = {canonical[n]: p.dtype for n, p in model.named_parameters()}
     tied = frozenset(n for n in per_stage[s] if sum(n in other for other in per_stage) > 1)
     blocks = find_blocks(model)
     local = [
         (n, math.prod(local_shape(shapes[n], slices.get(n))), zero3_owner(n, blocks))
         for n in per_stage[s]
     ]
-    units = flat_units(local, zero=plan.zero, dp=plan.dp, bucket_elems=bucket_elems, solo=tied)
+    units = flat_units(
+        local, zero=plan.zero, dp=plan.dp, bucket_elems=bucket_elems, solo=tied, dtypes=dtypes
+    )
     return units, sum(n for _, n, _ in local), tied
 
 

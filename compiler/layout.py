@@ -16,6 +16,7 @@ memory and traffic the report predicts are the ones a run has.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -174,19 +175,24 @@ def flat_units(
     dp: int,
     bucket_elems: int,
     solo: frozenset[str] = frozenset(),
+    dtypes: Mapping[str, torch.dtype] | None = None,
 ) -> tuple[FlatUnit, ...]:
     """Group (name, local numel, owner module) in order of first use into flat units.
 
     ZeRO-3: one unit per owner (`zero3_owner`), in order of use. Otherwise: buckets in
     reverse order of use, each closed once it reaches `bucket_elems`. A name in
     `solo` (a weight tied across stages) is a unit of its own, so every stage
-    holding it lays it out the same way and their gradients can be summed.
+    holding it lays it out the same way and their gradients can be summed. A unit
+    is one flat buffer, so it holds one dtype (`dtypes`, name -> dtype): a bf16
+    Linear beside an fp32 norm lands in two units, never in a buffer of the other's
+    dtype.
     """
+    kind = dict(dtypes or {})
     groups: list[list[tuple[str, int]]] = []
     if zero == 3:
-        owners: dict[str, list[tuple[str, int]]] = {}
+        owners: dict[tuple[str, object], list[tuple[str, int]]] = {}
         for name, numel, owner in params:
-            key = f"solo:{name}" if name in solo else owner
+            key = (f"solo:{name}" if name in solo else owner, kind.get(name))
             owners.setdefault(key, []).append((name, numel))
         groups = list(owners.values())
     else:
@@ -198,6 +204,9 @@ def flat_units(
             if name in solo:
                 groups.append([(name, numel)])
                 continue
+            if current and kind.get(current[-1][0]) != kind.get(name):
+                groups.append(current)  # another dtype: another flat buffer
+                current = []
             current.append((name, numel))
             if sum(n for _, n in current) >= limit:
                 groups.append(current)

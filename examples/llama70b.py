@@ -1,7 +1,8 @@
 """A 70B LLaMA-shaped model (LLaMA 3 70B's sizes), for planning: `parc plan` builds it on the
 `meta` device, so nothing is allocated and a laptop plans it in seconds.
 
-    parc plan examples/llama70b.py --cluster "nodes=8 preset=h100" --batch 512 -o llama70b.par
+    parc plan examples/llama70b.py --cluster "nodes=8 preset=h100" --batch 512 \
+        --precision bf16 -o llama70b.par
 
 80 blocks of examples/llama.py's decoder: dim 8192, 64 heads with 8 kv heads (GQA), SwiGLU
 hidden 28672, vocabulary 128256, sequences of 4096 tokens: 70.55G parameters. Building it

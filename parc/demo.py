@@ -80,7 +80,7 @@ def run_demo(out: Path, *, steps: int = 150, batch: int = 16) -> int:
     _say(f"\nLoss {points[0][1]:.3f} -> {points[-1][1]:.3f} over {len(points)} steps.\n")
     _say(
         "Equivalence: the same 3 steps on one device and on the 4-process program "
-        "(same seed, batches, SGD):\n"
+        "(same seed, batches, the model's optimizer):\n"
     )
     result = run_check(str(spec), model, steps=3, batch=batch)
     _say(format_check(result))

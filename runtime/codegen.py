@@ -53,10 +53,18 @@ def _render(rank: int, parts: Any) -> str:
         f"# receives: {', '.join(map(str, stage.recv)) or 'nothing'}",
         f"# sends:    {', '.join(map(str, stage.send)) or 'nothing'}",
         f"# model inputs used: {list(stage.model_inputs)}",
-        f"# schedule: {' '.join(map(str, parts.actions))}",
+        f"# schedule: {' '.join(map(str, _actions_run(parts)))}",
         "",
     ]
     return "\n".join(header) + _annotate(stage.gm) + "\n" + _recomputed(stage.gm)
+
+
+def _actions_run(parts: Any) -> tuple[Any, ...]:
+    """The actions in the order the executor runs them: one stage runs each microbatch's
+    forward and backward together, whatever the schedule says (runtime/executor.py)."""
+    from .executor import one_at_a_time
+
+    return tuple(one_at_a_time(parts.actions)) if parts.plan.pp == 1 else tuple(parts.actions)
 
 
 def _recomputed(gm: torch.fx.GraphModule) -> str:

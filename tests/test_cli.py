@@ -199,6 +199,17 @@ def test_output_dir_gets_plan_json_equal_to_json_output(
     assert json.loads((out_dir / "plan.json").read_text()) == json.loads(printed)
 
 
+def test_rank_code_shows_the_order_one_stage_runs_its_microbatches(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    spec = _write(tmp_path, "mb.par", "mesh dp=1\nmicrobatches 2\nschedule gpipe\n")
+    code, _, _ = run(capsys, "compile", spec, GPT, "-o", tmp_path / "out")
+    assert code == 0
+    header = (tmp_path / "out" / "rank0.py").read_text()
+    # One stage runs each microbatch's forward and backward together (runtime/executor.py).
+    assert "# schedule: 0F0 0B0 0F1 0B1\n" in header, header[:400]
+
+
 def test_batch_option_sets_the_global_batch(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "compile", ROOT / "specs" / "gpt_dp.par", GPT, "--batch", "16")
     assert code == 0

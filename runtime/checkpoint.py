@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import difflib
 import io
 import os
 import shutil
@@ -90,6 +89,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from parc.errors import ParcError
 
 from .checkpoint_buffers import buffer_pieces, check_buffers
+from .checkpoint_entries import EntryKind, check_entries
 from .checkpoint_find import LATEST, checkpoint_path, latest_checkpoint
 from .checkpoint_integrity import (
     SafeReader,
@@ -115,6 +115,11 @@ __all__ = [
 ]
 
 FORMAT = 2  # 2: parc.json records every file's size and sha256 (checkpoint_integrity.py)
+_ANOTHER_MODEL = (
+    "was it saved from another model, or the same model at another size "
+    "(its environment variables)?"
+)
+_PARAMETERS = EntryKind("parameter", MODEL, extra_hint=_ANOTHER_MODEL, missing_hint=_ANOTHER_MODEL)
 
 
 def save_checkpoint(program: Program, directory: str | Path, step: int) -> Path:
@@ -203,34 +208,7 @@ def check_parameters(
 
     A missing one is never filled silently; an extra one means another model.
     """
-    saved = metadata.state_dict_metadata
-    extra = sorted(k[len(MODEL) :] for k in saved if k.startswith(MODEL))
-    extra = [name for name in extra if name not in full_shapes]
-    if extra:
-        raise ParcError(
-            f"checkpoint {path} has parameters the model lacks: "
-            + ", ".join(f"'{name}'" for name in extra[:5])
-            + (f" and {len(extra) - 5} more" if len(extra) > 5 else ""),
-            hint="was it saved from another model, or the same model at another size "
-            "(its environment variables)?",
-        )
-    for name, shape in full_shapes.items():
-        entry = saved.get(MODEL + name)
-        if not isinstance(entry, TensorStorageMetadata):
-            have = [k[len(MODEL) :] for k in saved if k.startswith(MODEL)]
-            close = difflib.get_close_matches(name, have, n=3)
-            raise ParcError(
-                f"checkpoint {path} has no parameter '{name}' (key '{MODEL}{name}'); it holds "
-                f"{len(have)} parameters" + (f", e.g. {', '.join(close)}" if close else ""),
-                hint="was it saved from another model, or the same model at another size "
-                "(its environment variables)?",
-            )
-        if tuple(entry.size) != tuple(shape):
-            raise ParcError(
-                f"parameter '{name}' has shape {tuple(entry.size)} in checkpoint {path}; the "
-                f"model's is {tuple(shape)}",
-                hint="build the model with the sizes the checkpoint was saved with",
-            )
+    check_entries(metadata, full_shapes, path, _PARAMETERS)
 
 
 def _optimizer_states(

@@ -10,15 +10,15 @@ buffer the checkpoint lacks is never left as built: it is an error.
 
 from __future__ import annotations
 
-import difflib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata
 
 from parc.dsl.ast import AXIS_PP
 from parc.errors import ParcError
 
+from .checkpoint_entries import EntryKind, check_entries
 from .checkpoint_layout import Piece
 
 if TYPE_CHECKING:
@@ -27,6 +27,13 @@ if TYPE_CHECKING:
 __all__ = ["BUFFER", "buffer_pieces", "check_buffers"]
 
 BUFFER = "buffer."  # + buffer name: a persistent buffer (BatchNorm statistics, counters)
+_BUFFERS = EntryKind(
+    "buffer",
+    BUFFER,
+    extra_hint="was it saved from another model, or the same model at another size?",
+    missing_hint="a checkpoint from another model, or one saved before parc checkpointed "
+    "buffers (it lacks the running statistics): save it again from a current run",
+)
 
 
 def buffer_pieces(parts: ProgramParts, *, loading: bool) -> list[Piece]:
@@ -50,30 +57,4 @@ def buffer_pieces(parts: ProgramParts, *, loading: bool) -> list[Piece]:
 
 def check_buffers(metadata: Metadata, shapes: dict[str, tuple[int, ...]], path: Path) -> None:
     """The checkpoint's buffers must be the model's persistent buffers, with their shapes."""
-    saved = {
-        k[len(BUFFER) :]: v for k, v in metadata.state_dict_metadata.items() if k.startswith(BUFFER)
-    }
-    extra = sorted(n for n in saved if n not in shapes)
-    if extra:
-        raise ParcError(
-            f"checkpoint {path} has buffers the model lacks: "
-            + ", ".join(f"'{n}'" for n in extra[:5])
-            + (f" and {len(extra) - 5} more" if len(extra) > 5 else ""),
-            hint="was it saved from another model, or the same model at another size?",
-        )
-    for name, shape in shapes.items():
-        entry = saved.get(name)
-        if not isinstance(entry, TensorStorageMetadata):
-            close = difflib.get_close_matches(name, list(saved), n=3)
-            raise ParcError(
-                f"checkpoint {path} has no buffer '{name}' (key '{BUFFER}{name}'); it holds "
-                f"{len(saved)} buffers" + (f", e.g. {', '.join(close)}" if close else ""),
-                hint="a checkpoint from another model, or one saved before parc checkpointed "
-                "buffers (it lacks the running statistics): save it again from a current run",
-            )
-        if tuple(entry.size) != tuple(shape):
-            raise ParcError(
-                f"buffer '{name}' has shape {tuple(entry.size)} in checkpoint {path}; the "
-                f"model's is {tuple(shape)}",
-                hint="build the model with the sizes the checkpoint was saved with",
-            )
+    check_entries(metadata, shapes, path, _BUFFERS)

@@ -17,7 +17,8 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -32,15 +33,62 @@ _LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's `st` column
 LINUX_PROC = pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux's /proc")
 
 
+def launcher_env(extra: Mapping[str, str] = {}) -> dict[str, str]:
+    """This process's environment for a `parc` launcher on the tiny MLP, one thread, + `extra`.
+
+    Without torchrun's RANK, WORLD_SIZE, LOCAL_RANK: it is a launcher, not a worker.
+    """
+    env = {**os.environ, **TINY, "OMP_NUM_THREADS": "1", **extra}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(key, None)
+    return env
+
+
+@dataclass(frozen=True)
+class Done:
+    """A finished `parc` command: its exit code and what it printed."""
+
+    code: int
+    out: str
+    err: str
+
+    def __str__(self) -> str:
+        return f"exit {self.code}\n--- stdout\n{self.out}\n--- stderr\n{self.err}"
+
+
+def run_parc(
+    args: Sequence[str | Path],
+    cwd: Path,
+    timeout: float,
+    preexec_fn: Callable[[], None] | None = None,
+) -> Done:
+    """Run `parc ARGS` in a session of its own; past `timeout` kill its group and fail the test."""
+    proc = subprocess.Popen(
+        [*PARC, *map(str, args)],
+        cwd=cwd,
+        env=launcher_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=preexec_fn,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"parc {' '.join(map(str, args))} ran over {timeout} s\n{out[-2000:]}\n{err}")
+    return Done(proc.returncode, out, err)
+
+
 def start_parc(args: Sequence[str | Path], cwd: Path) -> tuple[subprocess.Popen[bytes], str]:
     """Start `parc ARGS` in a session of its own, stdout and stderr to files in `cwd`.
 
     Returns the process and the token every process of the run carries.
     """
     token = uuid.uuid4().hex
-    env = {**os.environ, **TINY, "OMP_NUM_THREADS": "1", TOKEN_ENV: token}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # a launcher, not a torchrun worker
-        env.pop(key, None)
+    env = launcher_env({TOKEN_ENV: token})
     with (cwd / "stdout.txt").open("wb") as out, (cwd / "stderr.txt").open("wb") as err:
         proc = subprocess.Popen(
             [*PARC, *map(str, args)],

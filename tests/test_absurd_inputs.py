@@ -19,14 +19,11 @@ The microbatch limit also guards `generate`; the grid limit `format_grid`.
 from __future__ import annotations
 
 import json
-import os
 import resource
-import subprocess
-import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from procs import Done, run_parc
 
 from parc.dsl.ast import MAX_MICROBATCHES, ScheduleKind
 from parc.dsl.parser import MAX_SPEC_BYTES, parse_spec
@@ -37,19 +34,9 @@ pytestmark = pytest.mark.timeout(300)
 
 ROOT = Path(__file__).resolve().parent.parent
 MLP = ROOT / "examples" / "mlp.py"
-TINY = {"MLP_LAYERS": "2", "MLP_DIM": "8", "MLP_OUT": "3"}
 HUGE_MESH = "mesh dp=100000000\n"
 TIMEOUT_S = 120.0  # one command: ~5-15 s on 2 shared cores, mostly importing torch
 MEMORY_CAP = 8 * 2**30  # address space: torch maps ~2 GiB; a regression needed far more
-_SCRIPT = Path(sys.executable).with_name("parc")
-PARC = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "parc.cli"]
-
-
-@dataclass(frozen=True)
-class Done:
-    code: int
-    out: str
-    err: str
 
 
 def _cap_memory() -> None:
@@ -58,26 +45,7 @@ def _cap_memory() -> None:
 
 def _run(*args: str | Path, cwd: Path, timeout: float = TIMEOUT_S) -> Done:
     """`parc ARGS` in its own session; past `timeout` its group is killed and the test fails."""
-    env = {**os.environ, **TINY, "OMP_NUM_THREADS": "1"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        env.pop(key, None)
-    proc = subprocess.Popen(
-        [*PARC, *map(str, args)],
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        preexec_fn=_cap_memory,
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        out, err = proc.communicate()
-        pytest.fail(f"parc {' '.join(map(str, args))} ran over {timeout} s\n{out[-2000:]}\n{err}")
-    return Done(proc.returncode, out, err)
+    return run_parc(args, cwd, timeout, preexec_fn=_cap_memory)
 
 
 def _refused(done: Done, *words: str) -> None:

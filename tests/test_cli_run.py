@@ -17,63 +17,29 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import signal
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import MLP, ROOT
+from helpers import MLP
+from procs import MODEL, Done, run_parc
+from procs import TINY as ENV  # the tiny MLP every command here builds
 
 from parc.runtime.equivalence import LOSS_RTOL, PARAM_ATOL, PARAM_RTOL, model_env, reference_run
 
 pytestmark = pytest.mark.timeout(300)
 
-MODEL = ROOT / "tests" / "models" / "mlp_sgd.py"  # examples/mlp.py trained with SGD
-ENV = {"MLP_LAYERS": "2", "MLP_DIM": "8", "MLP_OUT": "3"}
 DP2 = "mesh dp=2\n"
 BATCH = 8  # the default global batch of `mesh dp=2`
 STEPS, HALF = 6, 3
 TIMEOUT = 120.0  # seconds per command: a run takes ~10 s on 2 shared cores, mostly imports
-_SCRIPT = Path(sys.executable).with_name("parc")
-PARC = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "parc.cli"]
-
-
-@dataclass(frozen=True)
-class Done:
-    code: int
-    out: str
-    err: str
-
-    def __str__(self) -> str:
-        return f"exit {self.code}\n--- stdout\n{self.out}\n--- stderr\n{self.err}"
 
 
 def parc(*args: str | Path, cwd: Path, timeout: float = TIMEOUT) -> Done:
     """Run `parc ARGS` in a fresh process group; on timeout kill the group and fail."""
-    env = {**os.environ, **ENV, "OMP_NUM_THREADS": "1"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # never look like a torchrun worker
-        env.pop(key, None)
-    proc = subprocess.Popen(
-        [*PARC, *map(str, args)],
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"parc {' '.join(map(str, args))} ran over {timeout} s\n{out}\n{err}")
-    return Done(proc.returncode, out, err)
+    return run_parc(args, cwd, timeout)
 
 
 def read_log(path: Path) -> list[tuple[int, float]]:

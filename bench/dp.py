@@ -71,7 +71,7 @@ BATCH = 8  # global: 4 samples per rank
 LR = 3e-4
 WARMUP, STEPS = 3, 10
 TARGET_RATIO = 1.0  # parc's step time must not exceed the native one
-LOSS_RTOL = 1e-5  # DESIGN.md §7: fp32 losses of equivalent runs
+LOSS_RTOL = 1e-5  # docs/architecture.md, Equivalence: fp32 losses of equivalent runs
 _CASE_TIMEOUT_S = 240.0
 
 __all__ = ["main"]

@@ -79,7 +79,7 @@ BATCH = 8  # global: microbatches of 2
 LR = 3e-4
 WARMUP, STEPS = 3, 20
 TARGET_RATIO = 1.0  # parc's step time must not exceed the native one
-LOSS_RTOL = 1e-5  # DESIGN.md §7: fp32 losses of equivalent runs
+LOSS_RTOL = 1e-5  # docs/architecture.md, Equivalence: fp32 losses of equivalent runs
 _CASE_TIMEOUT_S = 300.0
 
 __all__ = ["main"]

@@ -55,7 +55,7 @@ WORLD = 2  # tp
 LR = 3e-4
 WARMUP, STEPS = 3, 20
 TARGET_RATIO = 0.8  # a compiled graph of plain tensors pays no DTensor dispatch
-LOSS_RTOL = 1e-5  # DESIGN.md §7: fp32 losses of equivalent runs
+LOSS_RTOL = 1e-5  # docs/architecture.md, Equivalence: fp32 losses of equivalent runs
 _CASE_TIMEOUT_S = 240.0
 
 __all__ = ["main"]
@@ -400,7 +400,7 @@ def main() -> str:
             "`CommDebugMode` over one more step. ColwiseParallel all-reduces each col "
             "layer's input gradient on its own, so LLaMA's q, k, v and gate, up cost 3 + 2 "
             "backward all-reduces per block where parc's shared `enter` node (one per "
-            "replicated input, DESIGN.md Appendix A) costs 1 + 1.",
+            "replicated input, docs/architecture.md, tensor_parallel) costs 1 + 1.",
             _time_table(timing),
             "Reproduce: `OMP_NUM_THREADS=1 .venv/bin/python bench/tp.py`; "
             "`... bench/tp.py --profile gpt|llama` prints a cProfile of both sides (rank 0).",

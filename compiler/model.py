@@ -1,4 +1,4 @@
-"""Load a model file that follows the model convention (DESIGN.md §4).
+"""Load a model file that follows the model convention (docs/architecture.md, Model convention).
 
 A model file is plain Python that defines:
 

@@ -1,4 +1,4 @@
-"""The `.par` language: grammar, parser, AST and pattern matching (DESIGN.md §2).
+"""The `.par` language: grammar, parser, AST and pattern matching (docs/architecture.md, Language).
 
 Knows nothing of torch. `parse_spec`/`load_spec` give a `Spec`; patterns in it
 are matched against module qualified names with `match_names`.

@@ -48,7 +48,7 @@ __all__ = [
     "Zero",
 ]
 
-# Axis names with a built-in meaning (DESIGN.md §2). Other names are free for
+# Axis names with a built-in meaning (docs/architecture.md, Language). Other names are free for
 # tensor-parallel axes named by `shard` statements.
 AXIS_DP = "dp"
 AXIS_PP = "pp"
@@ -67,7 +67,7 @@ class ShardKind(str, Enum):
 
 
 class ScheduleKind(str, Enum):
-    """Pipeline schedules (DESIGN.md §6, Pipeline)."""
+    """Pipeline schedules (docs/architecture.md, Pipeline schedules)."""
 
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
@@ -220,7 +220,7 @@ class Stage:
 
 @dataclass(frozen=True, slots=True)
 class StageAuto:
-    """`stage auto`: cut points chosen by cost (DESIGN.md §5.4)."""
+    """`stage auto`: cut points chosen by cost (docs/architecture.md, Compiler front end)."""
 
     span: Span = _span()
 

@@ -1,4 +1,4 @@
-"""Parse `.par` text into the AST of `parc.dsl.ast` (DESIGN.md §2).
+"""Parse `.par` text into the AST of `parc.dsl.ast` (docs/architecture.md, Language).
 
     >>> spec = parse_spec("mesh dp=2 tp=2\\nshard mlp.fc1 col tp\\nzero 1\\n")
     >>> spec.zero, spec.shards[0].kind.value

@@ -1,4 +1,4 @@
-"""Match `.par` patterns against module qualified names (DESIGN.md §2); no torch.
+"""Match `.par` patterns against module qualified names (docs/architecture.md, Language); no torch.
 
 A pattern matches a dotted *suffix* of a name, segment by segment:
 

@@ -144,7 +144,7 @@ class PlanError(_SpannedError):
 
 
 class ModelError(ParcError):
-    """A model file that breaks the model convention (DESIGN.md §4)."""
+    """A model file that breaks the model convention (docs/architecture.md, Model convention)."""
 
     def __init__(self, message: str, *, file: str, hint: str | None = None) -> None:
         super().__init__(message, hint=hint)

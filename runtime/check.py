@@ -1,4 +1,4 @@
-"""`parc check`: prove a spec trains the same model as one device (DESIGN.md §7).
+"""`parc check`: prove a spec trains one device's model (docs/architecture.md, Equivalence).
 
 The single-device reference runs in this process, twice (the second time
 rounded differently, on every batch in reverse sample order and with every

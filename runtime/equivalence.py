@@ -1,4 +1,4 @@
-"""The equivalence check (DESIGN.md §7): a parallel run against single-device training.
+"""The equivalence check: a parallel run against one device (docs/architecture.md, Equivalence).
 
 Reference: the unmodified model on one process, same initial weights (same
 seed), same global batches, same optimizer. Parallel: the compiled program on a

@@ -1,7 +1,7 @@
 """A reusable local gloo world: N worker processes that run cases on demand.
 
 Tests, `parc check` and the demo run a compiled program on N CPU processes
-without torchrun (DESIGN.md §7): start a pool once, then send it cases.
+without torchrun (docs/architecture.md, Equivalence): start a pool once, then send it cases.
 
     >>> from torch.distributed import get_rank
     >>> from parc.runtime.pool import WorkerPool
@@ -65,7 +65,7 @@ from .pool_rank import RankSpec, rank_main
 
 __all__ = ["WorkerError", "WorkerPool"]
 
-_DEFAULT_TIMEOUT = 300.0  # DESIGN.md §6: the default timeout of every collective
+_DEFAULT_TIMEOUT = 300.0  # docs/architecture.md, Runtime: every collective's timeout
 _START_TIMEOUT = 60.0  # a start takes < 1 s here; generous for a loaded machine
 _GRACE = 0.3  # after one rank fails, how long the others get to report their own error
 _DUMP_WAIT = 2.0  # a faulthandler dump takes milliseconds; bound the wait anyway

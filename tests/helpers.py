@@ -47,7 +47,7 @@ def check_equivalent(
     seed: int = 0,
     optimizer: str = "sgd",
 ) -> tuple[Comparison, dict[str, Any]]:
-    """Run `spec_text` on a pool and the reference on this process; compare (DESIGN.md §7)."""
+    """`spec_text` on a pool against the reference here (docs/architecture.md, Equivalence)."""
     ref = reference_run(model, steps=steps, batch=batch, seed=seed, optimizer=optimizer, env=env)
     pool = pool_factory(world_size(spec_text))
     results = pool.run(

@@ -6,7 +6,7 @@ BatchNorm1d blocks, and `calls`, an int64 counter forward increments in place.
 
 Tolerances:
 - against one device, under layouts where every forward sees the whole global
-  batch (pp with microbatches 1, tp, recompute): DESIGN.md §7's (equivalence.py:
+  batch (pp with microbatches 1, tp, recompute): docs/architecture.md, Equivalence (equivalence.py:
   losses rtol 1e-5, parameters and floating-point buffers rtol 1e-4 / atol 1e-6,
   since running statistics are means of activations summed in another order;
   integer buffers equal);
@@ -59,7 +59,7 @@ def _rank0(value: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _assert_buffers_match(ref: dict[str, Any], state: dict[str, torch.Tensor]) -> None:
-    """The reference run's buffers at DESIGN.md §7's tolerances (integers exactly)."""
+    """The reference run's buffers within docs/architecture.md, Equivalence (integers exactly)."""
     tol = Tolerance()
     for name, expected in ref["buffers"].items():
         got = state[name]

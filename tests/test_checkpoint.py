@@ -4,7 +4,7 @@ state_dict, and are visible only when complete (runtime/checkpoint.py).
 Tolerances: a resumed run is the same program on the same data with the same
 state, so it matches the uninterrupted run *exactly* (bitwise losses and
 parameters). A run continued under another layout sums the same products in
-another order, so it matches the single-device reference within DESIGN.md §7's
+another order, so it matches the single-device reference within docs/architecture.md's
 tolerances (parc/runtime/equivalence.py: losses rtol 1e-5; parameters after
 SGD steps rtol 1e-4 / atol 1e-6; AdamW's parameters within its documented
 looser bound, since 1/√v amplifies ulp-level gradient differences).

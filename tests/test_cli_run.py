@@ -6,8 +6,8 @@ session, killed with its torchrun workers after a timeout) on the tiny MLP
 all: a 6-step run shared by three tests, a 3 + 3 resumed run, an export, a bad
 spec, and three `parc check`s.
 
-Tolerances: a run's losses against the single-device reference at DESIGN.md
-§7's rtol 1e-5 and its exported parameters at rtol 1e-4 / atol 1e-6 (fp32
+Tolerances: a run's losses against the single-device reference at docs/architecture.md,
+Equivalence: rtol 1e-5 and its exported parameters at rtol 1e-4 / atol 1e-6 (fp32
 all-reduce sums in another order; parc/runtime/equivalence.py has the
 calibration). A resumed run is the same program on the same ranks with the
 same restored state, so its losses equal the uninterrupted run's *exactly*.

@@ -1,7 +1,7 @@
 """Any combination of pp, dp, tp, ZeRO, schedule and batching trains the same model as one device.
 
 A Hypothesis property over the whole spec space (world size <= 8): mesh
-pp ∈ {1, 2, 3}, dp ∈ {1, 2}, tp ∈ {1, 2}, written in DESIGN.md §2's order
+pp ∈ {1, 2, 3}, dp ∈ {1, 2}, tp ∈ {1, 2}, written in docs/architecture.md's order
 (pp, dp, tp: tp innermost); zero 0-3; gpipe or 1f1b; microbatches; grad_accum;
 explicit or automatic stages; and, per module, whether it is sharded `col`,
 `row` or not at all (any mix must be correct: unusual ones fall back to
@@ -9,7 +9,7 @@ all-gathers). Models: GPT, the deep MLP and LLaMA at small sizes.
 
 Then every multi-process spec in specs/ trains equivalently with its own model.
 
-Tolerances: DESIGN.md §7's, kept in parc/runtime/equivalence.py with their
+Tolerances: docs/architecture.md, Equivalence; kept in parc/runtime/equivalence.py with their
 reason: losses rtol 1e-5 and parameters after 3 SGD-momentum steps rtol 1e-4,
 atol 1e-6 — a parallel run sums the same fp32 products in another order (split
 matmuls, all-reduces, microbatches); a missing or doubled reduction is orders

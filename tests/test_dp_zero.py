@@ -1,6 +1,6 @@
 """Data parallel and ZeRO-1/2/3 train the same model as one device, with exact memory and traffic.
 
-Tolerances are DESIGN.md §7's, kept in parc/runtime/equivalence.py with their
+Tolerances: docs/architecture.md, Equivalence; kept in parc/runtime/equivalence.py with their
 reason: losses rtol 1e-5 and parameters (after 3 SGD-momentum steps) rtol 1e-4,
 atol 1e-6 — fp32 reductions in another order move results by a few ulps;
 any real error (a missing or double reduction) is orders of magnitude larger.

@@ -1,7 +1,7 @@
 """Model files: a broken one is a clear error naming the file and the fix; a good one compiles.
 
 Every file under tests/models/ but custom_ok.py breaks the model convention
-(DESIGN.md §4) or cannot be traced in one specific way. Each goes through the
+(docs/architecture.md, Model convention) or cannot be traced in one way. Each goes through the
 whole front end (`analyse`, as `parc compile` does) and must fail with the
 right error type, name the file (and, where there is one, the line), say what
 went wrong with the values seen, and say how to fix it.

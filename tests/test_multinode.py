@@ -5,7 +5,7 @@ Each launcher is started as a user would on a node of its own (`--nnodes 2
 `mesh dp=2 tp=2`: 2 ranks per node, so each tp pair sits on one node (tp is the
 innermost axis) and the dp all-reduce crosses between them. The run must train
 as one device does: rank 0's `--log` losses against `reference_run`'s with the
-same SGD (tests/models/mlp_sgd.py), at DESIGN.md §7's loss rtol 1e-5 — a
+same SGD (tests/models/mlp_sgd.py), at docs/architecture.md's loss rtol 1e-5 — a
 split matmul and an all-reduce sum fp32 products in another order, moving a
 loss by a few ulps; a missing or doubled reduction is orders of magnitude more.
 

@@ -1,6 +1,6 @@
 """Pipeline parallelism trains the same model as one device, under GPipe and 1F1B.
 
-Tolerances: DESIGN.md §7's (parc/runtime/equivalence.py): losses rtol 1e-5,
+Tolerances: docs/architecture.md, Equivalence (runtime/equivalence.py): losses rtol 1e-5,
 parameters after 3 SGD-momentum steps rtol 1e-4 / atol 1e-6. Microbatching
 sums the same per-sample gradients in another order; nothing more.
 """

@@ -4,7 +4,7 @@ top level of the module tree (11.12).
 The nested model (tests/models/llama_nested.py) is examples/llama.py's decoder in the
 Hugging Face layout: `model.tok`, `model.layers.<i>`, `model.norm`, `lm_head`; at
 examples/llama70b.py's sizes unless LLAMA_LAYERS is set. Equivalence checks use
-DESIGN.md §7's tolerances (parc/runtime/equivalence.py), as every parallel test.
+the tolerances of docs/architecture.md, Equivalence, as every parallel test.
 """
 
 from __future__ import annotations

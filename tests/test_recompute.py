@@ -3,7 +3,7 @@
 The recompute pass moves each named module's nodes into a body that runs under
 `torch.utils.checkpoint` and again in backward. These tests check the plan it
 resolves to, the graph it writes, that every parallelism still trains exactly
-the single-device model (DESIGN.md §7 tolerances), and that the collectives
+the single-device model (docs/architecture.md, Equivalence), and that the collectives
 inside a recomputed region run again (and are counted).
 """
 

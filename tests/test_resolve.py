@@ -1,6 +1,6 @@
 """resolve: a spec that parses but does not fit the model is a PlanError at its spec line.
 
-The table below is the catalogue of plan-level mistakes of DESIGN.md §2: every
+The table below is the catalogue of plan-level mistakes of docs/architecture.md, Language: every
 spec in it parses, and resolving it against an example model must fail with a
 `PlanError` at an exact `line:col`, quoting that line with a caret, and naming
 the numbers and the model names involved. The positive tests pin what valid

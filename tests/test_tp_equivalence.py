@@ -1,4 +1,4 @@
-"""Tensor parallelism trains the same model as one device (DESIGN.md §7).
+"""Tensor parallelism trains the same model as one device (docs/architecture.md, Equivalence).
 
 Every rank of a gloo world (the session's worker pool) builds the model with
 the same seed, analyses and rewrites it for its tp index, and trains it for 3
@@ -35,7 +35,7 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 STEPS = 3
 BATCH = 2
 SEED = 7
-# fp32, calibrated once (DESIGN.md §7): a rank sums each matmul's products in
+# fp32, calibrated once (docs/architecture.md, Equivalence): a rank sums each matmul's products in
 # another order (local slices, then an all-reduce), so values differ from one
 # device's in the last bits. Losses agree to rtol=1e-5. Parameters after 3 SGD
 # steps (momentum carries every gradient into later steps) agree to rtol=1e-4;

@@ -2,7 +2,7 @@
 
 Each test traces a small model (or an example at small sizes), runs
 `analyse_tensor_parallel`, and checks the placements it wrote and what
-`tensor_parallel` made of them: the hard cases of DESIGN.md §5.3.
+`tensor_parallel` made of them: the hard cases of docs/architecture.md, Tensor-parallel rules.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def tp_analyse(
 def model_file(
     build: Callable[[], nn.Module], sample: Callable[[int], torch.Tensor]
 ) -> types.ModuleType:
-    """A model 'file' (DESIGN.md §4) made in the test."""
+    """A model 'file' (docs/architecture.md, Model convention) made in the test."""
     module = types.ModuleType(f"tp_rules_{build.__name__}")
     module.build_model = build  # type: ignore[attr-defined]
     module.sample_batch = lambda n, step: (sample(n), sample(n))  # type: ignore[attr-defined]

@@ -20,7 +20,7 @@ Algorithm:
    micro-batch size, from the shape propagation (tensor-parallel slices of
    sharded values divided).
 
-DESIGN.md §5.4 names `torch.fx.passes.split_module` for the split. It cannot
+docs/architecture.md, pipeline_split: not `torch.fx.passes.split_module`. It cannot
 copy the input-only nodes into several stages or relay a value over a stage,
 so this pass builds each stage graph itself with `Graph.node_copy`, as
 split_module does internally.

@@ -1,7 +1,7 @@
 """Tensor-parallel placements, and the records the TP analysis leaves for the rewrite.
 
 A placement says how one value lives on the ranks of the tensor-parallel axis
-(DESIGN.md §5.3). They are small immutable values that print as in the design's
+(docs/architecture.md, tensor_parallel): small immutable values that print as in the design's
 table:
 
     >>> Replicate(), Shard(2), Shard(2, blocks=3), Partial()

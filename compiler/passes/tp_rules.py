@@ -1,4 +1,4 @@
-"""Tensor-parallel propagation rules, written as data (DESIGN.md Appendix A).
+"""Tensor-parallel propagation rules, written as data (docs/architecture.md, Tensor-parallel rules).
 
 `RULES` maps an op to the rule that places its output from its inputs'
 placements, DTensor-style. An op key is the `call_function` target, the

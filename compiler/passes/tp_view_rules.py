@@ -1,6 +1,6 @@
 """Tensor-parallel rules for ops that move, regroup or select dims.
 
-Each rule follows a sharded dim through the op (DESIGN.md Appendix A: `view`,
+Each rule follows a sharded dim through the op (docs/architecture.md, Tensor-parallel rules: `view`,
 `reshape`, `split`/`chunk`, `transpose`/`permute`, `repeat_interleave`,
 `repeat`, slicing, `cat`, softmax and reductions over other dims). Shape
 arguments that give the sharded dim's size are returned in `Decision.sizes`

@@ -1,4 +1,4 @@
-"""zero: ZeRO-3 parameter sharding of one stage's graph (DESIGN.md §5.5).
+"""zero: ZeRO-3 parameter sharding of one stage's graph (docs/architecture.md, zero).
 
 Algorithm:
 1. Lower every module call that owns parameters to its functional form, so

@@ -3,7 +3,7 @@
 `parc run` trains with the model file's own optimizer, and `reference_run`
 takes an optimizer by name; with this file both sides use SGD(lr=0.1,
 momentum=0.9) (`reference_run(..., optimizer="sgd")`), so a run's losses and
-final parameters can be compared with single-device training at DESIGN.md §7's
+final parameters can be compared with single-device training at docs/architecture.md's
 tolerances. Sizes from MLP_LAYERS, MLP_DIM, MLP_OUT, as in examples/mlp.py.
 """
 

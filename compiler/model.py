@@ -31,9 +31,18 @@ from parc.errors import ModelError
 
 from .default_loss import DefaultLoss
 
-__all__ = ["ModelSource", "default_loss", "load_model"]
+__all__ = ["ModelSource", "default_loss", "load_model", "off_batch"]
 
 Batch = tuple[Any, torch.Tensor]
+
+
+def off_batch(tensor: torch.Tensor, batch: int) -> bool:
+    """Whether `tensor` is not a batch of `batch`: parc splits every batch along dim 0.
+
+    The one rule for `sample_batch`'s results (ModelSource.batch) and for the
+    batches a compiled program steps on (runtime/program.py).
+    """
+    return tensor.dim() == 0 or tensor.shape[0] != batch
 
 
 def default_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -116,7 +125,7 @@ class ModelSource:
                     file=self.path,
                     hint="build them with torch.tensor(...) or torch.stack(...)",
                 )
-            wrong = [t for t in tensors if t.dim() == 0 or t.shape[0] != batch_size]
+            wrong = [t for t in tensors if off_batch(t, batch_size)]
             if wrong:
                 raise ModelError(
                     f"sample_batch({batch_size}, {step}) returned {what} of shape "

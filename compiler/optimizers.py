@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -57,8 +57,6 @@ __all__ = [
     "optimizer_problem",
     "optimizer_warnings",
 ]
-
-OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
 
 class Locality(str, Enum):

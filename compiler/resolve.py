@@ -18,15 +18,11 @@ import torch
 import torch.fx
 
 from parc.compiler.stages import assign_stages, auto_stages
-from parc.dsl import match_names, pattern_width, suggest
 from parc.dsl.ast import (
     AXIS_DP,
     AXIS_PP,
     GradAccum,
-    IndexAll,
-    IndexRange,
     Microbatches,
-    Pattern,
     Schedule,
     Shard,
     ShardKind,
@@ -36,6 +32,7 @@ from parc.dsl.ast import (
 from parc.errors import PlanError, clip
 
 from .layout import param_slices
+from .match import match_modules
 from .plan import BatchPlan, MeshPlan, ModuleShard, Plan, PlanWarning
 
 __all__ = ["check_batch", "match_modules", "resolve"]
@@ -92,52 +89,6 @@ def _check_ties(spec: Spec, plan: Plan, model: torch.nn.Module) -> None:
             hint=exc.hint,
             names=exc.names,
         ) from None
-
-
-def match_modules(spec: Spec, pattern: Pattern, modules: dict[str, torch.nn.Module]) -> list[str]:
-    """Module names matched by `pattern`; none, or a range past the end of its list, is a
-    PlanError with suggestions."""
-    names = match_names(pattern, modules)
-    if names:
-        _check_ranges(spec, pattern, names, modules)
-        return names
-    close = suggest(pattern, modules)
-    hint = f"did you mean {', '.join(repr(c) for c in close)}?" if close else None
-    raise PlanError(
-        f"pattern '{clip(pattern)}' matches no module of the model",
-        spec.locate(pattern.span),
-        hint=hint,
-    )
-
-
-def _check_ranges(
-    spec: Spec, pattern: Pattern, names: list[str], modules: dict[str, torch.nn.Module]
-) -> None:
-    """Each `name[a:b]` of `pattern` stays inside every list it matched into: Python's
-    slice semantics would quietly read `layers[0:7]` of 2 layers as `layers[0:2]`."""
-    width = pattern_width(pattern)
-    at = 0  # where the segment starts, counted from the first segment
-    for segment in pattern.segments:
-        if isinstance(segment, IndexRange):
-            for name in names:
-                parts = name.split(".")
-                container = ".".join(parts[: len(parts) - width + at + 1])
-                count = _list_length(modules[container])
-                if segment.stop > count:
-                    raise PlanError(
-                        f"range {clip(segment)} reaches past the end of '{container}', which "
-                        f"has {count} entries ({segment.name}[0:{count}])",
-                        spec.locate(pattern.span),
-                        hint=f"a range must lie inside its list: write "
-                        f"{segment.name}[{segment.start}:{count}], or build the model deeper",
-                        names=(container,),
-                    )
-        at += 2 if isinstance(segment, IndexRange | IndexAll) else 1
-
-
-def _list_length(module: torch.nn.Module) -> int:
-    """The number of entries of a list of modules: one past its highest numbered child."""
-    return 1 + max((int(n) for n, _ in module.named_children() if n.isdecimal()), default=-1)
 
 
 def _check_axes(spec: Spec) -> str | None:

@@ -37,6 +37,7 @@ from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from parc.errors import CompileError
 
 from .layout import canonical_names
+from .node_info import node_source
 
 __all__ = ["SavedTensor", "SavedTensors", "evaluate_nodes", "profile_forward", "saved_tensors"]
 
@@ -188,8 +189,6 @@ def _record_shape(n: torch.fx.Node, result: Any) -> None:
 
 
 def _node_error(n: torch.fx.Node, exc: Exception) -> CompileError:
-    from .trace import node_source
-
     cause = exc.__cause__ if exc.__cause__ is not None else exc
     return CompileError(
         f"running the model on its sample batch failed at node '{n.name}': "

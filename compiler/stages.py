@@ -34,6 +34,7 @@ from parc.dsl.ast import AXIS_PP, IndexRange, Spec, Stage
 from parc.errors import PlanError
 
 from .cost import node_costs
+from .match import match_modules
 from .trace import module_path, node_source
 
 __all__ = [
@@ -110,8 +111,6 @@ def assign_stages(
 def _named_modules(
     spec: Spec, modules: dict[str, torch.nn.Module], pp: int
 ) -> dict[str, tuple[int, Stage]]:
-    from .resolve import match_modules  # resolve imports this module
-
     named: dict[str, tuple[int, Stage]] = {}
     for stmt in spec.stages:
         if not 0 <= stmt.stage < pp:

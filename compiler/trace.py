@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import inspect
 import linecache
-import os
-import re
 import traceback
 import warnings
 from collections.abc import Sequence
@@ -37,14 +35,13 @@ import torch.fx
 
 from parc.errors import CompileError
 
+from .node_info import module_path, node_source
 from .trace_asserts import ASSERT_FIX, TracedAssert, assert_site, check_asserts
 
 __all__ = ["module_path", "node_source", "propagate_shapes", "trace_model"]
 
 _CONTROL_FLOW = "cannot be used as inputs to control flow"
 # Frames in these folders are torch's or parc's, never the user's source line.
-_LIBRARY_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)
-_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)\n\s*(?P<code>.*)')
 
 
 class _ParcTracer(torch.fx.Tracer):
@@ -244,31 +241,6 @@ def _user_frame(exc: BaseException) -> str | None:
         return None
     last = user[-1]
     return f"{last.filename}:{last.lineno}: {(last.line or '').strip()}"
-
-
-def node_source(node: torch.fx.Node) -> str | None:
-    """The user's source line for `node` as `file:line: code`, when fx recorded it."""
-    trace = node.stack_trace
-    if not trace:
-        return None
-    # fx also records the frames of the tracer itself (torch.fx and this module).
-    frames = [f for f in _FRAME.finditer(trace) if not f["file"].startswith(_LIBRARY_DIRS)]
-    if not frames:
-        return None
-    last = frames[-1]
-    return f"{last['file']}:{last['line']}: {last['code'].strip()}"
-
-
-def module_path(node: torch.fx.Node) -> tuple[str, ...]:
-    """Qualified names of the modules `node` sits in, outermost first.
-
-    A `call_module` node also sits in its own module.
-    """
-    stack = node.meta.get("nn_module_stack") or {}
-    names = [str(v[0]) if isinstance(v, tuple) else str(k) for k, v in stack.items()]
-    if node.op == "call_module" and (not names or names[-1] != node.target):
-        names.append(str(node.target))
-    return tuple(n for n in names if n)
 
 
 def propagate_shapes(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> None:

@@ -9,7 +9,6 @@ coordinates, and assembles the runtime pieces.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import ModuleType
 
@@ -18,14 +17,13 @@ import torch
 from parc.compiler.frontend import analyse, as_spec
 from parc.compiler.layout import DEFAULT_BUCKET_ELEMS
 from parc.compiler.model import ModelSource, load_model
+from parc.compiler.optimizer_factory import OptimizerFactory
 from parc.dsl.ast import AXIS_DP, AXIS_PP, Spec
 from parc.runtime.assemble import assemble
 from parc.runtime.mesh import build_comm, device_for_rank
 from parc.runtime.program import Program
 
 __all__ = ["compile"]
-
-OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
 
 def compile(

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from parc import blame
 from parc.errors import ParcError, RuntimeFault
+from parc.schedule_views import schedule_grid, write_timeline
 
 __all__ = ["EXIT_ERROR", "EXIT_FAIL", "EXIT_OK", "cmd_check", "cmd_compile", "cmd_plan", "cmd_run"]
 
@@ -101,46 +102,6 @@ def _write_rank_code(analysis: object, out: Path) -> None:
 
     for rank, code in rank_code(analysis).items():
         write_atomic(out / f"rank{rank}.py", code)
-
-
-def _timeline(plan: object) -> object:
-    from parc.compiler.plan import Plan
-    from parc.runtime.schedule import generate, lower_comms
-    from parc.runtime.schedule_sim import simulate
-
-    assert isinstance(plan, Plan)
-    return simulate(lower_comms(generate(plan.schedule, plan.pp, plan.microbatches)))
-
-
-def schedule_grid(plan: object) -> str | None:
-    """The pipeline schedule as a step × rank grid (None without a pipeline)."""
-    from parc.compiler.plan import Plan
-    from parc.runtime.schedule import Timeline, format_grid
-
-    assert isinstance(plan, Plan)
-    if plan.pp == 1:
-        return None
-    timeline = _timeline(plan)
-    assert isinstance(timeline, Timeline)
-    # The schedule's ranks are pipeline ranks, i.e. stages; say so in the report.
-    lines = format_grid(timeline).splitlines()
-    return "\n".join(
-        f"stage{line[4:]}" if line.startswith("rank ") else f"{line[:1]} {line[1:]}"
-        for line in lines
-    )
-
-
-def write_timeline(plan: object, path: Path) -> None:
-    from parc.compiler.output import write_atomic
-    from parc.compiler.plan import Plan
-    from parc.runtime.schedule import Timeline
-    from parc.runtime.timeline import timeline_svg
-
-    assert isinstance(plan, Plan)
-    timeline = _timeline(plan)
-    assert isinstance(timeline, Timeline)
-    title = f"{plan.schedule}, {plan.pp} stages, {plan.microbatches} microbatches"
-    write_atomic(path, timeline_svg(timeline, title=title))
 
 
 def cmd_check(args: argparse.Namespace) -> int:

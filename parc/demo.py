@@ -33,12 +33,12 @@ def _say(text: str = "") -> None:
 
 
 def run_demo(out: Path, *, steps: int = 150, batch: int = 16) -> int:
-    from parc.commands import schedule_grid, write_timeline
     from parc.compiler.frontend import analyse
     from parc.compiler.report import format_report
     from parc.plots import loss_curve_svg
     from parc.runtime.check import format_check, run_check
     from parc.runtime.launch import launch
+    from parc.schedule_views import schedule_grid, write_timeline
 
     began = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,6 @@ Algorithm:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
@@ -30,6 +29,7 @@ from parc.compiler.estimate import stage_units
 from parc.compiler.frontend import Analysis
 from parc.compiler.layout import ParamSlice, canonical_names, param_slices, stage_params
 from parc.compiler.model_state import state_names
+from parc.compiler.optimizer_factory import OptimizerFactory
 from parc.compiler.optimizers import check_optimizer, factory_origin
 from parc.compiler.passes.pipeline_split import StageGraph, pipeline_split
 from parc.compiler.passes.recompute import recompute_modules
@@ -41,13 +41,11 @@ from .buffers import rank_buffers
 from .collectives import Comm
 from .executor import checked_optimizer
 from .grad_sync import GradSync
-from .program import ProgramParts
+from .parts import ProgramParts
 from .schedule import generate, lower_comms
 from .zero3 import Zero3
 
 __all__ = ["assemble"]
-
-OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
 
 def assemble(

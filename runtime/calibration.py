@@ -59,6 +59,7 @@ from typing import Any
 import torch
 
 from .equivalence import LOSS_RTOL, Comparison, Tolerance, compare_runs
+from .probes import GradientProbe, nudge_outputs
 
 __all__ = [
     "FP32_EPS",
@@ -77,50 +78,6 @@ FLOOR_ULPS = 4.0
 # A reordered sum moves an fp32 loss by ~1e-7; dropout or an order-dependent
 # model moves it by its own effect (>1e-3 for p=0.1). LOSS_RTOL sits between.
 TWIN_GATE = LOSS_RTOL
-
-
-def nudge_outputs(model: torch.nn.Module) -> None:
-    """Move every floating-point output of `model` and of its leaf modules by one ulp, up or
-    down (a fixed pseudo-random sign per element and call), keeping its gradient.
-
-    Where a tp layout splits a matmul and all-reduces the partial sums, its outputs
-    round differently by about this much; batch reversal alone does not touch them.
-    """
-    calls = [0]
-
-    def nudge(module: torch.nn.Module, args: Any, out: Any) -> Any:
-        if not isinstance(out, torch.Tensor) or not out.is_floating_point():
-            return None
-        calls[0] += 1
-        signs = torch.rand(out.shape, generator=torch.Generator().manual_seed(calls[0]))
-        toward = torch.where(signs < 0.5, float("inf"), float("-inf")).to(out)
-        value = out.detach()
-        return out + (torch.nextafter(value, toward) - value)
-
-    for module in model.modules():
-        if module is model or not any(True for _ in module.children()):
-            module.register_forward_hook(nudge)
-
-
-class GradientProbe(torch.optim.Optimizer):
-    """An optimizer whose step writes each parameter's gradient into it (lr 1, no memory).
-
-    Stepped once through a compiled program, `Program.state_dict()` then returns
-    the step's synchronised gradients, gathered whole. It is elementwise, so it
-    runs under every layout.
-    """
-
-    def __init__(self, params: Any) -> None:
-        super().__init__(params, {})
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    p.zero_()
-                else:
-                    p.copy_(p.grad)
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,7 @@ from .checkpoint_entries import EntryKind, check_entries
 from .checkpoint_layout import Piece
 
 if TYPE_CHECKING:
-    from .program import ProgramParts
+    from .parts import ProgramParts
 
 __all__ = ["BUFFER", "buffer_pieces", "check_buffers"]
 

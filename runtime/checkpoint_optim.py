@@ -31,7 +31,7 @@ from parc.errors import ParcError
 from .checkpoint_layout import OPTIM, Piece, RankLayout, shard_units
 
 if TYPE_CHECKING:
-    from .program import ProgramParts
+    from .parts import ProgramParts
 
 __all__ = ["GROUPS", "OptimizerLoad", "StateSpec", "optimizer_pieces"]
 

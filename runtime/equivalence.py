@@ -42,6 +42,7 @@ from parc.compiler.model import ModelSource, load_model
 from parc.errors import RuntimeFault
 
 from .executor import checked_loss, checked_optimizer
+from .probes import GradientProbe, nudge_outputs
 
 __all__ = [
     "Comparison",
@@ -66,8 +67,6 @@ def make_optimizer(name: str) -> Callable[[Iterable[torch.nn.Parameter]], torch.
     if name == "adamw":
         return lambda params: torch.optim.AdamW(params, lr=ADAMW_LR)
     if name == "gradient":  # writes each gradient into its parameter (calibration.py)
-        from .calibration import GradientProbe
-
         return GradientProbe
     raise ValueError(f"unknown optimizer '{name}'; expected sgd, adamw or gradient")
 
@@ -131,8 +130,6 @@ def _reference(
     torch.manual_seed(seed)
     model = source.build()
     if twin:
-        from .calibration import nudge_outputs
-
         nudge_outputs(model)
     # Everything below is the user's code on plain PyTorch: its errors are the model
     # file's, named by function and line (parc/blame.py).

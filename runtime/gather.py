@@ -30,7 +30,7 @@ from parc.compiler.model_state import name_state
 from parc.dsl.ast import AXIS_DP, AXIS_PP
 
 if TYPE_CHECKING:
-    from .program import ProgramParts
+    from .parts import ProgramParts
 
 __all__ = ["gather_full_state", "join_blocks"]
 

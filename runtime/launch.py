@@ -20,10 +20,11 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TextIO
 
+from parc.compiler.optimizer_factory import OptimizerFactory
 from parc.errors import ModelError, ParcError
 
 if TYPE_CHECKING:
@@ -31,7 +32,6 @@ if TYPE_CHECKING:
 
     from parc.compiler.plan import Plan
 
-OptimizerFactory = Callable[[Iterable["torch.nn.Parameter"]], "torch.optim.Optimizer"]
 
 __all__ = ["Progress", "RunOptions", "launch", "train", "under_torchrun"]
 

@@ -32,7 +32,7 @@ from .grad_sync import GradSync
 from .zero3 import Zero3
 
 if TYPE_CHECKING:
-    from .program import ProgramParts
+    from .parts import ProgramParts
 
 __all__ = ["first_nonfinite_param", "grad_views", "grads_finite", "nonfinite_fault"]
 

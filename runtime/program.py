@@ -16,53 +16,23 @@ that update on every rank): see nonfinite.py.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from parc.compiler.layout import ParamSlice
-from parc.compiler.passes.pipeline_split import StageGraph
-from parc.compiler.plan import Plan
+from parc.compiler.model import off_batch
 from parc.dsl.ast import AXIS_DP, AXIS_PP
 from parc.errors import RuntimeFault
 
-from .buffers import Buffers
-from .collectives import Comm, CommKind
+from .collectives import CommKind
 from .executor import StageExecutor
+from .gather import gather_full_state
 from .nonfinite import first_nonfinite_param, grads_finite, nonfinite_fault
-from .schedule import Action
+from .parts import ProgramParts
 
 __all__ = ["Program", "ProgramParts"]
-
-OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ProgramParts:
-    """What `parc.compile` assembled for this rank (see parc/api.py)."""
-
-    plan: Plan
-    comm: Comm
-    stage: StageGraph
-    actions: tuple[Action, ...]
-    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
-    sync: Any  # GradSync or Zero3
-    optimizer: torch.optim.Optimizer
-    device: torch.device
-    input_shapes: tuple[tuple[int, ...], ...]  # traced model inputs at the micro-batch size
-    full_shapes: dict[str, tuple[int, ...]]  # canonical parameter name -> full shape
-    local_params: dict[str, torch.nn.Parameter]  # canonical name -> this rank's tensor
-    slices: dict[str, ParamSlice]
-    holders: dict[str, int]  # canonical name -> first pp stage holding it
-    tied: dict[str, Any]  # canonical name -> process group over the stages holding it
-    forward_context: Callable[[], Any] | None = None
-    dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # canonical name -> dtype
-    buffers: Buffers = field(default_factory=Buffers)  # persistent buffers (buffers.py)
-    # Every key of the model's state_dict(), in order -> its canonical parameter or buffer.
-    names: dict[str, str] = field(default_factory=dict)
 
 
 class Program:
@@ -151,13 +121,15 @@ class Program:
                 f"{len(xs)} inputs given, the model was traced with {len(self.parts.input_shapes)}"
             )
         for i, (x, traced) in enumerate(zip(xs, self.parts.input_shapes)):
-            if x.shape[0] != expected or tuple(x.shape[1:]) != tuple(traced[1:]):
+            if off_batch(x, expected) or tuple(x.shape[1:]) != tuple(traced[1:]):
                 problems.append(
                     f"input {i} has shape {tuple(x.shape)}; the program was compiled for "
                     f"({expected}, {', '.join(map(str, traced[1:]))})"
                 )
-        if targets.shape[0] != expected:
-            problems.append(f"targets have batch {targets.shape[0]}, expected {expected}")
+        if off_batch(targets, expected):
+            problems.append(
+                f"targets have shape {tuple(targets.shape)}; dim 0 must be the batch {expected}"
+            )
         if problems:
             raise RuntimeFault(
                 "the batch does not match the compiled program: " + "; ".join(problems),
@@ -202,8 +174,6 @@ class Program:
         `build_model().load_state_dict(program.state_dict())` loads it strictly.
         `rank0_only`: every rank still takes part; the others return {}.
         """
-        from .gather import gather_full_state
-
         state = gather_full_state(self.parts)
         if rank0_only and self.comm.rank != 0:
             return {}

@@ -33,6 +33,7 @@ from parc.runtime.collectives import (
     tp_slice,
 )
 
+from .lower_modules import embedding_options
 from .placement import (
     ConvKind,
     ConvStep,
@@ -47,7 +48,14 @@ from .placement import (
 from .tp_dims import output_metas
 from .tp_shapes import local_shape
 
-__all__ = ["emit_conversion", "emit_lowered", "local_meta", "local_slice", "where_from"]
+__all__ = [
+    "conversion_collective",
+    "emit_conversion",
+    "emit_lowered",
+    "local_meta",
+    "local_slice",
+    "where_from",
+]
 
 _OPS: dict[ConvKind, Callable[..., Any]] = {
     ConvKind.ENTER: tp_enter,
@@ -55,6 +63,24 @@ _OPS: dict[ConvKind, Callable[..., Any]] = {
     ConvKind.ALL_GATHER: tp_all_gather,
     ConvKind.SLICE: tp_slice,
 }
+# What each op costs per microbatch (forward or backward), as the estimate counts it,
+# and whether it costs it only when its input needs a gradient (its backward does it).
+_COLLECTIVES: dict[ConvKind, tuple[CommKind, bool]] = {
+    ConvKind.ENTER: (CommKind.ALL_REDUCE, True),
+    ConvKind.ALL_REDUCE: (CommKind.ALL_REDUCE, False),
+    ConvKind.ALL_GATHER: (CommKind.ALL_GATHER, False),
+    ConvKind.SLICE: (CommKind.ALL_GATHER, True),
+}
+
+
+def conversion_collective(kind: ConvKind, *, grad: bool) -> str | None:
+    """The collective (a `CommKind` value) one conversion step costs; None if it costs none.
+
+    `grad`: its input needs a gradient. The rule for the inserted nodes'
+    `parc_collectives` and for the analysis' counts (tp_analysis.py).
+    """
+    comm, backward_only = _COLLECTIVES[kind]
+    return comm.value if grad or not backward_only else None
 
 
 def local_slice(full: torch.Tensor, shard: Shard, index: int, parts: int) -> torch.Tensor:
@@ -116,10 +142,8 @@ def emit_conversion(
     place: Placement = Shard(step.dim, step.blocks) if step.kind is ConvKind.SLICE else Replicate()
     _annotate(node, place, meta, tp, conversion_comment(step))
     numel = math.prod(meta.shape) if hasattr(meta, "shape") else 0
-    gathers = step.kind in (ConvKind.ALL_GATHER, ConvKind.SLICE)
-    kind = (CommKind.ALL_GATHER if gathers else CommKind.ALL_REDUCE).value
-    counted = grad or step.kind in (ConvKind.ALL_GATHER, ConvKind.ALL_REDUCE)
-    node.meta["parc_collectives"] = [(kind, numel)] if counted else []
+    kind = conversion_collective(step.kind, grad=grad)
+    node.meta["parc_collectives"] = [(kind, numel)] if kind is not None else []
     return node
 
 
@@ -137,7 +161,8 @@ def emit_lowered(
     w, b = _param_nodes(graph, lowering)
     place, meta = node.meta["parc_tp"], node.meta.get("tensor_meta")
     if lowering.kind is LowerKind.EMBEDDING_COL:
-        args: tuple[Any, ...] = (x, w, *_embedding_options(module))
+        assert isinstance(module, torch.nn.Embedding)
+        args: tuple[Any, ...] = (x, w, *embedding_options(module))
         out = graph.create_node("call_function", F.embedding, args, name=node.name)
     elif lowering.kind is LowerKind.LINEAR_COL:
         out = graph.create_node("call_function", F.linear, (x, w, b), name=node.name)
@@ -175,14 +200,3 @@ def _param_nodes(
     w, b = nodes
     assert w is not None
     return w, b
-
-
-def _embedding_options(module: torch.nn.Module) -> tuple[Any, ...]:
-    assert isinstance(module, torch.nn.Embedding)
-    return (
-        module.padding_idx,
-        module.max_norm,
-        module.norm_type,
-        module.scale_grad_by_freq,
-        module.sparse,
-    )

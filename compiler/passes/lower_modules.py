@@ -16,25 +16,22 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-__all__ = ["LOWERINGS", "lower_module_calls"]
+__all__ = ["LOWERINGS", "embedding_options", "lower_module_calls"]
 
 
 def _linear(m: torch.nn.Linear, x: Any, p: dict[str, Any]) -> tuple[Callable[..., Any], tuple]:
     return F.linear, (x, p["weight"], p.get("bias"))
 
 
+def embedding_options(m: torch.nn.Embedding) -> tuple[Any, ...]:
+    """F.embedding's arguments after the weight, as the module holds them."""
+    return (m.padding_idx, m.max_norm, m.norm_type, m.scale_grad_by_freq, m.sparse)
+
+
 def _embedding(
     m: torch.nn.Embedding, x: Any, p: dict[str, Any]
 ) -> tuple[Callable[..., Any], tuple]:
-    return F.embedding, (
-        x,
-        p["weight"],
-        m.padding_idx,
-        m.max_norm,
-        m.norm_type,
-        m.scale_grad_by_freq,
-        m.sparse,
-    )
+    return F.embedding, (x, p["weight"], *embedding_options(m))
 
 
 def _layer_norm(

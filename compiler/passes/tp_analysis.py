@@ -50,6 +50,7 @@ from parc.runtime.collectives import CommKind
 from ..layout import canonical_names
 from ..plan import ModuleShard, Plan, PlanWarning
 from . import tp_messages as msg
+from .functional import conversion_collective
 from .placement import (
     Conversion,
     ConvKind,
@@ -76,12 +77,6 @@ _LOWER = {
     (torch.nn.Linear, ShardKind.COL): LowerKind.LINEAR_COL,
     (torch.nn.Linear, ShardKind.ROW): LowerKind.LINEAR_ROW,
     (torch.nn.Embedding, ShardKind.COL): LowerKind.EMBEDDING_COL,
-}
-_COLLECTIVE = {  # what a conversion costs (forward or backward), as the estimate counts it
-    ConvKind.ENTER: CommKind.ALL_REDUCE.value,
-    ConvKind.ALL_REDUCE: CommKind.ALL_REDUCE.value,
-    ConvKind.ALL_GATHER: CommKind.ALL_GATHER.value,
-    ConvKind.SLICE: CommKind.ALL_GATHER.value,
 }
 
 
@@ -318,10 +313,11 @@ class _Walk:
         """Collectives for the estimate; a conversion shared by consumers counts once."""
         for i, step in enumerate(steps):
             key = (value.name, steps[: i + 1])
-            if key in self.counted or (step.kind is ConvKind.SLICE and not self.grad[value]):
+            kind = conversion_collective(step.kind, grad=self.grad[value])
+            if key in self.counted or kind is None:
                 continue
             self.counted.add(key)
-            self.collectives.setdefault(node, []).append((_COLLECTIVE[step.kind], _numel(value)))
+            self.collectives.setdefault(node, []).append((kind, _numel(value)))
 
     def _warn(
         self,

@@ -13,7 +13,7 @@ from typing import Any
 import torch.fx
 
 from .placement import ArgPath, Placement, Shard
-from .tp_dims import output_metas
+from .tp_dims import arg, output_metas
 
 __all__ = ["Decision", "Misaligned", "NotDivisible", "OpContext", "Rule"]
 
@@ -46,9 +46,7 @@ class OpContext:
 
     def arg(self, index: int, name: str = "", default: Any = None) -> Any:
         """Argument `index` (positional, counting `self` of a method) or keyword `name`."""
-        if len(self.node.args) > index:
-            return self.node.args[index]
-        return self.node.kwargs.get(name, default)
+        return arg(self.node, index, name, default)
 
     def shape(self, value: Any) -> tuple[int, ...]:
         assert isinstance(value, torch.fx.Node)

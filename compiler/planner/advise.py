@@ -29,6 +29,7 @@ from ..model import ModelSource, load_model
 from .cluster import Cluster, ComputeRate, parse_cluster
 from .model_profile import ModelProfile, profile_model
 from .search import Evaluation, Search, search
+from .spec_out import spec_text
 
 __all__ = ["PlanResult", "plan_model"]
 
@@ -53,8 +54,6 @@ class PlanResult:
 
     def spec_text(self, evaluation: Evaluation | None = None, *, path: str = "SPEC.par") -> str:
         """The `.par` text of `evaluation` (default: the best), to be written at `path`."""
-        from .format import spec_text
-
         chosen = evaluation or self.best
         if chosen is None:
             raise ParcError(

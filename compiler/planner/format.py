@@ -4,24 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..plan import compress_names
 from ..report import human_bytes, human_count
 from .advise import PlanResult
 from .search import TIE, Evaluation, Family
+from .spec_out import seconds_text, spec_text
 
 __all__ = ["format_plan", "plan_json", "spec_text"]
 
 GB = 10**9
-
-
-def _seconds(t: float) -> str:
-    if t >= 100:
-        return f"{t:.0f} s"
-    if t >= 1:
-        return f"{t:.2f} s"
-    if t >= 1e-3:
-        return f"{t * 1e3:.1f} ms"
-    return f"{t * 1e6:.0f} µs"
 
 
 def _table(header: list[str], rows: list[list[str]], right: set[int]) -> list[str]:
@@ -53,7 +43,7 @@ def _row(result: PlanResult, rank: int, ev: Evaluation) -> list[str]:
         str(rank),
         str(ev.candidate),
         human_bytes(ev.memory.total),
-        _seconds(ev.time.total),
+        seconds_text(ev.time.total),
         f"{ev.bubble:.1%}",
         traffic,
         _tokens_per_second(result, ev),
@@ -72,8 +62,8 @@ def format_plan(result: PlanResult, *, top: int = 5) -> str:
         + (f" ({blocks} blocks: {lists})" if blocks else "")
         + f"; batch {result.batch} × {p.tokens} tokens; {result.memory.describe()}",
         f"compute priced as {result.rate}",
-        f"searched {found.evaluated} specs in {_seconds(result.search_seconds)} (profile "
-        f"{_seconds(result.profile_seconds)}); {len(found.ranked)} fit in "
+        f"searched {found.evaluated} specs in {seconds_text(result.search_seconds)} (profile "
+        f"{seconds_text(result.profile_seconds)}); {len(found.ranked)} fit in "
         f"{human_bytes(result.cluster.budget)} usable per GPU",
         "",
     ]
@@ -106,7 +96,7 @@ def _guide(result: PlanResult) -> list[str]:
         if family in found.best_of:
             ev = found.best_of[family]
             verdict = "chosen" if ev is found.best else "fits"
-            rows.append([str(family), f"{verdict}: {_seconds(ev.time.total)}, {ev.candidate}"])
+            rows.append([str(family), f"{verdict}: {seconds_text(ev.time.total)}, {ev.candidate}"])
         else:
             rows.append([str(family), found.rejected[family]])
     return _table(["family", "verdict"], rows, set())[1:]
@@ -115,12 +105,12 @@ def _guide(result: PlanResult) -> list[str]:
 def _chosen(result: PlanResult, best: Evaluation) -> list[str]:
     t = best.time
     parts = ("compute", "tp", "pp", "dp", "bubble")
-    spent = " + ".join(f"{name} {_seconds(getattr(t, name))}" for name in parts)
+    spent = " + ".join(f"{name} {seconds_text(getattr(t, name))}" for name in parts)
     warnings = result.profile.tp[best.candidate.tp].warnings
     lines = [
         f"Chosen: {best.candidate}",
         f"  per GPU at the peak: {best.memory.describe()}",
-        f"  step {_seconds(t.total)} = {spent}; ~{_tokens_per_second(result, best)} tokens/s",
+        f"  step {seconds_text(t.total)} = {spent}; ~{_tokens_per_second(result, best)} tokens/s",
     ]
     if warnings:
         lines.append(
@@ -128,36 +118,6 @@ def _chosen(result: PlanResult, best: Evaluation) -> list[str]:
             "(parc compile --strict names them)"
         )
     return lines
-
-
-def spec_text(result: PlanResult, ev: Evaluation, path: str = "SPEC.par") -> str:
-    """`ev` as an editable `.par` file, with the estimate and the check command on top."""
-    c, p = ev.candidate, result.profile
-    lines = [
-        f"# model: {result.model}",
-        f"# parc plan for {result.cluster}; batch {result.batch}, {result.memory.precision}",
-        f"# compute priced as {result.rate}",
-        f"# estimate: {human_bytes(ev.memory.total)} per GPU at the peak, step "
-        f"{_seconds(ev.time.total)}, bubble {ev.bubble:.1%}",
-        f"# check: parc compile {path} {result.model} --batch {result.batch} "
-        f'--cluster "{result.cluster.text}"',
-        f"mesh {c.mesh}" if c.mesh.axes else "# one device: no mesh",
-    ]
-    if c.tp > 1:
-        lines += list(p.tp[c.tp].shard_lines)
-    if c.pp > 1:
-        bounds = zip((0, *c.cuts), (*c.cuts, len(p.units)))
-        lines += [
-            f"stage {compress_names(p.units[lo:hi])} -> {s}" for s, (lo, hi) in enumerate(bounds)
-        ]
-        lines += [f"microbatches {c.microbatches}", "schedule 1f1b"]
-    if c.dp > 1 and c.zero:
-        lines.append(f"zero {c.zero}")
-    if c.grad_accum > 1:
-        lines.append(f"grad_accum {c.grad_accum}")
-    if c.recompute:
-        lines += [f"recompute {pattern}" for pattern in p.recompute_patterns]
-    return "\n".join(lines) + "\n"
 
 
 def plan_json(result: PlanResult, *, top: int = 5, path: str = "SPEC.par") -> dict[str, Any]:

@@ -1,0 +1,61 @@
+"""A spec's module patterns against the model's modules, with suggestions when none match.
+
+A leaf shared by the plan resolver (resolve.py: `shard`, `recompute`) and the
+stage assignment (stages.py: `stage`), so neither imports the other.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from parc.dsl import match_names, pattern_width, suggest
+from parc.dsl.ast import IndexAll, IndexRange, Pattern, Spec
+from parc.errors import PlanError, clip
+
+__all__ = ["match_modules"]
+
+
+def match_modules(spec: Spec, pattern: Pattern, modules: dict[str, torch.nn.Module]) -> list[str]:
+    """Module names matched by `pattern`; none, or a range past the end of its list, is a
+    PlanError with suggestions."""
+    names = match_names(pattern, modules)
+    if names:
+        _check_ranges(spec, pattern, names, modules)
+        return names
+    close = suggest(pattern, modules)
+    hint = f"did you mean {', '.join(repr(c) for c in close)}?" if close else None
+    raise PlanError(
+        f"pattern '{clip(pattern)}' matches no module of the model",
+        spec.locate(pattern.span),
+        hint=hint,
+    )
+
+
+def _check_ranges(
+    spec: Spec, pattern: Pattern, names: list[str], modules: dict[str, torch.nn.Module]
+) -> None:
+    """Each `name[a:b]` of `pattern` stays inside every list it matched into: Python's
+    slice semantics would quietly read `layers[0:7]` of 2 layers as `layers[0:2]`."""
+    width = pattern_width(pattern)
+    at = 0  # where the segment starts, counted from the first segment
+    for segment in pattern.segments:
+        if isinstance(segment, IndexRange):
+            for name in names:
+                parts = name.split(".")
+                container = ".".join(parts[: len(parts) - width + at + 1])
+                count = _list_length(modules[container])
+                if segment.stop > count:
+                    raise PlanError(
+                        f"range {clip(segment)} reaches past the end of '{container}', which "
+                        f"has {count} entries ({segment.name}[0:{count}])",
+                        spec.locate(pattern.span),
+                        hint=f"a range must lie inside its list: write "
+                        f"{segment.name}[{segment.start}:{count}], or build the model deeper",
+                        names=(container,),
+                    )
+        at += 2 if isinstance(segment, IndexRange | IndexAll) else 1
+
+
+def _list_length(module: torch.nn.Module) -> int:
+    """The number of entries of a list of modules: one past its highest numbered child."""
+    return 1 + max((int(n) for n, _ in module.named_children() if n.isdecimal()), default=-1)

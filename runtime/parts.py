@@ -1,0 +1,48 @@
+"""`ProgramParts`: what `parc.compile` assembled for one rank, as `Program` runs it.
+
+A leaf of the runtime: the program (program.py) and what reads its parts
+(gather.py, nonfinite.py, the checkpoint modules) import it, not each other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from parc.compiler.layout import ParamSlice
+from parc.compiler.passes.pipeline_split import StageGraph
+from parc.compiler.plan import Plan
+
+from .buffers import Buffers
+from .collectives import Comm
+from .schedule import Action
+
+__all__ = ["ProgramParts"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProgramParts:
+    """What `parc.compile` assembled for this rank (see parc/api.py)."""
+
+    plan: Plan
+    comm: Comm
+    stage: StageGraph
+    actions: tuple[Action, ...]
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
+    sync: Any  # GradSync or Zero3
+    optimizer: torch.optim.Optimizer
+    device: torch.device
+    input_shapes: tuple[tuple[int, ...], ...]  # traced model inputs at the micro-batch size
+    full_shapes: dict[str, tuple[int, ...]]  # canonical parameter name -> full shape
+    local_params: dict[str, torch.nn.Parameter]  # canonical name -> this rank's tensor
+    slices: dict[str, ParamSlice]
+    holders: dict[str, int]  # canonical name -> first pp stage holding it
+    tied: dict[str, Any]  # canonical name -> process group over the stages holding it
+    forward_context: Callable[[], Any] | None = None
+    dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # canonical name -> dtype
+    buffers: Buffers = field(default_factory=Buffers)  # persistent buffers (buffers.py)
+    # Every key of the model's state_dict(), in order -> its canonical parameter or buffer.
+    names: dict[str, str] = field(default_factory=dict)

@@ -30,6 +30,18 @@ def examples(n: int) -> settings:
     return settings(max_examples=n * 10 if thorough else n, deadline=None)
 
 
+def parc_main(
+    tmp_path: Path, spec_file: str, spec_text: str, command: str, *args: str
+) -> tuple[int, Path]:
+    """`parc COMMAND SPEC ARGS` in this process (parc.cli.main), SPEC = `spec_text` written
+    to `tmp_path / spec_file`: its exit code and SPEC. Read what it printed from capsys/capfd."""
+    from parc.cli import main
+
+    spec = tmp_path / spec_file
+    spec.write_text(spec_text)
+    return main([command, str(spec), *args]), spec
+
+
 def world_size(spec_text: str) -> int:
     from parc.dsl import parse_spec
 

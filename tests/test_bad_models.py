@@ -164,6 +164,20 @@ def test_a_batch_whose_shape_changes_stops_every_rank_at_that_step(gloo_pool: An
         assert "sample_batch must return the same shapes every step" in text
 
 
+def test_a_step_on_targets_without_a_batch_dim_is_a_fault_naming_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from parc.api import compile as parc_compile
+
+    for key, value in {"MLP_LAYERS": "2", "MLP_DIM": "8", "MLP_OUT": "3"}.items():
+        monkeypatch.setenv(key, value)
+    source = load_model(str(Path(__file__).parent.parent / "examples" / "mlp.py"))
+    program = parc_compile("mesh dp=1\n", source, batch=4)
+    inputs, _ = source.batch(4, 0)
+    with pytest.raises(RuntimeFault, match="targets have shape \\(\\); dim 0 must be the batch 4"):
+        program.step(inputs, torch.tensor(0))
+
+
 def test_a_non_scalar_loss_is_a_model_error_on_every_rank(gloo_pool: Any) -> None:
     result = _every_rank_raises(gloo_pool, "loss_not_scalar.py", ModelError)
     for text in result["texts"]:

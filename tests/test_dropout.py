@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import parc_main
 
-from parc.cli import main
 from parc.compiler.dropout import dropout_sites
 from parc.compiler.model import load_model
 from parc.compiler.trace import trace_model
@@ -47,9 +47,8 @@ def test_no_dropout_is_found_at_rate_0_or_in_eval_mode(
 def test_parc_compile_warns_naming_the_dropout(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    spec = tmp_path / "dp2.par"
-    spec.write_text("mesh dp=2\n")
-    assert main(["compile", str(spec), MODEL]) == 0
+    code, spec = parc_main(tmp_path, "dp2.par", "mesh dp=2\n", "compile", MODEL)
+    assert code == 0
     out = capsys.readouterr().out
     assert f"{spec}:1:1: warning: the model applies dropout at 7 place(s) (module 'drop'" in out
     assert "set the dropout rates to 0" in out
@@ -58,18 +57,14 @@ def test_parc_compile_warns_naming_the_dropout(
 def test_parc_compile_does_not_warn_on_one_rank(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    spec = tmp_path / "one.par"
-    spec.write_text("mesh dp=1\n")
-    assert main(["compile", str(spec), MODEL]) == 0
+    assert parc_main(tmp_path, "one.par", "mesh dp=1\n", "compile", MODEL)[0] == 0
     assert "applies dropout" not in capsys.readouterr().out
 
 
 def test_parc_check_names_dropout_as_the_cause(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    spec = tmp_path / "dp2.par"
-    spec.write_text("mesh dp=2\n")
-    code = main(["check", str(spec), MODEL, "--steps", "1"])
+    code, _ = parc_main(tmp_path, "dp2.par", "mesh dp=2\n", "check", MODEL, "--steps", "1")
     out, err = capfd.readouterr()
     assert code == 1, out + err
     assert "NOT EQUIVALENT: the single-device run itself changes when its batch is reversed" in out

@@ -17,9 +17,8 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import MLP
+from helpers import MLP, parc_main
 
-from parc.cli import main
 from parc.compiler.frontend import analyse
 from parc.compiler.optimizers import ELEMENTWISE, Locality, locality_of, optimizer_problem
 from parc.errors import ParcError
@@ -130,9 +129,8 @@ def test_a_layout_refuses_what_it_would_change(spec: str, name: str, says: str |
 def test_parc_compile_warns_that_the_models_optimizer_will_be_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    spec = tmp_path / "zero1.par"
-    spec.write_text(DP2_ZERO1)
-    assert main(["compile", str(spec), ADAFACTOR]) == 0
+    code, spec = parc_main(tmp_path, "zero1.par", DP2_ZERO1, "compile", ADAFACTOR)
+    assert code == 0
     out = capsys.readouterr().out
     assert f"{spec}:2:1: warning: configure_optimizer returns Adafactor: Adafactor is not " in out
     assert "`parc run` and `parc check` refuse it" in out
@@ -141,9 +139,7 @@ def test_parc_compile_warns_that_the_models_optimizer_will_be_refused(
 def test_parc_check_refuses_the_models_adafactor_under_zero_1(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    spec = tmp_path / "zero1.par"
-    spec.write_text(DP2_ZERO1)
-    code = main(["check", str(spec), ADAFACTOR])
+    code, _ = parc_main(tmp_path, "zero1.par", DP2_ZERO1, "check", ADAFACTOR)
     out, err = capfd.readouterr()
     assert code == 2, out + err
     line = _line_of(ADAFACTOR, "def configure_optimizer")
@@ -158,9 +154,7 @@ def test_parc_check_refuses_the_models_adafactor_under_zero_1(
 def test_parc_check_uses_the_models_elementwise_optimizer_and_passes(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    spec = tmp_path / "zero1.par"
-    spec.write_text(DP2_ZERO1)
-    code = main(["check", str(spec), MLP])
+    code, _ = parc_main(tmp_path, "zero1.par", DP2_ZERO1, "check", MLP)
     out, err = capfd.readouterr()
     assert code == 0, out + err
     assert "the model's configure_optimizer (AdamW)" in out

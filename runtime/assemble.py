@@ -39,7 +39,7 @@ from parc.errors import ParcError
 
 from .buffers import rank_buffers
 from .collectives import Comm
-from .executor import checked_optimizer
+from .executor import ForwardContext, checked_optimizer
 from .grad_sync import GradSync
 from .parts import ProgramParts
 from .schedule import generate, lower_comms
@@ -79,12 +79,12 @@ def assemble(
     full_shapes = {canonical[n]: tuple(p.shape) for n, p in model.named_parameters()}
     units, _, _ = stage_units(plan, model, per_stage, stage.stage, bucket_elems)
     # Step 6
-    forward_context = None
+    forward_contexts: list[ForwardContext] = []
     sync: Any
     if plan.zero == 3:
         sync = Zero3(local, units, comm, axis=AXIS_DP, tied=frozenset(tied))
         shard_parameters(stage.gm, sync.offsets, sync.shapes, sync.shards, canonical)
-        forward_context = sync.forward_context
+        forward_contexts.append(sync.forward_context)
     else:
         sync = GradSync(local, units, comm, zero=plan.zero, axis=AXIS_DP, tied=frozenset(tied))
     recompute_modules(stage.gm, plan)
@@ -110,7 +110,7 @@ def assemble(
         slices=slices,
         holders=holders,
         tied=tied,
-        forward_context=forward_context,
+        forward_contexts=tuple(forward_contexts),
         dtypes=dtypes,
         buffers=buffers,
         names=keys,

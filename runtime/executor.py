@@ -18,6 +18,7 @@ the same order as under GPipe's or 1F1B's (microbatch order), so bitwise alike.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,9 +32,18 @@ from parc.errors import ModelError
 from .collectives import Comm, CommKind
 from .schedule import Action, ActionKind, execution_items
 
-__all__ = ["MicroState", "StageExecutor", "checked_loss", "checked_optimizer", "one_at_a_time"]
+__all__ = [
+    "ForwardContext",
+    "MicroState",
+    "StageExecutor",
+    "checked_loss",
+    "checked_optimizer",
+    "one_at_a_time",
+]
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+# Called once per stage forward; the context it returns is entered around that forward.
+ForwardContext = Callable[[], contextlib.AbstractContextManager[Any]]
 
 
 def checked_loss(loss: Any, loss_fn: LossFn) -> torch.Tensor:
@@ -93,14 +103,15 @@ class StageExecutor:
         *,
         device: torch.device,
         before_last_backward: Callable[[], None] | None = None,
-        forward_context: Callable[[], Any] | None = None,
+        forward_contexts: Sequence[ForwardContext] = (),
     ) -> None:
+        """`forward_contexts` are entered in order around every forward (first outermost)."""
         self.stage = stage
         self.comm = comm
         self.loss_fn = loss_fn
         self.device = device
         self.before_last_backward = before_last_backward
-        self.forward_context = forward_context
+        self.forward_contexts = tuple(forward_contexts)
         coords = dict(comm.coords)
         s = coords.get(AXIS_PP, 0)
         self.prev = comm.rank_of({**coords, AXIS_PP: s - 1}) if s > 0 else None
@@ -147,10 +158,9 @@ class StageExecutor:
         # `gm.forward`, not `gm(...)`: on an error raised in the generated code itself, fx's
         # __call__ prints that code to stderr and drops the traceback, which is what names
         # the user's line (parc.blame). parc registers no hooks on a stage's GraphModule.
-        if self.forward_context is not None:
-            with self.forward_context():
-                outs = self.stage.gm.forward(*args)
-        else:
+        with contextlib.ExitStack() as stack:
+            for context in self.forward_contexts:
+                stack.enter_context(context())
             outs = self.stage.gm.forward(*args)
         outs = list(outs)
         if self.stage.is_last:

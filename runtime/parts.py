@@ -18,6 +18,7 @@ from parc.compiler.plan import Plan
 
 from .buffers import Buffers
 from .collectives import Comm
+from .executor import ForwardContext
 from .schedule import Action
 
 __all__ = ["ProgramParts"]
@@ -41,7 +42,8 @@ class ProgramParts:
     slices: dict[str, ParamSlice]
     holders: dict[str, int]  # canonical name -> first pp stage holding it
     tied: dict[str, Any]  # canonical name -> process group over the stages holding it
-    forward_context: Callable[[], Any] | None = None
+    # Entered in order around every stage forward (ZeRO-3's parameter handles, ...).
+    forward_contexts: tuple[ForwardContext, ...] = ()
     dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # canonical name -> dtype
     buffers: Buffers = field(default_factory=Buffers)  # persistent buffers (buffers.py)
     # Every key of the model's state_dict(), in order -> its canonical parameter or buffer.

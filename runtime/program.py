@@ -55,7 +55,7 @@ class Program:
             parts.loss_fn,
             device=parts.device,
             before_last_backward=lambda: parts.sync.arm(True),
-            forward_context=parts.forward_context,
+            forward_contexts=parts.forward_contexts,
         )
 
     # ------------------------------------------------------------ training

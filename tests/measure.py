@@ -37,13 +37,13 @@ class SavedCounter:
         self.per_microbatch: dict[int, dict[int, int]] = {}
         self.current = -1
         executor = program.executor
-        inner, forward = executor.forward_context, executor._forward
+        inner, forward = executor.forward_contexts, executor._forward
 
         def tracked_forward(state: Any, inputs: Any, targets: Any, scale: float) -> Any:
             self.current += 1  # one forward per microbatch (and per grad_accum round)
             return forward(state, inputs, targets, scale)
 
-        executor.forward_context = lambda: self.counting(inner)
+        executor.forward_contexts = (lambda: self.counting(inner),)
         executor._forward = tracked_forward
 
     def _count(self, t: torch.Tensor) -> None:
@@ -52,8 +52,8 @@ class SavedCounter:
             self.per_microbatch.setdefault(self.current, {})[storage.data_ptr()] = storage.nbytes()
 
     @contextlib.contextmanager
-    def counting(self, inner: Any) -> Iterator[None]:
-        if inner is None:
+    def counting(self, inner: tuple[Any, ...]) -> Iterator[None]:
+        if not inner:
 
             def pack(t: torch.Tensor) -> torch.Tensor:
                 self._count(t)
@@ -62,7 +62,9 @@ class SavedCounter:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 yield
             return
-        with inner():
+        with contextlib.ExitStack() as stack:
+            for context in inner:
+                stack.enter_context(context())
             # ZeRO-3 packs gathered parameters as handles; everything else is counted.
             runtime = active_runtime()
             assert runtime is not None

@@ -148,21 +148,17 @@ def _tag_sync(sync: Any, live: LiveBytes) -> None:
 
 
 def _tag_saved(executor: Any, live: LiveBytes) -> None:
-    inner = executor.forward_context
-
     @contextlib.contextmanager
     def counting() -> Iterator[None]:
         def pack(t: torch.Tensor) -> torch.Tensor:
             live.mark_saved(t)
             return t
 
-        with contextlib.ExitStack() as stack:
-            if inner is not None:
-                stack.enter_context(inner())
-            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield
 
-    executor.forward_context = counting
+    # Entered last, innermost: its hooks are the ones autograd uses, as before.
+    executor.forward_contexts = (*executor.forward_contexts, counting)
 
 
 def measure_peak(

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensor
 
 from parc.compiler.frontend import analyse
-from parc.runtime.equivalence import model_env
+from parc.runtime.equivalence import Tolerance, compare_runs, model_env, reference_run
 
 pytestmark = pytest.mark.multiprocess
 
@@ -234,3 +234,61 @@ def test_traffic_per_step_matches_theory_and_the_report(
         # Every micro-step gathers each unit forward and (if saved) again backward.
         assert scattered >= n_params * accum
         assert 1.5 * scattered < gathered <= 2 * scattered
+
+
+# ----------------------------------------------------------------- forward contexts
+
+
+def run_with_counting_context(
+    spec_text: str, model: str, env: dict[str, str], steps: int, batch: int
+) -> dict[str, Any]:
+    """One rank: `steps` steps with a counting context after ZeRO-3's; losses, parameters,
+    forwards run, and how many of them ran inside both contexts."""
+    import contextlib
+    from collections.abc import Iterator
+
+    import torch.distributed as dist
+
+    from parc.api import compile as parc_compile
+    from parc.compiler.model import load_model
+    from parc.runtime.equivalence import make_optimizer
+    from parc.runtime.zero3 import active_runtime
+
+    counts = {"entered": 0, "inside_zero3": 0, "forwards": 0}
+    with model_env(env):
+        source = load_model(model)
+        program = parc_compile(spec_text, source, batch=batch, optimizer=make_optimizer("sgd"))
+        executor = program.executor
+
+        @contextlib.contextmanager
+        def counting() -> Iterator[None]:
+            counts["entered"] += 1
+            # Entered after ZeRO-3's context: its runtime is the active one here.
+            counts["inside_zero3"] += active_runtime() is program.parts.sync
+            yield
+
+        forward = executor._forward
+
+        def counted_forward(state: Any, inputs: Any, targets: Any, scale: float) -> Any:
+            counts["forwards"] += 1
+            return forward(state, inputs, targets, scale)
+
+        executor.forward_contexts = (*executor.forward_contexts, counting)
+        executor._forward = counted_forward  # type: ignore[method-assign]
+        losses = [program.step(*source.batch(batch, step)) for step in range(steps)]
+        params = program.state_dict()
+    return {"losses": losses, "params": params if dist.get_rank() == 0 else {}, **counts}
+
+
+def test_every_forward_context_applies_and_zero3_still_matches_one_device(
+    gloo_pool: Any,
+) -> None:
+    env = {"MLP_LAYERS": "2", "MLP_DIM": "5", "MLP_OUT": "3"}  # odd sizes: padded shards
+    spec, steps, batch = _spec(2, 3, 2), 2, 8
+    results = gloo_pool(2).run(run_with_counting_context, spec, MLP, env, steps, batch)
+    for r in results:
+        assert r["forwards"] == steps * 2  # grad_accum 2, one microbatch
+        assert r["entered"] == r["inside_zero3"] == r["forwards"]
+    ref = reference_run(MLP, steps=steps, batch=batch, env=env)
+    result = compare_runs(ref, results[0], Tolerance.for_optimizer("sgd", steps))
+    assert result.ok, result.describe()

@@ -69,7 +69,7 @@ def _actions_run(parts: Any) -> tuple[Any, ...]:
 
 def _recomputed(gm: torch.fx.GraphModule) -> str:
     """The body of every recomputed region, after the stage's code that calls it."""
-    from .recompute import Recomputed
+    from parc.compiler.ops.recompute import Recomputed
 
     parts = []
     for name, module in gm.named_children():

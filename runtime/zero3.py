@@ -1,11 +1,12 @@
 """ZeRO-3 at run time: parameters live as flat 1/dp shards, gathered just before use.
 
 The `zero` compiler pass (compiler/passes/zero.py) puts a `zero3_gather` node
-before the first use of each unit's parameters and reads every parameter as a
-view of the gathered flat buffer. Here:
+(compiler/ops/zero3.py) before the first use of each unit's parameters and
+reads every parameter as a view of the gathered flat buffer. Here:
 
-- `zero3_gather` is an autograd function: all-gather of the shards forward,
-  reduce-scatter of the flat gradient backward (into the shard's `.grad`).
+- `Zero3` is what `zero3_gather` calls while it is active: all-gather of the
+  shards forward (`gather`), reduce-scatter of the flat gradient backward
+  (`scatter_grad`, into the shard's `.grad`).
 - The gathered buffer is not kept alive between forward and backward: while
   a stage runs forward, `saved_tensors_hooks` replace every saved tensor that
   is a view of a gathered buffer by a handle (unit, offset, size, stride);
@@ -27,12 +28,11 @@ from typing import Any
 import torch
 
 from parc.compiler.layout import FlatUnit
+from parc.compiler.ops.zero3 import current_zero3, zero3_activated
 
 from .collectives import Comm, all_gather_flat
 
-__all__ = ["Zero3", "active_runtime", "zero3_gather", "zero3_view"]
-
-_ACTIVE: Zero3 | None = None
+__all__ = ["Zero3", "active_runtime"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +106,14 @@ class Zero3:
         work = self.comm.all_gather(full, shard.detach(), self.axis, async_op=async_op)
         return full, work
 
+    def scatter_grad(self, unit: int, grad: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of the reduce-scattered flat gradient of `unit` (counted);
+        the unit's re-gathered copy is no longer needed."""
+        out = torch.empty(self.units[unit].shard, dtype=grad.dtype, device=grad.device)
+        self.comm.reduce_scatter(out, grad.contiguous(), self.axis)
+        self.release(unit)
+        return out
+
     def release(self, unit: int) -> None:
         self._cache.pop(unit, None)
 
@@ -128,31 +136,20 @@ class Zero3:
     @contextlib.contextmanager
     def forward_context(self) -> Iterator[None]:
         """Run a stage's forward with gathered parameters saved as handles."""
-        global _ACTIVE
-        previous, _ACTIVE = _ACTIVE, self
         self._in_forward = True
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            with (
+                zero3_activated(self),
+                torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack),
+            ):
                 yield
         finally:
-            _ACTIVE = previous
             self._in_forward = False
             # A forward that stopped early leaves a prefetch nobody will read.
             for _, work in self._prefetched.values():
                 work.wait()
             self._prefetched.clear()
             self._bases = {k: v for k, v in self._bases.items() if v[1]() is not None}
-
-    @contextlib.contextmanager
-    def activated(self) -> Iterator[None]:
-        """This runtime active for `zero3_gather`, without the saved-tensor hooks: a
-        recomputed region (runtime/recompute.py) gathers its units again in backward."""
-        global _ACTIVE
-        previous, _ACTIVE = _ACTIVE, self
-        try:
-            yield
-        finally:
-            _ACTIVE = previous
 
     # ---------------------------------------------------------- step side
 
@@ -198,39 +195,7 @@ class Zero3:
         return full[off : off + n].view(self.shapes[name]).clone()
 
 
-class _Gather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, shard: torch.Tensor, unit: int) -> torch.Tensor:
-        runtime = _active()
-        ctx.runtime, ctx.unit = runtime, unit
-        return runtime.gather(unit, shard)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        runtime: Zero3 = ctx.runtime
-        out = torch.empty(runtime.units[ctx.unit].shard, dtype=grad.dtype, device=grad.device)
-        runtime.comm.reduce_scatter(out, grad.contiguous(), runtime.axis)
-        runtime.release(ctx.unit)
-        return out, None
-
-
 def active_runtime() -> Zero3 | None:
     """The ZeRO-3 runtime whose forward is running, if any."""
-    return _ACTIVE
-
-
-def _active() -> Zero3:
-    if _ACTIVE is None:
-        raise RuntimeError("zero3_gather ran outside Zero3.forward_context")
-    return _ACTIVE
-
-
-def zero3_gather(shard: torch.Tensor, unit: int) -> torch.Tensor:
-    """All-gather unit `unit` forward; reduce-scatter its gradient backward; re-gathered on use."""
-    out: torch.Tensor = _Gather.apply(shard, unit)
-    return out
-
-
-def zero3_view(flat: torch.Tensor, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
-    """One parameter inside a gathered unit."""
-    return flat.narrow(0, offset, math.prod(shape)).view(shape)
+    runtime = current_zero3()
+    return runtime if isinstance(runtime, Zero3) else None

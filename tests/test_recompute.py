@@ -19,13 +19,13 @@ import torch.fx
 from helpers import GPT, LLAMA, ROOT, check_equivalent
 
 from parc.compiler.frontend import analyse
+from parc.compiler.ops.recompute import Recomputed
 from parc.compiler.passes.pipeline_split import pipeline_split
 from parc.compiler.passes.recompute import recompute_modules, recompute_regions
 from parc.compiler.plan import BatchPlan, MeshPlan, Plan
 from parc.dsl.ast import ScheduleKind
 from parc.errors import CompileError
 from parc.runtime.equivalence import model_env
-from parc.runtime.recompute import Recomputed
 
 GPT_ENV = {"GPT_LAYERS": "2", "GPT_DIM": "32", "GPT_HEADS": "4", "GPT_VOCAB": "64", "GPT_SEQ": "16"}
 LLAMA_ENV = {

@@ -1,13 +1,13 @@
 """Graph building blocks of the tensor-parallel rewrite.
 
 - `local_slice`: this rank's part of a full tensor under `Shard(dim, blocks)`,
-  the same cut `runtime.collectives.tp_slice` makes and `tp_all_gather` undoes.
+  the same cut `ops.collectives.tp_slice` makes and `tp_all_gather` undoes.
 - `emit_lowered`: a sharded module call written in functional form with its
   parameters as explicit `get_attr` inputs (`F.linear(x, w, b)`,
   `F.embedding(idx, w)`), so the rank's local slices are what it reads; a row
   Linear adds its bias once, after the all-reduce.
 - `emit_conversion`: the collectives that change a placement
-  (runtime/collectives.py), each named after its input and commented in
+  (compiler/ops/collectives.py), each named after its input and commented in
   `node.meta["parc_comment"]`.
 
 Every node made here gets `parc_tp` (its placement) and `tensor_meta` with the
@@ -25,14 +25,13 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from parc.runtime.collectives import (
+from ..ops.collectives import (
     CommKind,
     tp_all_gather,
     tp_all_reduce,
     tp_enter,
     tp_slice,
 )
-
 from .lower_modules import embedding_options
 from .placement import (
     ConvKind,

@@ -85,7 +85,7 @@ Placement: TypeAlias = Replicate | Shard | Partial
 
 
 class ConvKind(str, Enum):
-    """One graph op that changes a placement (runtime/collectives.py)."""
+    """One graph op that changes a placement (compiler/ops/collectives.py)."""
 
     ENTER = "enter"  # R → R used rank-locally: identity fwd, all-reduce bwd (Megatron f)
     ALL_REDUCE = "all_reduce"  # P → R: all-reduce fwd, identity bwd (Megatron g)

@@ -2,7 +2,7 @@
 
 Each named module becomes a region whose forward runs again in backward
 instead of keeping its saved tensors: the stage keeps only the region's inputs
-(runtime/recompute.py runs it under `torch.utils.checkpoint`). Runs on a
+(compiler/ops/recompute.py runs it under `torch.utils.checkpoint`). Runs on a
 stage's graph after the tensor-parallel rewrite, the pipeline split and ZeRO-3
 sharding, so the collectives those passes inserted inside a region (their
 nodes carry the module stack of the node they serve) run again with it.
@@ -41,8 +41,8 @@ import torch
 import torch.fx
 
 from parc.errors import CompileError
-from parc.runtime.recompute import Recomputed
 
+from ..ops.recompute import Recomputed
 from ..plan import Plan
 from ..trace import module_path
 from .lower_modules import lower_module_calls

@@ -45,9 +45,9 @@ import torch
 import torch.fx
 
 from parc.dsl.ast import ShardKind, Spec
-from parc.runtime.collectives import CommKind
 
 from ..layout import canonical_names
+from ..ops.collectives import CommKind
 from ..plan import ModuleShard, Plan, PlanWarning
 from . import tp_messages as msg
 from .functional import conversion_collective

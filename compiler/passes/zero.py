@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from parc.runtime.zero3 import zero3_gather, zero3_view
+from ..ops.zero3 import zero3_gather, zero3_view
 
 __all__ = ["shard_parameters"]
 

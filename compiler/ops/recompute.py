@@ -1,4 +1,4 @@
-"""Activation recomputation at run time: a region's forward runs again in backward.
+"""`Recomputed`: the module a recomputed region is called through; it runs again in backward.
 
 The `recompute` compiler pass (compiler/passes/recompute.py) moves the nodes of
 each recomputed module into a body GraphModule and calls it through a
@@ -13,7 +13,8 @@ runs again.
 - The recomputation runs in backward, outside the stage's forward: the contexts
   the forward ran under (the active `Comm`, the active ZeRO-3 runtime, without
   its saved-tensor hooks, which would hide the recomputed tensors from
-  checkpoint) are captured at forward time and entered again around it.
+  checkpoint) are captured at forward time from their registries
+  (ops/collectives.py, ops/zero3.py) and entered again around it.
 - Random ops (dropout) draw the same numbers again: checkpoint restores the RNG.
 - Buffers the body updates in place (BatchNorm's running statistics and
   num_batches_tracked) are restored after the recomputation: they change once
@@ -30,10 +31,8 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from parc.errors import RuntimeFault
-
-from . import zero3
-from .collectives import Comm, active_comm
+from .collectives import ActiveComm, comm_activated, current_comm
+from .zero3 import ActiveZero3, current_zero3, zero3_activated
 
 __all__ = ["Recomputed"]
 
@@ -61,22 +60,19 @@ class Recomputed(torch.nn.Module):
 
 def _contexts(buffers: list[torch.Tensor]) -> tuple[contextlib.AbstractContextManager[None], Any]:
     """(forward context, recomputation context): called by checkpoint during forward."""
-    try:
-        comm: Comm | None = active_comm()
-    except RuntimeFault:
-        comm = None  # a graph with no parc collectives, run outside Program.step
-    return contextlib.nullcontext(), _reactivated(comm, zero3.active_runtime(), buffers)
+    # No active Comm: a graph with no parc collectives, run outside Program.step.
+    return contextlib.nullcontext(), _reactivated(current_comm(), current_zero3(), buffers)
 
 
 @contextlib.contextmanager
 def _reactivated(
-    comm: Comm | None, runtime: zero3.Zero3 | None, buffers: list[torch.Tensor]
+    comm: ActiveComm | None, runtime: ActiveZero3 | None, buffers: list[torch.Tensor]
 ) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         if comm is not None:
-            stack.enter_context(comm.active())
+            stack.enter_context(comm_activated(comm))
         if runtime is not None:
-            stack.enter_context(runtime.activated())
+            stack.enter_context(zero3_activated(runtime))
         stack.enter_context(_buffers_kept(buffers))
         yield
 

@@ -1,0 +1,204 @@
+"""Collective graph ops: what a placement change inserts, and the kinds of traffic.
+
+Compiler passes insert these small autograd functions as `call_function`
+nodes. They name their axis as a string argument, so a generated program reads
+`tp_all_reduce(linear_1, 'tp')`, and call the `Comm` made active for a step
+(`with comm.active():` in runtime/collectives.py, which registers it here with
+`comm_activated`); the Comm issues and counts the actual collective.
+
+Placement changes and what they cost (one tensor-parallel axis of size n):
+
+    Partial   → Replicate  tp_all_reduce   all-reduce forward, identity backward (Megatron g)
+    Replicate → Replicate  tp_enter        identity forward, all-reduce backward (Megatron f)
+    Shard     → Replicate  tp_all_gather   all-gather forward, local slice backward
+    Replicate → Shard      tp_slice        local slice forward, all-gather backward
+
+A tensor "replicated" over an axis has the same value on every rank of it and,
+by the same convention, the same (full) gradient; `tp_enter` is where a
+replicated value starts feeding rank-local computations whose input gradients
+are partial sums.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from enum import Enum
+from typing import Any, Protocol
+
+import torch
+
+from parc.errors import RuntimeFault
+
+__all__ = [
+    "ActiveComm",
+    "CommKind",
+    "active_comm",
+    "comm_activated",
+    "current_comm",
+    "tp_all_gather",
+    "tp_all_reduce",
+    "tp_enter",
+    "tp_slice",
+]
+
+
+class CommKind(str, Enum):
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    SEND = "send"
+    RECV = "recv"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class ActiveComm(Protocol):
+    """What the graph ops need of the runtime's `Comm` (runtime/collectives.py)."""
+
+    rank: int
+    step: int | None
+
+    def size(self, axis: str) -> int: ...
+
+    def index(self, axis: str) -> int: ...
+
+    def all_reduce(self, t: torch.Tensor, axis: str, *, async_op: bool = False) -> Any: ...
+
+    def all_gather(
+        self, out: torch.Tensor, inp: torch.Tensor, axis: str, *, async_op: bool = False
+    ) -> Any: ...
+
+
+_ACTIVE: ActiveComm | None = None
+
+
+@contextlib.contextmanager
+def comm_activated(comm: ActiveComm) -> Iterator[None]:
+    """Make `comm` the one graph ops use, for the duration of the block."""
+    global _ACTIVE
+    previous, _ACTIVE = _ACTIVE, comm
+    try:
+        yield
+    finally:
+        _ACTIVE = previous
+
+
+def current_comm() -> ActiveComm | None:
+    """The active Comm, or None outside a step."""
+    return _ACTIVE
+
+
+def active_comm() -> ActiveComm:
+    """The active Comm; a RuntimeFault outside a step."""
+    if _ACTIVE is None:
+        raise RuntimeFault(
+            "a parc graph op ran outside a step: no active Comm",
+            hint="run compiled programs through Program.step (or `with comm.active():`)",
+        )
+    return _ACTIVE
+
+
+def _gather_dim(x: torch.Tensor, dim: int, axis: str, blocks: int) -> torch.Tensor:
+    """All-gather `x` along `dim` whose k blocks are each split over `axis`."""
+    comm = active_comm()
+    n = comm.size(axis)
+    dim = dim % x.dim()
+    flat = x.contiguous()
+    out = torch.empty((n * flat.numel(),), dtype=x.dtype, device=x.device)
+    comm.all_gather(out, flat.reshape(-1), axis)
+    parts = out.view(n, *flat.shape)  # [n, ..., k*c, ...]
+    shape = list(flat.shape)
+    c = shape[dim] // blocks
+    parts = parts.view(n, *shape[:dim], blocks, c, *shape[dim + 1 :])
+    # Bring the rank dim next to the block's chunk dim: [..., k, n, c, ...].
+    parts = parts.movedim(0, dim + 1)
+    shape[dim] = blocks * n * c
+    return parts.reshape(shape)
+
+
+def _slice_dim(x: torch.Tensor, dim: int, axis: str, blocks: int) -> torch.Tensor:
+    """This rank's part of every one of the k blocks of `x` along `dim`."""
+    comm = active_comm()
+    n, i = comm.size(axis), comm.index(axis)
+    dim = dim % x.dim()
+    size = x.shape[dim]
+    if size % (blocks * n):
+        raise RuntimeFault(
+            f"cannot split dim {dim} of size {size} into {blocks} blocks over {axis}={n}",
+            rank=comm.rank,
+            step=comm.step,
+        )
+    c = size // (blocks * n)
+    pieces = [x.narrow(dim, b * n * c + i * c, c) for b in range(blocks)]
+    return torch.cat(pieces, dim=dim) if blocks > 1 else pieces[0].contiguous()
+
+
+class _Enter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, axis: str) -> torch.Tensor:
+        ctx.axis = axis
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous().clone()
+        active_comm().all_reduce(grad, ctx.axis)
+        return grad, None
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, axis: str) -> torch.Tensor:
+        out = x.contiguous().clone()
+        active_comm().all_reduce(out, axis)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, axis: str, blocks: int) -> torch.Tensor:
+        ctx.args = (dim, axis, blocks)
+        return _gather_dim(x, dim, axis, blocks)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        dim, axis, blocks = ctx.args
+        return _slice_dim(grad, dim, axis, blocks), None, None, None
+
+
+class _Slice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, axis: str, blocks: int) -> torch.Tensor:
+        ctx.args = (dim, axis, blocks)
+        return _slice_dim(x, dim, axis, blocks)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        dim, axis, blocks = ctx.args
+        return _gather_dim(grad, dim, axis, blocks), None, None, None
+
+
+def tp_enter(x: torch.Tensor, axis: str) -> torch.Tensor:
+    """Replicate → rank-local use: identity forward, all-reduce of the gradient backward."""
+    return _Enter.apply(x, axis)
+
+
+def tp_all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
+    """Partial → Replicate: all-reduce (sum) forward, identity backward."""
+    return _AllReduce.apply(x, axis)
+
+
+def tp_all_gather(x: torch.Tensor, dim: int, axis: str, blocks: int = 1) -> torch.Tensor:
+    """Shard(dim, blocks) → Replicate: all-gather forward, local slice backward."""
+    return _AllGather.apply(x, dim, axis, blocks)
+
+
+def tp_slice(x: torch.Tensor, dim: int, axis: str, blocks: int = 1) -> torch.Tensor:
+    """Replicate → Shard(dim, blocks): local slice forward, all-gather backward."""
+    return _Slice.apply(x, dim, axis, blocks)

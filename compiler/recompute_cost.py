@@ -22,11 +22,16 @@ import torch
 import torch.fx
 
 from .cost import params_of_node
+from .ops.collectives import CommKind
 from .passes.placement import ConvKind, LowerKind, NodeRewrite, Replicate
 
 __all__ = ["forward_tp_collectives", "param_readers"]
 
-_FORWARD = {ConvKind.ALL_REDUCE: "all_reduce", ConvKind.ALL_GATHER: "all_gather"}
+# Kinds as `CommKind` values, as the tensor-parallel analysis records them in node.meta.
+_FORWARD = {
+    ConvKind.ALL_REDUCE: CommKind.ALL_REDUCE.value,
+    ConvKind.ALL_GATHER: CommKind.ALL_GATHER.value,
+}
 
 
 def _numel(node: torch.fx.Node) -> int:
@@ -55,7 +60,9 @@ def forward_tp_collectives(gm: torch.fx.GraphModule) -> dict[str, list[tuple[str
         lowering = rewrite.lowering
         row = lowering is not None and lowering.kind is LowerKind.LINEAR_ROW
         if row and isinstance(node.meta.get("parc_tp"), Replicate):
-            found.append(("all_reduce", _numel(node)))  # a row Linear's, before its bias
+            found.append(
+                (CommKind.ALL_REDUCE.value, _numel(node))
+            )  # a row Linear's, before its bias
         if found:
             out[node.name] = found
     return out

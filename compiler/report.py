@@ -218,7 +218,7 @@ def _collective_lines(plan: Plan, est: Estimate) -> list[str]:
     for stage, comms in est.collectives:
         for c in comms:
             rows.append(
-                [str(stage), c.kind, c.axis, str(c.count), human_count(c.elements), c.purpose]
+                [str(stage), c.kind.value, c.axis, str(c.count), human_count(c.elements), c.purpose]
             )
     if not rows:
         return [*lines, "  none: a single device"]
@@ -299,7 +299,7 @@ def report_json(plan: Plan, est: Estimate) -> dict[str, Any]:
         "collectives": [
             {
                 "stage": stage,
-                "kind": c.kind,
+                "kind": c.kind.value,
                 "axis": c.axis,
                 "count": c.count,
                 "elements": c.elements,

@@ -25,6 +25,7 @@ from parc.dsl.ast import AXIS_DP, AXIS_PP
 
 from .cost import output_numel
 from .layout import FlatUnit
+from .ops.collectives import CommKind
 from .plan import Plan
 from .stages import activation_nodes
 
@@ -35,7 +36,7 @@ __all__ = ["Collective", "StageTraffic", "stage_collectives"]
 class Collective:
     """Collectives of one kind over one axis, per training step, seen from one rank."""
 
-    kind: str
+    kind: CommKind
     axis: str
     count: int
     elements: int
@@ -75,7 +76,11 @@ def stage_collectives(
         )
         out.append(
             Collective(
-                "all_reduce", AXIS_PP, len(tied), size, "gradients of weights tied across stages"
+                CommKind.ALL_REDUCE,
+                AXIS_PP,
+                len(tied),
+                size,
+                "gradients of weights tied across stages",
             )
         )
     return tuple(out)
@@ -87,20 +92,24 @@ def _dp_collectives(plan: Plan, traffic: StageTraffic, micro_steps: int) -> list
     padded = sum(u.padded for u in units)
     n = len(units)
     if plan.zero == 0:
-        return [Collective("all_reduce", AXIS_DP, n, numel, "gradient average")]
+        return [Collective(CommKind.ALL_REDUCE, AXIS_DP, n, numel, "gradient average")]
     if plan.zero in (1, 2):
         return [
-            Collective("reduce_scatter", AXIS_DP, n, padded, "gradient shards"),
-            Collective("all_gather", AXIS_DP, n, padded, "updated parameters"),
+            Collective(CommKind.REDUCE_SCATTER, AXIS_DP, n, padded, "gradient shards"),
+            Collective(CommKind.ALL_GATHER, AXIS_DP, n, padded, "updated parameters"),
         ]
     again = [u for u in units if _gathered_again(u, traffic)]
     gathers = (n + len(again)) * micro_steps
     gathered = (padded + sum(u.padded for u in again)) * micro_steps
     purpose = "parameters: forward, and again in backward"
     return [
-        Collective("all_gather", AXIS_DP, gathers, gathered, purpose),
+        Collective(CommKind.ALL_GATHER, AXIS_DP, gathers, gathered, purpose),
         Collective(
-            "reduce_scatter", AXIS_DP, n * micro_steps, padded * micro_steps, "gradient shards"
+            CommKind.REDUCE_SCATTER,
+            AXIS_DP,
+            n * micro_steps,
+            padded * micro_steps,
+            "gradient shards",
         ),
     ]
 
@@ -120,17 +129,17 @@ def _tp_collectives(
     """Tensor-parallel traffic, as the tensor-parallel analysis recorded it in node.meta."""
     if plan.tp_axis is None or plan.tp == 1:
         return []
-    totals: dict[str, list[int]] = {}
+    totals: dict[CommKind, list[int]] = {}
     for node in gm.graph.nodes:
         if stage_of.get(node.name) != s:
             continue
         for kind, numel in node.meta.get("parc_collectives", ()):
-            entry = totals.setdefault(kind, [0, 0])
+            entry = totals.setdefault(CommKind(kind), [0, 0])
             entry[0] += 1
             entry[1] += numel
     purpose = {
-        "all_reduce": "tensor-parallel partial sums, forward + backward",
-        "all_gather": "tensor-parallel gathers (fallbacks and local slices' backward)",
+        CommKind.ALL_REDUCE: "tensor-parallel partial sums, forward + backward",
+        CommKind.ALL_GATHER: "tensor-parallel gathers (fallbacks and local slices' backward)",
     }
     return [
         Collective(kind, plan.tp_axis, n * micro_steps, e * micro_steps, purpose.get(kind, ""))
@@ -144,11 +153,11 @@ def _recomputed_tp(
     """Forward tensor-parallel collectives of recomputed regions, run again in backward."""
     if plan.tp_axis is None or plan.tp == 1:
         return []
-    totals: dict[str, list[int]] = {}
+    totals: dict[CommKind, list[int]] = {}
     for name, found in traffic.forward_tp.items():
         if name in traffic.regions and stage_of.get(name) == traffic.stage:
             for kind, numel in found:
-                entry = totals.setdefault(kind, [0, 0])
+                entry = totals.setdefault(CommKind(kind), [0, 0])
                 entry[0] += 1
                 entry[1] += numel
     return [
@@ -182,9 +191,10 @@ def _pp_collectives(
         if a.name in acts and stage_of[a.name] < s
     }
     out = []
+    SEND, RECV = CommKind.SEND, CommKind.RECV
     for values, forward, backward in (
-        (sent, ("send", "activations forward"), ("recv", "gradients backward")),
-        (received, ("recv", "activations forward"), ("send", "gradients backward")),
+        (sent, (SEND, "activations forward"), (RECV, "gradients backward")),
+        (received, (RECV, "activations forward"), (SEND, "gradients backward")),
     ):
         if values:
             count, elements = len(values) * micro_steps, sum(values.values()) * micro_steps

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from parc.compiler.ops.collectives import CommKind
 from parc.compiler.plan import MeshPlan
 from parc.compiler.planner.cluster import GB, GIB, PRESETS, parse_cluster
 from parc.compiler.planner.time_model import (
@@ -92,11 +93,11 @@ def test_bad_cluster_text_says_what_and_how_to_fix(text: str, expected: tuple[st
 
 def test_ring_collectives_move_these_bytes_per_rank() -> None:
     size = 1000.0
-    assert wire_bytes("all_reduce", 4, size) == 2 * 3 / 4 * size
-    assert wire_bytes("all_gather", 4, size) == 3 / 4 * size
-    assert wire_bytes("reduce_scatter", 8, size) == 7 / 8 * size
-    assert wire_bytes("send", 2, size) == size
-    assert wire_bytes("all_reduce", 1, size) == 0  # nothing to send to yourself
+    assert wire_bytes(CommKind.ALL_REDUCE, 4, size) == 2 * 3 / 4 * size
+    assert wire_bytes(CommKind.ALL_GATHER, 4, size) == 3 / 4 * size
+    assert wire_bytes(CommKind.REDUCE_SCATTER, 8, size) == 7 / 8 * size
+    assert wire_bytes(CommKind.SEND, 2, size) == size
+    assert wire_bytes(CommKind.ALL_REDUCE, 1, size) == 0  # nothing to send to yourself
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,7 @@ from parc.compiler.estimate import Estimate
 from parc.compiler.frontend import analyse
 from parc.compiler.layout import zero3_owner
 from parc.compiler.memory_model import Precision, memory_model_of, states_of
+from parc.compiler.ops.collectives import CommKind
 from parc.examples import mlp
 from parc.runtime.equivalence import model_env
 
@@ -182,3 +183,14 @@ def test_transient_buffers_are_counted_on_top_of_the_resident_bytes() -> None:
     assert zero3.estimate.memory[0].buffers == 2 * 4 * largest
     assert ddp.estimate.memory[0].buffers == 0
     assert zero3.estimate.memory[0].peak == zero3.estimate.memory[0].total + 2 * 4 * largest
+
+
+def test_the_estimate_names_every_collective_by_its_comm_kind() -> None:
+    # The planner and the report compare kinds as the enum, never as spelled strings.
+    found: set[Any] = set()
+    for spec, model in (CASES["zero3"], CASES["pp_tp"]):
+        with model_env(_env(model)):
+            est = analyse(spec, model, batch=BATCH).estimate
+        found |= {c.kind for _, comms in est.collectives for c in comms}
+    assert all(isinstance(k, CommKind) for k in found)
+    assert found == set(CommKind)

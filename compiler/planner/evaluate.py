@@ -22,6 +22,7 @@ from parc.dsl.ast import ScheduleKind
 from ..estimate import resident_elements, transient_elements
 from ..layout import DEFAULT_BUCKET_ELEMS
 from ..memory_model import MemoryModel
+from ..ops.collectives import CommKind
 from .candidate import Candidate, Evaluation, Memory
 from .cluster import Cluster
 from .model_profile import ModelProfile, TPProfile
@@ -140,7 +141,7 @@ def evaluate(
         dp_time = max(dp_time, dp_seconds)
         for axis, b in (("tp", sent[0] * steps), ("pp", sent[1] * steps), ("dp", dp_bytes)):
             traffic[axis] = max(traffic[axis], b)
-    tied = wire_bytes("all_reduce", 2, st.tied * mem.grad_bytes) if cand.pp > 1 else 0.0
+    tied = wire_bytes(CommKind.ALL_REDUCE, 2, st.tied * mem.grad_bytes) if cand.pp > 1 else 0.0
     dp_time += _seconds(tied, int(tied > 0), links["pp"])
     time = StepTime.of(
         seconds, microbatches=cand.microbatches, grad_accum=cand.grad_accum, dp=dp_time
@@ -165,8 +166,8 @@ def _stage_seconds(
 ) -> tuple[StageSeconds, tuple[float, float]]:
     """One microbatch on stage `s`, and the (tp, pp) bytes it sends."""
     width = 4 * mem.activation_scale  # bytes per activation element
-    tp_bytes = wire_bytes("all_reduce", cand.tp, ss.tp_reduce * micro * width)
-    tp_bytes += wire_bytes("all_gather", cand.tp, ss.tp_gather * micro * width)
+    tp_bytes = wire_bytes(CommKind.ALL_REDUCE, cand.tp, ss.tp_reduce * micro * width)
+    tp_bytes += wire_bytes(CommKind.ALL_GATHER, cand.tp, ss.tp_gather * micro * width)
     pp_bytes = ss.sent * micro * width if cand.pp > 1 else 0.0
     # A middle stage sends forward and back, on both sides; an end stage on one.
     pp_calls = (2 - (s in (0, cand.pp - 1))) * 2 if cand.pp > 1 else 0
@@ -230,10 +231,10 @@ def _dp_bytes(cand: Candidate, n: int, regathered: int, mem: MemoryModel) -> tup
     whose parameters autograd saved)."""
     if cand.dp == 1:
         return 0.0, 0.0
-    rs = wire_bytes("reduce_scatter", cand.dp, n * mem.grad_bytes)
-    ag = wire_bytes("all_gather", cand.dp, n * mem.param_bytes)
+    rs = wire_bytes(CommKind.REDUCE_SCATTER, cand.dp, n * mem.grad_bytes)
+    ag = wire_bytes(CommKind.ALL_GATHER, cand.dp, n * mem.param_bytes)
     if cand.zero == 3:
-        return rs, ag + wire_bytes("all_gather", cand.dp, regathered * mem.param_bytes)
+        return rs, ag + wire_bytes(CommKind.ALL_GATHER, cand.dp, regathered * mem.param_bytes)
     if cand.zero == 0:
-        return wire_bytes("all_reduce", cand.dp, n * mem.grad_bytes), 0.0
+        return wire_bytes(CommKind.ALL_REDUCE, cand.dp, n * mem.grad_bytes), 0.0
     return rs, ag

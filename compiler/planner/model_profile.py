@@ -42,6 +42,7 @@ from ..blocks import Blocks, find_blocks
 from ..cost import node_costs, output_numel, tensor_metas
 from ..layout import ParamSlice, canonical_names, param_slices, zero3_owner
 from ..model import ModelSource
+from ..ops.collectives import CommKind
 from ..passes.placement import Partial, Shard
 from ..passes.tp_analysis import analyse_tensor_parallel
 from ..plan import Plan
@@ -315,8 +316,8 @@ class _Base:
             flops=sum(self.costs[n.name].flops // (tp if n.name in split else 1) for n in mine),
             saved=self._saved_bytes(i, tp, sharded),
             kept=self._kept_bytes(mine, tp, sharded),
-            tp_reduce=sum(e for k, e in comms if k == "all_reduce"),
-            tp_gather=sum(e for k, e in comms if k == "all_gather"),
+            tp_reduce=sum(e for k, e in comms if CommKind(k) is CommKind.ALL_REDUCE),
+            tp_gather=sum(e for k, e in comms if CommKind(k) is CommKind.ALL_GATHER),
             tp_forward=sum(e for n in mine for _, e in forward.get(n.name, ())),
             tp_calls=len(comms),
             tp_forward_calls=sum(len(forward.get(n.name, ())) for n in mine),

@@ -9,7 +9,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from parc.dsl.ast import AXIS_DP, AXIS_PP
+
 from ..frontend import Analysis
+from ..ops.collectives import CommKind
 from ..report import human_bytes, human_count
 from .cluster import Cluster
 from .time_model import axis_bandwidth, estimate_step_time, wire_bytes
@@ -90,10 +93,11 @@ def _traffic(analysis: Analysis) -> dict[str, float]:
     for _, comms in est.collectives:
         sent: dict[str, float] = {}
         for c in comms:
-            if c.kind == "recv":
+            if c.kind is CommKind.RECV:
                 continue
-            size = c.elements * (est.memory_model.grad_bytes if c.axis == "dp" else width)
-            n = 2 if c.kind == "all_reduce" and c.axis == "pp" else plan.mesh.size(c.axis)
+            size = c.elements * (est.memory_model.grad_bytes if c.axis == AXIS_DP else width)
+            tied = c.kind is CommKind.ALL_REDUCE and c.axis == AXIS_PP  # tied weights, as a pair
+            n = 2 if tied else plan.mesh.size(c.axis)
             sent[c.axis] = sent.get(c.axis, 0.0) + wire_bytes(c.kind, n, size)
         for axis, b in sent.items():
             out[axis] = max(out.get(axis, 0.0), b)

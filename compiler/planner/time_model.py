@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from parc.dsl.ast import AXIS_DP, AXIS_PP
 
 from ..estimate import Estimate
+from ..ops.collectives import CommKind
 from ..plan import MeshPlan, Plan
 from .cluster import Cluster
 
@@ -52,13 +53,13 @@ LATENCY = {True: 10e-6, False: 25e-6}
 BACKWARD_SHARE = 2 / 3
 
 
-def wire_bytes(kind: str, n: int, size: float) -> float:
+def wire_bytes(kind: CommKind, n: int, size: float) -> float:
     """Bytes one rank sends for a collective of `size` bytes (full tensor) over n ranks."""
     if n <= 1:
         return 0.0
-    if kind == "all_reduce":
+    if kind is CommKind.ALL_REDUCE:
         return 2 * (n - 1) / n * size
-    if kind in ("all_gather", "reduce_scatter"):
+    if kind in (CommKind.ALL_GATHER, CommKind.REDUCE_SCATTER):
         return (n - 1) / n * size
     return size  # send / recv
 
@@ -76,7 +77,7 @@ def axis_bandwidth(cluster: Cluster, mesh: MeshPlan, axis: str) -> tuple[float, 
 
 
 def transfer_seconds(
-    cluster: Cluster, mesh: MeshPlan, axis: str, kind: str, size: float, calls: int
+    cluster: Cluster, mesh: MeshPlan, axis: str, kind: CommKind, size: float, calls: int
 ) -> float:
     """Seconds `calls` collectives of `kind` over `axis`, `size` bytes in all, take."""
     n = mesh.size(axis)
@@ -146,14 +147,14 @@ def estimate_step_time(plan: Plan, est: Estimate, cluster: Cluster) -> StepTime:
         for c in comms:
             if c.axis == AXIS_DP:
                 took = transfer_seconds(cluster, plan.mesh, c.axis, c.kind, c.elements * 4, c.count)
-                if c.kind == "all_gather":
+                if c.kind is CommKind.ALL_GATHER:
                     gather += took
                 else:
                     reduce += took
-            elif c.axis == AXIS_PP and c.kind == "all_reduce":  # weights tied across stages
+            elif c.axis == AXIS_PP and c.kind is CommKind.ALL_REDUCE:  # weights tied across stages
                 reduce += transfer_seconds(cluster, plan.mesh, c.axis, c.kind, c.elements * 4, 1)
             elif c.axis == AXIS_PP:
-                if c.kind == "send":
+                if c.kind is CommKind.SEND:
                     size = c.elements * width
                     pp += transfer_seconds(cluster, plan.mesh, c.axis, c.kind, size, c.count)
             else:

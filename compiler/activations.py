@@ -2,7 +2,7 @@
 
 Analysis only. Reads the fake forward's saved tensors (compiler/saved.py), the
 plan's node stages and, when the tensor-parallel analysis ran, each node's
-`parc_sharded`:
+`ParcMeta.sharded` (compiler/node_meta.py):
 
 1. Every storage saved for backward is charged to the stage of the node that
    saved it, once per stage (a value two stages save lives on both).
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
+from .node_meta import meta_of
 from .passes.recompute import recompute_regions
 from .plan import Plan
 from .saved import SavedTensors
@@ -57,7 +58,7 @@ def stage_activations(
 
     def share(nbytes: int, node: str) -> int:
         # Step 2
-        sharded = plan.tp > 1 and bool(nodes[node].meta.get("parc_sharded", False))
+        sharded = plan.tp > 1 and meta_of(nodes[node]).sharded
         return nbytes // plan.tp if sharded else nbytes
 
     stored: list[dict[int, int]] = [{} for _ in range(plan.pp)]

@@ -32,6 +32,7 @@ from .layout import (
     zero3_owner,
 )
 from .memory_model import ADAMW, MemoryModel
+from .node_meta import meta_of
 from .passes.placement import Partial, Shard
 from .plan import Plan
 from .rank_memories import RankMemories
@@ -171,7 +172,7 @@ def _split_nodes(plan: Plan, gm: torch.fx.GraphModule) -> frozenset[str]:
         places = place if isinstance(place, tuple) else (place,)
         return any(isinstance(p, Shard | Partial) for p in places)
 
-    return frozenset(n.name for n in gm.graph.nodes if split(n.meta.get("parc_tp")))
+    return frozenset(n.name for n in gm.graph.nodes if split(meta_of(n).tp))
 
 
 def _regions(plan: Plan, gm: torch.fx.GraphModule) -> dict[str, str]:

@@ -22,8 +22,9 @@ import torch
 import torch.fx
 
 from .cost import params_of_node
+from .node_meta import meta_of
 from .ops.collectives import CommKind
-from .passes.placement import ConvKind, LowerKind, NodeRewrite, Replicate
+from .passes.placement import ConvKind, LowerKind, Replicate
 
 __all__ = ["forward_tp_collectives", "param_readers"]
 
@@ -45,7 +46,7 @@ def forward_tp_collectives(gm: torch.fx.GraphModule) -> dict[str, list[tuple[str
     made: set[tuple[str, tuple]] = set()
     out: dict[str, list[tuple[str, int]]] = {}
     for node in gm.graph.nodes:
-        rewrite: NodeRewrite | None = node.meta.get("parc_tp_rewrite")
+        rewrite = meta_of(node).tp_rewrite
         if rewrite is None:
             continue
         found = []
@@ -59,7 +60,7 @@ def forward_tp_collectives(gm: torch.fx.GraphModule) -> dict[str, list[tuple[str
                     found.append((_FORWARD[step.kind], _numel(by_name[name])))
         lowering = rewrite.lowering
         row = lowering is not None and lowering.kind is LowerKind.LINEAR_ROW
-        if row and isinstance(node.meta.get("parc_tp"), Replicate):
+        if row and isinstance(meta_of(node).tp, Replicate):
             found.append(
                 (CommKind.ALL_REDUCE.value, _numel(node))
             )  # a row Linear's, before its bias

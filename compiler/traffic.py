@@ -25,6 +25,7 @@ from parc.dsl.ast import AXIS_DP, AXIS_PP
 
 from .cost import output_numel
 from .layout import FlatUnit
+from .node_meta import meta_of
 from .ops.collectives import CommKind
 from .plan import Plan
 from .stages import activation_nodes
@@ -133,7 +134,7 @@ def _tp_collectives(
     for node in gm.graph.nodes:
         if stage_of.get(node.name) != s:
             continue
-        for kind, numel in node.meta.get("parc_collectives", ()):
+        for kind, numel in meta_of(node).collectives:
             entry = totals.setdefault(CommKind(kind), [0, 0])
             entry[0] += 1
             entry[1] += numel

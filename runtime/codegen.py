@@ -17,6 +17,7 @@ import torch
 
 from parc.compiler.frontend import Analysis
 from parc.compiler.layout import DEFAULT_BUCKET_ELEMS
+from parc.compiler.node_meta import meta_of
 
 from .assemble import assemble
 from .collectives import Comm
@@ -83,7 +84,7 @@ def _recomputed(gm: torch.fx.GraphModule) -> str:
 
 def _annotate(gm: torch.fx.GraphModule) -> str:
     """gm.code with `# <comment>` after each line that defines a commented node."""
-    comments = {n.name: n.meta["parc_comment"] for n in gm.graph.nodes if "parc_comment" in n.meta}
+    comments = {n.name: c for n in gm.graph.nodes if (c := meta_of(n).comment) is not None}
     lines = []
     for line in gm.code.splitlines():
         match = re.match(r"\s+(\w+) = ", line)

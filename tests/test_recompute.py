@@ -19,6 +19,7 @@ import torch.fx
 from helpers import GPT, LLAMA, ROOT, check_equivalent
 
 from parc.compiler.frontend import analyse
+from parc.compiler.node_meta import meta_of
 from parc.compiler.ops.recompute import Recomputed
 from parc.compiler.passes.pipeline_split import pipeline_split
 from parc.compiler.passes.recompute import recompute_modules, recompute_regions
@@ -106,7 +107,7 @@ def test_each_region_becomes_one_checkpointed_call() -> None:
     assert [n for n, _ in gm.named_parameters(remove_duplicate=False)] == names
     assert not list(gm.get_submodule("recompute_0").parameters())
     # The block's residual stream in, the next block's input out.
-    assert "activation checkpointing: layers.0 runs again in backward" in calls[0].meta.values()
+    assert meta_of(calls[0]).comment == "activation checkpointing: layers.0 runs again in backward"
 
 
 def test_the_rewritten_graph_computes_the_same_values() -> None:

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from parc.compiler.frontend import analyse
 from parc.compiler.model import load_model
+from parc.compiler.node_meta import meta_of
 from parc.compiler.passes.placement import Shard
 from parc.compiler.passes.tensor_parallel import tensor_parallel
 from parc.compiler.passes.tp_analysis import analyse_tensor_parallel
@@ -107,9 +108,9 @@ def _train_rank(case: Case) -> dict:
 def _full_parameters(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
     """Every parameter at full size: sharded ones all-gathered from the ranks' slices."""
     shards = {
-        str(n.target): n.meta["parc_tp"]
+        str(n.target): meta_of(n).tp
         for n in gm.graph.nodes
-        if n.op == "get_attr" and isinstance(n.meta.get("parc_tp"), Shard)
+        if n.op == "get_attr" and isinstance(meta_of(n).tp, Shard)
     }
     out = {}
     for name, p in gm.named_parameters():

@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from parc.compiler.frontend import Analysis, analyse
+from parc.compiler.node_meta import meta_of
 from parc.compiler.passes.functional import local_slice
 from parc.compiler.passes.placement import Partial, Replicate, Shard, plan_conversion
 from parc.compiler.passes.tensor_parallel import tensor_parallel
@@ -74,7 +75,7 @@ def node(a: Analysis, key: str) -> torch.fx.Node:
 
 
 def placement(a: Analysis, key: str) -> object:
-    return node(a, key).meta["parc_tp"]
+    return meta_of(node(a, key)).tp
 
 
 def ops(gm: torch.fx.GraphModule, target: object) -> list[torch.fx.Node]:
@@ -133,10 +134,10 @@ def test_fused_qkv_is_sharded_per_block_and_split_into_local_parts(monkeypatch) 
     a, warnings = tp_analyse(GPT_TP, "gpt.py", monkeypatch, GPT)
     assert not warnings
     qkv = node(a, "layers.0.attn.qkv")
-    assert qkv.meta["parc_tp"] == Shard(2, 3)
+    assert meta_of(qkv).tp == Shard(2, 3)
     split = next(iter(qkv.users))
-    assert split.meta["parc_tp"] == (Shard(2),) * 3
-    assert [u.meta["parc_tp"] for u in split.users] == [Shard(2)] * 3
+    assert meta_of(split).tp == (Shard(2),) * 3
+    assert [meta_of(u).tp for u in split.users] == [Shard(2)] * 3
 
 
 def test_fused_qkv_weights_are_cut_per_block() -> None:
@@ -147,9 +148,9 @@ def test_fused_qkv_weights_are_cut_per_block() -> None:
 def test_heads_view_runs_on_local_heads_and_sdpa_is_local(monkeypatch) -> None:
     a, _ = tp_analyse(GPT_TP, "gpt.py", monkeypatch, GPT)
     sdpa = ops(a.gm, F.scaled_dot_product_attention)[0]
-    assert sdpa.meta["parc_tp"] == Shard(1)
-    assert all(q.meta["parc_tp"] == Shard(1) for q in sdpa.args[:3])
-    assert "parc_tp_rewrite" not in sdpa.meta  # nothing to convert: attention per head
+    assert meta_of(sdpa).tp == Shard(1)
+    assert all(meta_of(q).tp == Shard(1) for q in sdpa.args[:3])
+    assert meta_of(sdpa).tp_rewrite is None  # nothing to convert: attention per head
     rank = tensor_parallel(a.gm, a.plan, tp_index=0)
     views = [n for n in rank.graph.nodes if n.target == "view"]
     assert [v.args[3] for v in views[:3]] == [2, 2, 2]  # n_head=4 // tp=2, a constant
@@ -201,7 +202,7 @@ def test_transpose_permute_contiguous_follow_the_sharded_dim(monkeypatch) -> Non
     module = model_file(Heads, lambda n: torch.randn(n, 3, 8))
     a, warnings = tp_analyse(spec, module, monkeypatch)
     assert not warnings
-    places = [n.meta["parc_tp"] for n in a.gm.graph.nodes if n.op == "call_method"]
+    places = [meta_of(n).tp for n in a.gm.graph.nodes if n.op == "call_method"]
     assert Shard(1) in places and Shard(2) in places
     assert placement(a, "proj") == Replicate()
 
@@ -209,7 +210,7 @@ def test_transpose_permute_contiguous_follow_the_sharded_dim(monkeypatch) -> Non
 def test_gqa_repeat_interleave_keeps_kv_heads_local(monkeypatch) -> None:
     a, _ = tp_analyse(LLAMA_TP, "llama.py", monkeypatch, LLAMA)
     repeats = [n for n in a.gm.graph.nodes if n.target == "repeat_interleave"]
-    assert repeats and all(n.meta["parc_tp"] == Shard(1) for n in repeats)
+    assert repeats and all(meta_of(n).tp == Shard(1) for n in repeats)
     rank = tensor_parallel(a.gm, a.plan, tp_index=1)
     k_view = next(u for n in rank.graph.nodes if n.name == "layers_0_attn_k" for u in n.users)
     assert k_view.args[3] == 1  # n_kv_head=2 // tp=2
@@ -219,10 +220,10 @@ def test_rotary_tables_broadcast_over_local_heads(monkeypatch) -> None:
     """q·cos: the replicated table has no heads dim; it is used as it is, without enter."""
     a, _ = tp_analyse(LLAMA_TP, "llama.py", monkeypatch, LLAMA)
     narrow = next(n for n in a.gm.graph.nodes if n.target == "narrow")
-    assert narrow.meta["parc_tp"] == Replicate()
+    assert meta_of(narrow).tp == Replicate()
     for user in narrow.users:
-        assert user.meta["parc_tp"] == Shard(1)
-        converts = user.meta.get("parc_tp_rewrite")
+        assert meta_of(user).tp == Shard(1)
+        converts = meta_of(user).tp_rewrite
         assert converts is None or narrow.name not in dict(converts.converts)
 
 
@@ -231,10 +232,10 @@ def test_explicit_softmax_attention_is_local(monkeypatch) -> None:
     assert not warnings
     matmuls = ops(a.gm, operator.matmul)
     softmax = ops(a.gm, F.softmax)[0]
-    assert [m.meta["parc_tp"] for m in matmuls[:2]] == [Shard(1), Shard(1)]
-    assert softmax.meta["parc_tp"] == Shard(1)
+    assert [meta_of(m).tp for m in matmuls[:2]] == [Shard(1), Shard(1)]
+    assert meta_of(softmax).tp == Shard(1)
     mask_add = softmax.args[0]
-    assert mask_add.meta["parc_tp"] == Shard(1) and "parc_tp_rewrite" not in mask_add.meta
+    assert meta_of(mask_add).tp == Shard(1) and meta_of(mask_add).tp_rewrite is None
 
 
 # --------------------------------------------------------------------------- MLPs, norms, residuals
@@ -243,17 +244,19 @@ def test_explicit_softmax_attention_is_local(monkeypatch) -> None:
 def test_swiglu_gate_times_up_stays_sharded_and_down_is_partial(monkeypatch) -> None:
     a, _ = tp_analyse(LLAMA_TP, "llama.py", monkeypatch, LLAMA)
     down = node(a, "layers.0.mlp.down")
-    assert down.meta["parc_tp"] == Partial()
+    assert meta_of(down).tp == Partial()
     product = down.args[0]
-    assert product.meta["parc_tp"] == Shard(2)
-    assert {a.meta["parc_tp"] for a in product.args} == {Shard(2)}
+    assert meta_of(product).tp == Shard(2)
+    assert {meta_of(a).tp for a in product.args} == {Shard(2)}
 
 
 def test_residual_add_all_reduces_only_the_partial_operand(monkeypatch) -> None:
     a, _ = tp_analyse(LLAMA_TP, "llama.py", monkeypatch, LLAMA)
     add = next(iter(node(a, "layers.0.attn.o").users))
-    assert add.meta["parc_tp"] == Replicate()
-    (converted,) = add.meta["parc_tp_rewrite"].converts
+    assert meta_of(add).tp == Replicate()
+    rewrite = meta_of(add).tp_rewrite
+    assert rewrite is not None
+    (converted,) = rewrite.converts
     assert converted[0] == "layers_0_attn_o" and str(converted[1][0]) == "all_reduce"
 
 
@@ -263,7 +266,7 @@ def test_layernorm_and_rmsnorm_stay_replicated(monkeypatch) -> None:
     b, _ = tp_analyse(LLAMA_TP, "llama.py", monkeypatch, LLAMA)
     weight = next(n for n in b.gm.graph.nodes if n.op == "get_attr" and "attn_norm" in n.target)
     norm_out = next(iter(weight.users))
-    assert norm_out.meta["parc_tp"] == Replicate() and "parc_tp_rewrite" not in norm_out.meta
+    assert meta_of(norm_out).tp == Replicate() and meta_of(norm_out).tp_rewrite is None
 
 
 def test_row_bias_is_added_once_after_the_all_reduce(monkeypatch) -> None:
@@ -291,7 +294,7 @@ def test_partial_plus_partial_is_reduced_once(monkeypatch) -> None:
     spec = "mesh tp=2\nshard a1 col tp\nshard b1 col tp\nshard a2 row tp\nshard b2 row tp\n"
     a, _ = tp_analyse(spec, model_file(TwoRows, lambda n: torch.randn(n, 4)), monkeypatch)
     add = next(n for n in a.gm.graph.nodes if n.target is operator.add)
-    assert add.meta["parc_tp"] == Partial()
+    assert meta_of(add).tp == Partial()
     rank = tensor_parallel(a.gm, a.plan, tp_index=0)
     (reduce,) = ops(rank, tp_all_reduce)
     assert reduce.args[0].target is operator.add
@@ -311,7 +314,7 @@ def test_col_only_layer_all_gathers_before_the_next_op_and_warns(monkeypatch) ->
     assert warnings[0].span is not None and warnings[0].span.line == 2
     rank = tensor_parallel(a.gm, a.plan, tp_index=0)
     (gather, _) = ops(rank, tp_all_gather)
-    assert gather.args[0].target is F.gelu and gather.meta["parc_comment"].startswith("Shard→")
+    assert gather.args[0].target is F.gelu and (meta_of(gather).comment or "").startswith("Shard→")
 
 
 def test_strict_turns_the_all_gather_fallback_into_an_error(monkeypatch) -> None:
@@ -360,11 +363,11 @@ def test_rewrite_leaves_the_analysed_graph_alone(monkeypatch) -> None:
 
 def test_estimate_reads_collectives_and_sharded_activations(monkeypatch) -> None:
     a, _ = tp_analyse(GPT_TP, "gpt.py", monkeypatch, GPT)
-    comms = [c for n in a.gm.graph.nodes for c in n.meta["parc_collectives"]]
+    comms = [c for n in a.gm.graph.nodes for c in meta_of(n).collectives]
     b, t, h = 2, int(GPT["GPT_SEQ"]), int(GPT["GPT_DIM"])
     assert comms == [("all_reduce", b * t * h)] * 4 * int(GPT["GPT_LAYERS"])
-    assert node(a, "layers.0.mlp.fc1").meta["parc_sharded"]
-    assert not node(a, "layers.0.ln_2").meta["parc_sharded"]
+    assert meta_of(node(a, "layers.0.mlp.fc1")).sharded
+    assert not meta_of(node(a, "layers.0.ln_2")).sharded
 
 
 # --------------------------------------------------------------------------- minimal traffic
@@ -386,7 +389,7 @@ def test_each_block_costs_two_all_reduces_forward_and_two_backward(
     forward, backward = ops(rank, tp_all_reduce), ops(rank, tp_enter)
     assert by_block(forward) == dict.fromkeys(blocks, 2)
     assert by_block(backward) == dict.fromkeys(blocks, 2)
-    assert all(n.meta["parc_collectives"] == [("all_reduce", 2 * 8 * 16)] for n in backward)
+    assert all(meta_of(n).collectives == (("all_reduce", 2 * 8 * 16),) for n in backward)
     assert not ops(rank, tp_all_gather) and not ops(rank, tp_slice)
 
 

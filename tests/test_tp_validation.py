@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 from parc.compiler.frontend import Analysis, analyse
+from parc.compiler.node_meta import meta_of
 from parc.compiler.passes.placement import Replicate
 from parc.compiler.passes.tensor_parallel import tensor_parallel
 from parc.compiler.passes.tp_analysis import analyse_tensor_parallel
@@ -107,5 +108,5 @@ def test_row_input_in_blocks_that_do_not_line_up_explains_what_to_shard(monkeypa
 
 def test_without_a_tp_axis_everything_is_replicated_and_nothing_is_rewritten(monkeypatch) -> None:
     a = tp_analyse("mesh dp=2\n", "mlp.py", monkeypatch)
-    assert all(n.meta["parc_tp"] == Replicate() for n in a.gm.graph.nodes)
+    assert all(meta_of(n).tp == Replicate() for n in a.gm.graph.nodes)
     assert tensor_parallel(a.gm, a.plan, tp_index=0) is a.gm

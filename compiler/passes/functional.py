@@ -8,9 +8,9 @@
   Linear adds its bias once, after the all-reduce.
 - `emit_conversion`: the collectives that change a placement
   (compiler/ops/collectives.py), each named after its input and commented in
-  `node.meta["parc_comment"]`.
+  `ParcMeta.comment` (compiler/node_meta.py).
 
-Every node made here gets `parc_tp` (its placement) and `tensor_meta` with the
+Every node made here gets `ParcMeta.tp` (its placement) and `tensor_meta` with the
 rank's local shape.
 """
 
@@ -25,6 +25,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
+from ..node_meta import meta_of, set_collectives, set_comment, set_placement
 from ..ops.collectives import (
     CommKind,
     tp_all_gather,
@@ -76,7 +77,7 @@ def conversion_collective(kind: ConvKind, *, grad: bool) -> str | None:
     """The collective (a `CommKind` value) one conversion step costs; None if it costs none.
 
     `grad`: its input needs a gradient. The rule for the inserted nodes'
-    `parc_collectives` and for the analysis' counts (tp_analysis.py).
+    `ParcMeta.collectives` and for the analysis' counts (tp_analysis.py).
     """
     comm, backward_only = _COLLECTIVES[kind]
     return comm.value if grad or not backward_only else None
@@ -110,11 +111,11 @@ def where_from(node: torch.fx.Node, source: torch.fx.Node) -> None:
 
 
 def _annotate(node: torch.fx.Node, place: Placement, meta: Any, tp: int, comment: str = "") -> None:
-    node.meta["parc_tp"] = place
+    set_placement(node, place)
     if meta is not None:
         node.meta["tensor_meta"] = local_meta(meta, place, tp)
     if comment:
-        node.meta["parc_comment"] = comment
+        set_comment(node, comment)
 
 
 def emit_conversion(
@@ -130,7 +131,7 @@ def emit_conversion(
 ) -> torch.fx.Node:
     """One placement change of `x`, appended to `graph`; `grad`: `x` needs a gradient.
 
-    `node.meta["parc_collectives"]` lists what it costs per microbatch (forward
+    Its `ParcMeta.collectives` lists what it costs per microbatch (forward
     and backward), for the estimate.
     """
     if step.kind in (ConvKind.ENTER, ConvKind.ALL_REDUCE):
@@ -142,7 +143,7 @@ def emit_conversion(
     _annotate(node, place, meta, tp, conversion_comment(step))
     numel = math.prod(meta.shape) if hasattr(meta, "shape") else 0
     kind = conversion_collective(step.kind, grad=grad)
-    node.meta["parc_collectives"] = [(kind, numel)] if kind is not None else []
+    set_collectives(node, ((kind, numel),) if kind is not None else ())
     return node
 
 
@@ -158,7 +159,9 @@ def emit_lowered(
     """The functional form of sharded module call `node` on input `x`, appended to `graph`."""
     before = next(reversed(graph.nodes), None)
     w, b = _param_nodes(graph, lowering)
-    place, meta = node.meta["parc_tp"], node.meta.get("tensor_meta")
+    place, meta = meta_of(node).tp, node.meta.get("tensor_meta")
+    # The analysis placed every module call it lowers, and a module call has one output.
+    assert place is not None and not isinstance(place, tuple), node.name
     if lowering.kind is LowerKind.EMBEDDING_COL:
         assert isinstance(module, torch.nn.Embedding)
         args: tuple[Any, ...] = (x, w, *embedding_options(module))
@@ -174,7 +177,7 @@ def emit_lowered(
             graph, partial, ConvStep(ConvKind.ALL_REDUCE), axis, name=node.name, meta=meta, tp=tp
         )
         out = graph.create_node("call_function", operator.add, (reduced, b), name=node.name)
-        out.meta["parc_comment"] = "row Linear: the bias is added once, after the all-reduce"
+        set_comment(out, "row Linear: the bias is added once, after the all-reduce")
     _annotate(out, place, meta, tp)
     made = out
     while made is not before and made.op != "root":
@@ -194,7 +197,7 @@ def _param_nodes(
             nodes.append(None)
             continue
         got = graph.get_attr(use.target)
-        got.meta["parc_tp"] = use.shard if use.shard is not None else Replicate()
+        set_placement(got, use.shard if use.shard is not None else Replicate())
         nodes.append(got)
     w, b = nodes
     assert w is not None

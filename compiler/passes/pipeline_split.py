@@ -34,12 +34,11 @@ import torch
 import torch.fx
 
 from parc.compiler.model_state import buffer_writes
+from parc.compiler.node_meta import meta_of, set_stage
 from parc.compiler.plan import Plan
 from parc.compiler.stages import activation_nodes, fill_stages
 
-__all__ = ["STAGE_META", "Boundary", "StageGraph", "annotate_stages", "pipeline_split"]
-
-STAGE_META = "parc_stage"
+__all__ = ["Boundary", "StageGraph", "annotate_stages", "pipeline_split"]
 
 
 def annotate_stages(gm: torch.fx.GraphModule, plan: Plan) -> None:
@@ -47,7 +46,7 @@ def annotate_stages(gm: torch.fx.GraphModule, plan: Plan) -> None:
     stage_of = plan.stage_of()
     for node in gm.graph.nodes:
         if node.name in stage_of:
-            node.meta[STAGE_META] = stage_of[node.name]
+            set_stage(node, stage_of[node.name])
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,9 +84,9 @@ def pipeline_split(gm: torch.fx.GraphModule, plan: Plan) -> list[StageGraph]:
     activations = activation_nodes(gm)
     # Step 1: stages travel with the nodes in node.meta (names may change in passes).
     known = {
-        n.name: n.meta[STAGE_META]
+        n.name: stage
         for n in gm.graph.nodes
-        if STAGE_META in n.meta and n.name in activations
+        if (stage := meta_of(n).stage) is not None and n.name in activations
     }
     stages = fill_stages(gm, known, activations)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -196,10 +195,8 @@ def _needed_nodes(
 
 
 def _contract(node: torch.fx.Node) -> Boundary:
+    # After the tensor-parallel rewrite `tensor_meta` already holds the local shape.
     meta = node.meta.get("tensor_meta")
     shape = tuple(meta.shape) if meta is not None and hasattr(meta, "shape") else ()
     dtype = meta.dtype if meta is not None and hasattr(meta, "dtype") else torch.float32
-    placement = node.meta.get("parc_local_shape")
-    if placement is not None:
-        shape = tuple(placement)
     return Boundary(node.name, shape, dtype)

@@ -11,15 +11,15 @@ table:
 contiguous parts over the axis, rank i holding part i of every block (a fused
 qkv output is `S(2,3)`). Dims are non-negative (the analysis knows every rank).
 
-The analysis (tp_analysis.py) writes, per fx node:
+The analysis (tp_analysis.py) writes, per fx node, into its `ParcMeta`
+(compiler/node_meta.py):
 
-- `node.meta["parc_tp"]`: the output's placement (a tuple of placements for a
-  node whose output is a tuple, e.g. `split`); non-tensor values are `R`.
-- `node.meta["parc_tp_rewrite"]`: a `NodeRewrite` when the node needs more than
-  a plain copy: input conversions, size arguments to make local, a lowering of
-  a sharded module call.
-- `node.meta["parc_sharded"]`, `node.meta["parc_collectives"]`: for the cost
-  estimate (compiler/estimate.py).
+- `tp`: the output's placement (a tuple of placements for a node whose output
+  is a tuple, e.g. `split`); non-tensor values are `R`.
+- `tp_rewrite`: a `NodeRewrite` when the node needs more than a plain copy:
+  input conversions, size arguments to make local, a lowering of a sharded
+  module call.
+- `sharded`, `collectives`: for the cost estimate (compiler/estimate.py).
 """
 
 from __future__ import annotations

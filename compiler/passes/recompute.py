@@ -42,6 +42,7 @@ import torch.fx
 
 from parc.errors import CompileError
 
+from ..node_meta import set_comment
 from ..ops.recompute import Recomputed
 from ..plan import Plan
 from ..trace import module_path
@@ -121,12 +122,13 @@ def _replace_region(
     later = _readers_between(members, inside, region)
     with gm.graph.inserting_after(members[-1]):
         call = gm.graph.call_module(attr, tuple(inputs))
-    call.meta["parc_comment"] = f"activation checkpointing: {region} runs again in backward"
+    set_comment(call, f"activation checkpointing: {region} runs again in backward")
     last = call
     for i, node in enumerate(outputs):
         with gm.graph.inserting_after(last):
             last = gm.graph.call_function(operator.getitem, (call, i))
-        last.meta = {k: v for k, v in node.meta.items() if k != "parc_comment"}
+        last.meta = dict(node.meta)
+        set_comment(last, None)
         node.replace_all_uses_with(last, delete_user_cb=lambda user: user not in inside)
     for node in later:
         last.append(node)

@@ -29,9 +29,9 @@ Algorithm:
 5. The graph output: converted to replicated like any other input (step 4).
 6. A new GraphModule over the rank's parameters; `graph.lint()`; `recompile()`.
 
-Every node of the result carries `parc_tp` (its placement) and `tensor_meta`
-with local shapes; inserted collectives carry `parc_comment` and
-`parc_collectives`.
+Every node of the result carries `ParcMeta.tp` (its placement, see
+compiler/node_meta.py) and `tensor_meta` with local shapes; inserted
+collectives carry `ParcMeta.comment` and `ParcMeta.collectives`.
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ from typing import Any
 import torch
 import torch.fx
 
+from ..node_meta import meta_of, set_collectives, set_stage, set_tp_rewrite
 from ..plan import Plan
 from .functional import emit_conversion, emit_lowered, local_meta, local_slice, where_from
-from .pipeline_split import STAGE_META
 from .placement import Conversion, NodeRewrite, ParamUse, SizeOp
 from .tp_analysis import analyse_tensor_parallel
 from .tp_shapes import get_path, set_path
@@ -66,7 +66,7 @@ def tensor_parallel(gm: torch.fx.GraphModule, plan: Plan, *, tp_index: int) -> t
     if not 0 <= tp_index < plan.tp:
         raise ValueError(f"tp_index {tp_index} is outside the axis {plan.tp_axis}={plan.tp}")
     # Step 2
-    if any("parc_tp" not in node.meta for node in gm.graph.nodes):
+    if any(meta_of(node).tp is None for node in gm.graph.nodes):
         analyse_tensor_parallel(gm, plan)
     rewriter = _Rewriter(gm, plan.tp_axis, plan.tp, tp_index)
     # Steps 3-5
@@ -101,14 +101,14 @@ class _Rewriter:
         functional form, size fixes) belongs to its pipeline stage."""
         before = set(self.graph.nodes)
         self._copy(node)
-        stage = node.meta.get(STAGE_META)
+        stage = meta_of(node).stage
         if stage is not None:
             for made in self.graph.nodes:
                 if made not in before:
-                    made.meta[STAGE_META] = stage
+                    set_stage(made, stage)
 
     def _copy(self, node: torch.fx.Node) -> None:
-        rewrite: NodeRewrite = node.meta.get("parc_tp_rewrite") or NodeRewrite()
+        rewrite = meta_of(node).tp_rewrite or NodeRewrite()
         inputs = {name: self._convert(name, steps, node) for name, steps in rewrite.converts}
         if rewrite.lowering is not None:
             x = node.args[0]
@@ -123,10 +123,10 @@ class _Rewriter:
         else:
             new = self.graph.node_copy(node, lambda n: inputs.get(n.name) or self.env[n])
             new.meta["tensor_meta"] = local_meta(
-                node.meta.get("tensor_meta"), node.meta.get("parc_tp"), self.tp
+                node.meta.get("tensor_meta"), meta_of(node).tp, self.tp
             )
-            new.meta.pop("parc_tp_rewrite", None)
-            new.meta["parc_collectives"] = []
+            set_tp_rewrite(new, None)
+            set_collectives(new, ())
             self._attach(node, new, rewrite)
         self.env[node] = new
 
@@ -160,10 +160,10 @@ class _Rewriter:
         value = self.env[old]
         for i, step in enumerate(steps):
             # Per stage: a value converted on one pipeline stage is not reused on another.
-            key = (name, steps[: i + 1], consumer.meta.get(STAGE_META))
+            key = (name, steps[: i + 1], meta_of(consumer).stage)
             if key not in self.converted:
                 meta = old.meta.get("tensor_meta")
-                grad = bool(old.meta.get("parc_tp_grad", True))
+                grad = meta_of(old).tp_grad
                 self.converted[key] = emit_conversion(
                     self.graph, value, step, self.axis, name=name, meta=meta, tp=self.tp, grad=grad
                 )
@@ -175,7 +175,7 @@ class _Rewriter:
         """Step 4: make one size argument of `new` local (or global)."""
         value = get_path(new.args, dict(new.kwargs), path)
         if isinstance(value, torch.fx.Node):
-            key = (value.name, op, new.meta.get(STAGE_META))
+            key = (value.name, op, meta_of(new).stage)
             if key not in self.sized:
                 with self.graph.inserting_before(new):
                     self.sized[key] = self.graph.call_function(_SIZE_OPS[op], (value, self.tp))

@@ -9,7 +9,7 @@ rank's rewrite (tensor_parallel.py) reads the same decisions.
     >>> analyse_tensor_parallel(a.gm, a.plan, a.spec)                    # doctest: +SKIP
     []
     >>> fc1 = next(n for n in a.gm.graph.nodes if n.target == "layers.0.mlp.fc1")  # doctest: +SKIP
-    >>> fc1.meta["parc_tp"]                                               # doctest: +SKIP
+    >>> meta_of(fc1).tp                                                  # doctest: +SKIP
     S(2)
 
 Algorithm:
@@ -30,8 +30,8 @@ Algorithm:
 5. Sizes: size-valued nodes get their (global, local) values; size arguments
    of the other nodes that must change are recorded (tp_shapes.py).
 6. The graph output: every tensor is made R (all-gather / all-reduce).
-7. Write node.meta: parc_tp, parc_tp_rewrite, parc_tp_grad (the value needs a
-   gradient), parc_sharded, parc_collectives.
+7. Write each node's `ParcMeta` (compiler/node_meta.py): tp, tp_rewrite,
+   tp_grad (the value needs a gradient), sharded, collectives.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ import torch.fx
 from parc.dsl.ast import ShardKind, Spec
 
 from ..layout import canonical_names
+from ..node_meta import set_tp_analysis
 from ..ops.collectives import CommKind
 from ..plan import ModuleShard, Plan, PlanWarning
 from . import tp_messages as msg
@@ -106,14 +107,8 @@ def analyse_tensor_parallel(
 def _write(
     node: torch.fx.Node, place: Any, rewrite: NodeRewrite | None, comms: list, grad: bool = False
 ) -> None:
-    node.meta["parc_tp"] = place
-    node.meta["parc_tp_grad"] = grad
-    node.meta["parc_sharded"] = any(isinstance(p, Shard) for p in _flat(place))
-    node.meta["parc_collectives"] = list(comms)
-    if rewrite:
-        node.meta["parc_tp_rewrite"] = rewrite
-    else:
-        node.meta.pop("parc_tp_rewrite", None)
+    sharded = any(isinstance(p, Shard) for p in _flat(place))
+    set_tp_analysis(node, place, rewrite, tuple(comms), grad=grad, sharded=sharded)
 
 
 def _flat(place: Any) -> tuple[Placement, ...]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from ..node_meta import set_comment
 from ..ops.zero3 import zero3_gather, zero3_view
 
 __all__ = ["shard_parameters"]
@@ -58,7 +59,7 @@ def shard_parameters(
         with gm.graph.inserting_before(first):
             shard = gm.graph.get_attr(f"zero3_shards.u{unit}")
             flat = gm.graph.call_function(zero3_gather, (shard, unit))
-            flat.meta["parc_comment"] = "all-gather of ZeRO-3 shards; reduce-scatter backward"
+            set_comment(flat, "all-gather of ZeRO-3 shards; reduce-scatter backward")
             views = {}
             for node in nodes:
                 key = canonical[str(node.target)]

@@ -42,6 +42,7 @@ from ..blocks import Blocks, find_blocks
 from ..cost import node_costs, output_numel, tensor_metas
 from ..layout import ParamSlice, canonical_names, param_slices, zero3_owner
 from ..model import ModelSource
+from ..node_meta import meta_of
 from ..ops.collectives import CommKind
 from ..passes.placement import Partial, Shard
 from ..passes.tp_analysis import analyse_tensor_parallel
@@ -283,8 +284,8 @@ class _Base:
     ) -> TPProfile:
         """Per-unit costs with node.meta as the tensor-parallel analysis at `tp` left it."""
         nodes = list(self.gm.graph.nodes)
-        sharded = {n.name for n in nodes if tp > 1 and n.meta.get("parc_sharded")}
-        split = {n.name for n in nodes if tp > 1 and _split(n.meta.get("parc_tp"))}
+        sharded = {n.name for n in nodes if tp > 1 and meta_of(n).sharded}
+        split = {n.name for n in nodes if tp > 1 and _split(meta_of(n).tp)}
         forward = forward_tp_collectives(self.gm) if tp > 1 else {}
         local = {n: v // slices[n].parts if n in slices else v for n, v in self.numel.items()}
         units = [self._unit(i, tp, sharded, split, local, forward) for i in range(self.n)]
@@ -309,7 +310,7 @@ class _Base:
             if i in homes:
                 owner = zero3_owner(p, self.blocks)
                 owners[owner] = owners.get(owner, 0) + local[p]
-        comms = [c for n in mine for c in n.meta.get("parc_collectives", ())] if tp > 1 else []
+        comms = [c for n in mine for c in meta_of(n).collectives] if tp > 1 else []
         return UnitCost(
             params=sum(owners.values()),
             largest=max(owners.values(), default=0),

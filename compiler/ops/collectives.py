@@ -22,13 +22,14 @@ are partial sums.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from enum import Enum
 from typing import Any, Protocol
 
 import torch
 
 from parc.errors import RuntimeFault
+
+from .active import ActiveSlot
 
 __all__ = [
     "ActiveComm",
@@ -71,33 +72,27 @@ class ActiveComm(Protocol):
     ) -> Any: ...
 
 
-_ACTIVE: ActiveComm | None = None
+_COMM: ActiveSlot[ActiveComm] = ActiveSlot(
+    lambda: RuntimeFault(
+        "a parc graph op ran outside a step: no active Comm",
+        hint="run compiled programs through Program.step (or `with comm.active():`)",
+    )
+)
 
 
-@contextlib.contextmanager
-def comm_activated(comm: ActiveComm) -> Iterator[None]:
+def comm_activated(comm: ActiveComm) -> contextlib.AbstractContextManager[None]:
     """Make `comm` the one graph ops use, for the duration of the block."""
-    global _ACTIVE
-    previous, _ACTIVE = _ACTIVE, comm
-    try:
-        yield
-    finally:
-        _ACTIVE = previous
+    return _COMM.activated(comm)
 
 
 def current_comm() -> ActiveComm | None:
     """The active Comm, or None outside a step."""
-    return _ACTIVE
+    return _COMM.current()
 
 
 def active_comm() -> ActiveComm:
     """The active Comm; a RuntimeFault outside a step."""
-    if _ACTIVE is None:
-        raise RuntimeFault(
-            "a parc graph op ran outside a step: no active Comm",
-            hint="run compiled programs through Program.step (or `with comm.active():`)",
-        )
-    return _ACTIVE
+    return _COMM.get()
 
 
 def _gather_dim(x: torch.Tensor, dim: int, axis: str, blocks: int) -> torch.Tensor:

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
+
+from .active import ActiveSlot
 
 __all__ = [
     "ActiveZero3",
@@ -38,30 +39,24 @@ class ActiveZero3(Protocol):
         ...
 
 
-_ACTIVE: ActiveZero3 | None = None
+_ZERO3: ActiveSlot[ActiveZero3] = ActiveSlot(
+    lambda: RuntimeError("zero3_gather ran outside Zero3.forward_context")
+)
 
 
-@contextlib.contextmanager
-def zero3_activated(runtime: ActiveZero3) -> Iterator[None]:
+def zero3_activated(runtime: ActiveZero3) -> contextlib.AbstractContextManager[None]:
     """Make `runtime` the one `zero3_gather` uses, for the duration of the block."""
-    global _ACTIVE
-    previous, _ACTIVE = _ACTIVE, runtime
-    try:
-        yield
-    finally:
-        _ACTIVE = previous
+    return _ZERO3.activated(runtime)
 
 
 def current_zero3() -> ActiveZero3 | None:
     """The ZeRO-3 runtime whose forward is running, if any."""
-    return _ACTIVE
+    return _ZERO3.current()
 
 
 def active_zero3() -> ActiveZero3:
     """The active ZeRO-3 runtime; an error outside its forward."""
-    if _ACTIVE is None:
-        raise RuntimeError("zero3_gather ran outside Zero3.forward_context")
-    return _ACTIVE
+    return _ZERO3.get()
 
 
 class _Gather(torch.autograd.Function):

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from parc.compiler.estimate import stage_units
 from parc.compiler.frontend import Analysis
-from parc.compiler.layout import ParamSlice, canonical_names, param_slices, stage_params
+from parc.compiler.layout import FlatUnit, ParamSlice, canonical_names, param_slices, stage_params
 from parc.compiler.model_state import state_names
 from parc.compiler.optimizer_factory import OptimizerFactory
 from parc.compiler.optimizers import check_optimizer, factory_origin
@@ -79,14 +79,9 @@ def assemble(
     full_shapes = {canonical[n]: tuple(p.shape) for n, p in model.named_parameters()}
     units, _, _ = stage_units(plan, model, per_stage, stage.stage, bucket_elems)
     # Step 6
-    forward_contexts: list[ForwardContext] = []
-    sync: Any
-    if plan.zero == 3:
-        sync = Zero3(local, units, comm, axis=AXIS_DP, tied=frozenset(tied))
-        shard_parameters(stage.gm, sync.offsets, sync.shapes, sync.shards, canonical)
-        forward_contexts.append(sync.forward_context)
-    else:
-        sync = GradSync(local, units, comm, zero=plan.zero, axis=AXIS_DP, tied=frozenset(tied))
+    sync, forward_contexts = _gradient_sync(
+        plan.zero, stage, local, units, comm, tied=frozenset(tied), canonical=canonical
+    )
     recompute_modules(stage.gm, plan)
     # Step 7
     opt = _optimizer(optimizer, analysis, list(local.values()), sync.optimizer_params())
@@ -115,6 +110,25 @@ def assemble(
         buffers=buffers,
         names=keys,
     )
+
+
+def _gradient_sync(
+    zero: int,
+    stage: StageGraph,
+    local: dict[str, torch.nn.Parameter],
+    units: tuple[FlatUnit, ...],
+    comm: Comm,
+    *,
+    tied: frozenset[str],
+    canonical: dict[str, str],
+) -> tuple[Any, list[ForwardContext]]:
+    """DP / ZeRO-1/2 gradient sync, or ZeRO-3 with the stage's graph sharded, and the
+    forward contexts it needs (ZeRO-3 gathers inside its own)."""
+    if zero < 3:
+        return GradSync(local, units, comm, zero=zero, axis=AXIS_DP, tied=tied), []
+    sync = Zero3(local, units, comm, axis=AXIS_DP, tied=tied)
+    shard_parameters(stage.gm, sync.offsets, sync.shapes, sync.shards, canonical)
+    return sync, [sync.forward_context]
 
 
 def _tensor_parallel(analysis: Analysis, comm: Comm) -> torch.fx.GraphModule:

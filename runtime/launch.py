@@ -97,19 +97,7 @@ def launch(
     try:
         run(get_args_parser().parse_args(args))
     except ChildFailedError as exc:
-        failed = ", ".join(
-            f"rank {r} ({_exit_reason(f.exitcode)})" for r, f in sorted(exc.failures.items())
-        )
-        tries = f" after {max_restarts} restart{'s' * (max_restarts > 1)}" if max_restarts else ""
-        print(
-            f"parc run: failed{tries}: {failed}; a rank's own error, if it could print one, "
-            "is above",
-            file=sys.stderr,
-        )
-        # A rank that stopped on a user mistake (its own exit 2) makes the run one too; the
-        # ranks torchrun then stopped by a signal (negative codes) are its consequence.
-        codes = {f.exitcode for f in exc.failures.values() if f.exitcode > 0}
-        return 2 if codes == {2} else 1
+        return _report_failure(exc.failures, max_restarts)
     except Exception as exc:
         if nnodes == 1 or not is_rendezvous_timeout(exc):
             raise
@@ -119,6 +107,22 @@ def launch(
         )
         raise missing_nodes(what, nnodes, rdzv_endpoint or "") from None
     return 0
+
+
+def _report_failure(failures: dict[int, Any], max_restarts: int) -> int:
+    """Say once which ranks failed and how; the run's exit code (2: a user mistake)."""
+    failed = ", ".join(
+        f"rank {r} ({_exit_reason(f.exitcode)})" for r, f in sorted(failures.items())
+    )
+    tries = f" after {max_restarts} restart{'s' * (max_restarts > 1)}" if max_restarts else ""
+    print(
+        f"parc run: failed{tries}: {failed}; a rank's own error, if it could print one, is above",
+        file=sys.stderr,
+    )
+    # A rank that stopped on a user mistake (its own exit 2) makes the run one too; the
+    # ranks torchrun then stopped by a signal (negative codes) are its consequence.
+    codes = {f.exitcode for f in failures.values() if f.exitcode > 0}
+    return 2 if codes == {2} else 1
 
 
 def _torchrun_args(

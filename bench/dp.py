@@ -270,7 +270,7 @@ def _per_step(ranks: list[dict[str, Any]], side: str, kind: str) -> list[float]:
 
 
 def _measure() -> dict[str, Any]:
-    from parc.runtime.pool import WorkerPool
+    from parc.testing.pool import WorkerPool
 
     timing, rss = [], {}
     with WorkerPool(WORLD, timeout=_CASE_TIMEOUT_S) as pool:
@@ -410,7 +410,7 @@ def main() -> str:
 
 
 def _profile(which: str) -> None:
-    from parc.runtime.pool import WorkerPool
+    from parc.testing.pool import WorkerPool
 
     index = {"dp": 0, "zero1": 1, "zero3": 2}[which]
     with WorkerPool(WORLD, timeout=_CASE_TIMEOUT_S) as pool:

@@ -386,7 +386,7 @@ def _idle_table(ranks: list[dict[str, Any]]) -> str:
 
 
 def _measure() -> list[dict[str, Any]]:
-    from parc.runtime.pool import WorkerPool
+    from parc.testing.pool import WorkerPool
 
     with WorkerPool(WORLD, timeout=_CASE_TIMEOUT_S) as pool:
         print("pp: timing gpipe and 1f1b, parc and native", file=sys.stderr, flush=True)
@@ -437,7 +437,7 @@ def main() -> str:
 
 
 def _profile(which: str) -> None:
-    from parc.runtime.pool import WorkerPool
+    from parc.testing.pool import WorkerPool
 
     with WorkerPool(WORLD, timeout=_CASE_TIMEOUT_S) as pool:
         for text in pool.run(profile_pair, Schedule(which), 5):

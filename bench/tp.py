@@ -359,7 +359,7 @@ def _time_table(timing: list[list[dict[str, Any]]]) -> str:
 
 
 def _measure() -> list[list[dict[str, Any]]]:
-    from parc.runtime.pool import WorkerPool
+    from parc.testing.pool import WorkerPool
 
     timing = []
     with WorkerPool(WORLD, timeout=_CASE_TIMEOUT_S) as pool:
@@ -409,7 +409,7 @@ def main() -> str:
 
 
 def _profile(which: str) -> None:
-    from parc.runtime.pool import WorkerPool
+    from parc.testing.pool import WorkerPool
 
     index = {"gpt": 0, "llama": 1}[which]
     with WorkerPool(WORLD, timeout=_CASE_TIMEOUT_S) as pool:

@@ -225,7 +225,7 @@ def _check_resume(args: argparse.Namespace) -> None:
 
     if under_torchrun():
         return
-    from parc.runtime.checkpoint_find import resume_point
+    from parc.runtime.checkpoint.find import resume_point
 
     point = resume_point(args.checkpoint)
     if point.step >= args.steps:

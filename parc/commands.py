@@ -106,7 +106,7 @@ def _write_rank_code(analysis: object, out: Path) -> None:
 
 def cmd_check(args: argparse.Namespace) -> int:
     from parc.runtime.check import check_json, format_check, run_check
-    from parc.runtime.faults import parse_faults
+    from parc.testing.faults import parse_faults
 
     parse_faults(args.inject_fault or "")  # a typo fails here, not as a traceback per rank
     result = run_check(
@@ -145,7 +145,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if under_torchrun():
         exit_hard(_train_rank(opts, args.debug))
     from parc.compiler.frontend import analyse
-    from parc.runtime.faults import parse_faults
+    from parc.testing.faults import parse_faults
 
     parse_faults(args.inject_fault or "")  # a typo fails here, not on every rank
 

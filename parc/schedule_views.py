@@ -13,8 +13,8 @@ __all__ = ["schedule_grid", "write_timeline"]
 
 def _timeline(plan: object) -> object:
     from parc.compiler.plan import Plan
-    from parc.runtime.schedule import generate, lower_comms
-    from parc.runtime.schedule_sim import simulate
+    from parc.compiler.schedule import generate, lower_comms
+    from parc.compiler.schedule_sim import simulate
 
     assert isinstance(plan, Plan)
     return simulate(lower_comms(generate(plan.schedule, plan.pp, plan.microbatches)))
@@ -23,7 +23,7 @@ def _timeline(plan: object) -> object:
 def schedule_grid(plan: object) -> str | None:
     """The pipeline schedule as a step × rank grid (None without a pipeline)."""
     from parc.compiler.plan import Plan
-    from parc.runtime.schedule import Timeline, format_grid
+    from parc.compiler.schedule import Timeline, format_grid
 
     assert isinstance(plan, Plan)
     if plan.pp == 1:
@@ -42,8 +42,8 @@ def write_timeline(plan: object, path: Path) -> None:
     """The pipeline schedule as an SVG timeline at `path` (written atomically)."""
     from parc.compiler.output import write_atomic
     from parc.compiler.plan import Plan
-    from parc.runtime.schedule import Timeline
-    from parc.runtime.timeline import timeline_svg
+    from parc.compiler.schedule import Timeline
+    from parc.runtime.pipeline.timeline import timeline_svg
 
     assert isinstance(plan, Plan)
     timeline = _timeline(plan)

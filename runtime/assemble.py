@@ -34,15 +34,15 @@ from parc.compiler.optimizers import check_optimizer, factory_origin
 from parc.compiler.passes.pipeline_split import StageGraph, pipeline_split
 from parc.compiler.passes.recompute import recompute_modules
 from parc.compiler.passes.zero import shard_parameters
+from parc.compiler.schedule import generate, lower_comms
 from parc.dsl.ast import AXIS_DP, AXIS_PP
 from parc.errors import ParcError
+from parc.runtime.pipeline.executor import ForwardContext, checked_optimizer
 
 from .buffers import rank_buffers
 from .collectives import Comm
-from .executor import ForwardContext, checked_optimizer
 from .grad_sync import GradSync
 from .parts import ProgramParts
-from .schedule import generate, lower_comms
 from .zero3 import Zero3
 
 __all__ = ["assemble"]

@@ -79,7 +79,7 @@ def run_check(
     """Run both sides and compare; raises ParcError for a bad spec, model or optimizer."""
     from parc.compiler.frontend import analyse, default_batch
     from parc.runtime.mesh import check_local_ranks
-    from parc.runtime.pool import WorkerPool
+    from parc.testing.pool import WorkerPool
 
     spec = as_spec(spec_path)
     check_local_ranks(spec.mesh.world_size)  # one process per rank, on this machine

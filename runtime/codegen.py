@@ -62,8 +62,8 @@ def _render(rank: int, parts: Any) -> str:
 
 def _actions_run(parts: Any) -> tuple[Any, ...]:
     """The actions in the order the executor runs them: one stage runs each microbatch's
-    forward and backward together, whatever the schedule says (runtime/executor.py)."""
-    from .executor import one_at_a_time
+    forward and backward together, whatever the schedule says (runtime/pipeline/executor.py)."""
+    from parc.runtime.pipeline.executor import one_at_a_time
 
     return tuple(one_at_a_time(parts.actions)) if parts.plan.pp == 1 else tuple(parts.actions)
 

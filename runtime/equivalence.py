@@ -40,8 +40,8 @@ import torch
 from parc.blame import input_dtype_hint, user_code
 from parc.compiler.model import ModelSource, load_model
 from parc.errors import RuntimeFault
+from parc.runtime.pipeline.executor import checked_loss, checked_optimizer
 
-from .executor import checked_loss, checked_optimizer
 from .probes import GradientProbe, nudge_outputs
 
 __all__ = [
@@ -184,13 +184,12 @@ def parallel_case(
 ) -> dict[str, Any]:
     """One rank's side of a parallel run (call on every rank of a process group).
 
-    `fault` names a deliberate bug to inject (runtime/faults.py), to prove checks fail.
+    `fault` names a deliberate bug to inject (parc/testing/faults.py), to prove checks fail.
     """
     import torch.distributed as dist
 
     from parc.api import compile as parc_compile
-
-    from .faults import inject
+    from parc.testing.faults import inject
 
     with model_env(env):
         source = load_model(model_file)

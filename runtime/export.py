@@ -22,11 +22,15 @@ import torch.distributed.checkpoint as dcp
 
 from parc.compiler.model import ModelSource, load_model
 from parc.compiler.model_state import name_state, persistent_buffers, state_names
-
-from .checkpoint import check_parameters, checkpoint_path, quiet_single_process, read_info
-from .checkpoint_buffers import BUFFER, check_buffers
-from .checkpoint_integrity import SafeReader, reading
-from .checkpoint_layout import MODEL
+from parc.runtime.checkpoint.buffers import BUFFER, check_buffers
+from parc.runtime.checkpoint.integrity import SafeReader, reading
+from parc.runtime.checkpoint.layout import MODEL
+from parc.runtime.checkpoint.store import (
+    check_parameters,
+    checkpoint_path,
+    quiet_single_process,
+    read_info,
+)
 
 __all__ = ["export_state_dict"]
 

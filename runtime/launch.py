@@ -50,7 +50,7 @@ class RunOptions:
     timeout: float = 300.0
     log: str | None = None  # JSON lines of (step, loss) written by rank 0
     skip_nonfinite: bool = False  # skip a NaN/inf step's update on every rank instead of stopping
-    fault: str | None = None  # faults to inject (runtime/faults.py): a testing aid
+    fault: str | None = None  # faults to inject (parc/testing/faults.py): a testing aid
 
 
 def under_torchrun() -> bool:
@@ -224,8 +224,8 @@ def train(opts: RunOptions) -> int:
     from parc.compiler.frontend import as_spec
     from parc.compiler.model import load_model
     from parc.compiler.plan import MeshPlan
+    from parc.runtime.checkpoint.store import save_checkpoint
 
-    from .checkpoint import save_checkpoint
     from .mesh import init_world
     from .run_errors import located
 
@@ -239,7 +239,7 @@ def train(opts: RunOptions) -> int:
     program = parc_compile(spec, source, batch=opts.batch, seed=opts.seed, optimizer=factory)
     program.skip_nonfinite = opts.skip_nonfinite
     if opts.fault:
-        from .faults import inject
+        from parc.testing.faults import inject
 
         inject(program, opts.fault)
     batch = program.plan.batch.global_batch
@@ -299,7 +299,7 @@ def _resume(program: Any, opts: RunOptions, rank: int) -> int:
     worker (TORCHELASTIC_RESTART_COUNT > 0) resumes from the latest complete
     checkpoint by itself, or starts again from step 0 when there is none yet.
     """
-    from .checkpoint import latest_checkpoint, load_checkpoint
+    from parc.runtime.checkpoint.store import latest_checkpoint, load_checkpoint
 
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
     if not opts.checkpoint or not (opts.resume or restart):

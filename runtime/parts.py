@@ -15,11 +15,11 @@ import torch
 from parc.compiler.layout import ParamSlice
 from parc.compiler.passes.pipeline_split import StageGraph
 from parc.compiler.plan import Plan
+from parc.compiler.schedule import Action
+from parc.runtime.pipeline.executor import ForwardContext
 
 from .buffers import Buffers
 from .collectives import Comm
-from .executor import ForwardContext
-from .schedule import Action
 
 __all__ = ["ProgramParts"]
 

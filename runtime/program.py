@@ -25,9 +25,9 @@ import torch.distributed as dist
 from parc.compiler.model import off_batch
 from parc.dsl.ast import AXIS_DP, AXIS_PP
 from parc.errors import RuntimeFault
+from parc.runtime.pipeline.executor import StageExecutor
 
 from .collectives import CommKind
-from .executor import StageExecutor
 from .gather import gather_full_state
 from .nonfinite import first_nonfinite_param, grads_finite, nonfinite_fault
 from .parts import ProgramParts

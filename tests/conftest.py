@@ -31,7 +31,7 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-# --- gloo worker pools (runtime/pool.py) ------------------------------------
+# --- gloo worker pools (parc/testing/pool.py) ------------------------------------
 # One pool per world size for the whole session: a rank starts in ~0.05 s, but
 # reusing it costs ~2 ms a case. A failed case rebuilds its pool by itself.
 
@@ -42,13 +42,13 @@ import pytest  # noqa: E402
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
-    from parc.runtime.pool import WorkerPool
+    from parc.testing.pool import WorkerPool
 
 
 @pytest.fixture(scope="session")
 def gloo_pool() -> Iterator[Callable[[int], WorkerPool]]:
     """`gloo_pool(world_size)`: the session's `WorkerPool` of that size, started on first use."""
-    from parc.runtime.pool import WorkerPool  # imports torch; only tests that need a pool pay
+    from parc.testing.pool import WorkerPool  # imports torch; only tests that need a pool pay
 
     pools: dict[int, WorkerPool] = {}
 

@@ -25,10 +25,10 @@ from pathlib import Path
 import pytest
 from procs import Done, run_parc
 
+from parc.compiler.schedule import ScheduleError, format_grid, generate
 from parc.dsl.ast import MAX_MICROBATCHES, ScheduleKind
 from parc.dsl.parser import MAX_SPEC_BYTES, parse_spec
 from parc.errors import SpecError
-from parc.runtime.schedule import ScheduleError, format_grid, generate
 
 pytestmark = pytest.mark.timeout(300)
 

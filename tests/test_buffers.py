@@ -1,5 +1,5 @@
 """Persistent buffers are model state: trained as on one device, gathered, checkpointed,
-resharded, resumed and exported (runtime/buffers.py, runtime/checkpoint_buffers.py).
+resharded, resumed and exported (runtime/buffers.py, runtime/checkpoint/buffers.py).
 
 The model (tests/models/batchnorm.py): BatchNorm1d over the raw inputs, Linear +
 BatchNorm1d blocks, and `calls`, an int64 counter forward increments in place.
@@ -28,7 +28,7 @@ from helpers import ROOT, world_size
 from parc.compiler.frontend import analyse
 from parc.compiler.model import ModelSource, load_model
 from parc.errors import ModelError, ParcError
-from parc.runtime.checkpoint import load_checkpoint, save_checkpoint
+from parc.runtime.checkpoint.store import load_checkpoint, save_checkpoint
 from parc.runtime.equivalence import Tolerance, compare_runs, model_env, reference_run
 from parc.runtime.export import export_state_dict
 

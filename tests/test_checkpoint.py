@@ -1,5 +1,5 @@
 """Checkpoints resume training exactly, load under any other layout, export to a plain
-state_dict, and are visible only when complete (runtime/checkpoint.py).
+state_dict, and are visible only when complete (runtime/checkpoint/store.py).
 
 Tolerances: a resumed run is the same program on the same data with the same
 state, so it matches the uninterrupted run *exactly* (bitwise losses and
@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 
 from parc.compiler.model import ModelSource, load_model
 from parc.errors import ParcError
-from parc.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from parc.runtime.checkpoint_layout import flat_boxes
+from parc.runtime.checkpoint.layout import flat_boxes
+from parc.runtime.checkpoint.store import latest_checkpoint, load_checkpoint, save_checkpoint
 from parc.runtime.equivalence import (
     Tolerance,
     compare_runs,

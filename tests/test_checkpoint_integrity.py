@@ -1,6 +1,6 @@
 """Damaged and crafted checkpoints are refused with a clear error, before anything is read.
 
-runtime/checkpoint_integrity.py: `parc.json` records every file's size and
+runtime/checkpoint/integrity.py: `parc.json` records every file's size and
 sha256 at save time, loading checks them first (on every rank, sharing the
 work), DCP's pickled `.metadata` is unpickled through an allowlist and stored
 values load with `weights_only=True`. So a truncated, edited, missing or
@@ -24,12 +24,12 @@ from helpers import MLP
 from parc.cli import main
 from parc.compiler.model import load_model
 from parc.errors import ParcError
-from parc.runtime import checkpoint as checkpoint_module
-from parc.runtime.checkpoint import load_checkpoint, save_checkpoint
-from parc.runtime.checkpoint_manifest import write_manifest
+from parc.runtime.checkpoint import store as checkpoint_module
+from parc.runtime.checkpoint.manifest import write_manifest
+from parc.runtime.checkpoint.store import load_checkpoint, save_checkpoint
 from parc.runtime.equivalence import make_optimizer, model_env
 from parc.runtime.export import export_state_dict
-from parc.runtime.pool import WorkerError
+from parc.testing.pool import WorkerError
 
 MLP_ENV = {"MLP_LAYERS": "2", "MLP_DIM": "8", "MLP_OUT": "3"}
 BATCH = 8

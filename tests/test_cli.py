@@ -206,7 +206,7 @@ def test_rank_code_shows_the_order_one_stage_runs_its_microbatches(
     code, _, _ = run(capsys, "compile", spec, GPT, "-o", tmp_path / "out")
     assert code == 0
     header = (tmp_path / "out" / "rank0.py").read_text()
-    # One stage runs each microbatch's forward and backward together (runtime/executor.py).
+    # One stage runs each microbatch's forward and backward together (runtime/pipeline/executor.py).
     assert "# schedule: 0F0 0B0 0F1 0B1\n" in header, header[:400]
 
 

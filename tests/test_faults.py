@@ -1,6 +1,6 @@
 """Faults during a run: no hangs, errors that name the rank and the step, exact recovery.
 
-Faults are injected with the hidden `--inject-fault` (runtime/faults.py):
+Faults are injected with the hidden `--inject-fault` (parc/testing/faults.py):
 `raise@RANK:STEP`, `kill@RANK:STEP`, `hang@RANK:STEP`, `nan-loss@STEP`,
 `nan-grad@STEP[:PARAM]`. What must hold:
 
@@ -38,11 +38,11 @@ from parc.cli import main
 from parc.compiler.model import load_model
 from parc.compiler.plan import MeshPlan
 from parc.errors import ParcError, RuntimeFault
-from parc.runtime.checkpoint import latest_checkpoint
+from parc.runtime.checkpoint.store import latest_checkpoint
 from parc.runtime.equivalence import make_optimizer, model_env
 from parc.runtime.export import export_state_dict
-from parc.runtime.faults import Fault, FaultKind, parse_faults
-from parc.runtime.pool import WorkerError
+from parc.testing.faults import Fault, FaultKind, parse_faults
+from parc.testing.pool import WorkerError
 
 pytestmark = pytest.mark.multiprocess
 
@@ -253,7 +253,7 @@ LAYOUTS = {
 def train_with_fault(spec: str, fault: str, steps: int, skip: bool) -> dict[str, Any]:
     """On every rank: SGD for `steps` steps with `fault`; the error or the skipped steps."""
     from parc.api import compile as parc_compile
-    from parc.runtime.faults import inject
+    from parc.testing.faults import inject
 
     with model_env(MLP_ENV):
         source = load_model(MLP)

@@ -90,7 +90,7 @@ def test_the_import_graph_sees_lazy_and_relative_imports() -> None:
     assert ("parc.commands", "parc.demo") in graph.edges  # inside cmd_demo
     assert ("parc.compiler.planner.format", "parc.compiler.planner.spec_out") in graph.edges
     assert len(graph) > 100  # every package: parc, dsl, compiler (and its passes), runtime
-    assert ("parc.runtime.checkpoint", "parc.runtime.checkpoint_entries") in graph.edges
+    assert ("parc.runtime.checkpoint.store", "parc.runtime.checkpoint.entries") in graph.edges
 
 
 def test_parc_has_no_import_cycles() -> None:

@@ -1,7 +1,7 @@
 """A tampered checkpoint directory is refused by `parc run --resume`, exit 2, naming the file.
 
-runtime/checkpoint_integrity.py seals `parc.json` (a sha256 of its own
-contents) and checks every entry loading reads; runtime/checkpoint_find.py
+runtime/checkpoint/integrity.py seals `parc.json` (a sha256 of its own
+contents) and checks every entry loading reads; runtime/checkpoint/find.py
 reads only `step-<N>` directories inside the checkpoint directory and never
 falls back to an older checkpoint when the newest is unusable. Each case
 below is one edit someone with write access to the directory can make: a
@@ -31,8 +31,8 @@ from helpers import MLP
 from parc.cli import main
 from parc.compiler.model import load_model
 from parc.errors import ParcError
-from parc.runtime.checkpoint import load_checkpoint, save_checkpoint
-from parc.runtime.checkpoint_find import resume_point
+from parc.runtime.checkpoint.find import resume_point
+from parc.runtime.checkpoint.store import load_checkpoint, save_checkpoint
 from parc.runtime.equivalence import make_optimizer, model_env
 
 MLP_ENV = {"MLP_LAYERS": "2", "MLP_DIM": "8", "MLP_OUT": "3"}

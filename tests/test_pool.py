@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from parc.errors import ParcError
-from parc.runtime.pool import WorkerError, WorkerPool
+from parc.testing.pool import WorkerError, WorkerPool
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(60)]
 

@@ -10,11 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from parc.dsl.ast import ScheduleKind
-from parc.errors import ParcError
-from parc.runtime import schedule as schedule_module
-from parc.runtime import schedule_sim
-from parc.runtime.schedule import (
+from parc.compiler.schedule import (
     Action,
     ActionKind,
     Schedule,
@@ -29,7 +25,11 @@ from parc.runtime.schedule import (
     one_f_one_b,
     peak_in_flight,
 )
-from parc.runtime.schedule_sim import simulate, validate
+from parc.compiler.schedule_sim import simulate, validate
+from parc.dsl.ast import ScheduleKind
+from parc.errors import ParcError
+from parc.compiler import schedule as schedule_module
+from parc.compiler import schedule_sim
 
 SIZES = list(itertools.product(range(1, 7), range(1, 10)))  # (stages, microbatches)
 KINDS = list(ScheduleKind)

@@ -21,7 +21,7 @@ from helpers import GPT, MLP
 
 from parc.cli import main
 from parc.compiler.model import load_model
-from parc.runtime.checkpoint import save_checkpoint
+from parc.runtime.checkpoint.store import save_checkpoint
 from parc.runtime.equivalence import make_optimizer, model_env
 
 MLP_ENV = {"MLP_LAYERS": "2", "MLP_DIM": "8", "MLP_OUT": "3"}

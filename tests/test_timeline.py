@@ -1,4 +1,4 @@
-"""SVG drawing of a simulated pipeline timeline (runtime/timeline.py)."""
+"""SVG drawing of a simulated pipeline timeline (runtime/pipeline/timeline.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from parc.runtime import timeline as timeline_module
-from parc.runtime.schedule import ActionKind, gpipe, lower_comms, one_f_one_b
-from parc.runtime.schedule_sim import simulate
-from parc.runtime.timeline import timeline_svg
+from parc.compiler.schedule import ActionKind, gpipe, lower_comms, one_f_one_b
+from parc.compiler.schedule_sim import simulate
+from parc.runtime.pipeline import timeline as timeline_module
+from parc.runtime.pipeline.timeline import timeline_svg
 
 SVG = "{http://www.w3.org/2000/svg}"
 _COMPUTE = (ActionKind.F, ActionKind.B)

@@ -28,7 +28,7 @@ from parc.compiler.passes.tensor_parallel import tensor_parallel
 from parc.compiler.passes.tp_analysis import analyse_tensor_parallel
 from parc.runtime.collectives import tp_all_gather
 from parc.runtime.mesh import build_comm
-from parc.runtime.pool import WorkerPool
+from parc.testing.pool import WorkerPool
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 

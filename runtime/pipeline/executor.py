@@ -1,6 +1,6 @@
 """Run one rank's pipeline actions: compute, send and receive, microbatch by microbatch.
 
-The executor follows the rules of `parc.runtime.schedule_sim` exactly: the
+The executor follows the rules of `parc.compiler.schedule_sim` exactly: the
 rank's lowered action list runs in order; a maximal run of consecutive comm
 actions is one `batch_isend_irecv` (posted together, all waited for).
 
@@ -26,11 +26,10 @@ from typing import Any
 import torch
 
 from parc.compiler.passes.pipeline_split import Boundary, StageGraph
+from parc.compiler.schedule import Action, ActionKind, execution_items
 from parc.dsl.ast import AXIS_PP
 from parc.errors import ModelError
-
-from .collectives import Comm, CommKind
-from .schedule import Action, ActionKind, execution_items
+from parc.runtime.collectives import Comm, CommKind
 
 __all__ = [
     "ForwardContext",

@@ -1,4 +1,4 @@
-"""The rank side of `parc.runtime.pool.WorkerPool`: join the gloo world, serve cases.
+"""The rank side of `parc.testing.pool.WorkerPool`: join the gloo world, serve cases.
 
 Each rank runs `rank_main` in a process forked by the pool's forkserver. It
 redirects its output to a log, arms `faulthandler` (SIGUSR1 dumps every

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from parc.errors import ParcError
 
 if TYPE_CHECKING:
-    from .program import Program
+    from parc.runtime.program import Program
 
 __all__ = ["FAULTS", "Fault", "FaultKind", "inject", "parse_faults"]
 
@@ -144,13 +144,13 @@ def _skip_grad_sync(program: Program, fault: Fault) -> None:
             return getattr(comm, name)
 
         def all_reduce(self, t: Any, axis: str, *, async_op: bool = False) -> Any:
-            from .collectives import _DONE
+            from parc.runtime.collectives import _DONE
 
             return _DONE
 
         def reduce_scatter(self, out: Any, inp: Any, axis: str, *, async_op: bool = False) -> Any:
             """ZeRO: this rank's part of its own gradient, not of the sum over dp."""
-            from .collectives import _DONE
+            from parc.runtime.collectives import _DONE
 
             n, i = out.numel(), comm.index(axis)
             out.copy_(inp.reshape(-1)[i * n : (i + 1) * n].view_as(out))
@@ -162,7 +162,7 @@ def _skip_grad_sync(program: Program, fault: Fault) -> None:
 def _after_sync(program: Program, change: Callable[[str, Any], None]) -> None:
     """Call `change(name, view)` on each synchronised gradient view, every step, before
     the optimizer reads them (the views of runtime/nonfinite.py: this rank's part)."""
-    from .nonfinite import grad_views
+    from parc.runtime.nonfinite import grad_views
 
     sync = program.parts.sync
     finish = sync.finish
@@ -234,7 +234,7 @@ def _nan_loss(program: Program, fault: Fault) -> None:
 
 
 def _nan_grad(program: Program, fault: Fault) -> None:
-    from .nonfinite import grad_views
+    from parc.runtime.nonfinite import grad_views
 
     parts = program.parts
     names = list(parts.full_shapes)

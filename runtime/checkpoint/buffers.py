@@ -18,11 +18,11 @@ from torch.distributed.checkpoint.metadata import Metadata
 from parc.dsl.ast import AXIS_PP
 from parc.errors import ParcError
 
-from .checkpoint_entries import EntryKind, check_entries
-from .checkpoint_layout import Piece
+from .entries import EntryKind, check_entries
+from .layout import Piece
 
 if TYPE_CHECKING:
-    from .parts import ProgramParts
+    from parc.runtime.parts import ProgramParts
 
 __all__ = ["BUFFER", "buffer_pieces", "check_buffers"]
 

@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from parc.errors import ParcError, clip
 
-from .checkpoint_manifest import INFO, METADATA, damaged, read_manifest
+from .manifest import INFO, METADATA, damaged, read_manifest
 
 __all__ = [
     "INFO",

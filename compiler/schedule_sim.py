@@ -6,7 +6,7 @@ The rules, which the pipeline executor implements exactly:
 2. A maximal run of consecutive comm actions (SEND_F, RECV_F, SEND_B, RECV_B) is one
    *batch*: the rank posts all of its ops together (one ``batch_isend_irecv``), waits for
    all of them, and only then goes on. A compute action (F, B) is an item of its own.
-   `parc.runtime.schedule.execution_items` does this grouping for the executor too.
+   `parc.compiler.schedule.execution_items` does this grouping for the executor too.
 3. SEND_F of stage s goes to stage s+1, which takes it with RECV_F; SEND_B of stage s
    goes to stage s-1, which takes it with RECV_B. The messages from rank a to rank b form
    a *channel* matched in order, as NCCL and gloo match point-to-point ops: the k-th send
@@ -25,7 +25,7 @@ The rules, which the pipeline executor implements exactly:
 A schedule that completes under these rules also completes when the backend buffers
 sends, since buffering only lets ops complete earlier.
 
-    >>> from parc.runtime.schedule import format_grid, gpipe, lower_comms
+    >>> from parc.compiler.schedule import format_grid, gpipe, lower_comms
     >>> timeline = simulate(lower_comms(gpipe(2, 2)))
     >>> print(format_grid(timeline))
     t       0     1     2     3     4     5
@@ -41,7 +41,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NoReturn
 
-from parc.runtime.schedule import (
+from parc.compiler.schedule import (
     Action,
     ActionKind,
     ScheduleError,
@@ -294,12 +294,12 @@ def validate(schedule: _Plan, stages: int, microbatches: int) -> None:
     5. `simulate` completes: F(s, m) after F(s-1, m), B(s, m) after B(s+1, m), no deadlock.
     6. A compute schedule is checked again after `lower_comms`, since that is what runs.
 
-    >>> from parc.runtime.schedule import Action
+    >>> from parc.compiler.schedule import Action
     >>> bad = {0: [Action.parse("0B0"), Action.parse("0F0")]}
     >>> validate(bad, stages=1, microbatches=1)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    parc.runtime.schedule.ScheduleError: error: order: 0B0 (step 0) comes before 0F0 (step 1) ...
+    parc.compiler.schedule.ScheduleError: error: order: 0B0 (step 0) comes before 0F0 (step 1) ...
         step    0     1
         rank 0 >0B0< >0F0<
     """

@@ -30,12 +30,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from parc.compiler.layout import FlatUnit, ParamSlice, local_shape
-
-from .grad_sync import GradSync
-from .zero3 import Zero3
+from parc.runtime.grad_sync import GradSync
+from parc.runtime.zero3 import Zero3
 
 if TYPE_CHECKING:
-    from .parts import ProgramParts
+    from parc.runtime.parts import ProgramParts
 
 __all__ = [
     "MODEL",

@@ -4,7 +4,7 @@ Tests, `parc check` and the demo run a compiled program on N CPU processes
 without torchrun (docs/architecture.md, Equivalence): start a pool once, then send it cases.
 
     >>> from torch.distributed import get_rank
-    >>> from parc.runtime.pool import WorkerPool
+    >>> from parc.testing.pool import WorkerPool
     >>> with WorkerPool(2) as pool:
     ...     pool.run(get_rank)
     [0, 1]
@@ -191,7 +191,7 @@ class WorkerPool:
         assert isinstance(ctx, ForkServerContext)
         # Used when the server starts (with the first pool): torch is then
         # imported once there instead of once per rank.
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "parc.runtime.pool_rank"])
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "parc.testing.pool_rank"])
         self._generation += 1
         stem = self._dir / f"gen{self._generation}"
         for rank in range(self.world_size):

@@ -28,10 +28,10 @@ import torch
 
 from parc.errors import ParcError
 
-from .checkpoint_layout import OPTIM, Piece, RankLayout, shard_units
+from .layout import OPTIM, Piece, RankLayout, shard_units
 
 if TYPE_CHECKING:
-    from .parts import ProgramParts
+    from parc.runtime.parts import ProgramParts
 
 __all__ = ["GROUPS", "OptimizerLoad", "StateSpec", "optimizer_pieces"]
 

@@ -25,8 +25,8 @@ from pathlib import Path
 
 from parc.errors import ParcError
 
-from .checkpoint_integrity import SafeReader, verify_metadata
-from .checkpoint_manifest import INFO, METADATA, STEP_DIR, damaged, read_manifest
+from .integrity import SafeReader, verify_metadata
+from .manifest import INFO, METADATA, STEP_DIR, damaged, read_manifest
 
 __all__ = ["LATEST", "ResumePoint", "checkpoint_path", "latest_checkpoint", "resume_point"]
 

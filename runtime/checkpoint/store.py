@@ -88,22 +88,22 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from parc.errors import ParcError
 
-from .checkpoint_buffers import buffer_pieces, check_buffers
-from .checkpoint_entries import EntryKind, check_entries
-from .checkpoint_find import LATEST, checkpoint_path, latest_checkpoint
-from .checkpoint_integrity import (
+from .buffers import buffer_pieces, check_buffers
+from .entries import EntryKind, check_entries
+from .find import LATEST, checkpoint_path, latest_checkpoint
+from .integrity import (
     SafeReader,
     load_bytes_safely,
     read_info,
     reading,
     record_manifest,
 )
-from .checkpoint_layout import MODEL, OPTIM, Piece, model_pieces, rank_layout
-from .checkpoint_manifest import write_manifest
-from .checkpoint_optim import GROUPS, OptimizerLoad, StateSpec, hyperparameters, optimizer_pieces
+from .layout import MODEL, OPTIM, Piece, model_pieces, rank_layout
+from .manifest import write_manifest
+from .optim import GROUPS, OptimizerLoad, StateSpec, hyperparameters, optimizer_pieces
 
 if TYPE_CHECKING:
-    from .program import Program
+    from parc.runtime.program import Program
 
 __all__ = [
     "check_parameters",

@@ -4,8 +4,8 @@ One row per rank, one box per compute action (forward and backward in different
 colours, labelled with the microbatch), idle time left blank, and the bubble
 fraction in the title.
 
-    >>> from parc.runtime.schedule import one_f_one_b
-    >>> from parc.runtime.schedule_sim import simulate
+    >>> from parc.compiler.schedule import one_f_one_b
+    >>> from parc.compiler.schedule_sim import simulate
     >>> svg = timeline_svg(simulate(one_f_one_b(4, 8)), title="1F1B, 4 stages")
     >>> svg.startswith("<svg") and "bubble 27.3%" in svg
     True
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from xml.sax.saxutils import escape
 
-from parc.runtime.schedule import ActionKind, Slot, Timeline, bubble_fraction
+from parc.compiler.schedule import ActionKind, Slot, Timeline, bubble_fraction
 
 __all__ = ["timeline_svg"]
 

@@ -5,8 +5,8 @@ Stage s runs on pp rank s (one stage per rank). A schedule is a
 
 1. `generate` (`gpipe`, `one_f_one_b`) gives each rank its compute actions, F and B.
 2. `lower_comms` adds the sends and receives between neighbouring stages.
-3. `parc.runtime.schedule_sim.simulate` runs a schedule under the executor's rules and
-   returns a `Timeline`; `parc.runtime.schedule_sim.validate` proves a schedule correct.
+3. `parc.compiler.schedule_sim.simulate` runs a schedule under the executor's rules and
+   returns a `Timeline`; `parc.compiler.schedule_sim.validate` proves a schedule correct.
 4. `format_grid` prints a schedule or a timeline as a step × rank grid; `bubble_fraction`
    and `peak_in_flight` are the figures the plan report quotes.
 

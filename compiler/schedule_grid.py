@@ -1,4 +1,4 @@
-"""The step × rank text grid that `parc.runtime.schedule.format_grid` prints.
+"""The step × rank text grid that `parc.compiler.schedule.format_grid` prints.
 
 Columns wrap into blocks to fit a terminal's width, marked cells print as
 ``>1F3<``, and at most MAX_GRID_COLUMNS steps are drawn: a pipeline of

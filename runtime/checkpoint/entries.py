@@ -1,7 +1,7 @@
 """A checkpoint's entries of one kind (parameters, buffers) against the model's: names, shapes.
 
-Shared by `check_parameters` (runtime/checkpoint.py) and `check_buffers`
-(runtime/checkpoint_buffers.py): an extra entry means another model, a missing
+Shared by `check_parameters` (runtime/checkpoint/store.py) and `check_buffers`
+(runtime/checkpoint/buffers.py): an extra entry means another model, a missing
 one is never filled silently, a shape must match the model's full shape.
 """
 

@@ -10,6 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from parc.compiler import schedule as schedule_module
+from parc.compiler import schedule_sim
 from parc.compiler.schedule import (
     Action,
     ActionKind,
@@ -28,8 +30,6 @@ from parc.compiler.schedule import (
 from parc.compiler.schedule_sim import simulate, validate
 from parc.dsl.ast import ScheduleKind
 from parc.errors import ParcError
-from parc.compiler import schedule as schedule_module
-from parc.compiler import schedule_sim
 
 SIZES = list(itertools.product(range(1, 7), range(1, 10)))  # (stages, microbatches)
 KINDS = list(ScheduleKind)

@@ -142,6 +142,17 @@ class Plan:
         return self.mesh.size(self.tp_axis) if self.tp_axis else 1
 
     @property
+    def num_stages(self) -> int:
+        """Pipeline stages: one per `stage_modules` entry, a multiple of pp (1 without pp)."""
+        return max(len(self.stage_modules), 1)
+
+    @property
+    def stage_to_rank(self) -> tuple[int, ...]:
+        """Stage s runs on pp rank ``s % pp``: one stage per rank, or several (virtual
+        stages, looping over the ranks) when there are more stages than pp ranks."""
+        return tuple(s % self.pp for s in range(self.num_stages))
+
+    @property
     def microbatches(self) -> int:
         return self.batch.microbatches
 

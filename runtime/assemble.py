@@ -92,7 +92,8 @@ def assemble(
     return ProgramParts(
         plan=plan,
         comm=comm,
-        stage=stage,
+        stages={stage.stage: stage},
+        stage_to_rank=plan.stage_to_rank,
         actions=tuple(actions),
         loss_fn=analysis.source.loss_fn,
         sync=sync,

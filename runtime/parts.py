@@ -30,7 +30,8 @@ class ProgramParts:
 
     plan: Plan
     comm: Comm
-    stage: StageGraph
+    stages: dict[int, StageGraph]  # the pipeline stages this rank runs, by stage index
+    stage_to_rank: tuple[int, ...]  # stage -> the pp rank that runs it (plan.stage_to_rank)
     actions: tuple[Action, ...]
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
     sync: Any  # GradSync or Zero3
@@ -48,3 +49,14 @@ class ProgramParts:
     buffers: Buffers = field(default_factory=Buffers)  # persistent buffers (buffers.py)
     # Every key of the model's state_dict(), in order -> its canonical parameter or buffer.
     names: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def stage(self) -> StageGraph:
+        """The rank's stage, when it runs one (every layout but virtual stages)."""
+        if len(self.stages) != 1:
+            raise ValueError(f"this rank runs stages {sorted(self.stages)}, not one")
+        return next(iter(self.stages.values()))
+
+    @property
+    def holds_last_stage(self) -> bool:
+        return any(s.is_last for s in self.stages.values())

@@ -50,9 +50,10 @@ class Program:
         self.skipped: list[tuple[int, str]] = []  # (step, what was not finite)
         self._stats: dict[tuple[str, str], tuple[int, int]] = {}
         self.executor = StageExecutor(
-            parts.stage,
+            parts.stages,
             parts.comm,
             parts.loss_fn,
+            stage_to_rank=parts.stage_to_rank,
             device=parts.device,
             before_last_backward=lambda: parts.sync.arm(True),
             forward_contexts=parts.forward_contexts,
@@ -148,7 +149,7 @@ class Program:
     def _global_loss(self, losses: list[float], grads_ok: bool) -> tuple[float, int]:
         """The mean loss over the global batch, and how many ranks have non-finite gradients."""
         plan, comm = self.plan, self.comm
-        mine = self.parts.stage.is_last and all(
+        mine = self.parts.holds_last_stage and all(
             comm.index(a) == 0 for a in plan.mesh.names if a not in (AXIS_DP, AXIS_PP)
         )
         total = torch.tensor(  # on the rank's device: NCCL reduces no CPU tensors

@@ -19,7 +19,7 @@ the same order as under GPipe's or 1F1B's (microbatch order), so bitwise alike.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,15 +96,20 @@ class StageExecutor:
 
     def __init__(
         self,
-        stage: StageGraph,
+        stages: Mapping[int, StageGraph],
         comm: Comm,
         loss_fn: LossFn,
         *,
+        stage_to_rank: Sequence[int],
         device: torch.device,
         before_last_backward: Callable[[], None] | None = None,
         forward_contexts: Sequence[ForwardContext] = (),
     ) -> None:
-        """`forward_contexts` are entered in order around every forward (first outermost)."""
+        """`stages`: the stages this rank runs; `stage_to_rank[s]`: the pp rank of stage s.
+        `forward_contexts` are entered in order around every forward (first outermost)."""
+        if len(stages) != 1 or len(stage_to_rank) != comm.size(AXIS_PP):
+            raise NotImplementedError("several stages per rank")  # the virtual-stages change
+        (stage,) = stages.values()
         self.stage = stage
         self.comm = comm
         self.loss_fn = loss_fn

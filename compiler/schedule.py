@@ -1,7 +1,8 @@
 """Pipeline schedules as data: per-rank lists of `Action`s, generated, lowered and printed.
 
-Stage s runs on pp rank s (one stage per rank). A schedule is a
-``dict[rank, list[Action]]`` and every step over it is a pure function:
+Stage s runs on pp rank ``stage_to_rank[s]``: one stage per rank by default (stage s
+on rank s), or several (virtual stages, ``stage_to_rank = (0, 1, 0, 1)``). A schedule
+is a ``dict[rank, list[Action]]`` and every step over it is a pure function:
 
 1. `generate` (`gpipe`, `one_f_one_b`) gives each rank its compute actions, F and B.
 2. `lower_comms` adds the sends and receives between neighbouring stages.
@@ -10,7 +11,9 @@ Stage s runs on pp rank s (one stage per rank). A schedule is a
 4. `format_grid` prints a schedule or a timeline as a step × rank grid; `bubble_fraction`
    and `peak_in_flight` are the figures the plan report quotes.
 
-This module imports no torch and needs no process group.
+The vocabulary (`Action`, `ActionKind`, `lower_comms`, ...) lives in
+`parc.compiler.schedule_actions` and the grid in `parc.compiler.schedule_grid`; both are
+re-exported here. This module imports no torch and needs no process group.
 
     >>> from parc.dsl.ast import ScheduleKind
     >>> schedule = generate(ScheduleKind.ONE_F_ONE_B, stages=2, microbatches=3)
@@ -26,16 +29,28 @@ This module imports no torch and needs no process group.
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
-from enum import Enum
-from typing import TypeAlias
+from collections.abc import Callable, Mapping, Sequence
 
 from parc.dsl.ast import MAX_MICROBATCHES, ScheduleKind
-from parc.errors import ParcError
 
-from .schedule_grid import MAX_GRID_COLUMNS, render_grid
+from .schedule_actions import (
+    Action,
+    ActionKind,
+    Schedule,
+    ScheduleError,
+    Slot,
+    StageMap,
+    Timeline,
+    execution_items,
+    is_lowered,
+    lower_comms,
+    num_stages,
+    peer_rank,
+    peer_stage,
+    stage_map,
+)
+from .schedule_grid import format_grid
+from .schedule_sim import simulate, validate
 
 __all__ = [
     "Action",
@@ -43,6 +58,7 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "Slot",
+    "StageMap",
     "Timeline",
     "bubble_fraction",
     "execution_items",
@@ -54,124 +70,9 @@ __all__ = [
     "num_stages",
     "one_f_one_b",
     "peak_in_flight",
+    "peer_rank",
     "peer_stage",
 ]
-
-
-class ScheduleError(ParcError):
-    """A schedule that is incomplete, out of order, unmatched or deadlocks.
-
-    `grid` is the schedule printed by `format_grid` with the offending cells marked
-    ``>1F3<``; it is part of the printed message.
-    """
-
-    def __init__(self, message: str, *, grid: str | None = None, hint: str | None = None) -> None:
-        super().__init__(message, hint=hint)
-        self.grid = grid
-
-    def __str__(self) -> str:
-        grid = (
-            "\n" + "\n".join("    " + line for line in self.grid.splitlines()) if self.grid else ""
-        )
-        return f"error: {self.message}{grid}{self._hint_line()}"
-
-
-class ActionKind(str, Enum):
-    """What a rank does at one step of a pipeline schedule."""
-
-    F = "F"  # forward of one microbatch through this rank's stage
-    B = "B"  # backward of one microbatch through this rank's stage
-    SEND_F = "SEND_F"  # send the forward output (activation) to stage + 1
-    RECV_F = "RECV_F"  # receive the forward input from stage - 1
-    SEND_B = "SEND_B"  # send the input gradient to stage - 1
-    RECV_B = "RECV_B"  # receive the output gradient from stage + 1
-
-    def __str__(self) -> str:
-        return self.value
-
-    @property
-    def is_compute(self) -> bool:
-        return self in (ActionKind.F, ActionKind.B)
-
-    @property
-    def is_send(self) -> bool:
-        return self in (ActionKind.SEND_F, ActionKind.SEND_B)
-
-
-# Which neighbour a comm action talks to: stage + step. Forward data flows to s+1,
-# gradients to s-1.
-_PEER_STEP = {
-    ActionKind.SEND_F: +1,
-    ActionKind.RECV_F: -1,
-    ActionKind.SEND_B: -1,
-    ActionKind.RECV_B: +1,
-}
-
-# Longest alternatives first so that "SEND_F" is not read as a stray "F".
-_ACTION_RE = re.compile(
-    r"([0-9]+)("
-    + "|".join(sorted((k.value for k in ActionKind), key=len, reverse=True))
-    + r")([0-9]+)"
-)
-
-
-@dataclass(frozen=True, slots=True)
-class Action:
-    """One step of one rank: `stage` does `kind` for `microbatch`; prints as ``1F3``.
-
-    >>> Action(1, ActionKind.F, 3)
-    1F3
-    >>> Action.parse("2RECV_B0") == Action(2, ActionKind.RECV_B, 0)
-    True
-    """
-
-    stage: int
-    kind: ActionKind
-    microbatch: int
-
-    def __str__(self) -> str:
-        return f"{self.stage}{self.kind.value}{self.microbatch}"
-
-    __repr__ = __str__  # lists of actions read like a schedule: [0F0, 0SEND_F0]
-
-    @staticmethod
-    def parse(text: str) -> Action:
-        """The action that `str()` printed as `text`, e.g. ``"1SEND_F3"``."""
-        match = _ACTION_RE.fullmatch(text.strip())
-        if match is None:
-            kinds = ", ".join(k.value for k in ActionKind)
-            raise ScheduleError(
-                f"{text!r} is not a pipeline action; expected <stage><kind><microbatch> "
-                f"such as 1F3 or 2RECV_B0, with kind one of {kinds}"
-            )
-        stage, kind, microbatch = match.groups()
-        return Action(int(stage), ActionKind(kind), int(microbatch))
-
-
-Schedule: TypeAlias = dict[int, list[Action]]
-"""rank -> its actions, in the order the rank runs them."""
-
-
-@dataclass(frozen=True, slots=True)
-class Slot:
-    """One action placed in time: compute runs during [start, end); a comm op is
-    posted at `start` and matched at `end`."""
-
-    action: Action
-    start: int
-    end: int
-
-
-@dataclass(frozen=True, slots=True)
-class Timeline:
-    """A simulated run: each rank's actions in execution order, with their times."""
-
-    slots: Mapping[int, tuple[Slot, ...]]  # rank -> its slots, compute and comm
-    makespan: int  # time at which the last rank finishes
-
-    def compute(self, rank: int) -> tuple[Slot, ...]:
-        """The F and B slots of `rank`, in time order."""
-        return tuple(s for s in self.slots[rank] if s.action.kind.is_compute)
 
 
 def _check_sizes(stages: int, microbatches: int) -> None:
@@ -237,94 +138,60 @@ _GENERATORS: dict[ScheduleKind, Callable[[int, int], Schedule]] = {
 }
 
 
-def generate(kind: ScheduleKind, stages: int, microbatches: int) -> Schedule:
-    """The compute schedule of `kind` (the `.par` ``schedule`` statement) for these sizes."""
+def generate(
+    kind: ScheduleKind,
+    stages: int,
+    microbatches: int,
+    stage_to_rank: StageMap | None = None,
+) -> Schedule:
+    """The compute schedule of `kind` (the `.par` ``schedule`` statement) for these sizes.
+
+    With one stage per rank (the default `stage_to_rank`) it is the generator's own
+    schedule. With several stages per rank, the general path:
+
+    1. Build the per-stage lists of the generator over `stages` stages.
+    2. Simulate them with one stage per rank and free transfers (rule 6 of
+       `parc.compiler.schedule_sim`) for each action's start time.
+    3. Each rank runs its stages' actions merged by that start time (ties: lower stage).
+    4. Validate the merged schedule, lowered, under the executor's rules; a merge that
+       cannot run is a `ScheduleError` saying so.
+
+    >>> generate(ScheduleKind.GPIPE, 4, 1, stage_to_rank=(0, 1, 0, 1))
+    {0: [0F0, 2F0, 2B0, 0B0], 1: [1F0, 3F0, 3B0, 1B0]}
+    """
     if kind not in _GENERATORS:
         names = ", ".join(k.value for k in _GENERATORS)
         raise ScheduleError(f"{kind!r} is not a pipeline schedule; expected one of {names}")
-    return _GENERATORS[ScheduleKind(kind)](stages, microbatches)
-
-
-def is_lowered(schedule: Mapping[int, Sequence[Action]]) -> bool:
-    """Whether the schedule holds comm actions (it went through `lower_comms`)."""
-    return any(not a.kind.is_compute for actions in schedule.values() for a in actions)
-
-
-def num_stages(schedule: Mapping[int, Sequence[Action]]) -> int:
-    """Stages of the pipeline: one per rank, so the highest rank (or stage named) plus one."""
-    stages = [a.stage for actions in schedule.values() for a in actions]
-    return max([*schedule, *stages], default=-1) + 1
-
-
-def peer_stage(action: Action) -> int:
-    """The stage a comm action sends to or receives from."""
-    return action.stage + _PEER_STEP[action.kind]
-
-
-# Lowering, as data: compute kind -> (receive posted before it, send posted after it).
-_LOWERING = {
-    ActionKind.F: (ActionKind.RECV_F, ActionKind.SEND_F),
-    ActionKind.B: (ActionKind.RECV_B, ActionKind.SEND_B),
-}
-
-
-def lower_comms(schedule: Mapping[int, Sequence[Action]]) -> Schedule:
-    """Add the point-to-point transfers a compute schedule needs; the input is unchanged.
-
-    1. Before each F on a non-first stage: RECV_F (its input activation).
-    2. After each F on a non-last stage: SEND_F (its output activation).
-    3. Before each B on a non-last stage: RECV_B (the gradient of its output).
-    4. After each B on a non-first stage: SEND_B (the gradient of its input).
-
-    So between two compute actions a rank has at most one send (of the action before)
-    and one receive (for the action after), back to back: one batch of the executor.
-    In 1F1B's steady state stage s posts {SEND_F m, RECV_B m-w} while stage s+1 posts
-    {SEND_B m-w, RECV_F m}: the two batches match each other exactly.
-
-    >>> lower_comms({0: [Action.parse("0F0"), Action.parse("0B0")],
-    ...              1: [Action.parse("1F0"), Action.parse("1B0")]})
-    {0: [0F0, 0SEND_F0, 0RECV_B0, 0B0], 1: [1RECV_F0, 1F0, 1B0, 1SEND_B0]}
-    """
-    if is_lowered(schedule):
-        raise ScheduleError("lower_comms takes a compute schedule (F and B only); got comms")
-    stages = num_stages(schedule)
-
-    def exists(action: Action) -> bool:
-        return 0 <= peer_stage(action) < stages
-
-    lowered: Schedule = {}
-    for rank, actions in schedule.items():
-        out: list[Action] = []
-        for a in actions:
-            recv, send = (Action(a.stage, k, a.microbatch) for k in _LOWERING[a.kind])
-            out += [recv] if exists(recv) else []
-            out.append(a)
-            out += [send] if exists(send) else []
-        lowered[rank] = out
-    return lowered
-
-
-def execution_items(actions: Sequence[Action]) -> list[tuple[int, ...]]:
-    """How a rank runs its list: positions grouped into items, each compute action
-    alone and each maximal run of comm actions as one batch (one ``batch_isend_irecv``).
-
-    >>> execution_items([Action.parse(t) for t in "1RECV_F0 1F0 1SEND_F0 1RECV_B0 1B0".split()])
-    [(0,), (1,), (2, 3), (4,)]
-    """
-    items: list[tuple[int, ...]] = []
-    for i, a in enumerate(actions):
-        if items and not a.kind.is_compute and not actions[items[-1][0]].kind.is_compute:
-            items[-1] = (*items[-1], i)
-        else:
-            items.append((i,))
-    return items
+    # Step 1
+    per_stage = _GENERATORS[ScheduleKind(kind)](stages, microbatches)
+    ranks = stage_map(stage_to_rank, stages)
+    if ranks == tuple(range(stages)):
+        return per_stage
+    # Step 2
+    start = {s.action: s.start for slots in simulate(per_stage).slots.values() for s in slots}
+    # Step 3
+    merged: Schedule = {rank: [] for rank in range(max(ranks) + 1)}
+    for action in sorted(start, key=lambda a: (start[a], a.stage)):
+        merged[ranks[action.stage]].append(action)
+    # Step 4
+    try:
+        validate(merged, stages, microbatches, ranks)
+    except ScheduleError as e:
+        raise ScheduleError(
+            f"{kind} over {stages} stages on {len(merged)} pp ranks cannot run with each "
+            f"rank's stages merged by start time: {e.message}",
+            grid=e.grid,
+            hint="write the schedule by hand and pass it to parc.compile(schedule=...); "
+            "interleaved schedules are not generated yet",
+        ) from e
+    return merged
 
 
 def peak_in_flight(schedule: Mapping[int, Sequence[Action]]) -> dict[int, int]:
-    """Per rank, the most microbatches whose F has run and whose B has not.
+    """Per rank, the most (stage, microbatch) pairs whose F has run and whose B has not.
 
     This bounds the activations a rank holds: GPipe keeps all m, 1F1B at most
-    ``min(stages - stage, m)``.
+    ``min(stages - stage, m)``; a rank with several stages counts each stage's.
     """
     peaks: dict[int, int] = {}
     for rank, actions in schedule.items():
@@ -345,35 +212,3 @@ def bubble_fraction(timeline: Timeline) -> float:
     total = len(timeline.slots) * timeline.makespan
     busy = sum(s.end - s.start for r in timeline.slots for s in timeline.compute(r))
     return (total - busy) / total if total else 0.0
-
-
-def format_grid(
-    schedule: Mapping[int, Sequence[Action]] | Timeline,
-    *,
-    marks: Collection[tuple[int, int]] = (),
-    width: int = 120,
-    max_columns: int = MAX_GRID_COLUMNS,
-) -> str:
-    """A step × rank text grid: one row per rank, one column per step.
-
-    For a schedule a column is a position in the rank's list; for a `Timeline` it is
-    a unit of time, idle steps print as ``.`` and a multi-unit action continues as
-    ``~``. `marks` holds (rank, column) cells to print as ``>1F3<``. Columns wrap into
-    blocks to keep lines under `width` characters. At most `max_columns` columns are
-    drawn (from the first, or from a little before the first mark), then a line
-    says how many more there are: a long pipeline repeats its steady state.
-    """
-    if isinstance(schedule, Timeline):
-        return render_grid("t", _timeline_rows(schedule), marks, width, max_columns)
-    rows = {rank: [str(a) for a in actions] for rank, actions in schedule.items()}
-    return render_grid("step", rows, marks, width, max_columns)
-
-
-def _timeline_rows(timeline: Timeline) -> dict[int, list[str]]:
-    rows = {}
-    for rank in timeline.slots:
-        row = ["."] * timeline.makespan
-        for slot in timeline.compute(rank):
-            row[slot.start : slot.end] = [str(slot.action)] + ["~"] * (slot.end - slot.start - 1)
-        rows[rank] = row
-    return rows

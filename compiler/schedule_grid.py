@@ -1,4 +1,4 @@
-"""The step × rank text grid that `parc.compiler.schedule.format_grid` prints.
+"""The step × rank text grid of a schedule or a simulated timeline (`format_grid`).
 
 Columns wrap into blocks to fit a terminal's width, marked cells print as
 ``>1F3<``, and at most MAX_GRID_COLUMNS steps are drawn: a pipeline of
@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 
-__all__ = ["MAX_GRID_COLUMNS", "render_grid"]
+from .schedule_actions import Action, Timeline
+
+__all__ = ["MAX_GRID_COLUMNS", "format_grid", "render_grid"]
 
 MAX_GRID_COLUMNS = 120  # steps drawn: a few screens of blocks at most
 
@@ -21,7 +23,7 @@ def render_grid(
     width: int,
     max_columns: int,
 ) -> str:
-    """`rows` (rank -> its cells) as blocks of columns; see `schedule.format_grid`."""
+    """`rows` (rank -> its cells) as blocks of columns; see `format_grid`."""
     ncols = max((len(row) for row in rows.values()), default=0)
     start = 0
     if ncols > max_columns and marks:
@@ -49,3 +51,36 @@ def render_grid(
         shown = f"{axis} {start}..{stop - 1} of 0..{ncols - 1} shown"
         blocks.append(f"{shown}; the other {left} repeat the pattern")
     return "\n\n".join(blocks)
+
+
+def format_grid(
+    schedule: Mapping[int, Sequence[Action]] | Timeline,
+    *,
+    marks: Collection[tuple[int, int]] = (),
+    width: int = 120,
+    max_columns: int = MAX_GRID_COLUMNS,
+) -> str:
+    """A step × rank text grid: one row per rank, one column per step.
+
+    For a schedule a column is a position in the rank's list; for a `Timeline` it is
+    a unit of time, idle steps print as ``.`` and a multi-unit action continues as
+    ``~``. `marks` holds (rank, column) cells to print as ``>1F3<``. Columns wrap into
+    blocks to keep lines under `width` characters. At most `max_columns` columns are
+    drawn (from the first, or from a little before the first mark), then a line
+    says how many more there are: a long pipeline repeats its steady state.
+    A rank that runs several stages shows each action with its stage (``2F0``).
+    """
+    if isinstance(schedule, Timeline):
+        return render_grid("t", _timeline_rows(schedule), marks, width, max_columns)
+    rows = {rank: [str(a) for a in actions] for rank, actions in schedule.items()}
+    return render_grid("step", rows, marks, width, max_columns)
+
+
+def _timeline_rows(timeline: Timeline) -> dict[int, list[str]]:
+    rows = {}
+    for rank in timeline.slots:
+        row = ["."] * timeline.makespan
+        for slot in timeline.compute(rank):
+            row[slot.start : slot.end] = [str(slot.action)] + ["~"] * (slot.end - slot.start - 1)
+        rows[rank] = row
+    return rows

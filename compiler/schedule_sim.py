@@ -2,15 +2,17 @@
 
 The rules, which the pipeline executor implements exactly:
 
-1. Stage s runs on pp rank s. Each rank runs its list in order, one item at a time.
+1. Stage s runs on pp rank ``stage_to_rank[s]`` (default: rank s, one stage per rank).
+   Each rank runs its list in order, one item at a time, whichever stages it names.
 2. A maximal run of consecutive comm actions (SEND_F, RECV_F, SEND_B, RECV_B) is one
    *batch*: the rank posts all of its ops together (one ``batch_isend_irecv``), waits for
    all of them, and only then goes on. A compute action (F, B) is an item of its own.
-   `parc.compiler.schedule.execution_items` does this grouping for the executor too.
-3. SEND_F of stage s goes to stage s+1, which takes it with RECV_F; SEND_B of stage s
-   goes to stage s-1, which takes it with RECV_B. The messages from rank a to rank b form
-   a *channel* matched in order, as NCCL and gloo match point-to-point ops: the k-th send
-   on a channel pairs with its k-th receive, and the two must name the same microbatch.
+   `parc.compiler.schedule_actions.execution_items` does this grouping for the executor.
+3. SEND_F of stage s goes to the rank of stage s+1, which takes it with RECV_F of stage
+   s+1; SEND_B of stage s goes to the rank of stage s-1 (RECV_B of stage s-1). The
+   messages from rank a to rank b form a *channel* matched in order, as NCCL and gloo
+   match point-to-point ops: the k-th send on a channel pairs with its k-th receive, and
+   the two must be the same transfer (same stages, direction and microbatch).
 4. An op is *matched* once it and its pair have both been posted (sends are not buffered:
    a send waits for its receive). A batch completes when every op in it is matched.
 5. Time: F takes `forward_cost` units, B `backward_cost`; comms take no time. A batch
@@ -32,33 +34,38 @@ sends, since buffering only lets ops complete earlier.
     rank 0  0F0   0F1   .     .     0B0   0B1
     rank 1  .     1F0   1F1   1B0   1B1   .
     >>> validate(gpipe(2, 2), stages=2, microbatches=2)
+
+Four stages on two ranks (stage s on rank s % 2), each rank running its two stages:
+
+    >>> two_per_rank = {0: [Action.parse(t) for t in "0F0 2F0 2B0 0B0".split()],
+    ...                 1: [Action.parse(t) for t in "1F0 3F0 3B0 1B0".split()]}
+    >>> validate(two_per_rank, stages=4, microbatches=1, stage_to_rank=(0, 1, 0, 1))
 """
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NoReturn
 
-from parc.compiler.schedule import (
+from .schedule_actions import (
     Action,
     ActionKind,
     ScheduleError,
     Slot,
+    StageMap,
     Timeline,
     execution_items,
-    format_grid,
-    gpipe,
     is_lowered,
     lower_comms,
     num_stages,
     peer_stage,
+    stage_map,
 )
+from .schedule_channels import Cell, check_placement, fail, pair_channels
 
 __all__ = ["simulate", "validate"]
 
-_Cell = tuple[int, int]  # (rank, position in its list)
 _Plan = Mapping[int, Sequence[Action]]
 
 _HINT_DEADLOCK = (
@@ -69,26 +76,31 @@ _HINT_DEADLOCK = (
 _HINT_ORDER = "order each rank's list as gpipe or one_f_one_b do, by microbatch"
 
 
-def _fail(message: str, schedule: _Plan, marks: Sequence[_Cell] = (), hint: str = "") -> NoReturn:
-    raise ScheduleError(message, grid=format_grid(schedule, marks=marks), hint=hint or None)
-
-
 # ---------------------------------------------------------------------------- simulate
 
 
-def simulate(schedule: _Plan, *, forward_cost: int = 1, backward_cost: int = 1) -> Timeline:
+def simulate(
+    schedule: _Plan,
+    *,
+    stage_to_rank: StageMap | None = None,
+    forward_cost: int = 1,
+    backward_cost: int = 1,
+) -> Timeline:
     """Run `schedule` under the rules above and return when each action ran.
 
-    Raises `ScheduleError` on a deadlock, and on what the times need: actions on their
-    stage's rank and comm ops paired on their channels. Completeness and local order
-    are `validate`'s job.
+    `stage_to_rank` defaults to one stage per rank. Raises `ScheduleError` on a
+    deadlock, and on what the times need: actions on their stage's rank and comm ops
+    paired on their channels. Completeness and local order are `validate`'s job.
     """
-    _check_placement(schedule)
-    pairs = _pair_channels(schedule)
-    sim = _Simulation(schedule, pairs, {ActionKind.F: forward_cost, ActionKind.B: backward_cost})
+    stages = num_stages(schedule) if stage_to_rank is None else len(stage_to_rank)
+    ranks = stage_map(stage_to_rank, stages)
+    check_placement(schedule, ranks)
+    pairs = pair_channels(schedule, ranks)
+    costs = {ActionKind.F: forward_cost, ActionKind.B: backward_cost}
+    sim = _Simulation(schedule, ranks, pairs, costs)
     sim.run()
     if any(sim.items[r][sim.pos[r] :] for r in schedule):
-        _fail(*sim.deadlock_report(), hint=_HINT_ORDER if sim.buffered else _HINT_DEADLOCK)
+        fail(*sim.deadlock_report(), hint=_HINT_ORDER if sim.buffered else _HINT_DEADLOCK)
     slots = {r: tuple(sim.slots[r]) for r in schedule}
     return Timeline(slots, max((s.end for r in slots for s in slots[r]), default=0))
 
@@ -98,12 +110,13 @@ class _Simulation:
     """Mutable state of one run of `simulate`; see the module docstring for the rules."""
 
     schedule: _Plan
-    pairs: dict[_Cell, _Cell]
+    stage_to_rank: tuple[int, ...]
+    pairs: dict[Cell, Cell]
     costs: dict[ActionKind, int]
     items: dict[int, list[tuple[int, ...]]] = field(init=False)  # rank -> positions per item
     pos: dict[int, int] = field(init=False)  # rank -> index of its next item
     clock: dict[int, int] = field(init=False)  # rank -> time it is free
-    posted: dict[_Cell, int] = field(default_factory=dict)  # comm op -> time posted
+    posted: dict[Cell, int] = field(default_factory=dict)  # comm op -> time posted
     finished: dict[Action, int] = field(default_factory=dict)  # compute -> end time
     slots: dict[int, list[Slot]] = field(default_factory=lambda: defaultdict(list))
     buffered: bool = field(init=False)  # a compute schedule: transfers are free (rule 6)
@@ -114,7 +127,7 @@ class _Simulation:
         self.pos = dict.fromkeys(self.schedule, 0)
         self.clock = dict.fromkeys(self.schedule, 0)
         self.buffered = not is_lowered(self.schedule)
-        self.last = num_stages(self.schedule) - 1
+        self.last = len(self.stage_to_rank) - 1
 
     def run(self) -> None:
         moved = True
@@ -170,7 +183,7 @@ class _Simulation:
             return Action(s + 1, ActionKind.B, m)
         return None
 
-    def deadlock_report(self) -> tuple[str, _Plan, list[_Cell]]:
+    def deadlock_report(self) -> tuple[str, _Plan, list[Cell]]:
         lines, marks = [], []
         for rank in self.schedule:
             if self.pos[rank] == len(self.items[rank]):
@@ -192,9 +205,10 @@ class _Simulation:
         action = self.schedule[rank][item[0]]
         if action.kind.is_compute:
             need = self._upstream(action)
-            return (
-                [f"{action} needs {need} from rank {need.stage}, which has not run"] if need else []
-            )
+            if need is None:
+                return []
+            rank_of_need = self.stage_to_rank[need.stage]
+            return [f"{action} needs {need} from rank {rank_of_need}, which has not run"]
         waits = []
         for i in item:
             peer = self.pairs[(rank, i)]
@@ -207,117 +221,53 @@ class _Simulation:
         return waits
 
 
-def _check_placement(schedule: _Plan) -> None:
-    for rank, actions in schedule.items():
-        for i, a in enumerate(actions):
-            if a.stage != rank:
-                _fail(
-                    f"wrong rank: {a} is on rank {rank}, but stage {a.stage} runs on "
-                    f"rank {a.stage} (one stage per pp rank)",
-                    schedule,
-                    [(rank, i)],
-                )
-
-
-def _pair_channels(schedule: _Plan) -> dict[_Cell, _Cell]:
-    """Pair each comm op with its peer's op: the k-th send on a channel with its k-th receive."""
-    sends: dict[tuple[int, int], list[_Cell]] = defaultdict(list)
-    recvs: dict[tuple[int, int], list[_Cell]] = defaultdict(list)
-    for rank, actions in schedule.items():
-        for i, a in enumerate(actions):
-            if a.kind.is_compute:
-                continue
-            peer = peer_stage(a)
-            if peer not in schedule:
-                _fail(
-                    f"{a} on rank {rank} has no peer: there is no stage {peer}",
-                    schedule,
-                    [(rank, i)],
-                )
-            if a.kind.is_send:
-                sends[(rank, peer)].append((rank, i))
-            else:
-                recvs[(peer, rank)].append((rank, i))
-    pairs: dict[_Cell, _Cell] = {}
-    for channel in sorted(sends.keys() | recvs.keys()):
-        _check_channel(schedule, channel, sends[channel], recvs[channel])
-        pairs.update(zip(sends[channel], recvs[channel], strict=True))
-        pairs.update(zip(recvs[channel], sends[channel], strict=True))
-    return pairs
-
-
-def _check_channel(
-    schedule: _Plan, channel: tuple[int, int], sends: list[_Cell], recvs: list[_Cell]
-) -> None:
-    src, dst = channel
-
-    def mb(cell: _Cell) -> int:
-        return schedule[cell[0]][cell[1]].microbatch
-
-    unmatched_s = Counter(map(mb, sends)) - Counter(map(mb, recvs))
-    unmatched_r = Counter(map(mb, recvs)) - Counter(map(mb, sends))
-    for cells, missing, side in ((sends, unmatched_s, "receive"), (recvs, unmatched_r, "send")):
-        bad = [c for c in cells if mb(c) in missing]
-        if bad:
-            a = schedule[bad[0][0]][bad[0][1]]
-            _fail(
-                f"{a} on rank {bad[0][0]} has no matching {side} on channel {src}→{dst}",
-                schedule,
-                bad[:1],
-            )
-    for k, (s, r) in enumerate(zip(sends, recvs, strict=True)):
-        if mb(s) != mb(r):
-            _fail(
-                f"mismatched microbatch on channel {src}→{dst}: send #{k} is "
-                f"{schedule[s[0]][s[1]]} but receive #{k} is {schedule[r[0]][r[1]]}; "
-                "sends and receives between two ranks pair up in order",
-                schedule,
-                [s, r],
-            )
-
-
 # ---------------------------------------------------------------------------- validate
 
 
-def validate(schedule: _Plan, stages: int, microbatches: int) -> None:
+def validate(
+    schedule: _Plan, stages: int, microbatches: int, stage_to_rank: StageMap | None = None
+) -> None:
     """Raise `ScheduleError` unless `schedule` is a correct pipeline schedule.
 
-    Works on compute schedules and lowered ones; the error shows the grid with the
+    Works on compute schedules and lowered ones, for `stages` stages placed by
+    `stage_to_rank` (default: one per rank); the error shows the grid with the
     offending cells marked. The checks, in order:
 
-    1. Ranks are 0..stages-1 and every action sits on its stage's rank.
+    1. Ranks are those of `stage_to_rank` and every action sits on its stage's rank.
     2. Completeness: one F and one B per (stage, microbatch) and, once lowered, exactly
        the comms `lower_comms` adds; no duplicates, nothing else.
     3. Order on each rank: F before B, a receive before the compute that needs it, a
        compute before the send that ships its result.
-    4. Each channel's sends pair with its receives in order, for the same microbatch.
+    4. Each channel's sends pair with its receives in order, for the same transfer.
     5. `simulate` completes: F(s, m) after F(s-1, m), B(s, m) after B(s+1, m), no deadlock.
     6. A compute schedule is checked again after `lower_comms`, since that is what runs.
 
-    >>> from parc.compiler.schedule import Action
     >>> bad = {0: [Action.parse("0B0"), Action.parse("0F0")]}
     >>> validate(bad, stages=1, microbatches=1)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    parc.compiler.schedule.ScheduleError: error: order: 0B0 (step 0) comes before 0F0 (step 1) ...
+    parc.compiler.schedule_actions.ScheduleError: error: order: 0B0 (step 0) comes before ...
         step    0     1
         rank 0 >0B0< >0F0<
     """
     if stages < 1 or microbatches < 1:
         raise ScheduleError(f"need stages ≥ 1 and microbatches ≥ 1; got {stages}, {microbatches}")
-    extra = sorted(set(schedule) - set(range(stages)))
+    ranks = stage_map(stage_to_rank, stages)
+    pp = max(ranks) + 1
+    extra = sorted(set(schedule) - set(range(pp)))
     if extra:
-        _fail(f"rank {extra[0]} has actions but there are only {stages} stages", schedule)
-    full = {r: list(schedule.get(r, ())) for r in range(stages)}
-    _check_placement(full)
+        what = "stages" if pp == stages else "pp ranks"
+        fail(f"rank {extra[0]} has actions but there are only {pp} {what}", schedule)
+    full = {r: list(schedule.get(r, ())) for r in range(pp)}
+    check_placement(full, ranks)
     lowered = is_lowered(full)
-    _check_complete(full, stages, microbatches, lowered)
+    _check_complete(full, ranks, microbatches, lowered)
     _check_local_order(full)
-    simulate(full)
+    simulate(full, stage_to_rank=ranks)
     if lowered or stages == 1:
         return
     try:
-        validate(lower_comms(full), stages, microbatches)
+        validate(lower_comms(full, ranks), stages, microbatches, ranks)
     except ScheduleError as e:
         raise ScheduleError(f"after lower_comms: {e.message}", grid=e.grid, hint=e.hint) from e
 
@@ -330,8 +280,14 @@ _OPPOSITE = {
 }
 
 
-def _check_complete(schedule: _Plan, stages: int, microbatches: int, lowered: bool) -> None:
-    every = gpipe(stages, microbatches)  # the set of actions, in one valid order
+def _check_complete(
+    schedule: _Plan, stage_to_rank: tuple[int, ...], microbatches: int, lowered: bool
+) -> None:
+    # The set of actions: one F and one B per (stage, microbatch), and their comms.
+    every = {
+        s: [Action(s, k, m) for k in (ActionKind.F, ActionKind.B) for m in range(microbatches)]
+        for s in range(len(stage_to_rank))
+    }
     expected = {
         a for actions in (lower_comms(every) if lowered else every).values() for a in actions
     }
@@ -339,13 +295,13 @@ def _check_complete(schedule: _Plan, stages: int, microbatches: int, lowered: bo
     for rank, actions in schedule.items():
         for i, a in enumerate(actions):
             if a not in expected:
-                _fail(
+                fail(
                     f"unexpected {a} on rank {rank}: {_why_unexpected(a, microbatches)}",
                     schedule,
                     [(rank, i)],
                 )
             if a in seen:
-                _fail(
+                fail(
                     f"duplicate: {a} appears twice on rank {rank} (steps {seen[a]} and {i})",
                     schedule,
                     [(rank, seen[a]), (rank, i)],
@@ -359,7 +315,7 @@ def _check_complete(schedule: _Plan, stages: int, microbatches: int, lowered: bo
         else:
             pair = Action(peer_stage(a), _OPPOSITE[a.kind], a.microbatch)
             why = f"so {pair} has no matching {'receive' if pair.kind.is_send else 'send'}"
-        _fail(f"missing: rank {a.stage} has no {a}, {why}{more}", schedule)
+        fail(f"missing: rank {stage_to_rank[a.stage]} has no {a}, {why}{more}", schedule)
 
 
 def _why_unexpected(a: Action, microbatches: int) -> str:
@@ -388,7 +344,7 @@ def _check_local_order(schedule: _Plan) -> None:
                 before = Action(a.stage, kind, a.microbatch)
                 j = where.get(before)
                 if j is not None and j > i:
-                    _fail(
+                    fail(
                         f"order: {a} (step {i}) comes before {before} (step {j}) on rank "
                         f"{rank}: {why}",
                         schedule,

@@ -8,8 +8,10 @@ stage boundaries.
 
 Explicit stages (`assign_stages`):
 1. Each `stage` pattern names modules; a module named by two statements with
-   different ids is an overlap; ids must be below pp and every stage non-empty;
-   ranges over the same list (`layers[0:4]`, `layers[6:12]`) must not leave a gap.
+   different ids is an overlap; the stages are 0..n-1 with n = pp (one per pp
+   rank) or a multiple of pp (virtual stages: k per rank, stage s on rank
+   s % pp), every one non-empty; ranges over the same list (`layers[0:4]`,
+   `layers[6:12]`) must not leave a gap.
 2. Nodes inside a named module take its stage; other activation nodes join the
    latest stage among their inputs (so parameters used before the first named
    stage land in stage 0 and after the last one in the last); other nodes take
@@ -91,7 +93,8 @@ def assign_stages(
             hint="add pp to the mesh, e.g. `mesh pp=2`",
         )
     # Step 1
-    named = _named_modules(spec, modules, pp)
+    n = _count_stages(spec, pp)
+    named = _named_modules(spec, modules)
     _check_range_gaps(spec)
     # Step 2
     explicit: dict[str, tuple[int, Stage]] = {}
@@ -104,22 +107,30 @@ def assign_stages(
     stages = fill_stages(gm, {k: v[0] for k, v in explicit.items()}, activations)
     # Step 3
     _check_forward(spec, gm, stages, explicit, activations)
-    _check_nonempty(spec, stages, pp, activations)
-    return tuple(stages.items()), stage_module_names(gm, stages, modules, pp)
+    _check_nonempty(spec, stages, n, pp, activations)
+    return tuple(stages.items()), stage_module_names(gm, stages, modules, n)
 
 
-def _named_modules(
-    spec: Spec, modules: dict[str, torch.nn.Module], pp: int
-) -> dict[str, tuple[int, Stage]]:
+def _count_stages(spec: Spec, pp: int) -> int:
+    """Stages the lines name: pp, or a multiple of pp when an id reaches past pp - 1."""
+    top = max(spec.stages, key=lambda stmt: stmt.stage)
+    n = max(pp, top.stage + 1)
+    if n % pp:
+        more = -(-n // pp) * pp
+        raise PlanError(
+            f"stage {top.stage} does not exist: the mesh has pp={pp}, so stages are "
+            f"0..{pp - 1} (one per pp rank) or 0..{more - 1} ({more // pp} per rank); "
+            f"ids up to {top.stage} make {n} stages, not a multiple of {pp}",
+            spec.locate(top.stage_span),
+            hint=f"use a stage id below {pp}, add stages up to {more - 1}, or change pp "
+            "in the mesh",
+        )
+    return n
+
+
+def _named_modules(spec: Spec, modules: dict[str, torch.nn.Module]) -> dict[str, tuple[int, Stage]]:
     named: dict[str, tuple[int, Stage]] = {}
     for stmt in spec.stages:
-        if not 0 <= stmt.stage < pp:
-            raise PlanError(
-                f"stage {stmt.stage} does not exist: the mesh has pp={pp}, so stages are "
-                f"0..{pp - 1}",
-                spec.locate(stmt.stage_span),
-                hint=f"use a stage id below {pp}, or raise pp in the mesh",
-            )
         for pattern in stmt.patterns:
             for name in match_modules(spec, pattern, modules):
                 prior = _overlapping(named, name)
@@ -208,26 +219,33 @@ def _check_forward(
                 )
 
 
-def _check_nonempty(spec: Spec, stages: dict[str, int], pp: int, activations: set[str]) -> None:
-    used = {stages[n] for n in activations}
-    for stage in range(pp):
+def _check_nonempty(
+    spec: Spec, stages: dict[str, int], n: int, pp: int, activations: set[str]
+) -> None:
+    used = {stages[node] for node in activations}
+    for stage in range(n):
         if stage not in used:
+            instead = f"use pp={len(used)}" if n == pp else "number the stages without gaps"
             raise PlanError(
-                f"stage {stage} has no layers: the stage lines leave it empty (pp={pp})",
+                f"stage {stage} has no layers: the stage lines leave it empty (pp={pp}"
+                + (f", {n} stages)" if n != pp else ")"),
                 spec.locate(spec.stages[-1].span),
-                hint=f"assign some modules to stage {stage}, or use pp={len(used)}",
+                hint=f"assign some modules to stage {stage}, or {instead}",
             )
 
 
 def stage_module_names(
-    gm: torch.fx.GraphModule, stages: dict[str, int], modules: dict[str, torch.nn.Module], pp: int
+    gm: torch.fx.GraphModule,
+    stages: dict[str, int],
+    modules: dict[str, torch.nn.Module],
+    num_stages: int,
 ) -> StageModules:
     """Per stage, the outermost modules all of whose nodes sit in that stage."""
     where: dict[str, set[int]] = {}
     for node in gm.graph.nodes:
         for name in module_path(node):
             where.setdefault(name, set()).add(stages[node.name])
-    out: list[list[str]] = [[] for _ in range(pp)]
+    out: list[list[str]] = [[] for _ in range(num_stages)]
     for name in modules:
         homes = where.get(name)
         if not homes or len(homes) != 1:

@@ -80,7 +80,8 @@ class StageGraph:
 
 
 def pipeline_split(gm: torch.fx.GraphModule, plan: Plan) -> list[StageGraph]:
-    """Split `gm` into the plan's stages (one stage when there is no pp axis)."""
+    """Split `gm` into the plan's stages, `plan.num_stages` of them (one without a pp axis;
+    with virtual stages several per pp rank, all returned: the caller keeps its own)."""
     activations = activation_nodes(gm)
     # Step 1: stages travel with the nodes in node.meta (names may change in passes).
     known = {
@@ -92,14 +93,15 @@ def pipeline_split(gm: torch.fx.GraphModule, plan: Plan) -> list[StageGraph]:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     output = next(n for n in gm.graph.nodes if n.op == "output")
     # Step 2
-    crossing = [_boundary(gm, stages, activations, s) for s in range(plan.pp)]
+    n = plan.num_stages
+    crossing = [_boundary(gm, stages, activations, s) for s in range(n)]
     out = []
-    for s in range(plan.pp):
+    for s in range(n):
         recv = crossing[s - 1] if s > 0 else []
-        send = crossing[s] if s < plan.pp - 1 else []
+        send = crossing[s] if s < n - 1 else []
         # Step 3 and 4
         graph, used_inputs = _stage_graph(
-            gm, stages, activations, s, recv, send, output, placeholders, is_last=s == plan.pp - 1
+            gm, stages, activations, s, recv, send, output, placeholders, is_last=s == n - 1
         )
         stage_gm = torch.fx.GraphModule(gm, graph, f"Stage{s}")
         # Step 5
@@ -110,7 +112,7 @@ def pipeline_split(gm: torch.fx.GraphModule, plan: Plan) -> list[StageGraph]:
                 recv=tuple(_contract(n) for n in recv),
                 send=tuple(_contract(n) for n in send),
                 model_inputs=tuple(used_inputs),
-                is_last=s == plan.pp - 1,
+                is_last=s == n - 1,
             )
         )
     return out

@@ -91,6 +91,10 @@ class Comm:
         self.rank = rank
         self.stats = CommStats()
         self.step: int | None = None
+        # Axes whose sums are left out: all_reduce keeps each rank's own tensor and
+        # reduce_scatter its own part of it, uncounted. A declared testing hook
+        # (`skip-grad-sync`, parc/testing/faults.py); empty in every real run.
+        self.unsummed_axes: set[str] = set()
 
     def size(self, axis: str) -> int:
         return self.sizes.get(axis, 1)
@@ -116,7 +120,7 @@ class Comm:
 
     def all_reduce(self, t: torch.Tensor, axis: str, *, async_op: bool = False) -> Any:
         """In-place sum over `axis`."""
-        if self.size(axis) == 1:
+        if self.size(axis) == 1 or axis in self.unsummed_axes:
             return _DONE
         self.stats.add(CommKind.ALL_REDUCE, axis, t.numel())
         return dist.all_reduce(t, group=self._group(axis), async_op=async_op)
@@ -137,6 +141,10 @@ class Comm:
         """`out` = this rank's 1/n part of the sum over `axis` of `inp`."""
         if self.size(axis) == 1:
             out.copy_(inp.reshape(out.shape))
+            return _DONE
+        if axis in self.unsummed_axes:
+            n, i = out.numel(), self.index(axis)
+            out.copy_(inp.reshape(-1)[i * n : (i + 1) * n].view_as(out))
             return _DONE
         self.stats.add(CommKind.REDUCE_SCATTER, axis, inp.numel())
         return reduce_scatter_flat(out, inp, group=self._group(axis), async_op=async_op)

@@ -46,10 +46,9 @@ import torch
 from parc.compiler.layout import FlatUnit
 
 from .collectives import Comm
+from .sync_protocol import TiedReduce
 
 __all__ = ["GradSync"]
-
-TiedReduce = Callable[[str, torch.Tensor], None]
 
 
 @dataclass
@@ -69,7 +68,10 @@ class _Unit:
 
 
 class GradSync:
-    """Averages gradients over `axis` for one rank's parameters, at ZeRO level 0, 1 or 2."""
+    """Averages gradients over `axis` for one rank's parameters, at ZeRO level 0, 1 or 2.
+
+    A `GradientSync` (runtime/sync_protocol.py): `Program.step` drives it.
+    """
 
     def __init__(
         self,

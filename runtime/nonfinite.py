@@ -26,9 +26,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from parc.errors import RuntimeFault
+from parc.errors import ParcError, RuntimeFault
 
 from .grad_sync import GradSync
+from .sync_protocol import GradientSync
 from .zero3 import Zero3
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 __all__ = ["first_nonfinite_param", "grad_views", "grads_finite", "nonfinite_fault"]
 
 
-def grads_finite(sync: GradSync | Zero3) -> bool:
+def grads_finite(sync: GradientSync) -> bool:
     """Whether every gradient this rank's optimizer is about to use is finite (step 1)."""
     if isinstance(sync, GradSync) and sync.zero == 0:
         buffers = [u.grad for u in sync.units if u.grad is not None]
@@ -62,19 +63,32 @@ def grad_views(parts: ProgramParts) -> Iterator[tuple[str, torch.Tensor]]:
     """
     sync = parts.sync
     if isinstance(sync, GradSync):
-        for unit in sync.units:
-            for name, p, off in zip(unit.spec.params, unit.params, unit.offsets):
-                if sync.zero == 0:
-                    if p.grad is not None:
-                        yield name, p.grad.view(-1)
-                    continue
-                if unit.shard is None or unit.shard.grad is None:
-                    continue
-                start = sync.index * unit.spec.shard
-                view = _overlap(unit.shard.grad, start, off, p.numel())
-                if view is not None:
-                    yield name, view
-        return
+        return _grad_sync_views(sync)
+    if isinstance(sync, Zero3):
+        return _zero3_views(sync)
+    raise ParcError(
+        f"the gradient sync {type(sync).__name__} has no gradient views",
+        hint="runtime/nonfinite.py reads the layouts of GradSync and Zero3; teach "
+        "grad_views the new one's",
+    )
+
+
+def _grad_sync_views(sync: GradSync) -> Iterator[tuple[str, torch.Tensor]]:
+    for unit in sync.units:
+        for name, p, off in zip(unit.spec.params, unit.params, unit.offsets):
+            if sync.zero == 0:
+                if p.grad is not None:
+                    yield name, p.grad.view(-1)
+                continue
+            if unit.shard is None or unit.shard.grad is None:
+                continue
+            start = sync.index * unit.spec.shard
+            view = _overlap(unit.shard.grad, start, off, p.numel())
+            if view is not None:
+                yield name, view
+
+
+def _zero3_views(sync: Zero3) -> Iterator[tuple[str, torch.Tensor]]:
     for i, unit in enumerate(sync.units):
         grad = sync.shards[i].grad
         if grad is None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from parc.compiler.layout import ParamSlice
 from parc.compiler.passes.pipeline_split import StageGraph
@@ -20,6 +21,7 @@ from parc.runtime.pipeline.executor import ForwardContext
 
 from .buffers import Buffers
 from .collectives import Comm
+from .sync_protocol import GradientSync
 
 __all__ = ["ProgramParts"]
 
@@ -34,7 +36,7 @@ class ProgramParts:
     stage_to_rank: tuple[int, ...]  # stage -> the pp rank that runs it (plan.stage_to_rank)
     actions: tuple[Action, ...]
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
-    sync: Any  # GradSync or Zero3
+    sync: GradientSync  # GradSync (zero 0-2) or Zero3 (runtime/sync_protocol.py)
     optimizer: torch.optim.Optimizer
     device: torch.device
     input_shapes: tuple[tuple[int, ...], ...]  # traced model inputs at the micro-batch size
@@ -42,7 +44,8 @@ class ProgramParts:
     local_params: dict[str, torch.nn.Parameter]  # canonical name -> this rank's tensor
     slices: dict[str, ParamSlice]
     holders: dict[str, int]  # canonical name -> first pp stage holding it
-    tied: dict[str, Any]  # canonical name -> process group over the stages holding it
+    # canonical name -> process group over the stages holding it (None without a world)
+    tied: dict[str, dist.ProcessGroup | None]
     # Entered in order around every stage forward (ZeRO-3's parameter handles, ...).
     forward_contexts: tuple[ForwardContext, ...] = ()
     dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # canonical name -> dtype

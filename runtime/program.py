@@ -16,7 +16,7 @@ that update on every rank): see nonfinite.py.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -25,14 +25,15 @@ import torch.distributed as dist
 from parc.compiler.model import off_batch
 from parc.dsl.ast import AXIS_DP, AXIS_PP
 from parc.errors import RuntimeFault
-from parc.runtime.pipeline.executor import StageExecutor
+from parc.runtime.pipeline.executor import StageExecutor, checked_loss
 
 from .collectives import CommKind
 from .gather import gather_full_state
-from .nonfinite import first_nonfinite_param, grads_finite, nonfinite_fault
+from .nonfinite import first_nonfinite_param, grad_views, grads_finite, nonfinite_fault
 from .parts import ProgramParts
+from .step_hooks import StepHooks
 
-__all__ = ["Program", "ProgramParts"]
+__all__ = ["Program", "ProgramParts", "StepHooks"]
 
 
 class Program:
@@ -49,10 +50,12 @@ class Program:
         self.skip_nonfinite = False
         self.skipped: list[tuple[int, str]] = []  # (step, what was not finite)
         self._stats: dict[tuple[str, str], tuple[int, int]] = {}
+        # Where a step is watched or changed (step_hooks.py); nothing replaces a method.
+        self.hooks = StepHooks()
         self.executor = StageExecutor(
             parts.stages,
             parts.comm,
-            parts.loss_fn,
+            self._loss,
             stage_to_rank=parts.stage_to_rank,
             device=parts.device,
             before_last_backward=lambda: parts.sync.arm(True),
@@ -88,10 +91,12 @@ class Program:
                 [x[(r * m + i) * chunk : (r * m + i + 1) * chunk] for x in xs] for i in range(m)
             ]
             micro_y = [ys[(r * m + i) * chunk : (r * m + i + 1) * chunk] for i in range(m)]
+            self.hooks.round_starts(self.steps_done)
             losses += self.executor.run(
                 self.parts.actions, micro_x, micro_y, scale=scale, last_round=r == rounds - 1
             )
         self.parts.sync.finish(self._tied_reduce)
+        self.hooks.synced(self.steps_done)
         self.parts.sync.arm(False)
         # Before the optimizer step: a NaN/inf must never reach the parameters (nonfinite.py).
         loss, bad_ranks = self._global_loss(losses, grads_finite(self.parts.sync))
@@ -103,6 +108,11 @@ class Program:
         self._stats = comm.stats.snapshot()
         self.steps_done += 1
         return loss
+
+    def _loss(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
+        """The model's loss (checked: its error names the model's loss_fn), then the hooks'."""
+        loss = checked_loss(self.parts.loss_fn(output, targets), self.parts.loss_fn)
+        return self.hooks.transform_loss(self.steps_done, loss)
 
     def _nonfinite(self, loss: float, bad_grads: bool) -> None:
         """Skip this step's update on every rank, or raise the same error on every rank."""
@@ -162,6 +172,16 @@ class Program:
         return loss, int(total[1].item())
 
     # ------------------------------------------------------------ inspection
+
+    def param_names(self) -> list[str]:
+        """Every parameter's canonical name (a tied weight's first), in the model's order."""
+        return list(self.parts.full_shapes)
+
+    def grad_views(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, flat view of this rank's part of its synchronised gradient), for the
+        parameters this rank holds a part of; valid between gradient sync and the optimizer
+        step (an `after_sync` hook). Writing into a view changes what the optimizer reads."""
+        return grad_views(self.parts)
 
     def comm_stats(self) -> dict[tuple[str, str], tuple[int, int]]:
         """(kind, axis) -> (calls, elements) this rank issued during the last step."""

@@ -325,3 +325,38 @@ def test_a_parc_error_in_a_fault_names_the_parameters(gloo_pool: Any) -> None:
     ):
         gloo_pool(2).run(train_with_fault, LAYOUTS["dp2"], "nan-grad@1:layers.9.weight", 1, False)
     assert issubclass(WorkerError, ParcError)
+
+
+# ---------------------------------------------------------------- declared hooks only
+
+EVERY_FAULT = (
+    "skip-grad-sync,grad-scale,grad-ulp,raise@0:99,kill@0:99,hang@0:99,nan-loss@99,nan-grad@99"
+)
+
+
+@pytest.mark.parametrize("spec", ["mesh dp=1\n", "mesh dp=1\nzero 1\n", "mesh dp=1\nzero 3\n"])
+def test_injecting_faults_replaces_no_method_and_no_part(
+    spec: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Faults register into the declared hooks (Program.hooks, Comm.unsummed_axes): no
+    instance attribute of the executor, the gradient sync or the Comm is set or replaced."""
+    from parc.api import compile as parc_compile
+    from parc.testing.faults import inject
+
+    for key, value in MLP_ENV.items():
+        monkeypatch.setenv(key, value)
+    program = parc_compile(spec, load_model(MLP), batch=BATCH)
+    parts = {"executor": program.executor, "sync": program.parts.sync, "comm": program.comm}
+    before = {what: dict(vars(obj)) for what, obj in parts.items()}
+    inject(program, EVERY_FAULT)  # rank 0 is this process: the rank faults register too
+    for what, obj in parts.items():
+        now = vars(obj)
+        shadowing = sorted(n for n in now if callable(getattr(type(obj), n, None)))
+        assert not shadowing, f"methods of the {what} replaced on the instance: {shadowing}"
+        changed = sorted(
+            n for n in before[what].keys() | now.keys() if before[what].get(n) is not now.get(n)
+        )
+        assert not changed, f"attributes of the {what} set by injecting: {changed}"
+    hooks = program.hooks
+    assert (len(hooks.before_round), len(hooks.loss), len(hooks.after_sync)) == (3, 1, 3)
+    assert program.comm.unsummed_axes == {"dp"}

@@ -1,9 +1,11 @@
 """Deliberate faults, injected on purpose to prove that parc's checks and recovery work.
 
-`inject(program, text)` changes one compiled program in place. `text` is a
-comma-separated list of faults in the vocabulary of `parc check
---inject-fault` and `parc run --inject-fault` (testing aids, hidden from
-`--help`) and of the robustness tests:
+`inject(program, text)` changes one compiled program in place, only through
+its declared hooks (`Program.hooks`, runtime/step_hooks.py, and the Comm's
+`unsummed_axes`): no method of the executor, the gradient sync or the Comm is
+replaced. `text` is a comma-separated list of faults in the vocabulary of
+`parc check --inject-fault` and `parc run --inject-fault` (testing aids,
+hidden from `--help`) and of the robustness tests:
 
     skip-grad-sync          gradients are never averaged over dp (a silent bug)
     grad-scale              gradients are divided by dp a second time (a silent bug)
@@ -136,49 +138,27 @@ def _first_attempt() -> bool:
 def _skip_grad_sync(program: Program, fault: Fault) -> None:
     """Gradients are never summed over dp (all-reduce, or ZeRO's reduce-scatter): each
     replica, or each ZeRO shard, steps on its own samples' gradient only."""
-    sync = program.parts.sync
-    comm = sync.comm
+    from parc.dsl.ast import AXIS_DP
 
-    class _Silent:
-        def __getattr__(self, name: str) -> Any:
-            return getattr(comm, name)
-
-        def all_reduce(self, t: Any, axis: str, *, async_op: bool = False) -> Any:
-            from parc.runtime.collectives import _DONE
-
-            return _DONE
-
-        def reduce_scatter(self, out: Any, inp: Any, axis: str, *, async_op: bool = False) -> Any:
-            """ZeRO: this rank's part of its own gradient, not of the sum over dp."""
-            from parc.runtime.collectives import _DONE
-
-            n, i = out.numel(), comm.index(axis)
-            out.copy_(inp.reshape(-1)[i * n : (i + 1) * n].view_as(out))
-            return _DONE
-
-    sync.comm = _Silent()
+    # Only gradient sync sums over dp through the Comm (the loss is a metric all-reduce).
+    program.comm.unsummed_axes.add(AXIS_DP)
 
 
-def _after_sync(program: Program, change: Callable[[str, Any], None]) -> None:
-    """Call `change(name, view)` on each synchronised gradient view, every step, before
-    the optimizer reads them (the views of runtime/nonfinite.py: this rank's part)."""
-    from parc.runtime.nonfinite import grad_views
+def _after_sync(program: Program, change: Callable[[int, str, Any], None]) -> None:
+    """Call `change(step, name, view)` on each synchronised gradient view, every step,
+    before the optimizer reads them (`Program.grad_views`: this rank's part)."""
 
-    sync = program.parts.sync
-    finish = sync.finish
+    def change_all(step: int) -> None:
+        for name, view in program.grad_views():
+            change(step, name, view)
 
-    def finish_then_change(*args: Any, **kwargs: Any) -> None:
-        finish(*args, **kwargs)
-        for name, view in grad_views(program.parts):
-            change(name, view)
-
-    sync.finish = finish_then_change
+    program.hooks.after_sync.append(change_all)
 
 
 def _grad_scale(program: Program, fault: Fault) -> None:
     """Gradients averaged twice: divided by dp once more after synchronisation."""
-    dp = program.parts.sync.dp
-    _after_sync(program, lambda name, view: view.div_(dp))
+    dp = program.plan.dp
+    _after_sync(program, lambda step, name, view: view.div_(dp))
 
 
 def _grad_ulp(program: Program, fault: Fault) -> None:
@@ -192,8 +172,8 @@ def _grad_ulp(program: Program, fault: Fault) -> None:
 
     import torch
 
-    def nudge(name: str, view: Any) -> None:
-        seed = zlib.crc32(f"{program.steps_done}:{name}:{view.storage_offset()}".encode())
+    def nudge(step: int, name: str, view: Any) -> None:
+        seed = zlib.crc32(f"{step}:{name}:{view.storage_offset()}".encode())
         up = torch.rand(view.shape, generator=torch.Generator().manual_seed(seed)) < 0.5
         toward = torch.where(up, float("inf"), float("-inf")).to(view.dtype)
         view.copy_(torch.nextafter(view, toward.to(view.device)))
@@ -205,56 +185,44 @@ def _on_rank(program: Program, fault: Fault) -> None:
     """Raise, die or hang on one rank at the start of one step (its first pipeline round)."""
     if program.comm.rank != fault.rank or not _first_attempt():
         return
-    executor = program.executor
-    run = executor.run
 
-    def faulty_run(*args: Any, **kwargs: Any) -> list[float]:
-        if program.steps_done == fault.step:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            if fault.kind is FaultKind.RAISE:
-                raise RuntimeError(f"injected fault {fault}")
-            if fault.kind is FaultKind.KILL:
-                os.kill(os.getpid(), signal.SIGKILL)
-            time.sleep(_HANG_S)
-        return run(*args, **kwargs)
+    def fail(step: int) -> None:
+        if step != fault.step:
+            return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if fault.kind is FaultKind.RAISE:
+            raise RuntimeError(f"injected fault {fault}")
+        if fault.kind is FaultKind.KILL:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(_HANG_S)
 
-    executor.run = faulty_run  # type: ignore[method-assign]
+    program.hooks.before_round.append(fail)
 
 
 def _nan_loss(program: Program, fault: Fault) -> None:
-    executor = program.executor
-    loss_fn = executor.loss_fn
+    def nan_loss(step: int, loss: Any) -> Any:
+        return loss * float("nan") if step == fault.step else loss
 
-    def nan_loss(output: Any, targets: Any) -> Any:
-        loss = loss_fn(output, targets)
-        return loss * float("nan") if program.steps_done == fault.step else loss
-
-    executor.loss_fn = nan_loss
+    program.hooks.loss.append(nan_loss)
 
 
 def _nan_grad(program: Program, fault: Fault) -> None:
-    from parc.runtime.nonfinite import grad_views
-
-    parts = program.parts
-    names = list(parts.full_shapes)
+    names = program.param_names()
     target = fault.param or names[-1]
-    if target not in parts.full_shapes:
+    if target not in names:
         raise ParcError(
             f"fault {fault}: the model has no parameter '{target}'",
             hint=f"parameters: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}",
         )
-    sync = parts.sync
-    finish = sync.finish
 
-    def finish_then_poison(*args: Any, **kwargs: Any) -> None:
-        finish(*args, **kwargs)
-        if program.steps_done == fault.step:
-            for name, view in grad_views(parts):
+    def poison(step: int) -> None:
+        if step == fault.step:
+            for name, view in program.grad_views():
                 if name == target:
                     view.fill_(float("nan"))
 
-    sync.finish = finish_then_poison
+    program.hooks.after_sync.append(poison)
 
 
 FAULTS: dict[FaultKind, Callable[[Program, Fault], None]] = {

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch.fx
 
+from .ops.collectives import CommKind
 from .passes.placement import NodeRewrite, Placement
 
 __all__ = [
@@ -50,8 +51,8 @@ META_KEY = "parc"
 
 #: A node's output placement: one per output (a tuple for tuple-valued nodes).
 NodePlacement = Placement | tuple[Placement, ...]
-#: (`CommKind` value, elements) per collective a node costs per microbatch.
-Collectives = tuple[tuple[str, int], ...]
+#: (kind, elements) per collective a node costs per microbatch (compiler/conversions.py).
+Collectives = tuple[tuple[CommKind, int], ...]
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,7 +54,7 @@ class StageTraffic:
     saved_params: frozenset[str]  # canonical names of parameters autograd saves
     regions: dict[str, str]  # node name -> recomputed region
     readers: dict[str, set[str]]  # canonical parameter -> nodes computing with it
-    forward_tp: dict[str, list[tuple[str, int]]]  # node -> its forward tp collectives
+    forward_tp: dict[str, list[tuple[CommKind, int]]]  # node -> its forward tp collectives
 
 
 def stage_collectives(
@@ -135,12 +135,13 @@ def _tp_collectives(
         if stage_of.get(node.name) != s:
             continue
         for kind, numel in meta_of(node).collectives:
-            entry = totals.setdefault(CommKind(kind), [0, 0])
+            entry = totals.setdefault(kind, [0, 0])
             entry[0] += 1
             entry[1] += numel
     purpose = {
         CommKind.ALL_REDUCE: "tensor-parallel partial sums, forward + backward",
         CommKind.ALL_GATHER: "tensor-parallel gathers (fallbacks and local slices' backward)",
+        CommKind.REDUCE_SCATTER: "tensor-parallel partial sums to shards",
     }
     return [
         Collective(kind, plan.tp_axis, n * micro_steps, e * micro_steps, purpose.get(kind, ""))
@@ -158,7 +159,7 @@ def _recomputed_tp(
     for name, found in traffic.forward_tp.items():
         if name in traffic.regions and stage_of.get(name) == traffic.stage:
             for kind, numel in found:
-                entry = totals.setdefault(CommKind(kind), [0, 0])
+                entry = totals.setdefault(kind, [0, 0])
                 entry[0] += 1
                 entry[1] += numel
     return [

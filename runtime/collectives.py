@@ -46,12 +46,12 @@ __all__ = [
 class CommStats:
     """Calls and elements per (kind, axis); `metrics` traffic (loss reporting) kept apart."""
 
-    calls: dict[tuple[str, str], int] = field(default_factory=dict)
-    elements: dict[tuple[str, str], int] = field(default_factory=dict)
+    calls: dict[tuple[CommKind, str], int] = field(default_factory=dict)
+    elements: dict[tuple[CommKind, str], int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, kind: CommKind, axis: str, numel: int) -> None:
-        key = (kind.value, axis)
+        key = (kind, axis)
         with self._lock:
             self.calls[key] = self.calls.get(key, 0) + 1
             self.elements[key] = self.elements.get(key, 0) + numel
@@ -61,7 +61,7 @@ class CommStats:
             self.calls.clear()
             self.elements.clear()
 
-    def snapshot(self) -> dict[tuple[str, str], tuple[int, int]]:
+    def snapshot(self) -> dict[tuple[CommKind, str], tuple[int, int]]:
         """(kind, axis) -> (calls, elements)."""
         with self._lock:
             return {k: (self.calls[k], self.elements[k]) for k in sorted(self.calls)}

@@ -49,7 +49,7 @@ class Program:
         # True, skips that step's update on every rank and is recorded in `skipped`.
         self.skip_nonfinite = False
         self.skipped: list[tuple[int, str]] = []  # (step, what was not finite)
-        self._stats: dict[tuple[str, str], tuple[int, int]] = {}
+        self._stats: dict[tuple[CommKind, str], tuple[int, int]] = {}
         # Where a step is watched or changed (step_hooks.py); nothing replaces a method.
         self.hooks = StepHooks()
         self.executor = StageExecutor(
@@ -183,7 +183,7 @@ class Program:
         step (an `after_sync` hook). Writing into a view changes what the optimizer reads."""
         return grad_views(self.parts)
 
-    def comm_stats(self) -> dict[tuple[str, str], tuple[int, int]]:
+    def comm_stats(self) -> dict[tuple[CommKind, str], tuple[int, int]]:
         """(kind, axis) -> (calls, elements) this rank issued during the last step."""
         return dict(self._stats)
 

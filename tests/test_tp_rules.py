@@ -18,10 +18,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from parc.compiler.conversions import plan_conversion
 from parc.compiler.frontend import Analysis, analyse
 from parc.compiler.node_meta import meta_of
 from parc.compiler.passes.functional import local_slice
-from parc.compiler.passes.placement import Partial, Replicate, Shard, plan_conversion
+from parc.compiler.passes.placement import Partial, Replicate, Shard
 from parc.compiler.passes.tensor_parallel import tensor_parallel
 from parc.compiler.passes.tp_analysis import analyse_tensor_parallel
 from parc.compiler.passes.tp_dims import index_dim, view_groups

@@ -6,12 +6,9 @@ nodes. They name their axis as a string argument, so a generated program reads
 (`with comm.active():` in runtime/collectives.py, which registers it here with
 `comm_activated`); the Comm issues and counts the actual collective.
 
-Placement changes and what they cost (one tensor-parallel axis of size n):
-
-    Partial   → Replicate  tp_all_reduce   all-reduce forward, identity backward (Megatron g)
-    Replicate → Replicate  tp_enter        identity forward, all-reduce backward (Megatron f)
-    Shard     → Replicate  tp_all_gather   all-gather forward, local slice backward
-    Replicate → Shard      tp_slice        local slice forward, all-gather backward
+Which placement change each op makes, the comment it gets and what it costs
+are one row each in the table of compiler/conversions.py (`CONVERSIONS`);
+here are only the ops and how they move data.
 
 A tensor "replicated" over an axis has the same value on every rank of it and,
 by the same convention, the same (full) gradient; `tp_enter` is where a
@@ -40,6 +37,7 @@ __all__ = [
     "tp_all_gather",
     "tp_all_reduce",
     "tp_enter",
+    "tp_reduce_scatter",
     "tp_slice",
 ]
 
@@ -68,6 +66,10 @@ class ActiveComm(Protocol):
     def all_reduce(self, t: torch.Tensor, axis: str, *, async_op: bool = False) -> Any: ...
 
     def all_gather(
+        self, out: torch.Tensor, inp: torch.Tensor, axis: str, *, async_op: bool = False
+    ) -> Any: ...
+
+    def reduce_scatter(
         self, out: torch.Tensor, inp: torch.Tensor, axis: str, *, async_op: bool = False
     ) -> Any: ...
 
@@ -113,10 +115,10 @@ def _gather_dim(x: torch.Tensor, dim: int, axis: str, blocks: int) -> torch.Tens
     return parts.reshape(shape)
 
 
-def _slice_dim(x: torch.Tensor, dim: int, axis: str, blocks: int) -> torch.Tensor:
-    """This rank's part of every one of the k blocks of `x` along `dim`."""
+def _parts(x: torch.Tensor, dim: int, axis: str, blocks: int) -> tuple[int, int, int]:
+    """(axis size, dim made non-negative, part size c) for `x` cut into k blocks of n parts."""
     comm = active_comm()
-    n, i = comm.size(axis), comm.index(axis)
+    n = comm.size(axis)
     dim = dim % x.dim()
     size = x.shape[dim]
     if size % (blocks * n):
@@ -125,9 +127,28 @@ def _slice_dim(x: torch.Tensor, dim: int, axis: str, blocks: int) -> torch.Tenso
             rank=comm.rank,
             step=comm.step,
         )
-    c = size // (blocks * n)
+    return n, dim, size // (blocks * n)
+
+
+def _slice_dim(x: torch.Tensor, dim: int, axis: str, blocks: int) -> torch.Tensor:
+    """This rank's part of every one of the k blocks of `x` along `dim`."""
+    n, dim, c = _parts(x, dim, axis, blocks)
+    i = active_comm().index(axis)
     pieces = [x.narrow(dim, b * n * c + i * c, c) for b in range(blocks)]
     return torch.cat(pieces, dim=dim) if blocks > 1 else pieces[0].contiguous()
+
+
+def _scatter_dim(x: torch.Tensor, dim: int, axis: str, blocks: int) -> torch.Tensor:
+    """This rank's part (as `_slice_dim` cuts it) of the sum over `axis` of `x`."""
+    n, dim, c = _parts(x, dim, axis, blocks)
+    shape = list(x.shape)
+    # [..., k, n, c, ...] with the rank dim first: rank i's parts are one contiguous run.
+    parts = x.reshape(*shape[:dim], blocks, n, c, *shape[dim + 1 :]).movedim(dim + 1, 0)
+    flat = parts.contiguous().reshape(-1)
+    out = torch.empty((flat.numel() // n,), dtype=x.dtype, device=x.device)
+    active_comm().reduce_scatter(out, flat, axis)
+    shape[dim] = blocks * c
+    return out.view(shape)
 
 
 class _Enter(torch.autograd.Function):
@@ -179,6 +200,18 @@ class _Slice(torch.autograd.Function):
         return _gather_dim(grad, dim, axis, blocks), None, None, None
 
 
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, axis: str, blocks: int) -> torch.Tensor:
+        ctx.args = (dim, axis, blocks)
+        return _scatter_dim(x, dim, axis, blocks)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        dim, axis, blocks = ctx.args
+        return _gather_dim(grad, dim, axis, blocks), None, None, None
+
+
 def tp_enter(x: torch.Tensor, axis: str) -> torch.Tensor:
     """Replicate → rank-local use: identity forward, all-reduce of the gradient backward."""
     return _Enter.apply(x, axis)
@@ -197,3 +230,12 @@ def tp_all_gather(x: torch.Tensor, dim: int, axis: str, blocks: int = 1) -> torc
 def tp_slice(x: torch.Tensor, dim: int, axis: str, blocks: int = 1) -> torch.Tensor:
     """Replicate → Shard(dim, blocks): local slice forward, all-gather backward."""
     return _Slice.apply(x, dim, axis, blocks)
+
+
+def tp_reduce_scatter(x: torch.Tensor, dim: int, axis: str, blocks: int = 1) -> torch.Tensor:
+    """Partial → Shard(dim, blocks): reduce-scatter forward, all-gather backward.
+
+    The same values and gradients as `tp_slice(tp_all_reduce(x, axis), dim, axis, blocks)`,
+    with one collective of the whole value forward instead of an all-reduce.
+    """
+    return _ReduceScatter.apply(x, dim, axis, blocks)

@@ -6,9 +6,10 @@
   parameters as explicit `get_attr` inputs (`F.linear(x, w, b)`,
   `F.embedding(idx, w)`), so the rank's local slices are what it reads; a row
   Linear adds its bias once, after the all-reduce.
-- `emit_conversion`: the collectives that change a placement
-  (compiler/ops/collectives.py), each named after its input and commented in
-  `ParcMeta.comment` (compiler/node_meta.py).
+- `emit_conversion`: one placement change, as its row of the conversion
+  table says (compiler/conversions.py): its graph op, named after its input,
+  its comment in `ParcMeta.comment` and its costs in `ParcMeta.collectives`
+  (compiler/node_meta.py).
 
 Every node made here gets `ParcMeta.tp` (its placement) and `tensor_meta` with the
 rank's local shape.
@@ -18,69 +19,33 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.fx
 import torch.nn.functional as F
 
+from ..conversions import CONVERSIONS, ConvKind, ConvStep
 from ..node_meta import meta_of, set_collectives, set_comment, set_placement
-from ..ops.collectives import (
-    CommKind,
-    tp_all_gather,
-    tp_all_reduce,
-    tp_enter,
-    tp_slice,
-)
 from .lower_modules import embedding_options
 from .placement import (
-    ConvKind,
-    ConvStep,
     Lowering,
     LowerKind,
     Partial,
     Placement,
     Replicate,
     Shard,
-    conversion_comment,
 )
 from .tp_dims import output_metas
 from .tp_shapes import local_shape
 
 __all__ = [
-    "conversion_collective",
     "emit_conversion",
     "emit_lowered",
     "local_meta",
     "local_slice",
     "where_from",
 ]
-
-_OPS: dict[ConvKind, Callable[..., Any]] = {
-    ConvKind.ENTER: tp_enter,
-    ConvKind.ALL_REDUCE: tp_all_reduce,
-    ConvKind.ALL_GATHER: tp_all_gather,
-    ConvKind.SLICE: tp_slice,
-}
-# What each op costs per microbatch (forward or backward), as the estimate counts it,
-# and whether it costs it only when its input needs a gradient (its backward does it).
-_COLLECTIVES: dict[ConvKind, tuple[CommKind, bool]] = {
-    ConvKind.ENTER: (CommKind.ALL_REDUCE, True),
-    ConvKind.ALL_REDUCE: (CommKind.ALL_REDUCE, False),
-    ConvKind.ALL_GATHER: (CommKind.ALL_GATHER, False),
-    ConvKind.SLICE: (CommKind.ALL_GATHER, True),
-}
-
-
-def conversion_collective(kind: ConvKind, *, grad: bool) -> str | None:
-    """The collective (a `CommKind` value) one conversion step costs; None if it costs none.
-
-    `grad`: its input needs a gradient. The rule for the inserted nodes'
-    `ParcMeta.collectives` and for the analysis' counts (tp_analysis.py).
-    """
-    comm, backward_only = _COLLECTIVES[kind]
-    return comm.value if grad or not backward_only else None
 
 
 def local_slice(full: torch.Tensor, shard: Shard, index: int, parts: int) -> torch.Tensor:
@@ -131,19 +96,16 @@ def emit_conversion(
 ) -> torch.fx.Node:
     """One placement change of `x`, appended to `graph`; `grad`: `x` needs a gradient.
 
-    Its `ParcMeta.collectives` lists what it costs per microbatch (forward
-    and backward), for the estimate.
+    `meta` is `x`'s global `tensor_meta`. Its `ParcMeta.collectives` lists what
+    it costs per microbatch (forward and backward), for the estimate.
     """
-    if step.kind in (ConvKind.ENTER, ConvKind.ALL_REDUCE):
-        args: tuple[Any, ...] = (x, axis)
-    else:
-        args = (x, step.dim, axis) + ((step.blocks,) if step.blocks != 1 else ())
-    node = graph.create_node("call_function", _OPS[step.kind], args, name=f"{name}_{step.kind}")
-    place: Placement = Shard(step.dim, step.blocks) if step.kind is ConvKind.SLICE else Replicate()
-    _annotate(node, place, meta, tp, conversion_comment(step))
+    row = CONVERSIONS[step.kind]
+    node = graph.create_node(
+        "call_function", row.op, row.args(x, step, axis), name=f"{name}_{step.kind}"
+    )
+    _annotate(node, row.result(step), meta, tp, row.comment)
     numel = math.prod(meta.shape) if hasattr(meta, "shape") else 0
-    kind = conversion_collective(step.kind, grad=grad)
-    set_collectives(node, ((kind, numel),) if kind is not None else ())
+    set_collectives(node, row.costs(numel, grad=grad))
     return node
 
 
@@ -173,8 +135,9 @@ def emit_lowered(
     else:
         partial = graph.create_node("call_function", F.linear, (x, w), name=f"{node.name}_partial")
         _annotate(partial, Partial(), meta, tp)
+        step, grad = ConvStep(ConvKind.ALL_REDUCE), meta_of(node).tp_grad
         reduced = emit_conversion(
-            graph, partial, ConvStep(ConvKind.ALL_REDUCE), axis, name=node.name, meta=meta, tp=tp
+            graph, partial, step, axis, name=node.name, meta=meta, tp=tp, grad=grad
         )
         out = graph.create_node("call_function", operator.add, (reduced, b), name=node.name)
         set_comment(out, "row Linear: the bias is added once, after the all-reduce")

@@ -10,6 +10,8 @@ table:
 `Shard(dim, blocks=k)`: dim `dim` is k equal blocks, each split into equal
 contiguous parts over the axis, rank i holding part i of every block (a fused
 qkv output is `S(2,3)`). Dims are non-negative (the analysis knows every rank).
+How a value changes placement (all-reduce, all-gather, slice, ...) is the
+table of compiler/conversions.py.
 
 The analysis (tp_analysis.py) writes, per fx node, into its `ParcMeta`
 (compiler/node_meta.py):
@@ -26,13 +28,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import TypeAlias
+from typing import TYPE_CHECKING, TypeAlias
+
+if TYPE_CHECKING:  # conversions.py builds its table from the placements here
+    from ..conversions import Conversion
 
 __all__ = [
     "ArgPath",
-    "ConvKind",
-    "ConvStep",
-    "Conversion",
     "LowerKind",
     "Lowering",
     "NodeRewrite",
@@ -43,8 +45,6 @@ __all__ = [
     "Shard",
     "SizeFix",
     "SizeOp",
-    "conversion_comment",
-    "plan_conversion",
 ]
 
 
@@ -82,60 +82,6 @@ class Partial:
 
 
 Placement: TypeAlias = Replicate | Shard | Partial
-
-
-class ConvKind(str, Enum):
-    """One graph op that changes a placement (compiler/ops/collectives.py)."""
-
-    ENTER = "enter"  # R → R used rank-locally: identity fwd, all-reduce bwd (Megatron f)
-    ALL_REDUCE = "all_reduce"  # P → R: all-reduce fwd, identity bwd (Megatron g)
-    ALL_GATHER = "all_gather"  # S → R: all-gather fwd, local slice bwd
-    SLICE = "slice"  # R → S: local slice fwd, all-gather bwd
-
-    def __str__(self) -> str:
-        return self.value
-
-
-@dataclass(frozen=True, slots=True)
-class ConvStep:
-    kind: ConvKind
-    dim: int = 0
-    blocks: int = 1
-
-    def __str__(self) -> str:
-        if self.kind in (ConvKind.ALL_GATHER, ConvKind.SLICE):
-            return f"{self.kind}({self.dim},{self.blocks})"
-        return str(self.kind)
-
-
-Conversion: TypeAlias = tuple[ConvStep, ...]
-
-_COMMENTS = {
-    ConvKind.ENTER: "Replicate→rank-local use: identity forward, all-reduce backward",
-    ConvKind.ALL_REDUCE: "Partial→Replicate: all-reduce",
-    ConvKind.ALL_GATHER: "Shard→Replicate: all-gather",
-    ConvKind.SLICE: "Replicate→Shard: local slice (all-gather backward)",
-}
-
-
-def conversion_comment(step: ConvStep) -> str:
-    """What a conversion step costs, written next to the op it inserts."""
-    return _COMMENTS[step.kind]
-
-
-def plan_conversion(have: Placement, want: Placement, *, enter: bool) -> Conversion:
-    """The steps from `have` to `want`; `enter` adds Megatron's f to a replicated result."""
-    steps: list[ConvStep] = []
-    if have != want:
-        if isinstance(have, Partial):
-            steps.append(ConvStep(ConvKind.ALL_REDUCE))
-        elif isinstance(have, Shard):
-            steps.append(ConvStep(ConvKind.ALL_GATHER, have.dim, have.blocks))
-        if isinstance(want, Shard):
-            steps.append(ConvStep(ConvKind.SLICE, want.dim, want.blocks))
-    if enter and isinstance(want, Replicate):
-        steps.append(ConvStep(ConvKind.ENTER))
-    return tuple(steps)
 
 
 ArgPath: TypeAlias = tuple[int | str, ...]

@@ -42,10 +42,11 @@ from typing import Any
 import torch
 import torch.fx
 
+from ..conversions import Conversion
 from ..node_meta import meta_of, set_collectives, set_stage, set_tp_rewrite
 from ..plan import Plan
 from .functional import emit_conversion, emit_lowered, local_meta, local_slice, where_from
-from .placement import Conversion, NodeRewrite, ParamUse, SizeOp
+from .placement import NodeRewrite, ParamUse, SizeOp
 from .tp_analysis import analyse_tensor_parallel
 from .tp_shapes import get_path, set_path
 

@@ -24,14 +24,15 @@ Algorithm:
    d. otherwise the op's rule (tp_rules.RULES) decides; an op without one gets
       its sharded inputs all-gathered and a warning (strict: a CompileError).
 4. Conversions: each input goes from its placement to the one the rule wants
-   (placement.plan_conversion); a replicated input that needs a gradient and
+   (conversions.plan_conversion); a replicated input that needs a gradient and
    feeds a non-replicated output goes through `enter` (Megatron's f: identity
    forward, all-reduce backward), one per value, shared by its consumers.
 5. Sizes: size-valued nodes get their (global, local) values; size arguments
    of the other nodes that must change are recorded (tp_shapes.py).
 6. The graph output: every tensor is made R (all-gather / all-reduce).
 7. Write each node's `ParcMeta` (compiler/node_meta.py): tp, tp_rewrite,
-   tp_grad (the value needs a gradient), sharded, collectives.
+   tp_grad (the value needs a gradient), sharded, collectives (each
+   conversion step's costs from its row of compiler/conversions.py).
 """
 
 from __future__ import annotations
@@ -46,15 +47,13 @@ import torch.fx
 
 from parc.dsl.ast import ShardKind, Spec
 
+from ..conversions import CONVERSIONS, Conversion, ConvKind, plan_conversion
 from ..layout import canonical_names
-from ..node_meta import set_tp_analysis
+from ..node_meta import Collectives, set_tp_analysis
 from ..ops.collectives import CommKind
 from ..plan import ModuleShard, Plan, PlanWarning
 from . import tp_messages as msg
-from .functional import conversion_collective
 from .placement import (
-    Conversion,
-    ConvKind,
     Lowering,
     LowerKind,
     NodeRewrite,
@@ -63,7 +62,6 @@ from .placement import (
     Placement,
     Replicate,
     Shard,
-    plan_conversion,
 )
 from .tp_context import Decision, Misaligned, NotDivisible, OpContext
 from .tp_dims import output_metas
@@ -105,7 +103,11 @@ def analyse_tensor_parallel(
 
 
 def _write(
-    node: torch.fx.Node, place: Any, rewrite: NodeRewrite | None, comms: list, grad: bool = False
+    node: torch.fx.Node,
+    place: Any,
+    rewrite: NodeRewrite | None,
+    comms: list[tuple[CommKind, int]],
+    grad: bool = False,
 ) -> None:
     sharded = any(isinstance(p, Shard) for p in _flat(place))
     set_tp_analysis(node, place, rewrite, tuple(comms), grad=grad, sharded=sharded)
@@ -150,7 +152,7 @@ class _Walk:
         self.origin: dict[torch.fx.Node, str | None] = {}
         self.grad: dict[torch.fx.Node, bool] = {}
         self.rewrites: dict[torch.fx.Node, NodeRewrite] = {}
-        self.collectives: dict[torch.fx.Node, list[tuple[str, int]]] = {}
+        self.collectives: dict[torch.fx.Node, list[tuple[CommKind, int]]] = {}
         self.counted: set[tuple[str, Conversion]] = set()
         self.warnings: list[PlanWarning] = []
 
@@ -210,15 +212,15 @@ class _Walk:
         converts = self._convert(node, ins, decision, shard)
         sizes = self._sizes(node, decision)
         lowering = self._lowering(node, shard) if shard else None
-        row = lowering is not None and lowering.kind is LowerKind.LINEAR_ROW
-        if row and isinstance(decision.output, Replicate):  # the all-reduce before its bias
-            self.collectives.setdefault(node, []).append((CommKind.ALL_REDUCE.value, _numel(node)))
         moved = (self.origin[n] for n, p in ins.items() if not isinstance(p, Replicate))
         origin = shard.module if shard else next(moved, None)
         module_grad = node.op == "call_module" and any(
             p.requires_grad for p in self.gm.get_submodule(str(node.target)).parameters()
         )
         grad = module_grad or any(self.grad.get(n, False) for n in node.all_input_nodes)
+        row = lowering is not None and lowering.kind is LowerKind.LINEAR_ROW
+        if row and isinstance(decision.output, Replicate):  # the all-reduce before its bias
+            self._add(node, CONVERSIONS[ConvKind.ALL_REDUCE].costs(_numel(node), grad=grad))
         self._set(node, decision.output, origin, grad=grad)
         rewrite = NodeRewrite(tuple(converts), sizes, lowering)
         if rewrite:
@@ -308,11 +310,14 @@ class _Walk:
         """Collectives for the estimate; a conversion shared by consumers counts once."""
         for i, step in enumerate(steps):
             key = (value.name, steps[: i + 1])
-            kind = conversion_collective(step.kind, grad=self.grad[value])
-            if key in self.counted or kind is None:
+            costs = CONVERSIONS[step.kind].costs(_numel(value), grad=self.grad[value])
+            if key in self.counted or not costs:
                 continue
             self.counted.add(key)
-            self.collectives.setdefault(node, []).append((kind, _numel(value)))
+            self._add(node, costs)
+
+    def _add(self, node: torch.fx.Node, costs: Collectives) -> None:
+        self.collectives.setdefault(node, []).extend(costs)
 
     def _warn(
         self,

@@ -55,6 +55,9 @@ from ..trace import module_path, trace_model
 
 __all__ = ["ModelProfile", "TPProfile", "UnitCost", "profile_model"]
 
+# Priced as one: on a ring each moves (n-1)/n of the whole value (time_model.wire_bytes).
+_GATHER_WIRE = (CommKind.ALL_GATHER, CommKind.REDUCE_SCATTER)
+
 
 @dataclass(frozen=True, slots=True)
 class UnitCost:
@@ -66,7 +69,7 @@ class UnitCost:
     saved: int  # bytes saved for backward
     kept: int  # bytes a recomputed block keeps instead (its inputs)
     tp_reduce: int  # tensor-parallel all-reduce elements, forward + backward
-    tp_gather: int  # tensor-parallel all-gather elements, forward + backward
+    tp_gather: int  # tensor-parallel all-gather + reduce-scatter elements, forward + backward
     tp_forward: int  # of those, forward elements (they run again when recomputed)
     tp_calls: int  # tensor-parallel collectives
     tp_forward_calls: int  # of those, forward ones
@@ -299,7 +302,7 @@ class _Base:
         sharded: set[str],
         split: set[str],
         local: dict[str, int],
-        forward: dict[str, list[tuple[str, int]]],
+        forward: dict[str, list[tuple[CommKind, int]]],
     ) -> UnitCost:
         mine = self.members[i]
         owners: dict[str, int] = {}
@@ -317,8 +320,8 @@ class _Base:
             flops=sum(self.costs[n.name].flops // (tp if n.name in split else 1) for n in mine),
             saved=self._saved_bytes(i, tp, sharded),
             kept=self._kept_bytes(mine, tp, sharded),
-            tp_reduce=sum(e for k, e in comms if CommKind(k) is CommKind.ALL_REDUCE),
-            tp_gather=sum(e for k, e in comms if CommKind(k) is CommKind.ALL_GATHER),
+            tp_reduce=sum(e for k, e in comms if k is CommKind.ALL_REDUCE),
+            tp_gather=sum(e for k, e in comms if k in _GATHER_WIRE),
             tp_forward=sum(e for n in mine for _, e in forward.get(n.name, ())),
             tp_calls=len(comms),
             tp_forward_calls=sum(len(forward.get(n.name, ())) for n in mine),

@@ -3,8 +3,9 @@
 Call it on every rank of a process group whose size is the mesh's world size
 (torchrun, `parc run`, or the test pool); it builds the full model from the same
 seed on every rank (so it starts from the single-device initial weights),
-traces it, resolves the plan, runs the compiler passes for this rank's mesh
-coordinates, and assembles the runtime pieces.
+traces it, resolves the plan, compiles this rank's program for its mesh
+coordinates (`parc.compiler.rank_program.compile_rank`: every graph rewrite), and
+builds the runtime pieces from it (`parc.runtime.assemble.assemble`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from parc.compiler.frontend import analyse, as_spec
 from parc.compiler.layout import DEFAULT_BUCKET_ELEMS
 from parc.compiler.model import ModelSource, load_model
 from parc.compiler.optimizer_factory import OptimizerFactory
+from parc.compiler.plan_schedule import HandSchedule
+from parc.compiler.rank_program import compile_rank
 from parc.dsl.ast import AXIS_DP, AXIS_PP, Spec
 from parc.runtime.assemble import assemble
 from parc.runtime.mesh import build_comm, device_for_rank
@@ -36,21 +39,35 @@ def compile(
     strict: bool = False,
     bucket_elems: int = DEFAULT_BUCKET_ELEMS,
     device: torch.device | None = None,
+    schedule: HandSchedule | None = None,
 ) -> Program:
     """This rank's program for `spec` on `model` (a model file, module or ModelSource).
 
     `optimizer` overrides the model file's `configure_optimizer`; `batch` is the
-    global batch (default: the smallest valid one of at least 8).
+    global batch (default: the smallest valid one of at least 8). `schedule`, a
+    compute schedule written by hand (pp rank -> its actions, e.g.
+    ``{0: ["0F0", "2F0", "2B0", "0B0"], 1: [...]}``), runs instead of the spec's once
+    validated against the plan's stages, microbatches and stage_to_rank
+    (a `ScheduleError` with the grid otherwise).
     """
     source = model if isinstance(model, ModelSource) else load_model(model)
     # Built on the CPU from `seed`, exactly as a single-device run would build it.
-    analysis = analyse(as_spec(spec), source, batch=batch, device="cpu", seed=seed, strict=strict)
+    analysis = analyse(
+        as_spec(spec),
+        source,
+        batch=batch,
+        device="cpu",
+        seed=seed,
+        strict=strict,
+        schedule=schedule,
+    )
     comm = build_comm(analysis.plan.mesh)
+    program = compile_rank(analysis, comm.coords, bucket_elems=bucket_elems)
     parts = assemble(
-        analysis,
+        program,
         comm,
+        source=source,
         optimizer=optimizer or source.configure_optimizer,
-        bucket_elems=bucket_elems,
         device=device or device_for_rank(),
     )
     _seed_random_streams(seed, comm.index(AXIS_DP), comm.index(AXIS_PP))

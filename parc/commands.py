@@ -97,9 +97,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _write_rank_code(analysis: object, out: Path) -> None:
+    from parc.compiler.codegen import rank_code
+    from parc.compiler.frontend import Analysis
     from parc.compiler.output import write_atomic
-    from parc.runtime.codegen import rank_code
 
+    assert isinstance(analysis, Analysis)
     for rank, code in rank_code(analysis).items():
         write_atomic(out / f"rank{rank}.py", code)
 

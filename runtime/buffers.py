@@ -15,17 +15,20 @@ copy is *the model's*:
   compiler/model_state.py).
 
 A persistent buffer no stage uses keeps the value `build_model()` gave it and
-is held by stage 0.
+is held by stage 0. Which stage holds which buffer is compile-time data
+(`parc.compiler.rank_buffers.BufferLayout`); here the rank picks up the live
+tensors from its own stage graphs, after they moved to its device.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 
-from parc.compiler.model_state import buffer_aliases, persistent_buffers
 from parc.compiler.passes.pipeline_split import StageGraph
+from parc.compiler.rank_buffers import BufferLayout
 
 __all__ = ["Buffers", "rank_buffers"]
 
@@ -42,30 +45,21 @@ class Buffers:
     holders: dict[str, int] = field(default_factory=dict)  # name -> first pp stage holding it
 
 
-def rank_buffers(model: torch.nn.Module, stages: list[StageGraph], stage: int) -> Buffers:
-    """The buffers of `stages[stage]` (after it moved to its device), named as in `model`."""
-    names = persistent_buffers(model)
-    if not names:
-        return Buffers()
-    aliases = buffer_aliases(model)
-    held = [_stage_buffers(s, aliases) for s in stages]
-    holders = {n: next((i for i, h in enumerate(held) if n in h), 0) for n in names}
-    built = dict(model.named_buffers())
-    local = {n: held[stage][n] for n in names if n in held[stage]}
-    if stage == 0:  # what no stage uses stays as built
-        local.update({n: built[n] for n in names if not any(n in h for h in held)})
+def rank_buffers(layout: BufferLayout, stages: Mapping[int, StageGraph]) -> Buffers:
+    """The buffers this rank's `stages` hold (after they moved to its device), by canonical
+    name. A buffer two of them hold is read from the lower stage: the holder's, when the
+    rank runs the stage holding the model's copy."""
+    local: dict[str, torch.Tensor] = {}
+    for s in sorted(stages):
+        for name, b in stages[s].gm.named_buffers(remove_duplicate=False):
+            key = layout.aliases.get(name)
+            if key is not None and key in layout.shapes:
+                local.setdefault(key, b)
+    if 0 in stages:  # what no stage uses stays as built
+        local.update(layout.unused)
     return Buffers(
         local=local,
-        shapes={n: tuple(built[n].shape) for n in names},
-        dtypes={n: built[n].dtype for n in names},
-        holders=holders,
+        shapes=dict(layout.shapes),
+        dtypes=dict(layout.dtypes),
+        holders=dict(layout.holders),
     )
-
-
-def _stage_buffers(stage: StageGraph, aliases: dict[str, str]) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for name, b in stage.gm.named_buffers(remove_duplicate=False):
-        key = aliases.get(name)
-        if key is not None:
-            out.setdefault(key, b)
-    return out

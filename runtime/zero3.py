@@ -1,6 +1,7 @@
 """ZeRO-3 at run time: parameters live as flat 1/dp shards, gathered just before use.
 
-The `zero` compiler pass (compiler/passes/zero.py) puts a `zero3_gather` node
+The compiler lays the units out and cuts the shards (compiler/rank_zero3.py); the
+`zero` pass (compiler/passes/zero.py) puts a `zero3_gather` node
 (compiler/ops/zero3.py) before the first use of each unit's parameters and
 reads every parameter as a view of the gathered flat buffer. Here:
 
@@ -21,14 +22,14 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from parc.compiler.layout import FlatUnit
 from parc.compiler.ops.zero3 import current_zero3, zero3_activated
+from parc.compiler.rank_zero3 import Zero3Layout
 
 from .collectives import Comm, all_gather_flat
 
@@ -50,31 +51,24 @@ class Zero3:
 
     def __init__(
         self,
-        values: Mapping[str, torch.Tensor],
-        units: tuple[FlatUnit, ...],
+        layout: Zero3Layout,
+        shards: Sequence[torch.nn.Parameter],
         comm: Comm,
         *,
         axis: str,
         tied: frozenset[str] = frozenset(),
     ) -> None:
-        self.comm, self.axis, self.units = comm, axis, units
+        """`layout` and `shards` as `compile_rank` made them (compiler/rank_zero3.py):
+        the shards are the Parameters the rank's stage graphs read, on its device."""
+        if len(shards) != len(layout.units):
+            raise AssertionError(f"{len(shards)} shards for {len(layout.units)} ZeRO-3 units")
+        self.comm, self.axis, self.units = comm, axis, layout.units
         self.dp, self.index = comm.size(axis), comm.index(axis)
-        self.shapes = {n: tuple(v.shape) for n, v in values.items()}
-        self.offsets: dict[str, tuple[int, int]] = {}  # name -> (unit, offset)
-        self.shards: list[torch.nn.Parameter] = []
+        self.shapes, self.offsets = layout.shapes, layout.offsets
+        self.shards: list[torch.nn.Parameter] = list(shards)
+        units = layout.units
         self.tied_units = [i for i, u in enumerate(units) if any(n in tied for n in u.params)]
         self.tied_names = {i: [n for n in units[i].params if n in tied] for i in self.tied_units}
-        for i, unit in enumerate(units):
-            first = values[unit.params[0]]
-            flat = torch.zeros(unit.padded, dtype=first.dtype, device=first.device)
-            off = 0
-            for name in unit.params:
-                value = values[name].detach().reshape(-1)
-                flat[off : off + value.numel()].copy_(value)
-                self.offsets[name] = (i, off)
-                off += value.numel()
-            shard = flat[self.index * unit.shard : (self.index + 1) * unit.shard].clone()
-            self.shards.append(torch.nn.Parameter(shard))
         self._bases: dict[int, tuple[int, weakref.ref[torch.Tensor]]] = {}
         self._cache: dict[int, torch.Tensor] = {}
         self._prefetched: dict[int, tuple[torch.Tensor, Any]] = {}

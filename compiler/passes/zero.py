@@ -8,7 +8,9 @@ Algorithm:
 4. Before the first node that reads a unit, insert `zero3_gather(shard, i)`
    (all-gather forward, reduce-scatter backward) and one `zero3_view` per
    parameter; every read of the parameter now reads its view.
-5. Drop the whole parameters from the module: only the shards stay resident.
+5. Drop the whole parameters from the graph module: only the shards stay
+   resident. The modules holding them are shared with the model the graph was
+   split from, so each is first replaced by the graph's own shallow copy.
 
 Re-gathering in backward is the runtime's job (runtime/zero3.py): the gathered
 buffer is saved for backward as a handle, never kept alive.
@@ -16,31 +18,38 @@ buffer is saved for backward as a handle, never kept alive.
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Mapping, Sequence
+
 import torch
 import torch.fx
 
 from ..node_meta import set_comment
 from ..ops.zero3 import zero3_gather, zero3_view
+from ..rank_zero3 import Zero3Layout
 
 __all__ = ["shard_parameters"]
 
 
 def shard_parameters(
     gm: torch.fx.GraphModule,
-    offsets: dict[str, tuple[int, int]],
-    shapes: dict[str, tuple[int, ...]],
-    shards: list[torch.nn.Parameter],
-    canonical: dict[str, str],
+    layout: Zero3Layout,
+    shards: Sequence[torch.nn.Parameter],
+    canonical: Mapping[str, str],
 ) -> torch.fx.GraphModule:
     """Rewrite `gm` in place to read its parameters from gathered ZeRO-3 shards.
 
-    `offsets`: canonical parameter name -> (unit, offset); `canonical`: a name in
-    `gm` -> its canonical name; `shards[i]`: this rank's shard of unit i.
+    `layout`: the rank's units and each parameter's (unit, offset) by canonical name
+    (compiler/rank_zero3.py); `shards[i]`: this rank's shard of unit i, the same
+    Parameter objects on every stage graph of the rank; `canonical`: a name in `gm` ->
+    its canonical name. Modules `gm` shares with the model it was split from are
+    never changed: the ones whose parameters it drops are replaced by its own copies.
     """
     from .lower_modules import lower_module_calls
 
     # Step 1
     lower_module_calls(gm, lambda name, module: True)
+    offsets = layout.offsets
     # Step 2
     reads: dict[int, list[torch.fx.Node]] = {}
     for node in gm.graph.nodes:
@@ -65,16 +74,17 @@ def shard_parameters(
                 key = canonical[str(node.target)]
                 if key not in views:
                     views[key] = gm.graph.call_function(
-                        zero3_view, (flat, offsets[key][1], shapes[key])
+                        zero3_view, (flat, offsets[key][1], layout.shapes[key])
                     )
                 node.replace_all_uses_with(views[key])
         for node in nodes:
             gm.graph.erase_node(node)
     # Step 5
+    copies: dict[str, torch.nn.Module] = {}
     for name in list(dict(gm.named_parameters(remove_duplicate=False))):
         if name in canonical and canonical[name] in offsets:
             owner, _, leaf = name.rpartition(".")
-            module = gm.get_submodule(owner) if owner else gm
+            module = _own_module(gm, owner, copies)
             if leaf in module._parameters:
                 # An empty stand-in: modules lowered through functional_call get the
                 # views in its place; the whole tensor is no longer held.
@@ -82,3 +92,25 @@ def shard_parameters(
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _own_module(
+    gm: torch.fx.GraphModule, path: str, copies: dict[str, torch.nn.Module]
+) -> torch.nn.Module:
+    """The module at `path` in `gm`, made `gm`'s own: it and every module above it are
+    replaced (once, remembered in `copies`) by shallow copies with their own parameter
+    and child tables, so changing them leaves the original model as it was. Buffers
+    stay shared: they are the model's live state (runtime/buffers.py)."""
+    if not path:
+        return gm
+    if path in copies:
+        return copies[path]
+    parent_path, _, leaf = path.rpartition(".")
+    parent = _own_module(gm, parent_path, copies)
+    mine = copy.copy(parent._modules[leaf])
+    assert mine is not None, f"no module '{path}' in the stage graph"
+    mine._parameters = dict(mine._parameters)
+    mine._modules = dict(mine._modules)
+    parent._modules[leaf] = mine
+    copies[path] = mine
+    return mine

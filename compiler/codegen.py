@@ -1,0 +1,83 @@
+"""Each rank's generated program as readable Python: what `parc compile -o DIR` writes.
+
+The code is the rank's compiled program (`parc.compiler.rank_program.compile_rank`),
+the same one a run executes, printed stage by stage: a header per stage (its
+rank and coordinates, what it receives and sends, the model inputs it reads, the
+rank's schedule), the stage graph's code with a comment beside every inserted
+collective, then the body of every recomputed region. Compiling needs no
+process group, no optimizer and no runtime; on the `meta` model of `parc
+compile` it needs no memory for the weights either.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from .frontend import Analysis
+from .layout import DEFAULT_BUCKET_ELEMS
+from .node_meta import meta_of
+from .ops.recompute import Recomputed
+from .passes.pipeline_split import StageGraph
+from .rank_program import RankProgram, compile_rank
+from .schedule_actions import Action, one_at_a_time
+
+__all__ = ["rank_code"]
+
+
+def rank_code(analysis: Analysis) -> dict[int, str]:
+    """rank -> the Python source of its stage programs, with headers and comments."""
+    mesh = analysis.plan.mesh
+    out: dict[int, str] = {}
+    for rank in range(mesh.world_size):
+        program = compile_rank(analysis, mesh.coords(rank), bucket_elems=DEFAULT_BUCKET_ELEMS)
+        out[rank] = "\n".join(_render(rank, program, s) for s in sorted(program.stages))
+    return out
+
+
+def _render(rank: int, program: RankProgram, s: int) -> str:
+    stage: StageGraph = program.stages[s]
+    coords = ", ".join(f"{k}={v}" for k, v in program.coords.items()) or "single device"
+    header = [
+        f"# parc: rank {rank} ({coords}), pipeline stage {stage.stage}",
+        f"# receives: {', '.join(map(str, stage.recv)) or 'nothing'}",
+        f"# sends:    {', '.join(map(str, stage.send)) or 'nothing'}",
+        f"# model inputs used: {list(stage.model_inputs)}",
+        f"# schedule: {' '.join(map(str, _actions_run(program)))}",
+        "",
+    ]
+    return "\n".join(header) + _annotate(stage.gm) + "\n" + _recomputed(stage.gm)
+
+
+def _actions_run(program: RankProgram) -> tuple[Action, ...]:
+    """The rank's actions in the order the executor runs them: a pipeline of one stage
+    runs each microbatch's forward and backward together, whatever the schedule says
+    (runtime/pipeline/executor.py)."""
+    if program.plan.num_stages == 1:
+        return tuple(one_at_a_time(program.actions))
+    return program.actions
+
+
+def _recomputed(gm: torch.fx.GraphModule) -> str:
+    """The body of every recomputed region, after the stage's code that calls it."""
+    parts = []
+    for name, module in gm.named_children():
+        if isinstance(module, Recomputed):
+            parts.append(
+                f"\n# self.{name}: {module.region}, under torch.utils.checkpoint (its forward "
+                f"runs again in backward)\n{_annotate(module.body)}\n"
+            )
+    return "".join(parts)
+
+
+def _annotate(gm: torch.fx.GraphModule) -> str:
+    """gm.code with `# <comment>` after each line that defines a commented node."""
+    comments = {n.name: c for n in gm.graph.nodes if (c := meta_of(n).comment) is not None}
+    lines = []
+    for line in gm.code.splitlines():
+        match = re.match(r"\s+(\w+) = ", line)
+        if match and match.group(1) in comments:
+            line = f"{line}  # {comments[match.group(1)]}"
+        lines.append(line)
+    return "\n".join(lines)

@@ -1,0 +1,238 @@
+"""`compile_rank` is the whole compiled program of a rank, and the compiler owns it.
+
+What a running rank executes is what `compile_rank` gives for its coordinates;
+compiling (`parc compile -o`) creates no process group and no optimizer and loads
+no runtime module; ZeRO-3's layout, shards and tied-weight groups are data the
+runtime only consumes.
+
+Tolerances: none. Graph code is compared as text, shards and parameters bitwise:
+both sides cut the same seeded tensors, so any difference is a different program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import GPT, ROOT, parc_main, world_size
+
+from parc.compiler.frontend import Analysis, analyse
+from parc.compiler.layout import DEFAULT_BUCKET_ELEMS
+from parc.compiler.model import load_model
+from parc.compiler.ops.recompute import Recomputed
+from parc.compiler.passes.pipeline_split import StageGraph
+from parc.compiler.rank_program import RankProgram, TiedGroup, compile_rank
+from parc.compiler.rank_tied import rank_tied, tied_groups
+from parc.runtime.equivalence import model_env
+
+GPT_ENV = {"GPT_LAYERS": "2", "GPT_DIM": "16", "GPT_HEADS": "2", "GPT_VOCAB": "32", "GPT_SEQ": "8"}
+BATCH = 8
+SHARDS = "".join(
+    f"shard *.{m} {k} tp\n"
+    for m, k in [("attn.qkv", "col"), ("attn.proj", "row"), ("mlp.fc1", "col"), ("mlp.fc2", "row")]
+)
+STAGES = "stage wte, wpe, layers[0] -> 0\nstage layers[1], ln_f, lm_head -> 1\n"
+# dp × tp × pp, ZeRO-3 and recompute: every rewrite compile_rank owns, tied weights across
+# stages (GPT ties its embedding and LM head).
+SPEC_3D = f"mesh pp=2 dp=2 tp=2\n{SHARDS}{STAGES}microbatches 2\nzero 3\nrecompute layers[*]\n"
+SPEC_3D_ZERO1 = f"mesh pp=2 dp=2 tp=2\n{SHARDS}{STAGES}microbatches 2\nzero 1\n"
+
+
+def _codes(stages: dict[int, StageGraph]) -> dict[int, list[str]]:
+    """Per stage: its graph's code and the code of each recomputed region's body."""
+    out = {}
+    for s, stage in stages.items():
+        bodies = [m.body.code for m in stage.gm.modules() if isinstance(m, Recomputed)]
+        out[s] = [stage.gm.code, *bodies]
+    return out
+
+
+def _analysis(spec: str, device: str = "cpu") -> Analysis:
+    with model_env(GPT_ENV):
+        return analyse(spec, load_model(GPT), batch=BATCH, device=device, seed=0)
+
+
+def running_program(spec: str) -> dict[str, Any]:
+    """On every rank: what the compiled program it runs holds, before any step."""
+    from parc.api import compile as parc_compile
+
+    with model_env(GPT_ENV):
+        program = parc_compile(spec, load_model(GPT), batch=BATCH)
+    parts = program.parts
+    shards = getattr(parts.sync, "shards", [])
+    return {
+        "coords": dict(parts.comm.coords),
+        "codes": _codes(parts.stages),
+        "actions": [str(a) for a in parts.actions],
+        "shards": [s.detach().clone() for s in shards],
+        "params": {n: p.detach().clone() for n, p in parts.local_params.items()},
+        "tied": sorted(parts.tied),
+    }
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("spec", [SPEC_3D, SPEC_3D_ZERO1], ids=["zero3-recompute", "zero1"])
+def test_every_rank_runs_the_graphs_compile_rank_gives_for_its_coordinates(
+    gloo_pool: Any, spec: str
+) -> None:
+    ranks = gloo_pool(world_size(spec)).run(running_program, spec)
+    analysis = _analysis(spec)
+    for rank, ran in enumerate(ranks):
+        program = compile_rank(analysis, ran["coords"], bucket_elems=DEFAULT_BUCKET_ELEMS)
+        assert _codes(program.stages) == ran["codes"], f"rank {rank} {ran['coords']}"
+        assert [str(a) for a in program.actions] == ran["actions"], f"rank {rank}"
+        assert len(program.zero3_shards) == len(ran["shards"]), f"rank {rank}"
+        for i, (mine, theirs) in enumerate(zip(program.zero3_shards, ran["shards"])):
+            assert torch.equal(mine.detach(), theirs), f"rank {rank}: shard of unit {i}"
+        if analysis.plan.zero < 3:
+            assert set(program.params) == set(ran["params"]), f"rank {rank}"
+            for name, value in ran["params"].items():
+                assert torch.equal(program.params[name].detach(), value), f"rank {rank}: {name}"
+        assert sorted(program.tied) == ran["tied"] == ["wte.weight"], f"rank {rank}"
+
+
+def test_compile_rank_leaves_the_analysis_as_it_was() -> None:
+    analysis = _analysis(SPEC_3D)
+    before = {n: (p, p.detach().clone()) for n, p in analysis.model.named_parameters()}
+    coords = {"pp": 1, "dp": 1, "tp": 0}
+    first = compile_rank(analysis, coords, bucket_elems=DEFAULT_BUCKET_ELEMS)
+    again = compile_rank(analysis, coords, bucket_elems=DEFAULT_BUCKET_ELEMS)
+    after = dict(analysis.model.named_parameters())
+    assert set(after) == set(before)
+    for name, (param, value) in before.items():
+        assert after[name] is param and torch.equal(param.detach(), value), name
+    assert _codes(again.stages) == _codes(first.stages)
+    for a, b in zip(first.zero3_shards, again.zero3_shards, strict=True):
+        assert torch.equal(a.detach(), b.detach())
+
+
+def test_zero3_shards_of_every_dp_rank_make_up_the_rank_parameters() -> None:
+    spec = "mesh dp=2\nzero 3\n"
+    analysis = _analysis(spec)
+    programs = [
+        compile_rank(analysis, {"dp": d}, bucket_elems=DEFAULT_BUCKET_ELEMS) for d in range(2)
+    ]
+    layout = programs[0].zero3
+    assert layout is not None and layout == programs[1].zero3
+    full = dict(analysis.model.named_parameters())
+    for i, unit in enumerate(layout.units):
+        flat = torch.cat([p.zero3_shards[i].detach() for p in programs])
+        assert flat.numel() == unit.padded
+        for name in unit.params:
+            index, off = layout.offsets[name]
+            assert index == i
+            n = math.prod(layout.shapes[name])
+            assert torch.equal(flat[off : off + n].view(layout.shapes[name]), full[name].detach())
+        assert not flat[unit.numel :].any(), "padding is zero"
+    for program in programs:
+        shards = {id(s) for s in program.zero3_shards}
+        held = {id(p) for p in program.stages[0].gm.parameters() if id(p) in shards}
+        assert held == shards, "the stage graph reads the program's shard Parameters"
+
+
+def test_tied_weights_are_listed_as_groups_in_creation_order() -> None:
+    plan = _analysis("mesh pp=2 dp=2\n" + STAGES).plan
+    per_stage = [["wte.weight", "wpe.weight"], ["ln_f.weight", "wte.weight"]]
+    # Row-major ranks (pp, dp): dp replica 0 holds stage 0 on rank 0, stage 1 on rank 2.
+    assert tied_groups(plan, per_stage) == (
+        TiedGroup("wte.weight", (0, 2)),
+        TiedGroup("wte.weight", (1, 3)),
+    )
+    assert rank_tied(plan, per_stage, 1) == frozenset({"wte.weight"})
+
+
+def test_a_weight_tied_across_stages_of_one_rank_needs_no_group() -> None:
+    plan = _analysis("mesh pp=2\n" + STAGES).plan
+    # Four stages on two ranks (stage s on rank s % 2): stages 0 and 2 share rank 0.
+    virtual = dataclasses.replace(plan, stage_modules=(("a",), ("b",), ("c",), ("d",)))
+    assert virtual.stage_to_rank == (0, 1, 0, 1)
+    same_rank = [["w"], [], ["w"], []]
+    assert tied_groups(virtual, same_rank) == ()
+    assert rank_tied(virtual, same_rank, 0) == frozenset()
+    across = [["w"], [], [], ["w"]]
+    assert tied_groups(virtual, across) == (TiedGroup("w", (0, 1)),)
+    assert rank_tied(virtual, across, 0) == rank_tied(virtual, across, 1) == frozenset({"w"})
+
+
+def test_assemble_refuses_a_move_that_replaces_the_shard_parameters() -> None:
+    from parc.runtime.assemble import assemble
+    from parc.runtime.collectives import Comm
+
+    analysis = _analysis("mesh dp=1\nzero 3\n")
+    program: RankProgram = compile_rank(analysis, {"dp": 0}, bucket_elems=DEFAULT_BUCKET_ELEMS)
+    mesh = analysis.plan.mesh
+    comm = Comm({}, dict(mesh.axes), mesh.coords(0), mesh.rank_of, rank=0)
+    overwrite = torch.__future__.get_overwrite_module_params_on_conversion()
+    torch.__future__.set_overwrite_module_params_on_conversion(True)  # `.to` makes new ones
+    try:
+        with pytest.raises(AssertionError, match="replaced their Parameters"):
+            assemble(
+                program,
+                comm,
+                source=analysis.source,
+                optimizer=analysis.source.configure_optimizer,
+                device=torch.device("cpu"),
+            )
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
+
+
+def _refuse(what: str) -> Any:
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError(f"parc compile -o called {what}")
+
+    return refuse
+
+
+@pytest.mark.parametrize("spec", [SPEC_3D, SPEC_3D_ZERO1], ids=["zero3-recompute", "zero1"])
+def test_compile_output_builds_no_process_group_and_no_optimizer(
+    spec: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    monkeypatch.setattr(dist, "init_process_group", _refuse("init_process_group"))
+    monkeypatch.setattr(dist, "new_group", _refuse("new_group"))
+    monkeypatch.setattr(torch.optim.Optimizer, "__init__", _refuse("Optimizer.__init__"))
+    with model_env(GPT_ENV):
+        code, _ = parc_main(tmp_path, "3d.par", spec, "compile", GPT, "-o", str(tmp_path / "o"))
+    assert code == 0, capsys.readouterr().err
+    written = sorted(p.name for p in (tmp_path / "o").glob("rank*.py"))
+    assert written == [f"rank{r}.py" for r in range(8)]
+    rank5 = (tmp_path / "o" / "rank5.py").read_text()  # pp=1, dp=0, tp=1
+    assert rank5.startswith("# parc: rank 5 (pp=1, dp=0, tp=1), pipeline stage 1\n")
+
+
+# Writes every rank's code for a dp × tp × pp spec, then lists the runtime modules loaded.
+_PROBE = """
+import sys
+from pathlib import Path
+from parc.compiler.codegen import rank_code
+from parc.compiler.frontend import analyse
+from parc.compiler.model import load_model
+spec, model = sys.argv[1], sys.argv[2]
+codes = rank_code(analyse(spec, load_model(model), batch=8))
+assert len(codes) == 8 and all(c.startswith("# parc: rank") for c in codes.values())
+print(" ".join(sorted(m for m in sys.modules if m.split(".")[:2] == ["parc", "runtime"])))
+"""
+
+
+def test_generating_rank_code_loads_no_runtime_module(tmp_path: Path) -> None:
+    spec = tmp_path / "3d.par"
+    spec.write_text(SPEC_3D)
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROBE, str(spec), GPT],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=ROOT,
+        env={**os.environ, **GPT_ENV},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [], f"rank code loaded the runtime: {proc.stdout.strip()}"

@@ -61,8 +61,8 @@ def stage_activations(
         sharded = plan.tp > 1 and meta_of(nodes[node]).sharded
         return nbytes // plan.tp if sharded else nbytes
 
-    stored: list[dict[int, int]] = [{} for _ in range(plan.pp)]
-    first_saver: list[dict[int, str]] = [{} for _ in range(plan.pp)]  # Step 4
+    stored: list[dict[int, int]] = [{} for _ in range(plan.num_stages)]
+    first_saver: list[dict[int, str]] = [{} for _ in range(plan.num_stages)]  # Step 4
     again: dict[tuple[str, int], dict[int, int]] = {}
     for t in saved.tensors:  # Step 1
         s = stage_of.get(t.node)
@@ -87,7 +87,7 @@ def stage_activations(
                     for storage, nbytes in saved.outputs.get(value.name, ()):
                         stored[s][storage] = share(nbytes, value.name)
     out = []
-    for s in range(plan.pp):
+    for s in range(plan.num_stages):
         extra = [
             sum(b for k, b in kept.items() if k not in stored[s])
             for (_, stage), kept in again.items()

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from parc.dsl.ast import AXIS_PP, ScheduleKind
+from parc.dsl.ast import AXIS_PP
 
 from .activations import StageActivations, stage_activations
 from .blocks import find_blocks
@@ -35,6 +35,7 @@ from .memory_model import ADAMW, MemoryModel
 from .node_meta import meta_of
 from .passes.placement import Partial, Shard
 from .plan import Plan
+from .plan_schedule import plan_bubble, plan_in_flight
 from .rank_memories import RankMemories
 from .recompute_cost import forward_tp_collectives, param_readers
 from .saved import SavedTensors
@@ -99,18 +100,10 @@ class RankMemory:
 class Estimate:
     stages: tuple[StageCost, ...]
     memory: RankMemories  # a Sequence[RankMemory] by rank
-    collectives: tuple[tuple[int, tuple[Collective, ...]], ...]  # per pp stage
+    collectives: tuple[tuple[int, tuple[Collective, ...]], ...]  # per pipeline stage
     bubble: float
-    in_flight: tuple[int, ...] = field(default=())
+    in_flight: tuple[int, ...] = field(default=())  # per pipeline stage
     memory_model: MemoryModel = ADAMW
-
-
-def _in_flight(plan: Plan, stage: int) -> int:
-    """Microbatches whose activations a stage holds at once under the schedule."""
-    m = plan.microbatches
-    if plan.schedule is ScheduleKind.GPIPE or plan.pp == 1:
-        return m if plan.pp > 1 else 1
-    return min(plan.pp - stage, m)
 
 
 def estimate(
@@ -142,25 +135,61 @@ def estimate(
     forward_tp = forward_tp_collectives(gm) if regions and plan.tp > 1 else {}
     saved_params = frozenset(canonical.get(n, n) for n in saved.params)
     split = _split_nodes(plan, gm)
-    stages, ranks, comms = [], [], []
-    for s in range(plan.pp):
+    stages, per_stage_memory, comms = [], [], []
+    in_flight = plan_in_flight(plan)
+    for s in range(plan.num_stages):
         units, n_local, tied = stage_units(plan, model, per_stage, s, bucket_elems)
         act = activations[s]
         stages.append(
             _stage_cost(costs, act, stage_of, regions, split, s, per_stage[s], model, plan)
         )
-        traffic = StageTraffic(s, units, tied, saved_params, regions, readers, forward_tp)
+        summed = _tied_across_ranks(plan, per_stage, tied)
+        traffic = StageTraffic(s, units, summed, saved_params, regions, readers, forward_tp)
         comms.append((s, stage_collectives(plan, gm, traffic)))
         walked = _walk_backward(plan, gm, stage_of, s, units, act, readers, tied, memory)
-        flight = _in_flight(plan, s)
-        mem = _rank_memory(plan, n_local, units, act, flight, memory, comms[-1][1], walked)
-        # Every rank of a stage holds the same: one record per stage (rank_memories.py).
-        ranks.append(RankMemory(plan.mesh.rank_of({AXIS_PP: s}), *mem))
-    p, m = plan.pp, plan.microbatches
-    bubble = (p - 1) / (m + p - 1) if p > 1 else 0.0
-    in_flight = tuple(_in_flight(plan, s) for s in range(plan.pp))
-    by_rank = RankMemories(plan.mesh, tuple(ranks))
-    return Estimate(tuple(stages), by_rank, tuple(comms), bubble, in_flight, memory)
+        mem = _rank_memory(plan, n_local, units, act, in_flight[s], memory, comms[-1][1], walked)
+        per_stage_memory.append(mem)
+    # Every rank of a pp index holds the same: one record per pp index (rank_memories.py).
+    ranks = tuple(
+        RankMemory(plan.mesh.rank_of({AXIS_PP: r}), *_add_stages(per_stage_memory, plan, r))
+        for r in range(plan.pp)
+    )
+    by_rank = RankMemories(plan.mesh, ranks)
+    return Estimate(tuple(stages), by_rank, tuple(comms), plan_bubble(plan), in_flight, memory)
+
+
+_MemoryParts = tuple[int, int, int, int, int, int | None]
+
+
+def _tied_across_ranks(
+    plan: Plan, per_stage: list[list[str]], tied: frozenset[str]
+) -> frozenset[str]:
+    """The tied weights whose gradient is summed over pp: read on stages of several ranks
+    (stages of one rank share one Parameter, and autograd sums their parts)."""
+    return frozenset(
+        n
+        for n in tied
+        if len({plan.stage_to_rank[s] for s, names in enumerate(per_stage) if n in names}) > 1
+    )
+
+
+def _add_stages(per_stage: list[_MemoryParts], plan: Plan, pp_index: int) -> _MemoryParts:
+    """The memory of the rank at `pp_index`: its one stage's, or with several stages
+    their sum (an upper bound: every stage's activation peak at once, a weight two of
+    them share counted on each) and the largest transient buffers of any of them."""
+    mine = [m for s, m in enumerate(per_stage) if plan.stage_to_rank[s] == pp_index]
+    if len(mine) == 1:
+        return mine[0]
+    grads = sum(m[1] for m in mine)
+    peak_grads = sum(m[1] if m[5] is None else m[5] for m in mine)
+    return (
+        sum(m[0] for m in mine),
+        grads,
+        sum(m[2] for m in mine),
+        sum(m[3] for m in mine),
+        max(m[4] for m in mine),
+        None if peak_grads == grads else peak_grads,
+    )
 
 
 def _split_nodes(plan: Plan, gm: torch.fx.GraphModule) -> frozenset[str]:
@@ -291,7 +320,7 @@ def _rank_memory(
     memory: MemoryModel,
     comms: tuple[Collective, ...],
     walked: int | None = None,
-) -> tuple[int, int, int, int, int, int | None]:
+) -> _MemoryParts:
     padded = sum(u.padded for u in units)
     shard = sum(u.shard for u in units)
     zero = plan.zero if plan.dp > 1 else 0

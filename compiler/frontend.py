@@ -29,6 +29,7 @@ from .model_state import batch_statistics_warnings, buffer_versions, untraced_wr
 from .optimizers import optimizer_warnings
 from .passes.pipeline_split import annotate_stages
 from .plan import Plan
+from .plan_schedule import HandSchedule, with_schedule
 from .resolve import check_batch, resolve
 from .saved import SavedTensors, profile_forward
 from .trace import trace_model
@@ -74,17 +75,19 @@ def analyse(
     device: str | torch.device = "meta",
     seed: int = 0,
     strict: bool = False,
+    schedule: HandSchedule | None = None,
 ) -> Analysis:
     """Trace, profile one fake forward at the micro-batch size (shapes and saved
     tensors), resolve, analyse tensor parallelism (placements and collectives)
-    and estimate."""
+    and estimate. `schedule`, a hand-written compute schedule (pp rank -> actions),
+    replaces the spec's once validated against the plan (compiler/plan_schedule.py)."""
     # The front end makes many small, long-lived objects (fx nodes and their
     # metadata); the cyclic collector's full passes over them cost ~1 s for a
     # 48-layer model and free nothing, so it waits until the end.
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _analyse(as_spec(spec), model, batch, device, seed, strict)
+        return _analyse(as_spec(spec), model, batch, device, seed, strict, schedule)
     finally:
         if enabled:
             gc.enable()
@@ -97,6 +100,7 @@ def _analyse(
     device: str | torch.device,
     seed: int,
     strict: bool,
+    schedule: HandSchedule | None,
 ) -> Analysis:
     source = model if isinstance(model, ModelSource) else load_model(model)
     batch = batch if batch is not None else default_batch(spec)
@@ -110,6 +114,8 @@ def _analyse(
     untraced_writes(built, versions, source.path)
     saved = profile_forward(gm, inputs)
     plan = resolve(spec, built, gm, batch=batch)
+    if schedule is not None:
+        plan = with_schedule(plan, schedule)
     annotate_stages(gm, plan)
     if plan.tp_axis is not None and plan.tp > 1:
         from .passes.tp_analysis import analyse_tensor_parallel

@@ -137,7 +137,7 @@ def stage_params(plan: Plan, gm: torch.fx.GraphModule, model: torch.nn.Module) -
     """Per stage, the canonical names of the parameters its nodes read, in order of first use."""
     canonical = canonical_names(model)
     stage_of = plan.stage_of()
-    out: list[list[str]] = [[] for _ in range(plan.pp)]
+    out: list[list[str]] = [[] for _ in range(plan.num_stages)]
     for node in gm.graph.nodes:
         # A get_attr is copied into every stage whose nodes read it.
         homes = {stage_of[u.name] for u in node.users} if node.op == "get_attr" else set()

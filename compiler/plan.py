@@ -13,6 +13,8 @@ from typing import Any
 from parc.dsl.ast import AXIS_DP, AXIS_PP, ScheduleKind, ShardKind
 from parc.errors import SourceSpan
 
+from .schedule_actions import Action
+
 __all__ = ["BatchPlan", "MeshPlan", "ModuleShard", "Plan", "PlanWarning", "compress_names"]
 
 
@@ -115,6 +117,9 @@ class Plan:
 
     `node_stages` gives the pipeline stage of every fx node by name (all 0
     without a pp axis); `tp_axis` is the one axis named by `shard` statements.
+    `hand_schedule` is a hand-written compute schedule (pp rank -> its actions,
+    validated against the plan: compiler/plan_schedule.py) run instead of the
+    generated `schedule`.
     """
 
     mesh: MeshPlan
@@ -128,6 +133,7 @@ class Plan:
     tp_axis: str | None
     stage_auto: bool = False
     warnings: tuple[PlanWarning, ...] = ()
+    hand_schedule: tuple[tuple[Action, ...], ...] | None = None
 
     @property
     def dp(self) -> int:
@@ -188,9 +194,15 @@ class Plan:
             },
             "zero": self.zero,
             "schedule": str(self.schedule),
+            "stage_to_rank": list(self.stage_to_rank),
             "recompute": list(self.recompute),
             "tp_axis": self.tp_axis,
             "warnings": [str(w) for w in self.warnings],
+            **(
+                {"hand_schedule": [[str(a) for a in actions] for actions in self.hand_schedule]}
+                if self.hand_schedule
+                else {}
+            ),
         }
 
     def dumps(self) -> str:
@@ -199,15 +211,18 @@ class Plan:
     def __str__(self) -> str:
         lines = [f"mesh      {self.mesh}  (world size {self.mesh.world_size})"]
         lines.append(f"batch     {self.batch}")
-        lines.append(f"zero      {self.zero}    schedule {self.schedule}")
+        schedule = "hand-written" if self.hand_schedule else str(self.schedule)
+        lines.append(f"zero      {self.zero}    schedule {schedule}")
         for shard in self.shards:
             lines.append(
                 f"shard     {shard.module:<28} {shard.kind!s:<4} {shard.axis:<4} "
                 f"{shard.module_type}"
             )
         if self.pp > 1:
+            virtual = self.num_stages > self.pp
             for i, modules in enumerate(self.stage_modules):
-                lines.append(f"stage {i}   {compress_names(modules)}")
+                on = f"  (pp rank {self.stage_to_rank[i]})" if virtual else ""
+                lines.append(f"stage {i}   {compress_names(modules)}{on}")
         for name in self.recompute:
             lines.append(f"recompute {name}")
         return "\n".join(lines)

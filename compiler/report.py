@@ -131,10 +131,21 @@ def _stage_lines(plan: Plan, est: Estimate) -> list[str]:
     title = "Stages (stage auto)" if plan.stage_auto else "Stages"
     header = ["stage", "params", "FLOPs/sample", "activations/microbatch", "modules"]
     lines = [title, *_table(header, rows)]
+    if plan.num_stages > plan.pp:
+        lines.append(f"  virtual stages: {rank_stages_text(plan)}")
     if plan.stage_auto:
         lines.append("  the same split as stage lines (replace `stage auto` with them to pin it):")
         lines += [f"    {line}" for line in stage_lines(plan)]
     return lines
+
+
+def rank_stages_text(plan: Plan) -> str:
+    """Which stages each pp rank runs, e.g. ``pp rank 0 runs stages 0, 2; pp rank 1 ...``."""
+    return "; ".join(
+        f"pp rank {r} runs stage{'s' if len(ss) > 1 else ''} {', '.join(map(str, ss))}"
+        for r in range(plan.pp)
+        if (ss := [s for s, rank in enumerate(plan.stage_to_rank) if rank == r])
+    )
 
 
 def stage_lines(plan: Plan) -> list[str]:
@@ -179,7 +190,9 @@ def _memory_lines(est: Estimate) -> list[str]:
         rows, first = [[str(m.rank), *_byte_cells(m)] for m in memory], "rank"
     else:
         each = f"{memory.ranks_per_stage:,} ranks"
-        labels = [f"stage {s} ({each})" for s in range(len(memory.by_stage))]
+        # One record per pp index: a stage, or with virtual stages a pp rank's stages.
+        what = "stage" if len(est.stages) == len(memory.by_stage) else "pp rank"
+        labels = [f"{what} {s} ({each})" for s in range(len(memory.by_stage))]
         if len(memory.by_stage) == 1:
             labels = [f"all {each}"]
         rows = [[label, *_byte_cells(m)] for label, m in zip(labels, memory.by_stage, strict=True)]
@@ -229,11 +242,18 @@ def _collective_lines(plan: Plan, est: Estimate) -> list[str]:
 def _pipeline_lines(plan: Plan, est: Estimate, grid: str | None) -> list[str]:
     if plan.pp == 1:
         return []
+    if plan.hand_schedule is None and plan.num_stages == plan.pp:
+        how = f"(p-1)/(m+p-1) with p={plan.pp}, m={plan.microbatches}"
+    else:
+        how = "simulated, backward as long as forward"
+    schedule = "hand-written" if plan.hand_schedule is not None else str(plan.schedule)
     lines = [
-        f"Pipeline  schedule {plan.schedule}, {plan.microbatches} microbatches, "
-        f"bubble {est.bubble:.1%} ((p-1)/(m+p-1) with p={plan.pp}, m={plan.microbatches}); "
+        f"Pipeline  schedule {schedule}, {plan.microbatches} microbatches, "
+        f"bubble {est.bubble:.1%} ({how}); "
         f"microbatches in flight per stage: {', '.join(map(str, est.in_flight))}",
     ]
+    if plan.num_stages > plan.pp:
+        lines.append(f"  {plan.num_stages} stages on pp={plan.pp}: {rank_stages_text(plan)}")
     if grid:
         lines += ["  " + line for line in grid.splitlines()]
     return lines

@@ -72,6 +72,7 @@ __all__ = [
     "peak_in_flight",
     "peer_rank",
     "peer_stage",
+    "stage_in_flight",
 ]
 
 
@@ -201,6 +202,22 @@ def peak_in_flight(schedule: Mapping[int, Sequence[Action]]) -> dict[int, int]:
             peak = max(peak, live)
         peaks[rank] = peak
     return peaks
+
+
+def stage_in_flight(schedule: Mapping[int, Sequence[Action]], stages: int) -> tuple[int, ...]:
+    """Per stage, the most of its microbatches whose F has run and whose B has not, along
+    the list of the rank that runs it (with one stage per rank: `peak_in_flight`).
+
+    >>> stage_in_flight(generate(ScheduleKind.GPIPE, 4, 2, stage_to_rank=(0, 1, 0, 1)), 4)
+    (2, 2, 2, 2)
+    """
+    peaks = [0] * stages
+    live = [0] * stages
+    for actions in schedule.values():
+        for a in actions:
+            live[a.stage] += {ActionKind.F: 1, ActionKind.B: -1}.get(a.kind, 0)
+            peaks[a.stage] = max(peaks[a.stage], live[a.stage])
+    return tuple(peaks)
 
 
 def bubble_fraction(timeline: Timeline) -> float:

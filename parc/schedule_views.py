@@ -13,11 +13,10 @@ __all__ = ["schedule_grid", "write_timeline"]
 
 def _timeline(plan: object) -> object:
     from parc.compiler.plan import Plan
-    from parc.compiler.schedule import generate, lower_comms
-    from parc.compiler.schedule_sim import simulate
+    from parc.compiler.plan_schedule import plan_timeline
 
     assert isinstance(plan, Plan)
-    return simulate(lower_comms(generate(plan.schedule, plan.pp, plan.microbatches)))
+    return plan_timeline(plan)
 
 
 def schedule_grid(plan: object) -> str | None:
@@ -30,8 +29,13 @@ def schedule_grid(plan: object) -> str | None:
         return None
     timeline = _timeline(plan)
     assert isinstance(timeline, Timeline)
-    # The schedule's ranks are pipeline ranks, i.e. stages; say so in the report.
     lines = format_grid(timeline).splitlines()
+    if plan.num_stages > plan.pp:  # a row is a pp rank running several stages
+        return "\n".join(
+            f"pp {line}" if line.startswith("rank ") else f"{line[:1]}   {line[1:]}"
+            for line in lines
+        )
+    # With one stage per rank the schedule's ranks are the stages; say so in the report.
     return "\n".join(
         f"stage{line[4:]}" if line.startswith("rank ") else f"{line[:1]} {line[1:]}"
         for line in lines
@@ -48,5 +52,7 @@ def write_timeline(plan: object, path: Path) -> None:
     assert isinstance(plan, Plan)
     timeline = _timeline(plan)
     assert isinstance(timeline, Timeline)
-    title = f"{plan.schedule}, {plan.pp} stages, {plan.microbatches} microbatches"
+    schedule = "hand-written" if plan.hand_schedule is not None else str(plan.schedule)
+    on = f" on pp={plan.pp}" if plan.num_stages > plan.pp else ""
+    title = f"{schedule}, {plan.num_stages} stages{on}, {plan.microbatches} microbatches"
     write_atomic(path, timeline_svg(timeline, title=title))

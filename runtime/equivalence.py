@@ -181,10 +181,12 @@ def parallel_case(
     env: dict[str, str] | None = None,
     want_params: bool = True,
     fault: str | None = None,
+    schedule: dict[int, list[str]] | None = None,
 ) -> dict[str, Any]:
     """One rank's side of a parallel run (call on every rank of a process group).
 
-    `fault` names a deliberate bug to inject (parc/testing/faults.py), to prove checks fail.
+    `fault` names a deliberate bug to inject (parc/testing/faults.py), to prove checks fail;
+    `schedule` is a hand-written pipeline schedule for `parc.compile(schedule=...)`.
     """
     import torch.distributed as dist
 
@@ -194,7 +196,12 @@ def parallel_case(
     with model_env(env):
         source = load_model(model_file)
         program = parc_compile(
-            spec_text, source, batch=batch, seed=seed, optimizer=_optimizer_for(source, optimizer)
+            spec_text,
+            source,
+            batch=batch,
+            seed=seed,
+            optimizer=_optimizer_for(source, optimizer),
+            schedule=schedule,
         )
         if fault is not None:
             inject(program, fault)

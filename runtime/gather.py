@@ -56,7 +56,7 @@ def _parameters(parts: ProgramParts) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for name, shape in parts.full_shapes.items():
         dtype = parts.dtypes[name]
-        holder = parts.holders[name]
+        holder = parts.stage_to_rank[parts.holders[name]]  # the pp rank of its first stage
         if stage == holder:
             local = parts.sync.full_local(name)
             if local is None:
@@ -75,7 +75,7 @@ def _buffers(parts: ProgramParts) -> dict[str, torch.Tensor]:
     bufs, stage = parts.buffers, parts.comm.index(AXIS_PP)
     out: dict[str, torch.Tensor] = {}
     for name, shape in bufs.shapes.items():
-        holder = bufs.holders[name]
+        holder = parts.stage_to_rank[bufs.holders[name]]  # the pp rank of its first stage
         dtype = bufs.dtypes[name]
         if stage == holder:
             value = bufs.local[name].detach().to(parts.device, dtype).contiguous().clone()

@@ -58,8 +58,10 @@ def check_equivalent(
     batch: int = 8,
     seed: int = 0,
     optimizer: str = "sgd",
+    schedule: dict[int, list[str]] | None = None,
 ) -> tuple[Comparison, dict[str, Any]]:
-    """`spec_text` on a pool against the reference here (docs/architecture.md, Equivalence)."""
+    """`spec_text` on a pool against the reference here (docs/architecture.md, Equivalence);
+    `schedule`: a hand-written pipeline schedule to run instead of the spec's."""
     ref = reference_run(model, steps=steps, batch=batch, seed=seed, optimizer=optimizer, env=env)
     pool = pool_factory(world_size(spec_text))
     results = pool.run(
@@ -71,6 +73,7 @@ def check_equivalent(
         seed=seed,
         optimizer=optimizer,
         env=env,
+        schedule=schedule,
     )
     losses = {tuple(r["losses"]) for r in results}
     # Every rank reports the same global loss.

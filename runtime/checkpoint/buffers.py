@@ -41,10 +41,11 @@ def buffer_pieces(parts: ProgramParts, *, loading: bool) -> list[Piece]:
     bufs, comm = parts.buffers, parts.comm
     if not loading and any(comm.index(a) != 0 for a in parts.plan.mesh.names if a != AXIS_PP):
         return []  # a dp replica's (or tp rank's) copy is not the model's
-    stage = comm.index(AXIS_PP)
+    pp_index = comm.index(AXIS_PP)
     pieces = []
     for name, local in bufs.local.items():
-        if not loading and bufs.holders[name] != stage:
+        # Written by the pp rank of the first stage holding it.
+        if not loading and parts.stage_to_rank[bufs.holders[name]] != pp_index:
             continue
         if not local.is_contiguous():
             raise ParcError(

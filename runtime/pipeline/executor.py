@@ -2,7 +2,10 @@
 
 The executor follows the rules of `parc.compiler.schedule_sim` exactly: the
 rank's lowered action list runs in order; a maximal run of consecutive comm
-actions is one `batch_isend_irecv` (posted together, all waited for).
+actions is one `batch_isend_irecv` (posted together, all waited for). A rank may
+run several stages (virtual stages): what a microbatch keeps lives per (stage,
+microbatch), and a comm action talks to the rank of its peer stage
+(``stage_to_rank``), at this rank's other mesh coordinates.
 
 Forward of microbatch m on stage s: `gm(*received, *model_inputs)` returns
 `(output?, *sends)`; the last stage computes `loss_fn(output, targets) × scale`.
@@ -10,7 +13,7 @@ Backward: the last stage calls `backward` on its scaled loss, the others on
 their sent tensors with the gradients received for them; the gradients of the
 received tensors are sent back.
 
-A single stage (pp=1) has nothing to overlap: whatever the schedule, each
+A single stage (pp=1, one stage) has nothing to overlap: whatever the schedule, each
 microbatch's backward runs right after its forward (`one_at_a_time`), so only
 one microbatch's activations are alive at once. The gradients accumulate in
 the same order as under GPipe's or 1F1B's (microbatch order), so bitwise alike.
@@ -26,7 +29,13 @@ from typing import Any
 import torch
 
 from parc.compiler.passes.pipeline_split import Boundary, StageGraph
-from parc.compiler.schedule import Action, ActionKind, execution_items
+from parc.compiler.schedule_actions import (
+    Action,
+    ActionKind,
+    execution_items,
+    one_at_a_time,
+    peer_stage,
+)
 from parc.dsl.ast import AXIS_PP
 from parc.errors import ModelError
 from parc.runtime.collectives import Comm, CommKind
@@ -82,8 +91,9 @@ def checked_optimizer(opt: Any, path: str) -> torch.optim.Optimizer:
 
 @dataclass
 class MicroState:
-    """What one microbatch keeps between its forward and its backward."""
+    """What one microbatch keeps on one stage between its forward and its backward."""
 
+    stage: StageGraph
     received: list[torch.Tensor] = field(default_factory=list)
     sent: list[torch.Tensor] = field(default_factory=list)
     loss: torch.Tensor | None = None
@@ -92,7 +102,7 @@ class MicroState:
 
 
 class StageExecutor:
-    """Executes a lowered action list for one stage of the pipeline."""
+    """Executes a rank's lowered action list over the pipeline stages it runs."""
 
     def __init__(
         self,
@@ -107,19 +117,23 @@ class StageExecutor:
     ) -> None:
         """`stages`: the stages this rank runs; `stage_to_rank[s]`: the pp rank of stage s.
         `forward_contexts` are entered in order around every forward (first outermost)."""
-        if len(stages) != 1 or len(stage_to_rank) != comm.size(AXIS_PP):
-            raise NotImplementedError("several stages per rank")  # the virtual-stages change
-        (stage,) = stages.values()
-        self.stage = stage
+        coords = dict(comm.coords)
+        mine = coords.get(AXIS_PP, 0)
+        wrong = [s for s in stages if not 0 <= s < len(stage_to_rank) or stage_to_rank[s] != mine]
+        if not stages or wrong:
+            raise ValueError(
+                f"pp rank {mine} was given stages {sorted(stages)}, but stage_to_rank "
+                f"{list(stage_to_rank)} places {wrong or 'none of them'} elsewhere"
+            )
+        self.stages = dict(stages)
+        self.stage_to_rank = tuple(stage_to_rank)
         self.comm = comm
         self.loss_fn = loss_fn
         self.device = device
         self.before_last_backward = before_last_backward
         self.forward_contexts = tuple(forward_contexts)
-        coords = dict(comm.coords)
-        s = coords.get(AXIS_PP, 0)
-        self.prev = comm.rank_of({**coords, AXIS_PP: s - 1}) if s > 0 else None
-        self.next = comm.rank_of({**coords, AXIS_PP: s + 1}) if not stage.is_last else None
+        # Global rank of every stage's pp rank, at this rank's other coordinates.
+        self.rank_of_stage = tuple(comm.rank_of({**coords, AXIS_PP: r}) for r in stage_to_rank)
 
     def run(
         self,
@@ -131,26 +145,27 @@ class StageExecutor:
         last_round: bool,
     ) -> list[float]:
         """Run the actions for len(inputs) microbatches; the unscaled losses (last stage)."""
-        if self.prev is None and self.next is None:
+        if len(self.stage_to_rank) == 1:
             actions = one_at_a_time(actions)
-        states = [MicroState() for _ in inputs]
+        states = {
+            (s, m): MicroState(stage)
+            for s, stage in self.stages.items()
+            for m in range(len(inputs))
+        }
         losses: list[float] = []
         last_b = max((i for i, a in enumerate(actions) if a.kind is ActionKind.B), default=-1)
         for item in execution_items(actions):
             first = actions[item[0]]
+            state = states[(first.stage, first.microbatch)]
             if first.kind is ActionKind.F:
-                loss = self._forward(
-                    states[first.microbatch],
-                    inputs[first.microbatch],
-                    targets[first.microbatch],
-                    scale,
-                )
+                m = first.microbatch
+                loss = self._forward(state, inputs[m], targets[m], scale)
                 if loss is not None:
                     losses.append(loss)
             elif first.kind is ActionKind.B:
                 if last_round and item[0] == last_b and self.before_last_backward:
                     self.before_last_backward()
-                self._backward(states[first.microbatch])
+                self._backward(state)
             else:
                 self._communicate([actions[i] for i in item], states)
         return losses
@@ -158,16 +173,17 @@ class StageExecutor:
     def _forward(
         self, state: MicroState, inputs: Sequence[torch.Tensor], targets: Any, scale: float
     ) -> float | None:
-        args = [*state.received, *(inputs[i] for i in self.stage.model_inputs)]
+        stage = state.stage
+        args = [*state.received, *(inputs[i] for i in stage.model_inputs)]
         # `gm.forward`, not `gm(...)`: on an error raised in the generated code itself, fx's
         # __call__ prints that code to stderr and drops the traceback, which is what names
         # the user's line (parc.blame). parc registers no hooks on a stage's GraphModule.
         with contextlib.ExitStack() as stack:
             for context in self.forward_contexts:
                 stack.enter_context(context())
-            outs = self.stage.gm.forward(*args)
+            outs = stage.gm.forward(*args)
         outs = list(outs)
-        if self.stage.is_last:
+        if stage.is_last:
             loss = checked_loss(self.loss_fn(outs[0], targets), self.loss_fn)
             state.loss = loss * scale
             state.sent = outs[1:]
@@ -182,36 +198,34 @@ class StageExecutor:
             pairs = [(t, g) for t, g in zip(state.sent, state.grads_in) if t.requires_grad]
             if pairs:
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-        if self.stage.stage > 0:
+        if state.stage.stage > 0:
             state.grads_out = [
                 r.grad if r.grad is not None else torch.zeros_like(r) for r in state.received
             ]
         state.sent, state.loss, state.grads_in = [], None, []
-        if self.stage.stage == 0:
+        if state.stage.stage == 0:
             state.received = []
 
-    def _communicate(self, batch: list[Action], states: list[MicroState]) -> None:
+    def _communicate(
+        self, batch: list[Action], states: Mapping[tuple[int, int], MicroState]
+    ) -> None:
+        """One batch of sends and receives, each to the rank of its peer stage."""
         ops: list[tuple[CommKind, torch.Tensor, int]] = []
         received: list[tuple[MicroState, list[torch.Tensor], bool]] = []
         for action in batch:
-            state = states[action.microbatch]
+            state = states[(action.stage, action.microbatch)]
+            peer = self.rank_of_stage[peer_stage(action)]
             if action.kind is ActionKind.SEND_F:
-                assert self.next is not None
-                ops += [(CommKind.SEND, t.detach().contiguous(), self.next) for t in state.sent]
+                ops += [(CommKind.SEND, t.detach().contiguous(), peer) for t in state.sent]
             elif action.kind is ActionKind.SEND_B:
-                assert self.prev is not None
-                ops += [(CommKind.SEND, g.contiguous(), self.prev) for g in state.grads_out]
+                ops += [(CommKind.SEND, g.contiguous(), peer) for g in state.grads_out]
                 state.grads_out, state.received = [], []
-            elif action.kind is ActionKind.RECV_F:
-                assert self.prev is not None
-                bufs = _buffers(self.stage.recv, self.device)
-                ops += [(CommKind.RECV, b, self.prev) for b in bufs]
-                received.append((state, bufs, True))
-            elif action.kind is ActionKind.RECV_B:
-                assert self.next is not None
-                bufs = _buffers(self.stage.send, self.device)
-                ops += [(CommKind.RECV, b, self.next) for b in bufs]
-                received.append((state, bufs, False))
+            else:  # a receive: the buffers of this stage's side of the boundary
+                forward = action.kind is ActionKind.RECV_F
+                contract = state.stage.recv if forward else state.stage.send
+                bufs = _buffers(contract, self.device)
+                ops += [(CommKind.RECV, b, peer) for b in bufs]
+                received.append((state, bufs, forward))
         if ops:
             self.comm.p2p(ops, AXIS_PP)
         for state, bufs, forward in received:
@@ -219,26 +233,6 @@ class StageExecutor:
                 state.received = [b.requires_grad_(b.is_floating_point()) for b in bufs]
             else:
                 state.grads_in = bufs
-
-
-def one_at_a_time(actions: Sequence[Action]) -> list[Action]:
-    """A single stage's compute actions with each microbatch's backward right after its
-    forward, microbatches in the order of their forwards (the order GPipe and 1F1B
-    accumulate gradients in).
-
-    >>> from .schedule import gpipe
-    >>> one_at_a_time(gpipe(1, 3)[0])
-    [0F0, 0B0, 0F1, 0B1, 0F2, 0B2]
-    """
-    assert all(a.kind.is_compute for a in actions), "a single stage sends nothing"
-    backward = {a.microbatch: a for a in actions if a.kind is ActionKind.B}
-    out: list[Action] = []
-    for a in actions:
-        if a.kind is ActionKind.F:
-            out.append(a)
-            if a.microbatch in backward:
-                out.append(backward.pop(a.microbatch))
-    return out + list(backward.values())
 
 
 def _buffers(contract: Sequence[Boundary], device: torch.device) -> list[torch.Tensor]:

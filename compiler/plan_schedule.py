@@ -1,0 +1,113 @@
+"""The pipeline schedule a plan runs: the spec's generated one, or one written by hand.
+
+`parc.compile(..., schedule=...)` hands a compute schedule (pp rank -> its F and B
+actions, as `Action`s or their text ``"2F0"``) to the front end, which checks it
+against the plan (`with_schedule`: stages, microbatches and ``plan.stage_to_rank``,
+by `parc.compiler.schedule_sim.validate`) and keeps it on the plan. Everything
+after reads the plan's schedule from here:
+
+- `compute_schedule`: the hand-written schedule, else `generate` of the spec's
+  ``schedule`` kind over ``plan.num_stages`` stages placed by ``plan.stage_to_rank``;
+- `rank_actions`: one pp rank's list, lowered with its sends and receives (a
+  lowered hand-written schedule is kept as written);
+- `plan_timeline`: the schedule simulated, for the grid; `plan_bubble` and
+  `plan_in_flight`: the figures the estimate and the report quote.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import TypeAlias
+
+from parc.dsl.ast import ScheduleKind
+
+from .plan import Plan
+from .schedule import (
+    Action,
+    Schedule,
+    ScheduleError,
+    Timeline,
+    bubble_fraction,
+    generate,
+    is_lowered,
+    lower_comms,
+    stage_in_flight,
+)
+from .schedule_sim import simulate, validate
+
+__all__ = [
+    "HandSchedule",
+    "compute_schedule",
+    "plan_bubble",
+    "plan_in_flight",
+    "plan_timeline",
+    "rank_actions",
+    "with_schedule",
+]
+
+
+HandSchedule: TypeAlias = Mapping[int, Sequence[Action | str]]
+"""A schedule written by hand: pp rank -> its actions, as `Action`s or text such as ``"2F0"``."""
+
+
+def with_schedule(plan: Plan, schedule: HandSchedule) -> Plan:
+    """`plan` running `schedule` instead of its generated one; a `ScheduleError` (with the
+    grid) unless the schedule is correct for the plan's stages and microbatches."""
+    if plan.pp == 1:
+        raise ScheduleError(
+            "a hand-written schedule needs a pipeline: the mesh has no pp axis",
+            hint="add pp to the mesh and `stage` lines, or leave out schedule=",
+        )
+    parsed = {
+        int(rank): [a if isinstance(a, Action) else Action.parse(a) for a in actions]
+        for rank, actions in schedule.items()
+    }
+    validate(parsed, plan.num_stages, plan.microbatches, plan.stage_to_rank)
+    ranks = tuple(tuple(parsed.get(r, ())) for r in range(plan.pp))
+    return dataclasses.replace(plan, hand_schedule=ranks)
+
+
+def compute_schedule(plan: Plan) -> Schedule:
+    """The schedule the plan runs, by pp rank (compute actions, or lowered if written so)."""
+    if plan.hand_schedule is not None:
+        return {rank: list(actions) for rank, actions in enumerate(plan.hand_schedule)}
+    return generate(plan.schedule, plan.num_stages, plan.microbatches, plan.stage_to_rank)
+
+
+def _lowered(plan: Plan) -> Schedule:
+    schedule = compute_schedule(plan)
+    return schedule if is_lowered(schedule) else lower_comms(schedule, plan.stage_to_rank)
+
+
+def rank_actions(plan: Plan, pp_index: int) -> tuple[Action, ...]:
+    """The lowered actions the rank at `pp_index` runs, in order."""
+    return tuple(_lowered(plan)[pp_index])
+
+
+def plan_timeline(plan: Plan, *, backward_cost: int = 1) -> Timeline:
+    """The plan's lowered schedule simulated under the executor's rules."""
+    return simulate(_lowered(plan), stage_to_rank=plan.stage_to_rank, backward_cost=backward_cost)
+
+
+def plan_in_flight(plan: Plan) -> tuple[int, ...]:
+    """Per stage, the microbatches whose activations it holds at once under the schedule."""
+    m, n = plan.microbatches, plan.num_stages
+    if plan.pp == 1:
+        return (1,)  # one stage runs each backward right after its forward
+    if plan.hand_schedule is not None or n > plan.pp:
+        # Several stages per rank, or a schedule by hand: count along its lists.
+        return stage_in_flight(compute_schedule(plan), n)
+    if plan.schedule is ScheduleKind.GPIPE:
+        return (m,) * n
+    return tuple(min(n - stage, m) for stage in range(n))
+
+
+def plan_bubble(plan: Plan) -> float:
+    """Idle share of the pipeline: (p-1)/(m+p-1) with one stage per rank, else simulated."""
+    p, m = plan.pp, plan.microbatches
+    if p == 1:
+        return 0.0
+    if plan.hand_schedule is None and plan.num_stages == p:
+        return (p - 1) / (m + p - 1)
+    return bubble_fraction(plan_timeline(plan))

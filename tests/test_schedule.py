@@ -1,4 +1,4 @@
-"""Pipeline schedules: generation, lowering, simulation and validation (runtime/schedule*.py)."""
+"""Pipeline schedules: generation, lowering, simulation and validation (compiler/schedule*.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from parc.compiler import schedule as schedule_module
-from parc.compiler import schedule_sim
+from parc.compiler import schedule_actions, schedule_grid, schedule_sim
 from parc.compiler.schedule import (
     Action,
     ActionKind,
@@ -26,6 +26,8 @@ from parc.compiler.schedule import (
     lower_comms,
     one_f_one_b,
     peak_in_flight,
+    peer_rank,
+    stage_in_flight,
 )
 from parc.compiler.schedule_sim import simulate, validate
 from parc.dsl.ast import ScheduleKind
@@ -41,8 +43,14 @@ def plan(*rows: str) -> Schedule:
 
 
 def rejected(schedule: Schedule, stages: int, microbatches: int) -> str:
+    return rejected_on(schedule, stages, microbatches, None)
+
+
+def rejected_on(
+    schedule: Schedule, stages: int, microbatches: int, stage_to_rank: tuple[int, ...] | None
+) -> str:
     with pytest.raises(ScheduleError) as info:
-        validate(schedule, stages, microbatches)
+        validate(schedule, stages, microbatches, stage_to_rank)
     text = str(info.value)
     assert info.value.grid and info.value.grid.splitlines()[0] in text, "the grid is in the message"
     return text
@@ -386,3 +394,126 @@ def test_docstring_examples_run() -> None:
     for module in (schedule_module, schedule_sim):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0, module.__name__
+
+
+# ---------------------------------------------------------------- several stages per rank
+
+TWO_PER_RANK = (0, 1, 0, 1)  # four stages on two pp ranks: stage s on rank s % 2
+
+
+def test_lowering_sends_each_transfer_to_its_peer_stage_on_another_rank() -> None:
+    compute = plan("0F0 2F0 2B0 0B0", "1F0 3F0 3B0 1B0")
+    assert lower_comms(compute, TWO_PER_RANK) == plan(
+        "0F0 0SEND_F0 2RECV_F0 2F0 2SEND_F0 2RECV_B0 2B0 2SEND_B0 0RECV_B0 0B0",
+        "1RECV_F0 1F0 1SEND_F0 3RECV_F0 3F0 3B0 3SEND_B0 1RECV_B0 1B0 1SEND_B0",
+    )
+    assert peer_rank(Action.parse("2SEND_F0"), TWO_PER_RANK) == 1
+    assert peer_rank(Action.parse("1SEND_F0"), TWO_PER_RANK) == 0
+
+
+def test_a_hand_written_two_stages_per_rank_schedule_validates_and_simulates() -> None:
+    compute = plan(
+        "0F0 0F1 2F0 2F1 0F2 0F3 2F2 2F3 2B0 2B1 0B0 0B1 2B2 2B3 0B2 0B3",
+        "1F0 1F1 3F0 3F1 1F2 1F3 3F2 3F3 3B0 3B1 1B0 1B1 3B2 3B3 1B2 1B3",
+    )
+    validate(compute, 4, 4, TWO_PER_RANK)
+    validate(lower_comms(compute, TWO_PER_RANK), 4, 4, TWO_PER_RANK)
+    timeline = simulate(lower_comms(compute, TWO_PER_RANK), stage_to_rank=TWO_PER_RANK)
+    assert format_grid(timeline).splitlines()[1].split()[2:6] == ["0F0", "0F1", "2F0", "2F1"]
+    assert timeline.makespan == 18 and bubble_fraction(timeline) == pytest.approx(2 / 18)
+    # Each rank holds its two stages' microbatches: all four of each under this GPipe.
+    assert peak_in_flight(compute) == {0: 8, 1: 8}
+    assert stage_in_flight(compute, 4) == (4, 4, 4, 4)
+
+
+def test_a_deadlocking_two_stages_per_rank_schedule_is_refused_with_the_grid() -> None:
+    # Rank 0 waits for stage 2's input before it has run stage 0, which produces it.
+    text = rejected_on(plan("2F0 0F0 2B0 0B0", "1F0 3F0 3B0 1B0"), 4, 1, TWO_PER_RANK)
+    assert "deadlock" in text and "2F0 needs 1F0 from rank 1, which has not run" in text
+    assert ">2F0<" in text and ">1F0<" in text
+    # Runs with free transfers, but not once lowered: rank 0 blocks sending 2F0's output
+    # to 3F0 while rank 1 blocks sending 1F1's output to 2F1, each before its receive.
+    compute = plan(
+        "0F0 0F1 0F2 2F0 0F3 2F1 2F2 2F3 2B0 2B1 0B0 2B2 0B1 2B3 0B2 0B3",
+        "1F0 1F1 1F2 3F0 1F3 3F1 3F2 3F3 3B0 3B1 1B0 3B2 1B1 3B3 1B2 1B3",
+    )
+    simulate(compute, stage_to_rank=TWO_PER_RANK)
+    text = rejected_on(compute, 4, 4, TWO_PER_RANK)
+    assert "after lower_comms: deadlock: no rank can proceed" in text
+    assert "2SEND_F0 waits for 3RECV_F0 (rank 1, step 9), but rank 1 is stuck at step 5" in text
+    assert ">2SEND_F0<" in text and ">1SEND_F1<" in text
+
+
+def test_a_channel_carries_every_stage_pair_between_two_ranks_in_order() -> None:
+    # Channel 1→0 carries stage 1's activation (for stage 2) and stage 1's gradient
+    # (for stage 0); rank 0 takes the gradient first.
+    lowered = plan(
+        "0F0 0SEND_F0 0RECV_B0 2RECV_F0 2F0 2SEND_F0 2RECV_B0 2B0 2SEND_B0 0B0",
+        "1RECV_F0 1F0 1SEND_F0 3RECV_F0 3F0 3B0 3SEND_B0 1RECV_B0 1B0 1SEND_B0",
+    )
+    text = rejected_on(lowered, 4, 1, TWO_PER_RANK)
+    assert "mismatched transfer on channel 1→0: send #0 is 1SEND_F0 but receive #0 is" in text
+
+
+def test_an_action_on_the_wrong_rank_names_the_stage_map() -> None:
+    text = rejected_on(plan("0F0 1F0 2F0", "3F0"), 4, 1, TWO_PER_RANK)
+    assert "wrong rank: 1F0 is on rank 0, but stage 1 runs on rank 1" in text
+    assert "stage_to_rank [0, 1, 0, 1]" in text
+
+
+@pytest.mark.parametrize(
+    "stage_to_rank, words",
+    [
+        ((0, 1, 0), "names 3 stages"),
+        ((0, 2, 0, 2), "must use every pp rank 0..2"),
+        ((0, 0, 1, 1), "stages 0 and 1 both run on rank 0"),
+    ],
+)
+def test_a_bad_stage_map_is_refused(stage_to_rank: tuple[int, ...], words: str) -> None:
+    with pytest.raises(ScheduleError, match=words):
+        generate(ScheduleKind.GPIPE, 4, 2, stage_to_rank)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_generated_schedules_for_four_stages_on_two_ranks_validate(
+    kind: ScheduleKind, microbatches: int
+) -> None:
+    compute = generate(kind, 4, microbatches, TWO_PER_RANK)
+    assert {a.stage for a in compute[0]} == {0, 2} and {a.stage for a in compute[1]} == {1, 3}
+    validate(compute, 4, microbatches, TWO_PER_RANK)
+    validate(lower_comms(compute, TWO_PER_RANK), 4, microbatches, TWO_PER_RANK)
+    # Each stage keeps its own generator's order: only the ranks' merge is new.
+    per_stage = generate(kind, 4, microbatches)
+    for s in range(4):
+        assert [a for a in compute[s % 2] if a.stage == s] == per_stage[s]
+
+
+def test_generated_gpipe_merges_each_ranks_stages_by_start_time() -> None:
+    assert generate(ScheduleKind.GPIPE, 4, 2, TWO_PER_RANK) == plan(
+        "0F0 0F1 2F0 2F1 2B0 2B1 0B0 0B1", "1F0 1F1 3F0 3F1 3B0 3B1 1B0 1B1"
+    )
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("pp, per_rank", [(2, 2), (2, 3), (3, 2)])
+@pytest.mark.parametrize("microbatches", range(1, 9))
+def test_a_generated_virtual_schedule_validates_or_says_it_cannot_run(
+    kind: ScheduleKind, pp: int, per_rank: int, microbatches: int
+) -> None:
+    stages = pp * per_rank
+    stage_to_rank = tuple(s % pp for s in range(stages))
+    try:
+        compute = generate(kind, stages, microbatches, stage_to_rank)
+    except ScheduleError as e:
+        assert "cannot run with each rank's stages merged by start time" in e.message
+        assert e.grid and "parc.compile(schedule=...)" in str(e)
+    else:
+        validate(lower_comms(compute, stage_to_rank), stages, microbatches, stage_to_rank)
+
+
+def test_schedule_actions_and_grid_docstring_examples_run() -> None:
+    for module in (schedule_actions, schedule_grid):
+        result = doctest.testmod(module)
+        assert result.failed == 0, module.__name__
+    assert doctest.testmod(schedule_actions).attempted > 0

@@ -120,14 +120,15 @@ def compile_rank(
     # Step 4
     params = _local_params(stages, canonical, per_stage)
     # Step 5
-    units = _rank_units(plan, model, per_stage, sorted(stages), bucket_elems)
+    units, unit_stages = _rank_units(plan, model, per_stage, sorted(stages), bucket_elems)
     # Step 6
     tied = rank_tied(plan, per_stage, pp_index)
     # Step 7
     layout: Zero3Layout | None = None
     shards: tuple[torch.nn.Parameter, ...] = ()
     if plan.zero == 3:
-        layout = zero3_layout(units, {n: tuple(p.shape) for n, p in params.items()})
+        shapes = {n: tuple(p.shape) for n, p in params.items()}
+        layout = zero3_layout(units, shapes, unit_stages)
         shards = zero3_shards(layout, params, coords.get(AXIS_DP, 0))
         for stage in stages.values():
             shard_parameters(stage.gm, layout, shards, canonical)
@@ -213,15 +214,16 @@ def _rank_units(
     per_stage: list[list[str]],
     stages: list[int],
     bucket_elems: int,
-) -> tuple[FlatUnit, ...]:
-    """The units of `stages`, in order; a tied weight's unit (its own) appears once."""
-    out: list[FlatUnit] = []
+) -> tuple[tuple[FlatUnit, ...], tuple[int, ...]]:
+    """The units of `stages`, in order, and the stage of each; a tied weight's unit (its
+    own) appears once, with the first stage reading it."""
+    out: list[tuple[FlatUnit, int]] = []
     seen: set[str] = set()
     for s in stages:
         for unit in stage_units(plan, model, per_stage, s, bucket_elems)[0]:
             if seen.isdisjoint(unit.params):
-                out.append(unit)
+                out.append((unit, s))
             elif not seen.issuperset(unit.params):
                 raise AssertionError(f"unit {unit.params} is partly on an earlier stage")
             seen.update(unit.params)
-    return tuple(out)
+    return tuple(u for u, _ in out), tuple(s for _, s in out)

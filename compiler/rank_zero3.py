@@ -40,13 +40,19 @@ class Zero3Layout:
     """Canonical parameter name -> (unit index, element offset in the unit)."""
     shapes: Mapping[str, Shape]
     """Canonical parameter name -> its tensor-parallel-local shape."""
+    unit_stages: tuple[int, ...]
+    """The stage each unit is first read on: a forward prefetches the next unit only
+    within its stage (runtime/zero3.py)."""
 
     def numel(self, name: str) -> int:
         return math.prod(self.shapes[name])
 
 
-def zero3_layout(units: tuple[FlatUnit, ...], shapes: Mapping[str, Shape]) -> Zero3Layout:
-    """The offsets of every parameter of `units` (shapes: canonical name -> local shape)."""
+def zero3_layout(
+    units: tuple[FlatUnit, ...], shapes: Mapping[str, Shape], unit_stages: tuple[int, ...]
+) -> Zero3Layout:
+    """The offsets of every parameter of `units` (shapes: canonical name -> local shape;
+    unit_stages: the stage each unit comes from)."""
     offsets: dict[str, tuple[int, int]] = {}
     # Step 1
     for i, unit in enumerate(units):
@@ -54,7 +60,12 @@ def zero3_layout(units: tuple[FlatUnit, ...], shapes: Mapping[str, Shape]) -> Ze
         for name in unit.params:
             offsets[name] = (i, off)
             off += math.prod(shapes[name])
-    return Zero3Layout(units=units, offsets=offsets, shapes={n: shapes[n] for n in offsets})
+    return Zero3Layout(
+        units=units,
+        offsets=offsets,
+        shapes={n: shapes[n] for n in offsets},
+        unit_stages=unit_stages,
+    )
 
 
 def zero3_shards(

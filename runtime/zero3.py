@@ -64,7 +64,7 @@ class Zero3:
             raise AssertionError(f"{len(shards)} shards for {len(layout.units)} ZeRO-3 units")
         self.comm, self.axis, self.units = comm, axis, layout.units
         self.dp, self.index = comm.size(axis), comm.index(axis)
-        self.shapes, self.offsets = layout.shapes, layout.offsets
+        self.layout, self.shapes, self.offsets = layout, layout.shapes, layout.offsets
         self.shards: list[torch.nn.Parameter] = list(shards)
         units = layout.units
         self.tied_units = [i for i, u in enumerate(units) if any(n in tied for n in u.params)]
@@ -79,9 +79,9 @@ class Zero3:
     def gather(self, unit: int, shard: torch.Tensor) -> torch.Tensor:
         """All-gather a unit's flat parameters (counted) and remember the buffer.
 
-        In forward, the next unit's gather is started right away, so it travels
-        while this unit computes (as FSDP's prefetch); it is the same one
-        collective the next unit would issue, only earlier.
+        In forward, the next unit's gather (of the same stage) is started right
+        away, so it travels while this unit computes (as FSDP's prefetch); it is
+        the same one collective the next unit would issue, only earlier.
         """
         pending = self._prefetched.pop(unit, None)
         if pending is not None:
@@ -89,11 +89,15 @@ class Zero3:
             work.wait()
         else:
             full = self._start(unit, shard, async_op=False)[0]
-        if self._in_forward and unit + 1 < len(self.units):
-            nxt = unit + 1
+        nxt = unit + 1
+        # Only within a stage: the rank's next stage may run much later, or never.
+        if self._in_forward and nxt < len(self.units) and self._same_stage(unit, nxt):
             self._prefetched[nxt] = self._start(nxt, self.shards[nxt], async_op=True)
         self._bases[id(full)] = (unit, weakref.ref(full))
         return full
+
+    def _same_stage(self, a: int, b: int) -> bool:
+        return self.layout.unit_stages[a] == self.layout.unit_stages[b]
 
     def _start(self, unit: int, shard: torch.Tensor, *, async_op: bool) -> tuple[torch.Tensor, Any]:
         full = torch.empty(self.units[unit].padded, dtype=shard.dtype, device=shard.device)

@@ -5,8 +5,10 @@ compiling (`parc compile -o`) creates no process group and no optimizer and load
 no runtime module; ZeRO-3's layout, shards and tied-weight groups are data the
 runtime only consumes.
 
-Tolerances: none. Graph code is compared as text, shards and parameters bitwise:
-both sides cut the same seeded tensors, so any difference is a different program.
+Tolerances: none for what is compiled. Graph code is compared as text, shards and
+parameters bitwise: both sides cut the same seeded tensors, so any difference is a
+different program. The one training run (virtual stages under ZeRO-3) uses the
+Equivalence tolerances, with their reason beside it.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import GPT, ROOT, parc_main, world_size
+from helpers import GPT, ROOT, check_equivalent, parc_main, world_size
 
 from parc.compiler.frontend import Analysis, analyse
 from parc.compiler.layout import DEFAULT_BUCKET_ELEMS
@@ -45,6 +47,21 @@ STAGES = "stage wte, wpe, layers[0] -> 0\nstage layers[1], ln_f, lm_head -> 1\n"
 SPEC_3D = f"mesh pp=2 dp=2 tp=2\n{SHARDS}{STAGES}microbatches 2\nzero 3\nrecompute layers[*]\n"
 SPEC_3D_ZERO1 = f"mesh pp=2 dp=2 tp=2\n{SHARDS}{STAGES}microbatches 2\nzero 1\n"
 
+# Virtual stages: four stages on pp=2 (stage s on pp rank s % 2), ZeRO-3 over dp=2; the
+# tied embedding / head sit on stages 0 and 3, so on both pp ranks.
+VIRTUAL_ENV = {**GPT_ENV, "GPT_LAYERS": "4", "GPT_VOCAB": "48"}
+VIRTUAL = (
+    "mesh dp=2 pp=2\n"
+    "stage wte, wpe, layers[0:1] -> 0\nstage layers[1:2] -> 1\n"
+    "stage layers[2:3] -> 2\nstage layers[3:4], ln_f, lm_head -> 3\n"
+    "microbatches 2\nzero 3\n"
+)
+# Each rank: its first stage's forwards, its second's, then the backwards deepest first.
+VIRTUAL_SCHEDULE = {
+    0: ["0F0", "0F1", "2F0", "2F1", "2B0", "2B1", "0B0", "0B1"],
+    1: ["1F0", "1F1", "3F0", "3F1", "3B0", "3B1", "1B0", "1B1"],
+}
+
 
 def _codes(stages: dict[int, StageGraph]) -> dict[int, list[str]]:
     """Per stage: its graph's code and the code of each recomputed region's body."""
@@ -55,9 +72,9 @@ def _codes(stages: dict[int, StageGraph]) -> dict[int, list[str]]:
     return out
 
 
-def _analysis(spec: str, device: str = "cpu") -> Analysis:
-    with model_env(GPT_ENV):
-        return analyse(spec, load_model(GPT), batch=BATCH, device=device, seed=0)
+def _analysis(spec: str, env: dict[str, str] = GPT_ENV, **options: Any) -> Analysis:
+    with model_env(env):
+        return analyse(spec, load_model(GPT), batch=BATCH, device="cpu", seed=0, **options)
 
 
 def running_program(spec: str) -> dict[str, Any]:
@@ -136,6 +153,53 @@ def test_zero3_shards_of_every_dp_rank_make_up_the_rank_parameters() -> None:
         shards = {id(s) for s in program.zero3_shards}
         held = {id(p) for p in program.stages[0].gm.parameters() if id(p) in shards}
         assert held == shards, "the stage graph reads the program's shard Parameters"
+
+
+def test_stages_of_one_rank_read_the_rank_shards_under_zero3() -> None:
+    analysis = _analysis(VIRTUAL, VIRTUAL_ENV, schedule=VIRTUAL_SCHEDULE)
+    program = compile_rank(analysis, {"dp": 1, "pp": 0}, bucket_elems=DEFAULT_BUCKET_ELEMS)
+    assert sorted(program.stages) == [0, 2]
+    layout = program.zero3
+    assert layout is not None and len(layout.units) == len(program.zero3_shards)
+    # Units are numbered over the rank: stage 0's, then stage 2's.
+    assert list(layout.unit_stages) == sorted(layout.unit_stages)
+    assert set(layout.unit_stages) == {0, 2}
+    for s, stage in program.stages.items():
+        registered = [
+            stage.gm.get_parameter(f"zero3_shards.u{i}") for i in range(len(layout.units))
+        ]
+        assert all(a is b for a, b in zip(registered, program.zero3_shards, strict=True)), s
+        gathered = {
+            n.args[1]
+            for n in stage.gm.graph.nodes
+            if n.op == "call_function" and "gather" in n.name
+        }
+        mine = {i for i, u in enumerate(layout.unit_stages) if u == s}
+        assert mine <= gathered, f"stage {s} gathers its own units"
+    assert program.tied == frozenset({"wte.weight"})  # stage 0 here, stage 3 on pp rank 1
+
+
+@pytest.mark.multiprocess
+def test_virtual_stages_under_zero3_and_dp_match_single_device(gloo_pool: Any) -> None:
+    # Tolerances: docs/architecture.md, Equivalence (runtime/equivalence.py): losses rtol
+    # 1e-5, parameters after 3 SGD-momentum steps rtol 1e-4 / atol 1e-6; two stages on a
+    # rank and flat ZeRO-3 shards only change the order the same fp32 sums are taken in.
+    result, _ = check_equivalent(
+        gloo_pool, VIRTUAL, GPT, env=VIRTUAL_ENV, batch=BATCH, steps=3, schedule=VIRTUAL_SCHEDULE
+    )
+    assert result.ok, f"{VIRTUAL}: {result.describe()}\n{result.rows}"
+
+
+def test_rank_code_has_a_header_per_stage_the_rank_runs() -> None:
+    from parc.compiler.codegen import rank_code
+
+    codes = rank_code(_analysis(VIRTUAL, VIRTUAL_ENV, schedule=VIRTUAL_SCHEDULE))
+    headers = [line for line in codes[3].splitlines() if line.startswith("# parc:")]
+    assert headers == [
+        "# parc: rank 3 (dp=1, pp=1), pipeline stage 1",
+        "# parc: rank 3 (dp=1, pp=1), pipeline stage 3",
+    ]
+    assert codes[3].count("\ndef forward(self") == 2
 
 
 def test_tied_weights_are_listed_as_groups_in_creation_order() -> None:

@@ -20,7 +20,7 @@ Who writes what:
   analysis (tp_analysis.py); nodes made by the rewrite (functional.py,
   tensor_parallel.py) get `tp` and `collectives` too.
 - `comment`: passes that insert a node the generated code should explain
-  (functional.py, zero.py, recompute.py); runtime/codegen.py prints it.
+  (functional.py, zero.py, recompute.py); compiler/codegen.py prints it.
 """
 
 from __future__ import annotations

@@ -20,16 +20,17 @@ Algorithm:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.fx
 
 from parc.compiler.model import ModelSource
 from parc.compiler.optimizer_factory import OptimizerFactory
 from parc.compiler.optimizers import check_optimizer, factory_origin
-from parc.compiler.passes.pipeline_split import StageGraph
+from parc.compiler.plan import Plan
 from parc.compiler.rank_program import RankProgram, TiedGroup
 from parc.dsl.ast import AXIS_DP
 from parc.errors import ParcError
@@ -59,7 +60,7 @@ def assemble(
     plan = program.plan
     # Step 1
     used = program.zero3_shards if plan.zero == 3 else tuple(program.params.values())
-    _to_device(program.stages, device, used)
+    _to_device([s.gm for s in program.stages.values()], device, used)
     # Step 2
     buffers = rank_buffers(program.buffers, program.stages)  # the live tensors, on the device
     # Step 3
@@ -95,13 +96,13 @@ def assemble(
 
 
 def _to_device(
-    stages: Mapping[int, StageGraph], device: torch.device, used: Iterable[torch.nn.Parameter]
+    graphs: list[torch.fx.GraphModule], device: torch.device, used: Iterable[torch.nn.Parameter]
 ) -> None:
     """Move every stage graph to `device`, keeping the Parameter objects gradient sync
     holds (`used`): `Module.to` moves a parameter's data in place."""
-    for stage in stages.values():
-        stage.gm.to(device)
-    held = {id(p) for stage in stages.values() for p in stage.gm.parameters()}
+    for gm in graphs:
+        gm.to(device)
+    held = {id(p) for gm in graphs for p in gm.parameters()}
     if any(id(p) not in held for p in used):
         raise AssertionError(
             "moving the stage graphs to the device replaced their Parameters (is "
@@ -143,7 +144,7 @@ def _gradient_sync(program: RankProgram, comm: Comm) -> tuple[GradientSync, list
 def _optimizer(
     factory: OptimizerFactory,
     source: ModelSource,
-    plan: Any,
+    plan: Plan,
     params: list[torch.nn.Parameter],
     shards: list[torch.nn.Parameter],
 ) -> torch.optim.Optimizer:

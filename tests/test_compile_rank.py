@@ -13,6 +13,7 @@ Equivalence tolerances, with their reason beside it.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import math
 import os
@@ -247,6 +248,16 @@ def test_assemble_refuses_a_move_that_replaces_the_shard_parameters() -> None:
             )
     finally:
         torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
+
+
+def test_the_runtime_assembly_imports_no_compiler_pass() -> None:
+    # It builds runtime objects from a RankProgram; every graph rewrite is the compiler's.
+    tree = ast.parse((ROOT / "runtime" / "assemble.py").read_text())
+    imported = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)] + [
+        a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
+    ]
+    assert "parc.compiler.rank_program" in imported
+    assert [m for m in imported if m.startswith("parc.compiler.passes")] == []
 
 
 def _refuse(what: str) -> Any:

@@ -84,8 +84,9 @@ def test_a_hand_written_two_stages_per_rank_schedule_matches_single_device(
 
 
 @pytest.mark.multiprocess
-def test_virtual_stages_with_data_parallel_match_single_device(gloo_pool: Any) -> None:
-    spec = _spec(GPT_STAGES, microbatches=4, mesh="dp=2 pp=2")
+@pytest.mark.parametrize("zero", [0, 3])  # ZeRO-3: both stages of a rank read its shards
+def test_virtual_stages_with_data_parallel_match_single_device(gloo_pool: Any, zero: int) -> None:
+    spec = _spec(GPT_STAGES, microbatches=4, mesh="dp=2 pp=2") + f"zero {zero}\n"
     result, _ = check_equivalent(
         gloo_pool, spec, GPT, env=GPT_ENV, batch=16, steps=3, schedule=HAND_WRITTEN
     )

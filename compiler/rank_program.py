@@ -127,11 +127,7 @@ def compile_rank(
     layout: Zero3Layout | None = None
     shards: tuple[torch.nn.Parameter, ...] = ()
     if plan.zero == 3:
-        shapes = {n: tuple(p.shape) for n, p in params.items()}
-        layout = zero3_layout(units, shapes, unit_stages)
-        shards = zero3_shards(layout, params, coords.get(AXIS_DP, 0))
-        for stage in stages.values():
-            shard_parameters(stage.gm, layout, shards, canonical)
+        layout, shards = _zero3(stages, params, units, unit_stages, canonical, coords)
     # Step 8
     for stage in stages.values():
         recompute_modules(stage.gm, plan)
@@ -206,6 +202,23 @@ def _local_params(
             if out.setdefault(n, found[n]) is not found[n]:
                 raise AssertionError(f"stages of one rank hold two tensors for '{n}'")
     return out
+
+
+def _zero3(
+    stages: Mapping[int, StageGraph],
+    params: Mapping[str, torch.nn.Parameter],
+    units: tuple[FlatUnit, ...],
+    unit_stages: tuple[int, ...],
+    canonical: Mapping[str, str],
+    coords: Mapping[str, int],
+) -> tuple[Zero3Layout, tuple[torch.nn.Parameter, ...]]:
+    """The rank's ZeRO-3 layout and its dp index's shards, read by every stage graph."""
+    shapes = {n: tuple(p.shape) for n, p in params.items()}
+    layout = zero3_layout(units, shapes, unit_stages)
+    shards = zero3_shards(layout, params, coords.get(AXIS_DP, 0))
+    for stage in stages.values():
+        shard_parameters(stage.gm, layout, shards, canonical)
+    return layout, shards
 
 
 def _rank_units(

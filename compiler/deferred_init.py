@@ -4,7 +4,9 @@
     full = deferred.value("layers.0.attn.q.weight")     # bitwise what the CPU build makes
     deferred.materialise(stage, keep=lambda name, full: full[rows])  # one at a time
 
-Not yet wired into `parc.compile` (issue 14 wants each rank to hold only its shards).
+`parc.compile` builds with `record_build` and materialises only what the rank holds
+(runtime/materialise.py); a build that cannot be deferred (`CannotDefer`) falls back
+to the CPU build there, with a warning.
 
 1. `record_build` seeds the CPU generator and runs `build()` under `torch.device("meta")`
    while compiler/deferred_record.py records every op that creates or writes a meta
@@ -27,10 +29,11 @@ Not yet wired into `parc.compile` (issue 14 wants each rank to hold only its sha
 Tensors build_model() makes on a real device (`torch.randn(3, device="cpu")`) are not
 recorded: they stay in the model as they are and `value` returns them; a meta op that
 reads one keeps a copy of its value at that moment. What cannot be replayed is a
-`ModelError` naming the model file's line: reading a value during the build (`.item()`,
-a data-dependent `if`), an op without a meta kernel, a parameter that nothing writes
-after `torch.empty` (an initialiser imported by name before recording, which skips
-meta tensors), a meta op whose CPU kernel lays out its output differently.
+`CannotDefer` (a `ModelError`) naming the model file's line: reading a value during
+the build (`.item()`, a data-dependent `if`), an op without a meta kernel, a parameter
+that nothing writes after `torch.empty` (an initialiser imported by name before
+recording, which skips meta tensors), a meta op whose CPU kernel lays out its output
+differently.
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ from .deferred_record import (
     ref_of,
 )
 
-__all__ = ["DeferredModel", "Keep", "record_build", "replay"]
+__all__ = ["CannotDefer", "DeferredModel", "Keep", "record_build", "replay"]
 
 # What a caller keeps of a full initial value: (state_dict name, full value) -> tensor.
 Keep = Callable[[str, torch.Tensor], torch.Tensor]
@@ -79,6 +82,10 @@ _HINTS = {
 }
 
 
+class CannotDefer(ModelError):
+    """build_model() cannot be built on meta and replayed: the caller may build it for real."""
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class DeferredModel:
     """A model built on meta, with what it takes to compute each initial value."""
@@ -91,6 +98,21 @@ class DeferredModel:
     def names(self) -> tuple[str, ...]:
         """Every name `value` takes: the state_dict's, then non-persistent buffers."""
         return tuple(self.tensors)
+
+    def check(self) -> None:
+        """Plan every name's replay (step 2, nothing allocated): a `CannotDefer` now, the
+        same on every rank, rather than from the one rank that materialises the tensor."""
+        for name, tensor in self.tensors.items():
+            if not tensor.is_meta:
+                continue
+            ref = self.recording.ref(tensor)
+            if ref is None:
+                raise CannotDefer(
+                    f"'{name}' is on meta but no recorded op of build_model() made it",
+                    file=self.file,
+                    hint="make it with torch ops inside build_model()",
+                )
+            _plan(self.recording, ref.storage, file=self.file, name=f"'{name}'")
 
     def value(self, name: str) -> torch.Tensor:
         """The full initial value of parameter or buffer `name` (state_dict naming)."""
@@ -162,7 +184,7 @@ def record_build(build: Callable[[], nn.Module], seed: int) -> DeferredModel:
         frame = where(exc)
         at = f"\n  at {frame}" if frame is not None and frame.owner is Owner.USER else ""
         text = (str(exc).strip().splitlines() or [""])[0]
-        raise ModelError(
+        raise CannotDefer(
             f"build_model() raised {type(exc).__name__} on the meta device: {text}{at}",
             file=file,
         ) from exc
@@ -183,10 +205,10 @@ def _source_file(build: Callable[..., Any]) -> str:
     return repr(build)
 
 
-def _unreplayable(exc: Unreplayable, file: str) -> ModelError:
+def _unreplayable(exc: Unreplayable, file: str) -> CannotDefer:
     frame = where(exc)
     user = frame is not None and frame.owner is Owner.USER
-    return ModelError(
+    return CannotDefer(
         f"build_model() {exc.problem.value} ({exc.op}{f': {exc.detail}' if exc.detail else ''})"
         f", which deferred initialisation on the meta device cannot replay"
         + (f"\n  at {frame}" if user else ""),
@@ -216,7 +238,7 @@ def _plan(recording: Recording, target: int, *, file: str, name: str) -> _Plan:
         needed.append(i)
         writers += target in step.writes
         if target in made and step.blank and not writers:
-            raise ModelError(
+            raise CannotDefer(
                 f"{name} is made by {step.name} and nothing writes it afterwards on meta, "
                 "so it has no initial value to replay",
                 file=file,
@@ -225,7 +247,7 @@ def _plan(recording: Recording, target: int, *, file: str, name: str) -> _Plan:
             )
         live = (live - step.overwrites - made) | step.reads
     if live:
-        raise ModelError(
+        raise CannotDefer(
             f"{name} depends on a tensor made on meta without a recorded op",
             file=file,
             hint="make it with torch ops (torch.zeros, torch.tensor, ...) inside build_model()",
@@ -299,7 +321,7 @@ def _keep_created(
         tensor = flat[index]
         storage = tensor.untyped_storage()
         if ref_of(tensor, ref.storage) != ref or storage._cdata in held:
-            raise ModelError(
+            raise CannotDefer(
                 f"{step.name} lays out its output differently on meta and on the CPU "
                 f"(meta {ref.size}/{ref.stride}, CPU {tuple(tensor.shape)}/{tensor.stride()}), "
                 "so its recording cannot be replayed",

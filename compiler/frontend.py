@@ -1,7 +1,9 @@
 """The compiler's front end: spec + model file -> traced graph, Plan and cost estimate.
 
 Nothing here needs a process group. The model is built on the `meta` device
-unless real weights are asked for, so planning a large model allocates nothing.
+unless real weights are asked for, so planning a large model allocates nothing;
+`deferred=True` builds it on meta while recording its initialisation
+(compiler/deferred_init.py), so a rank can later compute only the values it holds.
 
     >>> a = analyse("specs/gpt_tp.par", "examples/gpt.py", batch=8)   # doctest: +SKIP
     >>> print(a.plan)                                                   # doctest: +SKIP
@@ -21,6 +23,7 @@ import torch.fx
 from parc.dsl import load_spec, parse_spec
 from parc.dsl.ast import Spec
 
+from .deferred_init import DeferredModel, record_build
 from .dropout import dropout_warnings
 from .estimate import Estimate, estimate
 from .memory_model import memory_model_of
@@ -48,6 +51,8 @@ class Analysis:
     plan: Plan
     estimate: Estimate
     saved: SavedTensors
+    deferred: DeferredModel | None = None
+    """With `analyse(deferred=True)`: the model's initial values, one tensor at a time."""
 
 
 def as_spec(spec: Spec | str | Path) -> Spec:
@@ -76,18 +81,25 @@ def analyse(
     seed: int = 0,
     strict: bool = False,
     schedule: HandSchedule | None = None,
+    deferred: bool = False,
 ) -> Analysis:
     """Trace, profile one fake forward at the micro-batch size (shapes and saved
     tensors), resolve, analyse tensor parallelism (placements and collectives)
     and estimate. `schedule`, a hand-written compute schedule (pp rank -> actions),
-    replaces the spec's once validated against the plan (compiler/plan_schedule.py)."""
+    replaces the spec's once validated against the plan (compiler/plan_schedule.py).
+
+    `deferred=True` (for `parc.compile`) builds on meta with `record_build` from
+    `seed` instead of on `device`: `Analysis.deferred` computes each initial value
+    bitwise as the `device="cpu"` build would, and the generator ends where that
+    build leaves it. A build that cannot be deferred raises `CannotDefer`."""
     # The front end makes many small, long-lived objects (fx nodes and their
     # metadata); the cyclic collector's full passes over them cost ~1 s for a
     # 48-layer model and free nothing, so it waits until the end.
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _analyse(as_spec(spec), model, batch, device, seed, strict, schedule)
+        built = _Build(device, seed, deferred)
+        return _analyse(as_spec(spec), model, batch, built, strict, schedule)
     finally:
         if enabled:
             gc.enable()
@@ -97,16 +109,14 @@ def _analyse(
     spec: Spec,
     model: str | Path | ModuleType | ModelSource,
     batch: int | None,
-    device: str | torch.device,
-    seed: int,
+    how: _Build,
     strict: bool,
     schedule: HandSchedule | None,
 ) -> Analysis:
     source = model if isinstance(model, ModelSource) else load_model(model)
     batch = batch if batch is not None else default_batch(spec)
     batch_plan = check_batch(spec, batch)
-    torch.manual_seed(seed)
-    built = source.build(device=device)
+    built, deferred = how.build(source)
     versions = buffer_versions(built)
     sample, _ = source.batch(batch_plan.micro, 0)
     inputs = tuple(sample) if isinstance(sample, tuple | list) else (sample,)
@@ -132,6 +142,22 @@ def _analyse(
         + tuple(optimizer_warnings(source.configure_optimizer, plan, spec)),
     )
     memory = memory_model_of(source.configure_optimizer)
-    return Analysis(
-        spec, source, built, gm, plan, estimate(plan, gm, built, saved, memory=memory), saved
-    )
+    costs = estimate(plan, gm, built, saved, memory=memory)
+    return Analysis(spec, source, built, gm, plan, costs, saved, deferred)
+
+
+@dataclass(frozen=True, slots=True)
+class _Build:
+    """How the front end builds the model: on `device` from `seed`, or deferred on meta."""
+
+    device: str | torch.device
+    seed: int
+    deferred: bool
+
+    def build(self, source: ModelSource) -> tuple[torch.nn.Module, DeferredModel | None]:
+        if not self.deferred:
+            torch.manual_seed(self.seed)
+            return source.build(device=self.device), None
+        recorded = record_build(source.build_model, self.seed)
+        recorded.check()
+        return recorded.module, recorded

@@ -34,6 +34,7 @@ from .default_loss import DefaultLoss
 __all__ = ["ModelSource", "default_loss", "load_model", "off_batch"]
 
 Batch = tuple[Any, torch.Tensor]
+_FINITE_CHUNK = 1 << 20  # elements checked at once for NaN or inf
 
 
 def off_batch(tensor: torch.Tensor, batch: int) -> bool:
@@ -91,15 +92,24 @@ class ModelSource:
     def _check_finite(self, model: torch.nn.Module) -> None:
         """A NaN or inf initial weight would only show as a NaN loss; name it now."""
         for name, p in model.named_parameters():
-            bad = int((~torch.isfinite(p.detach())).sum())
-            if bad:
-                raise ModelError(
-                    f"build_model() made parameter '{name}' (shape {tuple(p.shape)}) with {bad} "
-                    f"NaN or inf value{'s' if bad > 1 else ''} of {p.numel()}",
-                    file=self.path,
-                    hint="fix its initialisation: e.g. a std of one element, a division by "
-                    "zero, or torch.empty without an init",
-                )
+            error = self.nonfinite_error(name, p)
+            if error is not None:
+                raise error
+
+    def nonfinite_error(self, name: str, value: torch.Tensor) -> ModelError | None:
+        """The error for parameter `name`'s initial `value` if it holds a NaN or inf."""
+        flat = value.detach().reshape(-1)
+        # In chunks: a mask of the whole value would add a quarter of it to the peak.
+        bad = sum(int((~torch.isfinite(c)).sum()) for c in flat.split(_FINITE_CHUNK))
+        if not bad:
+            return None
+        return ModelError(
+            f"build_model() made parameter '{name}' (shape {tuple(value.shape)}) with {bad} "
+            f"NaN or inf value{'s' if bad > 1 else ''} of {value.numel()}",
+            file=self.path,
+            hint="fix its initialisation: e.g. a std of one element, a division by "
+            "zero, or torch.empty without an init",
+        )
 
     def batch(self, batch_size: int, step: int) -> Batch:
         """Call `sample_batch(batch_size, step)` and check it returns (inputs, targets)."""

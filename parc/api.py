@@ -1,32 +1,50 @@
 """`parc.compile`: a spec and a model file become this rank's `Program`.
 
 Call it on every rank of a process group whose size is the mesh's world size
-(torchrun, `parc run`, or the test pool); it builds the full model from the same
-seed on every rank (so it starts from the single-device initial weights),
-traces it, resolves the plan, compiles this rank's program for its mesh
-coordinates (`parc.compiler.rank_program.compile_rank`: every graph rewrite), and
-builds the runtime pieces from it (`parc.runtime.assemble.assemble`).
+(torchrun, `parc run`, or the test pool). No rank holds the whole model:
+
+1. Build the model on `meta` from `seed`, recording its initialisation
+   (`analyse(..., deferred=True)`, compiler/deferred_init.py), trace it and
+   resolve the plan.
+2. Compile this rank's program for its mesh coordinates on meta tensors
+   (`parc.compiler.rank_program.compile_rank`: every graph rewrite).
+3. Materialise only what the rank holds, on its device, one full parameter at a
+   time on the host (`parc.runtime.materialise.materialise`): bitwise the
+   single-device initial values.
+4. Build the runtime pieces from the program (`parc.runtime.assemble.assemble`).
+
+A model whose build cannot be deferred (`CannotDefer`) is built whole on the CPU
+instead, with a warning saying why and what it costs.
 """
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 
-from parc.compiler.frontend import analyse, as_spec
+from parc.compiler.deferred_init import CannotDefer
+from parc.compiler.frontend import Analysis, analyse, as_spec
 from parc.compiler.layout import DEFAULT_BUCKET_ELEMS
 from parc.compiler.model import ModelSource, load_model
 from parc.compiler.optimizer_factory import OptimizerFactory
 from parc.compiler.plan_schedule import HandSchedule
-from parc.compiler.rank_program import compile_rank
+from parc.compiler.rank_program import RankProgram, compile_rank
 from parc.dsl.ast import AXIS_DP, AXIS_PP, Spec
 from parc.runtime.assemble import assemble
+from parc.runtime.collectives import Comm
+from parc.runtime.materialise import materialise
 from parc.runtime.mesh import build_comm, device_for_rank
 from parc.runtime.program import Program
 
-__all__ = ["compile"]
+__all__ = ["CannotDeferWarning", "compile"]
+
+
+class CannotDeferWarning(UserWarning):
+    """`parc.compile` built the whole model on the CPU: its build cannot be deferred."""
 
 
 def compile(
@@ -51,27 +69,59 @@ def compile(
     (a `ScheduleError` with the grid otherwise).
     """
     source = model if isinstance(model, ModelSource) else load_model(model)
-    # Built on the CPU from `seed`, exactly as a single-device run would build it.
-    analysis = analyse(
-        as_spec(spec),
-        source,
-        batch=batch,
-        device="cpu",
-        seed=seed,
-        strict=strict,
-        schedule=schedule,
-    )
-    comm = build_comm(analysis.plan.mesh)
-    program = compile_rank(analysis, comm.coords, bucket_elems=bucket_elems)
+    device = device or device_for_rank()
+    options = {"batch": batch, "seed": seed, "strict": strict, "schedule": schedule}
+    try:
+        comm, program = _deferred(as_spec(spec), source, options, bucket_elems, device)
+    except CannotDefer as why:
+        comm, program = _built_whole(as_spec(spec), source, options, bucket_elems, why)
     parts = assemble(
         program,
         comm,
         source=source,
         optimizer=optimizer or source.configure_optimizer,
-        device=device or device_for_rank(),
+        device=device,
     )
     _seed_random_streams(seed, comm.index(AXIS_DP), comm.index(AXIS_PP))
     return Program(parts)
+
+
+def _deferred(
+    spec: Spec,
+    source: ModelSource,
+    options: dict[str, Any],
+    bucket_elems: int,
+    device: torch.device,
+) -> tuple[Comm, RankProgram]:
+    """Steps 1-3: built on meta, compiled on meta, then only the rank's tensors made."""
+    analysis = analyse(spec, source, deferred=True, **options)
+    assert analysis.deferred is not None
+    comm = build_comm(analysis.plan.mesh)
+    program = compile_rank(analysis, comm.coords, bucket_elems=bucket_elems)
+    materialise(program, analysis.deferred, source, device)  # the same outcome on every rank
+    return comm, program
+
+
+def _built_whole(
+    spec: Spec, source: ModelSource, options: dict[str, Any], bucket_elems: int, why: CannotDefer
+) -> tuple[Comm, RankProgram]:
+    """The fallback: built on the CPU from the seed, as a single-device run builds it."""
+    analysis = analyse(spec, source, device="cpu", **options)
+    comm = build_comm(analysis.plan.mesh)
+    warnings.warn(_fallback_words(analysis, why), CannotDeferWarning, stacklevel=3)
+    return comm, compile_rank(analysis, comm.coords, bucket_elems=bucket_elems)
+
+
+def _fallback_words(analysis: Analysis, why: CannotDefer) -> str:
+    held = {id(t): t for t in [*analysis.model.parameters(), *analysis.model.buffers()]}
+    size = sum(t.numel() * t.element_size() for t in held.values())
+    return (
+        f"{why.file}: the model cannot be built on the meta device and initialised one "
+        f"tensor at a time ({why.message}); every rank built the whole model on the CPU "
+        f"instead, holding all {size / 2**20:.1f} MiB of its parameters and buffers in "
+        "host memory during compile, not only its own shards"
+        + (f" (to fix: {why.hint})" if why.hint else "")
+    )
 
 
 def _seed_random_streams(seed: int, dp_index: int, pp_index: int) -> None:

@@ -4,7 +4,8 @@ The compiler rewrote the graphs and laid out parameters, units, shards and tied
 weights (`parc.compiler.rank_program.compile_rank`); nothing here changes a graph.
 
 Algorithm:
-1. Move the rank's stage graphs to its device. Parameters keep their identity
+1. Move the rank's stage graphs to its device (`parc.compile` materialised them
+   there already: runtime/materialise.py). Parameters keep their identity
    (`Module.to` moves their data in place), so the objects the program lists
    (parameters, ZeRO-3 shards) are the ones the graphs read; checked.
 2. Buffers: the live persistent buffers of the rank's stages (runtime/buffers.py).
@@ -14,7 +15,8 @@ Algorithm:
    the program's shards, and the forward contexts it needs.
 5. The optimizer: the model's `configure_optimizer`, refused where the layout
    would change what it computes (compiler/optimizers.py), rebuilt over the
-   flat shards under ZeRO (one parameter group required).
+   flat shards under ZeRO (one parameter group required). Under ZeRO-3 the
+   factory sees stand-ins of the whole parameters (no rank holds them).
 6. Pack everything, with the program's lowered actions, into `ProgramParts`.
 """
 
@@ -68,7 +70,7 @@ def assemble(
     # Step 4
     sync, forward_contexts = _gradient_sync(program, comm)
     # Step 5
-    local = list(program.params.values())
+    local = _factory_params(program, device)
     opt = _optimizer(optimizer, source, plan, local, sync.optimizer_params())
     # Step 6
     return ProgramParts(
@@ -108,6 +110,22 @@ def _to_device(
             "moving the stage graphs to the device replaced their Parameters (is "
             "torch.__future__.set_overwrite_module_params_on_conversion on?)"
         )
+
+
+def _factory_params(program: RankProgram, device: torch.device) -> list[torch.nn.Parameter]:
+    """What the optimizer factory is given: the rank's Parameters, or under ZeRO-3 (which
+    keeps only shards; the whole ones stay on meta) stand-ins with their tp-local shape,
+    dtype and the rank's device that hold no memory (one zero, expanded): the factory's
+    optimizer is read for its type and hyperparameters only, then rebuilt over the shards."""
+    params = list(program.params.values())
+    if program.plan.zero < 3:
+        return params
+    return [
+        torch.nn.Parameter(
+            torch.zeros((), dtype=p.dtype, device=device).expand(p.shape), p.requires_grad
+        )
+        for p in params
+    ]
 
 
 def _tied_groups(

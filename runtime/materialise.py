@@ -1,0 +1,223 @@
+"""Give one rank's compiled program its initial values: only what the rank holds.
+
+`parc.compile` builds the model on `meta` (`analyse(deferred=True)`, recording its
+initialisation: compiler/deferred_init.py) and compiles the rank on meta tensors
+(`compile_rank`); `materialise` then fills in every tensor the rank holds, directly
+on its device, one full parameter at a time on the host. The values are bitwise
+those of the single-device build under the same seed.
+
+Algorithm:
+1. Parameters (ZeRO 0-2): each of the rank's Parameters (`RankProgram.params`) is
+   its full initial value (`DeferredModel.value`, replayed on the host), cut to the
+   rank's tp slice (`RankProgram.slices`: dim and blocks, a fused qkv has 3), moved
+   to the device.
+2. ZeRO-3: the shard of each unit is the range [index·shard, (index+1)·shard) of the
+   unit's parameters flattened in order and zero-padded; only the parameters that
+   overlap it are replayed, and only the overlap is kept. The whole parameters are
+   never made.
+3. Buffers and any other tensor the stage graphs read (persistent or not), and on
+   the rank running stage 0 the model's buffers no stage reads (kept on the CPU, as
+   built).
+4. Each tensor is replaced in place (`torch.utils.swap_tensors`), so the stage
+   graphs, the program's tables and later gradient sync, ZeRO-3 and the optimizer
+   hold the same objects (a meta tensor's `.data` cannot be set to a real one).
+5. Every rank agrees: a NaN or inf initial value, or one that cannot be replayed,
+   is found by the ranks holding it; every rank raises the first one found (by
+   rank), so none is left waiting in a collective.
+
+Host memory: one full value (and its replay's temporaries) plus the rank's own
+slices. glibc keeps freed blocks resident in its heap (a kept slice allocated above
+a freed full value pins it, and the next value is served from new pages), so after
+each large value is dropped `malloc_trim(0)` hands the free pages back: resident
+memory then follows what is alive. (`MALLOC_MMAP_THRESHOLD_` in the environment
+would do the same for the whole process, but must be set before it starts and
+turns every later large allocation into an mmap.)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils import swap_tensors
+
+from parc.compiler.deferred_init import CannotDefer, DeferredModel
+from parc.compiler.model import ModelSource
+from parc.compiler.passes.functional import local_slice
+from parc.compiler.passes.placement import Shard
+from parc.compiler.rank_program import RankProgram
+from parc.dsl.ast import AXIS_DP
+from parc.errors import ModelError
+
+__all__ = ["materialise"]
+
+_TRIM_BYTES = 1 << 20  # smaller values live in glibc's bins, reused at once
+
+
+@dataclass(frozen=True, slots=True)
+class _Problem:
+    """A rank's reason to stop, as plain data (it travels to every rank)."""
+
+    message: str
+    file: str
+    hint: str | None
+    cannot_defer: bool
+
+    def error(self) -> ModelError:
+        kind = CannotDefer if self.cannot_defer else ModelError
+        return kind(self.message, file=self.file, hint=self.hint)
+
+
+def materialise(
+    program: RankProgram, deferred: DeferredModel, source: ModelSource, device: torch.device
+) -> None:
+    """Replace every meta tensor `program` holds by its initial value on `device`.
+
+    Raises, on every rank of the process group alike, `CannotDefer` when a value
+    cannot be replayed and `ModelError` for a NaN or inf initial parameter.
+    """
+    problem: _Problem | None = None
+    try:
+        _Filler(program, deferred, source, device).fill()
+    except ModelError as exc:
+        problem = _Problem(exc.message, exc.file, exc.hint, isinstance(exc, CannotDefer))
+    # Step 5
+    first = _first_problem(problem)
+    if first is not None:
+        raise first.error()
+
+
+class _Filler:
+    """Steps 1-4 for one rank."""
+
+    def __init__(
+        self,
+        program: RankProgram,
+        deferred: DeferredModel,
+        source: ModelSource,
+        device: torch.device,
+    ) -> None:
+        self.program, self.deferred, self.source, self.device = program, deferred, source, device
+        plan = program.plan
+        self.tp = plan.tp if plan.tp_axis is not None else 1
+        self.tp_index = program.coords.get(plan.tp_axis, 0) if plan.tp_axis else 0
+        self.done: set[int] = set()
+
+    def fill(self) -> None:
+        program = self.program
+        if program.plan.zero < 3:  # Step 1
+            for name, param in program.params.items():
+                self._put(param, self._local(name))
+        else:  # Step 2
+            self._shards()
+        # Step 3
+        names = {id(t): n for n, t in self.deferred.tensors.items()}
+        whole = {id(p) for p in program.params.values()}
+        for where, tensor in _stage_tensors(program):
+            if not tensor.is_meta or id(tensor) in self.done:
+                continue
+            if id(tensor) in whole or isinstance(tensor, nn.Parameter):
+                raise AssertionError(f"stage tensor '{where}' is a parameter left on meta")
+            self._put(tensor, self._value(tensor, names.get(id(tensor), where)))
+        if 0 in program.stages:
+            for name, buffer in program.buffers.unused.items():
+                if buffer.is_meta and id(buffer) not in self.done:
+                    self._put(buffer, self._value(buffer, name), device=torch.device("cpu"))
+
+    def _value(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        value = self.deferred.value_of(tensor, name=name).to(self.device)
+        _release(value.numel() * value.element_size())
+        return value
+
+    def _local(self, name: str, device: torch.device | None = None) -> torch.Tensor:
+        """Parameter `name`'s tp-local initial value, on `device` (default the rank's)."""
+        full = self.deferred.value(name)
+        error = self.source.nonfinite_error(name, full)
+        if error is not None:
+            raise error
+        nbytes = full.numel() * full.element_size()
+        cut = self.program.slices.get(name)
+        if cut is not None:
+            full = local_slice(full, Shard(cut.dim, cut.blocks), self.tp_index, self.tp)
+        local = full.to(device or self.device)
+        del full
+        _release(nbytes)
+        return local
+
+    def _shards(self) -> None:
+        """Step 2: each unit's shard from the parameters overlapping it."""
+        layout, program = self.program.zero3, self.program
+        assert layout is not None, "a ZeRO-3 program carries its layout"
+        index = program.coords.get(AXIS_DP, 0)
+        for unit, shard in zip(layout.units, program.zero3_shards, strict=True):
+            lo, hi = index * unit.shard, (index + 1) * unit.shard
+            flat = torch.zeros(unit.shard, dtype=shard.dtype, device=self.device)
+            for name in unit.params:
+                off, numel = layout.offsets[name][1], layout.numel(name)
+                start, end = max(lo, off), min(hi, off + numel)
+                if start < end:
+                    local = self._local(name, torch.device("cpu")).reshape(-1)
+                    flat[start - lo : end - lo].copy_(local[start - off : end - off])
+                    nbytes = local.numel() * local.element_size()
+                    del local
+                    _release(nbytes)
+            self._put(shard, flat)
+
+    def _put(
+        self, old: torch.Tensor, new: torch.Tensor, device: torch.device | None = None
+    ) -> None:
+        """Step 4: `old` becomes `new` in place, for everything holding it."""
+        expected = (tuple(old.shape), old.dtype)
+        if (tuple(new.shape), new.dtype) != expected:
+            raise AssertionError(
+                f"materialised {tuple(new.shape)}/{new.dtype}, expected {expected}"
+            )
+        new = new if device is None else new.to(device)
+        if isinstance(old, nn.Parameter):
+            new = nn.Parameter(new, requires_grad=old.requires_grad)
+        swap_tensors(old, new)
+        self.done.add(id(old))
+
+
+def _stage_tensors(program: RankProgram) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor a stage graph holds (parameters, buffers, plain attributes)."""
+    for s, stage in sorted(program.stages.items()):
+        for prefix, module in stage.gm.named_modules(remove_duplicate=False):
+            tables = (module._parameters, module._buffers, vars(module))
+            for table in tables:
+                for leaf, value in table.items():
+                    if isinstance(value, torch.Tensor):
+                        yield f"stage {s}: {prefix}.{leaf}".replace(": .", ": "), value
+
+
+def _first_problem(mine: _Problem | None) -> _Problem | None:
+    """Step 5: the first rank's problem, on every rank (one object all-gather)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return mine
+    every: list[_Problem | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return next((p for p in every if p is not None), None)
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim, or None on another C library (nothing to hand back then)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    except OSError:
+        return None
+    trim: Callable[[int], int] | None = getattr(libc, "malloc_trim", None)
+    return trim
+
+
+_TRIM = _malloc_trim()
+
+
+def _release(nbytes: int) -> None:
+    """After a full value of `nbytes` is dropped: glibc's free pages back (module docstring)."""
+    if _TRIM is not None and nbytes >= _TRIM_BYTES:
+        _TRIM(0)

@@ -29,7 +29,7 @@ from parc.runtime.pipeline.executor import StageExecutor, checked_loss
 
 from .collectives import CommKind
 from .gather import gather_full_state
-from .nonfinite import first_nonfinite_param, grad_views, grads_finite, nonfinite_fault
+from .nonfinite import first_nonfinite_param, grad_views, grads_flag, nonfinite_fault
 from .parts import ProgramParts
 from .step_hooks import StepHooks
 
@@ -85,7 +85,7 @@ class Program:
         rounds, m = plan.grad_accum, plan.microbatches
         chunk = plan.batch.micro
         scale = 1.0 / (rounds * m)
-        losses: list[float] = []
+        losses: list[torch.Tensor] = []  # on the device: read once, in _global_loss
         for r in range(rounds):
             micro_x = [
                 [x[(r * m + i) * chunk : (r * m + i + 1) * chunk] for x in xs] for i in range(m)
@@ -99,9 +99,11 @@ class Program:
         self.hooks.synced(self.steps_done)
         self.parts.sync.arm(False)
         # Before the optimizer step: a NaN/inf must never reach the parameters (nonfinite.py).
-        loss, bad_ranks = self._global_loss(losses, grads_finite(self.parts.sync))
-        if bad_ranks or not math.isfinite(loss):
-            self._nonfinite(loss, bad_ranks > 0)
+        loss, flagged = self._global_loss(losses, grads_flag(self.parts.sync, self.parts.device))
+        # A flag may be a finite sum that overflowed: only the exact search can tell.
+        param = first_nonfinite_param(self.parts) if flagged and math.isfinite(loss) else None
+        if param is not None or not math.isfinite(loss):
+            self._nonfinite(loss, param)
         else:
             self.optimizer.step()
             self.parts.sync.after_step()
@@ -114,10 +116,10 @@ class Program:
         loss = checked_loss(self.parts.loss_fn(output, targets), self.parts.loss_fn)
         return self.hooks.transform_loss(self.steps_done, loss)
 
-    def _nonfinite(self, loss: float, bad_grads: bool) -> None:
+    def _nonfinite(self, loss: float, param: str | None) -> None:
         """Skip this step's update on every rank, or raise the same error on every rank."""
-        # A non-finite loss makes every gradient so: naming a parameter would say nothing.
-        param = first_nonfinite_param(self.parts) if bad_grads and math.isfinite(loss) else None
+        # A non-finite loss makes every gradient so: then `param` is None (naming one
+        # would say nothing).
         fault = nonfinite_fault(loss=loss, param=param, rank=self.comm.rank, step=self.steps_done)
         if not self.skip_nonfinite:
             raise fault
@@ -156,20 +158,22 @@ class Program:
             self.comm.stats.add(CommKind.ALL_REDUCE, AXIS_PP, grad.numel())
             dist.all_reduce(grad, group=group)
 
-    def _global_loss(self, losses: list[float], grads_ok: bool) -> tuple[float, int]:
-        """The mean loss over the global batch, and how many ranks have non-finite gradients."""
+    def _global_loss(self, losses: list[torch.Tensor], flag: torch.Tensor) -> tuple[float, int]:
+        """The mean loss over the global batch, and how many ranks flagged their gradients
+        (`flag`: nonfinite.grads_flag). One all-reduce and the step's one host sync."""
         plan, comm = self.plan, self.comm
         mine = self.parts.holds_last_stage and all(
             comm.index(a) == 0 for a in plan.mesh.names if a not in (AXIS_DP, AXIS_PP)
         )
-        total = torch.tensor(  # on the rank's device: NCCL reduces no CPU tensors
-            [sum(losses) if mine else 0.0, 0.0 if grads_ok else 1.0],
-            dtype=torch.float64,
-            device=self.parts.device,
-        )
+        # On the rank's device, with no read before the reduction: NCCL reduces no CPU
+        # tensors, and each read of a device tensor waits for the device.
+        total = torch.zeros(2, dtype=torch.float64, device=self.parts.device)
+        for loss in losses if mine else ():
+            total[0] += loss.reshape(()).to(torch.float64)
+        total[1] = flag
         comm.metric_sum(total)
-        loss = float(total[0].item()) / (plan.dp * plan.microbatches * plan.grad_accum)
-        return loss, int(total[1].item())
+        loss_sum, flagged = total.tolist()
+        return loss_sum / (plan.dp * plan.microbatches * plan.grad_accum), int(flagged)
 
     # ------------------------------------------------------------ inspection
 

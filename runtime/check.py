@@ -3,8 +3,9 @@
 The single-device reference runs in this process, twice (the second time
 rounded differently, on every batch in reverse sample order and with every
 module's output moved by one ulp: the noise twin that calibrates the
-tolerances, runtime/calibration.py); the compiled program runs on a local gloo
-world (the worker pool: forked CPU processes, no torchrun), from the same
+tolerances, runtime/calibration.py); the compiled program runs on a local
+world (the worker pool: forked processes, no torchrun; NCCL with one GPU per
+rank when the machine has enough, gloo on the CPU otherwise), from the same
 seed, on the same batches, with the same optimizer: the model file's
 `configure_optimizer` unless `optimizer` names one of equivalence.py's. The
 pool runs the program twice: one `GradientProbe` step (step 0's gradients,
@@ -78,17 +79,20 @@ def run_check(
 ) -> CheckResult:
     """Run both sides and compare; raises ParcError for a bad spec, model or optimizer."""
     from parc.compiler.frontend import analyse, default_batch
-    from parc.runtime.mesh import check_local_ranks
+    from parc.runtime.mesh import check_local_ranks, local_backend
     from parc.testing.pool import WorkerPool
 
     spec = as_spec(spec_path)
-    check_local_ranks(spec.mesh.world_size)  # one process per rank, on this machine
+    world = spec.mesh.world_size
+    # One process per rank, on this machine: one GPU each under NCCL, else CPU processes
+    # (the pool takes the same backend: NCCL only when there is a GPU for every rank).
+    check_local_ranks(world, backend_name=local_backend(world))
     source = load_model(model_file)
     batch = batch or default_batch(spec)
     # Every spec and model error, before any process starts.
     plan = analyse(spec, source, batch=batch).plan
     opt_class = _check_optimizer(source, optimizer, plan)
-    with WorkerPool(spec.mesh.world_size, timeout=timeout) as pool:
+    with WorkerPool(world, timeout=timeout) as pool:
         comparison, twin_diff = compare_in_pool(
             pool,
             str(spec),

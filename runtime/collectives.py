@@ -149,15 +149,16 @@ class Comm:
         self.stats.add(CommKind.REDUCE_SCATTER, axis, inp.numel())
         return reduce_scatter_flat(out, inp, group=self._group(axis), async_op=async_op)
 
-    def p2p(self, ops: list[tuple[CommKind, torch.Tensor, int]], axis: str) -> None:
-        """Post sends and receives (kind, tensor, global peer rank) as one batch and wait."""
+    def post_p2p(self, ops: list[tuple[CommKind, torch.Tensor, int]], axis: str) -> list[Any]:
+        """Post sends and receives (kind, tensor, global peer rank) as one batch; the
+        handles to wait for (one per op under gloo, one for the batch under NCCL). A
+        received tensor may be read, and a sent one changed, only after every wait."""
         p2p_ops = []
         for kind, tensor, peer in ops:
             self.stats.add(kind, axis, tensor.numel())
             fn = dist.isend if kind is CommKind.SEND else dist.irecv
             p2p_ops.append(dist.P2POp(fn, tensor, peer))
-        for work in dist.batch_isend_irecv(p2p_ops):
-            work.wait()
+        return list(dist.batch_isend_irecv(p2p_ops))
 
     def metric_sum(self, t: torch.Tensor) -> torch.Tensor:
         """Sum a small metric (e.g. the loss) over all ranks; not counted as training traffic."""

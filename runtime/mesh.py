@@ -1,8 +1,16 @@
 """The device mesh of a run: process groups by axis, backend and device choice.
 
-`build_comm(mesh, rank)` is called on every rank after the default process
-group exists (torchrun, or the test pool); it creates one group per axis with
-`init_device_mesh` (every rank must call it, in the same order).
+`build_comm(mesh)` is called on every rank after the default process group
+exists (torchrun, the user's own launcher, or the test pool); it creates one
+group per axis with `init_device_mesh` (every rank must call it, in the same
+order).
+
+Backend and device follow the live default process group, not the machine: a
+rank of an NCCL world computes on ``cuda:LOCAL_RANK`` (made the current CUDA
+device by `build_comm`, so NCCL and `all_gather_object` use it too), a rank of
+a gloo world on the CPU even when the machine has GPUs (gloo's CUDA
+collectives lack reduce-scatter, all-gather into a tensor and send/recv).
+Before a group exists, the machine decides: NCCL when CUDA is available.
 """
 
 from __future__ import annotations
@@ -25,7 +33,9 @@ __all__ = [
     "check_local_ranks",
     "device_for_rank",
     "init_world",
+    "local_backend",
     "max_local_ranks",
+    "uses_cuda",
 ]
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -37,20 +47,43 @@ _MIN_CPU_RANKS = 64
 
 
 def backend() -> str:
-    """NCCL when CUDA is available, gloo otherwise."""
+    """The live default group's backend; before one exists, this machine's choice
+    (NCCL when CUDA is available, gloo otherwise)."""
+    if dist.is_initialized():
+        return str(dist.get_backend())
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def local_backend(local_ranks: int) -> str:
+    """The backend for a world of `local_ranks` processes on this machine (the test
+    pool, `parc check`): NCCL when it has a GPU for each of them, gloo otherwise."""
+    if torch.cuda.is_available() and torch.cuda.device_count() >= local_ranks:
+        return "nccl"
+    return "gloo"
+
+
+def uses_cuda(backend_name: str) -> bool:
+    """Whether a backend (``"nccl"``, ``"gloo"``, or torch's ``"cpu:gloo,cuda:nccl"``)
+    reduces CUDA tensors: then a rank's tensors must live on its GPU."""
+    return "nccl" in backend_name
+
+
 def device_for_rank() -> torch.device:
-    """`cuda:LOCAL_RANK` under NCCL, else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
+    """``cuda:LOCAL_RANK`` under NCCL (without LOCAL_RANK: rank modulo the GPUs), else
+    the CPU; see the module docstring."""
+    if not uses_cuda(backend()):
+        return torch.device("cpu")
+    local = os.environ.get("LOCAL_RANK")
+    if local is not None:
+        return torch.device("cuda", int(local))
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return torch.device("cuda", rank % max(1, torch.cuda.device_count()))
 
 
-def max_local_ranks() -> tuple[int, str]:
-    """The most ranks one node may run, and why: one per GPU, or a few per CPU core."""
-    if torch.cuda.is_available():
+def max_local_ranks(backend_name: str | None = None) -> tuple[int, str]:
+    """The most ranks one node may run under `backend_name` (default `backend()`), and
+    why: one per GPU, or a few per CPU core."""
+    if uses_cuda(backend_name or backend()):
         gpus = torch.cuda.device_count()
         return gpus, f"one rank per GPU and this node has {gpus}"
     cpus = os.cpu_count() or 1
@@ -61,9 +94,9 @@ def max_local_ranks() -> tuple[int, str]:
     )
 
 
-def check_local_ranks(count: int, *, nnodes: int = 1) -> None:
+def check_local_ranks(count: int, *, nnodes: int = 1, backend_name: str | None = None) -> None:
     """Refuse to start more processes on this node than `max_local_ranks` allows."""
-    limit, why = max_local_ranks()
+    limit, why = max_local_ranks(backend_name)
     if count <= limit:
         return
     node = "this node" if nnodes == 1 else f"each of the {nnodes} nodes"
@@ -87,7 +120,7 @@ def init_world(mesh: MeshPlan, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     c10d = dist.distributed_c10d
     c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timedelta(seconds=timeout_s)
     if not dist.is_initialized():
-        if torch.cuda.is_available():
+        if uses_cuda(backend()):
             torch.cuda.set_device(device_for_rank())
         dist.init_process_group(backend(), timeout=timedelta(seconds=timeout_s))
 
@@ -101,13 +134,17 @@ def build_comm(mesh: MeshPlan) -> Comm:
             f"the process group has {world} ranks but the mesh '{mesh}' needs {mesh.world_size}",
             rank=rank,
         )
+    device = device_for_rank()
+    if device.type == "cuda":
+        # A user's own torchrun loop may not have: NCCL's communicators, barriers and
+        # object collectives use the current device, cuda:0 on every rank otherwise.
+        torch.cuda.set_device(device)
     sizes = dict(mesh.axes)
     groups: dict[str, object] = {}
     if world > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
-        device = "cuda" if backend() == "nccl" else "cpu"
-        dm = init_device_mesh(device, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
+        dm = init_device_mesh(device.type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
         for name, size in sizes.items():
             groups[name] = dm.get_group(name) if size > 1 else None
     return Comm(groups, sizes, mesh.coords(rank), mesh.rank_of, rank=rank)

@@ -55,8 +55,9 @@ def gloo_pool() -> Iterator[Callable[[int], WorkerPool]]:
     def pool(world_size: int) -> WorkerPool:
         if world_size not in pools:
             # Every collective and case gets 120 s: generous on 2 shared cores,
-            # well under pytest's 300 s so a hang fails as a WorkerError.
-            pools[world_size] = WorkerPool(world_size, timeout=120.0)
+            # well under pytest's 300 s so a hang fails as a WorkerError. gloo even on
+            # a GPU machine: cases compare with a CPU reference and pass CPU tensors.
+            pools[world_size] = WorkerPool(world_size, timeout=120.0, backend="gloo")
         return pools[world_size]
 
     yield pool

@@ -1,4 +1,4 @@
-"""A reusable local gloo world: N worker processes that run cases on demand.
+"""A reusable local world: N worker processes that run cases on demand.
 
 Tests, `parc check` and the demo run a compiled program on N CPU processes
 without torchrun (docs/architecture.md, Equivalence): start a pool once, then send it cases.
@@ -11,10 +11,16 @@ without torchrun (docs/architecture.md, Equivalence): start a pool once, then se
 
 A case is a module-level function (pickled by reference, so its module must be
 importable; the owner's `sys.path` is sent along) called as `fn(*args,
-**kwargs)` on every rank with the gloo process group initialised. `run`
+**kwargs)` on every rank with the default process group initialised. `run`
 returns the results by rank. They travel back by pickle, so keep them small
 (dicts, floats, tensors); tensors are detached and copied to the CPU first.
 A rank's stdout and stderr go to a log whose new lines are quoted in errors.
+
+The backend is the machine's (`parc.runtime.mesh.local_backend`): NCCL when it
+has a GPU for every rank, each rank then computing on its own
+(``LOCAL_RANK`` = its rank, the current CUDA device), gloo on the CPU
+otherwise; `WorkerPool(n, backend="gloo")` insists on gloo (cases that pass
+CPU tensors to collectives themselves need it).
 
 Why it is built this way (measured on 2 cores, torch 2.13):
 
@@ -70,6 +76,7 @@ _START_TIMEOUT = 60.0  # a start takes < 1 s here; generous for a loaded machine
 _GRACE = 0.3  # after one rank fails, how long the others get to report their own error
 _DUMP_WAIT = 2.0  # a faulthandler dump takes milliseconds; bound the wait anyway
 _TAIL = 3000  # characters of a rank's output quoted in an error
+_BACKENDS = ("gloo", "nccl")
 
 
 class WorkerError(ParcError):
@@ -108,10 +115,11 @@ class _Outcome:
 
 
 class WorkerPool:
-    """`world_size` gloo ranks on this machine that run cases until `close()`.
+    """`world_size` ranks on this machine that run cases until `close()`.
 
     `timeout` (seconds) bounds every collective and is the default limit of a
-    case; `run(..., timeout=...)` overrides the latter. Not thread-safe.
+    case; `run(..., timeout=...)` overrides the latter. `backend`: "nccl" or
+    "gloo", by default the machine's (module docstring). Not thread-safe.
     """
 
     def __init__(
@@ -120,13 +128,21 @@ class WorkerPool:
         *,
         timeout: float = _DEFAULT_TIMEOUT,
         start_timeout: float = _START_TIMEOUT,
+        backend: str | None = None,
     ) -> None:
         if world_size < 1 or timeout <= 0 or start_timeout <= 0:
             raise ParcError(
                 "WorkerPool needs world_size >= 1 and positive timeouts; got "
                 f"world_size={world_size}, timeout={timeout}, start_timeout={start_timeout}"
             )
+        if backend is None:
+            from parc.runtime.mesh import local_backend  # torch's CUDA probe, owner only
+
+            backend = local_backend(world_size)
+        if backend not in _BACKENDS:
+            raise ParcError(f"WorkerPool backend must be one of {_BACKENDS}; got {backend!r}")
         self.world_size = world_size
+        self.backend = backend
         self.timeout = timeout
         self._start_timeout = start_timeout
         self._dir = Path(tempfile.mkdtemp(prefix="parc-pool-"))
@@ -198,6 +214,7 @@ class WorkerPool:
             spec = RankSpec(
                 rank=rank,
                 world_size=self.world_size,
+                backend=self.backend,
                 timeout=self.timeout,
                 store=Path(f"{stem}-store"),
                 log=Path(f"{stem}-rank{rank}.log"),
@@ -224,7 +241,7 @@ class WorkerPool:
         if not self._ready:
             outcome = _collect(self._ranks, self._start_timeout)
             if not outcome.ok:
-                what = f"the start of a gloo world of {self.world_size} ranks"
+                what = f"the start of a {self.backend} world of {self.world_size} ranks"
                 offsets = [0] * self.world_size
                 raise _failure(outcome, self._ranks, offsets, what, self._start_timeout)
             self._ready = True
@@ -310,7 +327,7 @@ def _failure(
     return WorkerError(
         "\n".join([header, *filter(None, parts)]),
         ranks=failed,
-        hint="the pool killed its ranks; the next run starts a fresh gloo world",
+        hint="the pool killed its ranks; the next run starts a fresh world",
     )
 
 

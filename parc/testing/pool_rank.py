@@ -1,4 +1,4 @@
-"""The rank side of `parc.testing.pool.WorkerPool`: join the gloo world, serve cases.
+"""The rank side of `parc.testing.pool.WorkerPool`: join the world, serve cases.
 
 Each rank runs `rank_main` in a process forked by the pool's forkserver. It
 redirects its output to a log, arms `faulthandler` (SIGUSR1 dumps every
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map_only
 
-__all__ = ["RankSpec", "rank_main"]
+__all__ = ["RankSpec", "join_world", "rank_main"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +36,7 @@ class RankSpec:
 
     rank: int
     world_size: int
+    backend: str  # "gloo", or "nccl": then this rank computes on cuda:<rank>
     timeout: float  # of every collective
     store: Path  # the FileStore, shared by the ranks of one start
     log: Path  # stdout and stderr
@@ -53,13 +54,7 @@ def rank_main(spec: RankSpec, conn: Connection, lifeline: Connection) -> None:
     code = 0
     try:
         _set_up_rank(spec, lifeline)
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{spec.store}",
-            rank=spec.rank,
-            world_size=spec.world_size,
-            timeout=timedelta(seconds=spec.timeout),
-        )
+        join_world(spec)
         conn.send_bytes(pickle.dumps((True, os.getpid())))
         _serve(conn)
     except BaseException:  # EOFError included: the owner died and the send below fails
@@ -87,6 +82,25 @@ def _set_up_rank(spec: RankSpec, lifeline: Connection) -> None:
     torch.set_num_threads(1)  # the same thread count gives bit-identical results
     if sys.platform == "linux" and os.path.exists("/sys/class/net/lo"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the world is on this machine
+
+
+def join_world(spec: RankSpec) -> None:
+    """Join the pool's world; under NCCL first make cuda:<rank> this rank's device.
+
+    The ranks are one node's, so a rank's local rank is its rank: LOCAL_RANK is
+    set for `parc.runtime.mesh.device_for_rank`, which every compiled program
+    asks for its device.
+    """
+    if spec.backend == "nccl":
+        os.environ["LOCAL_RANK"] = str(spec.rank)
+        torch.cuda.set_device(spec.rank)
+    dist.init_process_group(
+        spec.backend,
+        init_method=f"file://{spec.store}",
+        rank=spec.rank,
+        world_size=spec.world_size,
+        timeout=timedelta(seconds=spec.timeout),
+    )
 
 
 def _exit_when_orphaned(lifeline: Connection) -> None:

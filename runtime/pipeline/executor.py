@@ -1,14 +1,20 @@
 """Run one rank's pipeline actions: compute, send and receive, microbatch by microbatch.
 
-The executor follows the rules of `parc.compiler.schedule_sim` exactly: the
-rank's lowered action list runs in order; a maximal run of consecutive comm
-actions is one `batch_isend_irecv` (posted together, all waited for). A rank may
+The executor follows the rules of `parc.compiler.schedule_sim`: the rank's
+lowered action list runs in order; a maximal run of consecutive comm actions is
+one `batch_isend_irecv`, posted together. It waits later than the simulator
+(so transfers overlap compute): a receive right before the compute that reads
+it, a send when the rank posts its next batch or ends the round (its tensor
+kept alive until then). Waiting later only lets a rank go on sooner, so a
+schedule the simulator proves runs here too, with the same transfers. A rank may
 run several stages (virtual stages): what a microbatch keeps lives per (stage,
 microbatch), and a comm action talks to the rank of its peer stage
 (``stage_to_rank``), at this rank's other mesh coordinates.
 
 Forward of microbatch m on stage s: `gm(*received, *model_inputs)` returns
-`(output?, *sends)`; the last stage computes `loss_fn(output, targets) × scale`.
+`(output?, *sends)`; the last stage computes `loss_fn(output, targets) × scale`
+and keeps the unscaled loss on the device (no host sync per microbatch: the
+Program reads the step's losses once, in its global loss reduction).
 Backward: the last stage calls `backward` on its scaled loss, the others on
 their sent tensors with the gradients received for them; the gradients of the
 received tensors are sent back.
@@ -99,6 +105,18 @@ class MicroState:
     loss: torch.Tensor | None = None
     grads_in: list[torch.Tensor] = field(default_factory=list)
     grads_out: list[torch.Tensor] = field(default_factory=list)
+    # The posted batches receiving into `received` (RECV_F) and `grads_in` (RECV_B).
+    receiving: dict[ActionKind, _Posted] = field(default_factory=dict)
+
+    def wait_for(self, kind: ActionKind) -> None:
+        """Wait for the receives the compute action `kind` (F or B) reads."""
+        recv = ActionKind.RECV_F if kind is ActionKind.F else ActionKind.RECV_B
+        batch = self.receiving.pop(recv, None)
+        if batch is None:
+            return
+        batch.wait()
+        if recv is ActionKind.RECV_F:  # autograd may only see a buffer once it is filled
+            self.received = [b.requires_grad_(b.is_floating_point()) for b in self.received]
 
 
 class StageExecutor:
@@ -132,6 +150,8 @@ class StageExecutor:
         self.device = device
         self.before_last_backward = before_last_backward
         self.forward_contexts = tuple(forward_contexts)
+        # The last posted batch with its sent tensors (kept alive until it is waited for).
+        self._sending: list[tuple[_Posted, list[torch.Tensor]]] = []
         # Global rank of every stage's pp rank, at this rank's other coordinates.
         self.rank_of_stage = tuple(comm.rank_of({**coords, AXIS_PP: r}) for r in stage_to_rank)
 
@@ -143,8 +163,9 @@ class StageExecutor:
         *,
         scale: float,
         last_round: bool,
-    ) -> list[float]:
-        """Run the actions for len(inputs) microbatches; the unscaled losses (last stage)."""
+    ) -> list[torch.Tensor]:
+        """Run the actions for len(inputs) microbatches; the last stage's unscaled losses,
+        detached, on the device (read them once per step: each read is a host sync)."""
         if len(self.stage_to_rank) == 1:
             actions = one_at_a_time(actions)
         states = {
@@ -152,11 +173,13 @@ class StageExecutor:
             for s, stage in self.stages.items()
             for m in range(len(inputs))
         }
-        losses: list[float] = []
+        losses: list[torch.Tensor] = []
         last_b = max((i for i, a in enumerate(actions) if a.kind is ActionKind.B), default=-1)
         for item in execution_items(actions):
             first = actions[item[0]]
             state = states[(first.stage, first.microbatch)]
+            if first.kind.is_compute:
+                state.wait_for(first.kind)
             if first.kind is ActionKind.F:
                 m = first.microbatch
                 loss = self._forward(state, inputs[m], targets[m], scale)
@@ -168,11 +191,12 @@ class StageExecutor:
                 self._backward(state)
             else:
                 self._communicate([actions[i] for i in item], states)
+        self._wait_sends()
         return losses
 
     def _forward(
         self, state: MicroState, inputs: Sequence[torch.Tensor], targets: Any, scale: float
-    ) -> float | None:
+    ) -> torch.Tensor | None:
         stage = state.stage
         args = [*state.received, *(inputs[i] for i in stage.model_inputs)]
         # `gm.forward`, not `gm(...)`: on an error raised in the generated code itself, fx's
@@ -187,7 +211,7 @@ class StageExecutor:
             loss = checked_loss(self.loss_fn(outs[0], targets), self.loss_fn)
             state.loss = loss * scale
             state.sent = outs[1:]
-            return float(loss.detach())
+            return loss.detach()
         state.sent = outs
         return None
 
@@ -209,9 +233,10 @@ class StageExecutor:
     def _communicate(
         self, batch: list[Action], states: Mapping[tuple[int, int], MicroState]
     ) -> None:
-        """One batch of sends and receives, each to the rank of its peer stage."""
+        """Post one batch of sends and receives, each to the rank of its peer stage; then
+        wait for the previous batches' sends (this batch's are waited at the next one)."""
         ops: list[tuple[CommKind, torch.Tensor, int]] = []
-        received: list[tuple[MicroState, list[torch.Tensor], bool]] = []
+        received: list[tuple[MicroState, list[torch.Tensor], ActionKind]] = []
         for action in batch:
             state = states[(action.stage, action.microbatch)]
             peer = self.rank_of_stage[peer_stage(action)]
@@ -225,14 +250,37 @@ class StageExecutor:
                 contract = state.stage.recv if forward else state.stage.send
                 bufs = _buffers(contract, self.device)
                 ops += [(CommKind.RECV, b, peer) for b in bufs]
-                received.append((state, bufs, forward))
-        if ops:
-            self.comm.p2p(ops, AXIS_PP)
-        for state, bufs, forward in received:
-            if forward:
-                state.received = [b.requires_grad_(b.is_floating_point()) for b in bufs]
+                received.append((state, bufs, action.kind))
+        if not ops:
+            return
+        posted = _Posted(self.comm.post_p2p(ops, AXIS_PP))
+        for state, bufs, kind in received:
+            state.receiving[kind] = posted
+            if kind is ActionKind.RECV_F:
+                state.received = bufs
             else:
                 state.grads_in = bufs
+        self._wait_sends()  # the previous batch's, now that this one is posted
+        self._sending = [(posted, [t for kind, t, _ in ops if kind is CommKind.SEND])]
+
+    def _wait_sends(self) -> None:
+        """Wait for every posted send (and the end of a round: nothing stays in flight)."""
+        for posted, _ in self._sending:
+            posted.wait()
+        self._sending = []
+
+
+class _Posted:
+    """The handles of one posted batch, waited for as a whole: gloo gives one per op,
+    NCCL one for the coalesced batch, so a single op cannot be waited for alone."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self._works = works
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
+        self._works = []
 
 
 def _buffers(contract: Sequence[Boundary], device: torch.device) -> list[torch.Tensor]:

@@ -1,27 +1,41 @@
-"""Turn a parc checkpoint into the plain `state_dict` of the original model.
+"""Turn a parc checkpoint, or a running program, into the plain `state_dict` of the
+original model, written one tensor at a time.
 
     export_state_dict("ckpt", "examples/gpt.py", "gpt.pt")
     model = build_model()
     model.load_state_dict(torch.load("gpt.pt", weights_only=True))
 
-Runs in one process, without a process group: DCP reads the full tensors
-(`model.<param>`, whatever layout saved them) and the persistent buffers
-(`buffer.<name>`: BatchNorm's running statistics and any other buffer as
-training left it, dp rank 0's replica's; runtime/buffers.py), and the result
-carries every name the model's own `state_dict()` has, in its order: tied
-parameters under each of their names (one shared tensor), named by the same
-function as `Program.state_dict()` (`compiler.model_state.name_state`).
+`export_state_dict` runs in one process, without a process group:
+
+1. Build the model on `meta` (names, shapes and dtypes; no values): no full
+   model is ever built.
+2. Lay the output file out from those (runtime/state_file.py: the
+   `torch.save` file of the whole state dict, its bytes still to come).
+3. For each distinct tensor in the model's order, DCP reads it whole
+   (`model.<param>`, whatever layout saved it; `buffer.<name>`: BatchNorm's
+   running statistics and any other persistent buffer as training left it,
+   dp rank 0's replica's; runtime/buffers.py) into one holder, which is
+   written to the file and dropped before the next.
+
+The process holds one full tensor at a time (plus what DCP reads of it). The
+result carries every name the model's own `state_dict()` has, in its order:
+tied parameters under each of their names (one shared storage), named by the
+same function as `Program.state_dict()` (`compiler.model_state.state_names`).
+
+`export_program` writes the same file from a live program on every rank
+(`Program.iter_state`): rank 0 writes each tensor as it is gathered.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed.checkpoint as dcp
 
 from parc.compiler.model import ModelSource, load_model
-from parc.compiler.model_state import name_state, persistent_buffers, state_names
+from parc.compiler.model_state import persistent_buffers, state_names
 from parc.runtime.checkpoint.buffers import BUFFER, check_buffers
 from parc.runtime.checkpoint.integrity import SafeReader, reading
 from parc.runtime.checkpoint.layout import MODEL
@@ -32,39 +46,67 @@ from parc.runtime.checkpoint.store import (
     read_info,
 )
 
-__all__ = ["export_state_dict"]
+from .gather import state_keys
+from .state_file import StateFileWriter, TensorLayout
+
+if TYPE_CHECKING:
+    from .program import Program
+
+__all__ = ["export_program", "export_state_dict"]
 
 
 def export_state_dict(
     checkpoint_dir: str | Path, model_file: str | Path | ModelSource, out_path: str | Path
 ) -> Path:
     """Write the model's full `state_dict` from the latest checkpoint of `checkpoint_dir`
-    (or that checkpoint directory itself) to `out_path` with `torch.save`; returns `out_path`.
-    """
+    (or that checkpoint directory itself) to `out_path`, a file `torch.load` reads;
+    returns `out_path`."""
     path = checkpoint_path(checkpoint_dir)
     source = model_file if isinstance(model_file, ModelSource) else load_model(model_file)
-    # Seeded and on a forked RNG: the model is built as a run builds it, and the
-    # caller's random state is left alone.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = source.build()
+    with torch.random.fork_rng(devices=[]):  # a build that seeds leaves the caller's RNG
+        model = source.build(device="meta")  # Step 1
     read_info(path)  # every file against its checksums
     reader = SafeReader(path)
     metadata = reader.read_metadata()
-    check_parameters(metadata, {n: tuple(p.shape) for n, p in model.named_parameters()}, path)
+    params = dict(model.named_parameters())
+    check_parameters(metadata, {n: tuple(p.shape) for n, p in params.items()}, path)
     built = dict(model.named_buffers())
     buffers = persistent_buffers(model)
     check_buffers(metadata, {n: tuple(built[n].shape) for n in buffers}, path)
-    # Holders with each tensor's own dtype and shape; DCP reads each whole into one.
-    loaded = {
-        MODEL + name: torch.empty_like(p.detach(), device="cpu")
-        for name, p in model.named_parameters()
-    }
-    loaded |= {BUFFER + n: torch.empty_like(built[n], device="cpu") for n in buffers}
-    with quiet_single_process(), reading(path):
-        dcp.load(loaded, storage_reader=reader, no_dist=True)
-    state = name_state(state_names(model), {k.partition(".")[2]: v for k, v in loaded.items()})
+    # DCP's key and the tensor's shape and dtype, for every canonical name.
+    stored = {n: (MODEL + n, p) for n, p in params.items()}
+    stored |= {n: (BUFFER + n, built[n]) for n in buffers}
+    names = state_names(model)
+    layout: TensorLayout = {n: (tuple(t.shape), t.dtype) for n, (_, t) in stored.items()}
     out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(state, out)
+    with StateFileWriter(out, layout, names) as writer, quiet_single_process(), reading(path):
+        for canonical in dict.fromkeys(names.values()):  # Step 3
+            key, like = stored[canonical]
+            holder = {key: torch.empty(like.shape, dtype=like.dtype, device="cpu")}
+            dcp.load(holder, storage_reader=reader, no_dist=True)
+            writer.write(canonical, holder.pop(key))
+    return out
+
+
+def export_program(program: Program, out_path: str | Path) -> Path | None:
+    """Write `program`'s full `state_dict` to `out_path` (call on every rank): rank 0
+    writes each tensor as `Program.iter_state` gathers it and returns `out_path`; the
+    other ranks take part in the gathering and return None."""
+    parts = program.parts
+    names = state_keys(parts)
+    layout: TensorLayout = {n: (s, parts.dtypes[n]) for n, s in parts.full_shapes.items()}
+    bufs = parts.buffers
+    layout |= {n: (s, bufs.dtypes[n]) for n, s in bufs.shapes.items()}
+    if program.comm.rank != 0:
+        for _ in program.iter_state():  # yields nothing here: the collectives only
+            pass
+        return None
+    out = Path(out_path)
+    written: set[str] = set()
+    with StateFileWriter(out, layout, names) as writer:
+        for key, tensor in program.iter_state():
+            if names[key] not in written:  # an alias follows its tensor, already written
+                writer.write(names[key], tensor)
+                written.add(names[key])
+            del tensor
     return out

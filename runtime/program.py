@@ -28,7 +28,7 @@ from parc.errors import RuntimeFault
 from parc.runtime.pipeline.executor import StageExecutor, checked_loss
 
 from .collectives import CommKind
-from .gather import gather_full_state
+from .gather import gather_full_state, iter_full_state
 from .nonfinite import first_nonfinite_param, grad_views, grads_flag, nonfinite_fault
 from .parts import ProgramParts
 from .step_hooks import StepHooks
@@ -191,15 +191,34 @@ class Program:
         """(kind, axis) -> (calls, elements) this rank issued during the last step."""
         return dict(self._stats)
 
-    def state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+    def state_dict(
+        self, *, rank0_only: bool = True, cpu_offload: bool = True
+    ) -> dict[str, torch.Tensor]:
         """The model's full `state_dict()` (call on every rank): every key the original model's
-        has, tied aliases included (one shared tensor), parameters unsharded, persistent
-        buffers as dp rank 0's replica holds them (runtime/gather.py), on the CPU.
+        has, in its order, tied aliases included (one shared tensor), parameters unsharded,
+        persistent buffers as dp rank 0's replica holds them (runtime/gather.py).
 
-        `build_model().load_state_dict(program.state_dict())` loads it strictly.
-        `rank0_only`: every rank still takes part; the others return {}.
+        Defaults, as `torch.distributed.checkpoint.state_dict.get_model_state_dict` with
+        `StateDictOptions(full_state_dict=True, cpu_offload=True)`: only rank 0 keeps the
+        result, on the CPU; every other rank returns {} and holds at most one full tensor
+        at a time while it takes part in the gathering.
+
+        - `rank0_only=False`: every rank keeps a full copy (each holds the whole model).
+        - `cpu_offload=False`: the kept tensors stay on the rank's device.
+
+        On the ranks that keep it, `build_model().load_state_dict(program.state_dict())`
+        loads strictly.
         """
-        state = gather_full_state(self.parts)
-        if rank0_only and self.comm.rank != 0:
-            return {}
-        return state
+        return gather_full_state(self.parts, rank0_only=rank0_only, cpu_offload=cpu_offload)
+
+    def iter_state(
+        self, *, rank0_only: bool = True, cpu_offload: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """`state_dict()` one tensor at a time: (key, full tensor) on the ranks that keep
+        it (options as `state_dict`), nothing on the others. Each distinct tensor is
+        gathered once and yielded under its first key, then at once under each of its
+        tied aliases (the same tensor object), so keys come in the model's order except
+        that an alias follows its tensor. Drop each tensor when done with it and the
+        rank holds one at a time. Every rank must run it to the end (collectives).
+        """
+        return iter_full_state(self.parts, rank0_only=rank0_only, cpu_offload=cpu_offload)

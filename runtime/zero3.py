@@ -27,11 +27,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from parc.compiler.ops.zero3 import current_zero3, zero3_activated
 from parc.compiler.rank_zero3 import Zero3Layout
 
-from .collectives import Comm, all_gather_flat
+from .collectives import Comm
 
 __all__ = ["Zero3", "active_runtime"]
 
@@ -180,17 +181,22 @@ class Zero3:
         return list(self.shards)
 
     def full_local(self, name: str) -> torch.Tensor:
-        """This rank's whole (tensor-parallel local) value of parameter `name`, uncounted."""
-
+        """This rank's whole (tensor-parallel local) value of parameter `name`, uncounted:
+        a fresh tensor, assembled from the shards that cover it (one broadcast each) so
+        that no more than the parameter itself is allocated, never its whole unit."""
         unit, off = self.offsets[name]
         shard = self.shards[unit].detach()
-        if self.dp > 1:
-            full = torch.empty(self.units[unit].padded, dtype=shard.dtype, device=shard.device)
-            all_gather_flat(full, shard, group=self.comm.groups[self.axis])
-        else:
-            full = shard
-        n = math.prod(self.shapes[name])
-        return full[off : off + n].view(self.shapes[name]).clone()
+        n, size = math.prod(self.shapes[name]), shard.numel()
+        full = torch.empty(n, dtype=shard.dtype, device=shard.device)
+        for owner in range(off // size, (off + n - 1) // size + 1):
+            lo, hi = max(off, owner * size), min(off + n, (owner + 1) * size)
+            part = full[lo - off : hi - off]
+            if owner == self.index:
+                part.copy_(shard[lo - owner * size : hi - owner * size])
+            if self.dp > 1:
+                src = self.comm.rank_of({**self.comm.coords, self.axis: owner})
+                dist.broadcast(part, src=src, group=self.comm.groups[self.axis])
+        return full.view(self.shapes[name])
 
 
 def active_runtime() -> Zero3 | None:

@@ -30,10 +30,10 @@ def gathered_and_held(spec: str, model: str, env: dict[str, str], steps: int) ->
     with model_env(env):
         source = load_model(model)
         program = parc_compile(spec, source, batch=BATCH)
-        before = program.state_dict()
+        before = program.state_dict(rank0_only=False)  # every rank checks its full copy
         for step in range(steps):
             program.step(*source.batch(BATCH, step))
-        after = program.state_dict()
+        after = program.state_dict(rank0_only=False)
     held = {n: p.detach().clone() for n, p in program.parts.local_params.items()}
     return {"before": before, "after": after, "held": held}
 

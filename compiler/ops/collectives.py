@@ -19,6 +19,7 @@ are partial sums.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from enum import Enum
 from typing import Any, Protocol
 
@@ -176,40 +177,28 @@ class _AllReduce(torch.autograd.Function):
         return grad, None
 
 
-class _AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, axis: str, blocks: int) -> torch.Tensor:
+DimOp = Callable[[torch.Tensor, int, str, int], torch.Tensor]
+
+
+def _dim_function(name: str, forward: DimOp, backward: DimOp) -> type[torch.autograd.Function]:
+    """An autograd Function running `forward(x, dim, axis, blocks)` and, for the gradient,
+    `backward(grad, dim, axis, blocks)`: the adjoint pairs below, as data."""
+
+    def fwd(ctx: Any, x: torch.Tensor, dim: int, axis: str, blocks: int) -> torch.Tensor:
         ctx.args = (dim, axis, blocks)
-        return _gather_dim(x, dim, axis, blocks)
+        return forward(x, dim, axis, blocks)
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        dim, axis, blocks = ctx.args
-        return _slice_dim(grad, dim, axis, blocks), None, None, None
+    def bwd(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return backward(grad, *ctx.args), None, None, None
 
-
-class _Slice(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, axis: str, blocks: int) -> torch.Tensor:
-        ctx.args = (dim, axis, blocks)
-        return _slice_dim(x, dim, axis, blocks)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        dim, axis, blocks = ctx.args
-        return _gather_dim(grad, dim, axis, blocks), None, None, None
+    body = {"forward": staticmethod(fwd), "backward": staticmethod(bwd)}
+    return type(name, (torch.autograd.Function,), body)
 
 
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, axis: str, blocks: int) -> torch.Tensor:
-        ctx.args = (dim, axis, blocks)
-        return _scatter_dim(x, dim, axis, blocks)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        dim, axis, blocks = ctx.args
-        return _gather_dim(grad, dim, axis, blocks), None, None, None
+# Each placement op with its adjoint: all-gather <-> slice, reduce-scatter -> all-gather.
+_AllGather = _dim_function("_AllGather", _gather_dim, _slice_dim)
+_Slice = _dim_function("_Slice", _slice_dim, _gather_dim)
+_ReduceScatter = _dim_function("_ReduceScatter", _scatter_dim, _gather_dim)
 
 
 def tp_enter(x: torch.Tensor, axis: str) -> torch.Tensor:

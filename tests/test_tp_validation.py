@@ -110,3 +110,13 @@ def test_without_a_tp_axis_everything_is_replicated_and_nothing_is_rewritten(mon
     a = tp_analyse("mesh dp=2\n", "mlp.py", monkeypatch)
     assert all(meta_of(n).tp == Replicate() for n in a.gm.graph.nodes)
     assert tensor_parallel(a.gm, a.plan, tp_index=0) is a.gm
+
+
+def test_rewriting_a_graph_the_analysis_never_saw_is_an_error(monkeypatch) -> None:
+    # The rewrite used to re-run the analysis quietly (without the spec's positions).
+    a = tp_analyse(
+        "mesh tp=2\nshard layers.0 col tp\nshard layers.1 row tp\n", "mlp.py", monkeypatch
+    )
+    bare = torch.fx.symbolic_trace(a.model)
+    with pytest.raises(ValueError, match="analyse_tensor_parallel"):
+        tensor_parallel(bare, a.plan, tp_index=0)

@@ -12,7 +12,7 @@ a new GraphModule for rank `tp_index`, doing what the records say. The input
 
 Algorithm:
 1. Without a tensor-parallel axis of size > 1 there is nothing to do: return `gm`.
-2. Read the analysis (run it first if `gm` has none).
+2. Read the analysis (a ValueError if `gm` has none: the front end writes it).
 3. Parameters: every sharded parameter (its `Shard(dim, blocks)`, which follows
    compiler/layout.py's slices) becomes a new nn.Parameter holding this rank's
    slice of the full values; a tied parameter becomes one local Parameter that
@@ -47,7 +47,6 @@ from ..node_meta import meta_of, set_collectives, set_stage, set_tp_rewrite
 from ..plan import Plan
 from .functional import emit_conversion, emit_lowered, local_meta, local_slice, where_from
 from .placement import NodeRewrite, ParamUse, SizeOp
-from .tp_analysis import analyse_tensor_parallel
 from .tp_shapes import get_path, set_path
 
 __all__ = ["tensor_parallel"]
@@ -68,7 +67,12 @@ def tensor_parallel(gm: torch.fx.GraphModule, plan: Plan, *, tp_index: int) -> t
         raise ValueError(f"tp_index {tp_index} is outside the axis {plan.tp_axis}={plan.tp}")
     # Step 2
     if any(meta_of(node).tp is None for node in gm.graph.nodes):
-        analyse_tensor_parallel(gm, plan)
+        # The front end analyses placements once (with the spec, for its error positions);
+        # analysing again here would hide a caller that skipped it.
+        raise ValueError(
+            "tensor_parallel needs the analysed graph: run "
+            "parc.compiler.passes.tp_analysis.analyse_tensor_parallel (the front end does)"
+        )
     rewriter = _Rewriter(gm, plan.tp_axis, plan.tp, tp_index)
     # Steps 3-5
     for node in gm.graph.nodes:

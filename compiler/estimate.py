@@ -4,7 +4,8 @@ Reads a shape-propagated graph traced at the micro-batch size (so activation
 bytes are per microbatch) and the parameter layout of compiler/layout.py, which
 the runtime follows too. Activation bytes come from compiler/activations.py
 (tensor-parallel slices, recomputed regions), traffic from compiler/traffic.py,
-bytes per parameter from compiler/memory_model.py (the model file's optimizer).
+bytes per parameter from compiler/memory_model.py (the model file's optimizer),
+host memory during compile from compiler/host_memory.py.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from .activations import StageActivations, stage_activations
 from .blocks import find_blocks
 from .cost import NodeCost, node_costs
 from .grad_buffers import backward_buffers
+from .host_memory import HostMemory, host_memories
 from .layout import (
     DEFAULT_BUCKET_ELEMS,
     FlatUnit,
@@ -104,6 +106,8 @@ class Estimate:
     bubble: float
     in_flight: tuple[int, ...] = field(default=())  # per pipeline stage
     memory_model: MemoryModel = ADAMW
+    # Host bytes while compiling, one record per pp index (compiler/host_memory.py).
+    host: tuple[HostMemory, ...] = field(default=())
 
 
 def estimate(
@@ -124,6 +128,10 @@ def estimate(
         zero 1: params P·p (flat buffer), grads P·g, optimizer P·o/dp
         zero 2: params P·p, grads P·g/dp, optimizer P·o/dp
         zero 3: params P·p/dp, grads P·g/dp, optimizer P·o/dp
+
+    Host bytes per rank while compiling (`Estimate.host`, compiler/host_memory.py):
+        its parameter slices (zero 3: unit shards) and buffers in their dtypes
+        + the largest full parameter it replays + the init recording and fx graphs
     """
     costs = node_costs(gm)
     stage_of = plan.stage_of()
@@ -135,10 +143,11 @@ def estimate(
     forward_tp = forward_tp_collectives(gm) if regions and plan.tp > 1 else {}
     saved_params = frozenset(canonical.get(n, n) for n in saved.params)
     split = _split_nodes(plan, gm)
-    stages, per_stage_memory, comms = [], [], []
+    stages, per_stage_memory, comms, all_units = [], [], [], []
     in_flight = plan_in_flight(plan)
     for s in range(plan.num_stages):
         units, n_local, tied = stage_units(plan, model, per_stage, s, bucket_elems)
+        all_units.append(units)
         act = activations[s]
         stages.append(
             _stage_cost(costs, act, stage_of, regions, split, s, per_stage[s], model, plan)
@@ -155,7 +164,9 @@ def estimate(
         for r in range(plan.pp)
     )
     by_rank = RankMemories(plan.mesh, ranks)
-    return Estimate(tuple(stages), by_rank, tuple(comms), plan_bubble(plan), in_flight, memory)
+    host = host_memories(plan, gm, model, per_stage, all_units)
+    bubble = plan_bubble(plan)
+    return Estimate(tuple(stages), by_rank, tuple(comms), bubble, in_flight, memory, host)
 
 
 _MemoryParts = tuple[int, int, int, int, int, int | None]

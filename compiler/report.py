@@ -10,6 +10,7 @@ import re
 from typing import Any
 
 from .estimate import Estimate, RankMemory
+from .host_memory import HostMemory
 from .plan import Plan, compress_names
 
 __all__ = ["format_report", "human_bytes", "human_count", "report_json", "stage_lines"]
@@ -225,6 +226,28 @@ def _buffer_lines(est: Estimate) -> list[str]:
     ]
 
 
+def _host_lines(plan: Plan, est: Estimate) -> list[str]:
+    """Host bytes per rank while compiling: a row per pp index (its ranks hold the same)."""
+    if not est.host:
+        return []
+    each = plan.mesh.world_size // plan.pp
+    if plan.pp == 1:
+        labels = [f"all {each:,} rank{'s' if each > 1 else ''}"]
+    else:
+        labels = [f"pp rank {r} ({each:,} ranks)" for r in range(plan.pp)]
+    rows = [[label, *_host_cells(h)] for label, h in zip(labels, est.host, strict=True)]
+    header = ["ranks", "param shards", "buffers", "largest param", "recording", "total"]
+    return [
+        "Host memory per rank while compiling (deferred init: its own shards and buffers, "
+        "one full parameter at a time, the recording and graphs)",
+        *_table(header, rows),
+    ]
+
+
+def _host_cells(h: HostMemory) -> list[str]:
+    return [human_bytes(b) for b in (h.params, h.buffers, h.largest, h.recording, h.total)]
+
+
 def _collective_lines(plan: Plan, est: Estimate) -> list[str]:
     lines = ["Collectives per step (seen from one rank of each stage)"]
     rows = []
@@ -277,6 +300,7 @@ def format_report(
         _recompute_lines(plan, est),
         _memory_lines(est),
         _buffer_lines(est),
+        _host_lines(plan, est),
         _collective_lines(plan, est),
         _pipeline_lines(plan, est, grid),
         extra or [],
@@ -329,6 +353,20 @@ def report_json(plan: Plan, est: Estimate) -> dict[str, Any]:
             for c in comms
         ],
         "bubble": est.bubble,
+        # Host bytes per rank while compiling, one entry per pp index (host_memory.py).
+        "host_memory": [
+            {
+                "pp_rank": r,
+                "first_rank": h.rank,
+                "ranks": plan.mesh.world_size // plan.pp,
+                "params": h.params,
+                "buffers": h.buffers,
+                "largest": h.largest,
+                "recording": h.recording,
+                "total": h.total,
+            }
+            for r, h in enumerate(est.host)
+        ],
     }
 
 

@@ -131,6 +131,12 @@ def _add_plan(sub: Any) -> None:
         default="fp32",
         help="fp32 (what parc runs) or bf16 (mixed: bf16 weights/activations, fp32 master)",
     )
+    p.add_argument(
+        "--host-mem",
+        metavar="SIZE",
+        help="host memory of one node (e.g. 512GiB), shared by its ranks while they compile: "
+        "refuse plans whose compile-time host memory per rank does not fit",
+    )
     p.add_argument("-o", "--output", metavar="FILE.par", help="write the best spec here")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(run=commands.cmd_plan)

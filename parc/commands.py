@@ -75,14 +75,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from parc.compiler.memory_model import Precision
     from parc.compiler.output import write_atomic
     from parc.compiler.planner import plan_model
+    from parc.compiler.planner.cluster import parse_size
     from parc.compiler.planner.format import format_plan, plan_json
 
+    host_mem = parse_size(args.host_mem, "--host-mem") if args.host_mem is not None else None
     result = plan_model(
         args.model,
         args.cluster,
         batch=args.batch,
         seq=args.seq,
         precision=Precision(args.precision),
+        host_mem=host_mem,
     )
     path = args.output or "SPEC.par"
     if args.json:

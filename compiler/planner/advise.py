@@ -9,7 +9,8 @@ Algorithm:
 1. Parse the cluster; load the model file; profile the model once on the
    `meta` device (model_profile.py): nothing is allocated at full size.
 2. Search every spec the cluster allows (search.py); drop those that do not
-   fit; rank the rest by estimated step time.
+   fit (on the GPU, and with `host_mem` on the host while every rank of a node
+   compiles: compiler/host_memory.py); rank the rest by estimated step time.
 3. The best becomes an editable `.par` (format.py), whose `parc compile
    --cluster` report shows the same estimate, exactly costed.
 """
@@ -31,7 +32,7 @@ from .model_profile import ModelProfile, profile_model
 from .search import Evaluation, Search, search
 from .spec_out import spec_text
 
-__all__ = ["PlanResult", "plan_model"]
+__all__ = ["PlanResult", "host_budget", "plan_model"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +48,16 @@ class PlanResult:
     search: Search
     profile_seconds: float
     search_seconds: float
+    host_mem: int | None = None  # host bytes of one node (--host-mem); None: not checked
+
+    @property
+    def ranks_per_node(self) -> int:
+        return min(self.cluster.gpus, self.cluster.world)
+
+    @property
+    def host_budget(self) -> int | None:
+        """Host bytes per rank while compiling: a node's, shared by its ranks."""
+        return None if self.host_mem is None else host_budget(self.host_mem, self.cluster)
 
     @property
     def best(self) -> Evaluation | None:
@@ -72,21 +83,28 @@ def plan_model(
     seq: int | None = None,
     precision: Precision = Precision.FP32,
     schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B,
+    host_mem: int | None = None,
 ) -> PlanResult:
-    """Steps 1 and 2; `batch` is the global batch in samples (default 4 per GPU)."""
+    """Steps 1 and 2; `batch` is the global batch in samples (default 4 per GPU);
+    `host_mem` the host bytes of one node, which its ranks share while they compile."""
     # Step 1
     machines = parse_cluster(cluster) if isinstance(cluster, str) else cluster
     rate = machines.rate(precision)  # before the profile: a missing rate fails fast
     source = model if isinstance(model, ModelSource) else load_model(model)
     if batch is not None and batch < 1:
         raise ParcError(f"--batch {batch}: the global batch must be at least 1")
+    if host_mem is not None and host_mem < 1:
+        raise ParcError(f"--host-mem {host_mem}: host memory must be positive")
+    budget = None if host_mem is None else host_budget(host_mem, machines)
     batch = batch if batch is not None else 4 * machines.world
     started = time.perf_counter()
     profile = profile_model(source, gpus_per_node=min(machines.gpus, machines.world), seq=seq)
     profiled = time.perf_counter()
     memory = memory_model_of(source.configure_optimizer, precision)
     # Step 2
-    found = search(profile, machines, batch=batch, memory=memory, schedule=schedule)
+    found = search(
+        profile, machines, batch=batch, memory=memory, schedule=schedule, host_budget=budget
+    )
     name = model if isinstance(model, str | Path) else source.path
     return PlanResult(
         model=str(name),
@@ -98,4 +116,10 @@ def plan_model(
         search=found,
         profile_seconds=profiled - started,
         search_seconds=time.perf_counter() - profiled,
+        host_mem=host_mem,
     )
+
+
+def host_budget(host_mem: int, cluster: Cluster) -> int:
+    """Host bytes per rank: a node's `host_mem` over the ranks on it (all compile at once)."""
+    return host_mem // min(cluster.gpus, cluster.world)

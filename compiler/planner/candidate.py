@@ -5,11 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from ..host_memory import HostMemory
 from ..plan import MeshPlan
 from ..report import human_bytes
 from .time_model import StepTime
 
-__all__ = ["Candidate", "Evaluation", "Family", "Memory"]
+__all__ = ["Candidate", "Evaluation", "Family", "HostMemory", "Memory"]
 
 
 class Family(str, Enum):
@@ -87,4 +88,6 @@ class Evaluation:
     time: StepTime
     traffic: dict[str, float]  # bytes one rank sends per step, by axis
     bubble: float
-    fits: bool
+    fits: bool  # on the GPU and, when --host-mem is given, on the host while compiling
+    host: HostMemory | None = None  # the fullest rank's host bytes while compiling
+    host_fits: bool = True  # within --host-mem (always, without it)

@@ -36,7 +36,7 @@ from parc.errors import ParcError
 
 from ..memory_model import Precision
 
-__all__ = ["PRESETS", "Cluster", "ComputeRate", "Fp32Math", "parse_cluster"]
+__all__ = ["PRESETS", "Cluster", "ComputeRate", "Fp32Math", "parse_cluster", "parse_size"]
 
 GB, GIB = 10**9, 2**30
 
@@ -315,6 +315,22 @@ def _size(value: str, text: str) -> int:
             f"mem={value}: a size needs a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)",
             text,
             "e.g. mem=80GiB",
+        )
+    return int(float(match["n"]) * _BYTES[match["unit"]])
+
+
+def parse_size(value: str, option: str) -> int:
+    """A size with its unit (`256GiB`, `1.5TB`) given to `option`, in bytes.
+
+    >>> parse_size("2GiB", "--host-mem")
+    2147483648
+    """
+    match = _SIZE.match(value.strip().lower())
+    if match is None or float(match["n"]) <= 0:
+        raise ParcError(
+            f"{option} {value}: a positive size with its unit (B, KB, MB, GB, TB, KiB, MiB, "
+            "GiB, TiB)",
+            hint=f"e.g. {option} 512GiB",
         )
     return int(float(match["n"]) * _BYTES[match["unit"]])
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from parc.dsl.ast import ScheduleKind
 
 from ..estimate import resident_elements, transient_elements
+from ..host_memory import HostMemory, planned_host
 from ..layout import DEFAULT_BUCKET_ELEMS
 from ..memory_model import MemoryModel
 from ..ops.collectives import CommKind
@@ -127,8 +128,10 @@ def evaluate(
     batch: int,
     mem: MemoryModel,
     schedule: ScheduleKind,
+    host_budget: int | None = None,
 ) -> Evaluation:
-    """Step 2: the fullest rank's peak bytes, the step time, the traffic."""
+    """Step 2: the fullest rank's peak bytes, the step time, the traffic, and the fullest
+    rank's host bytes while compiling (within `host_budget` per rank, when given)."""
     micro = batch // (cand.dp * cand.microbatches * cand.grad_accum)
     links = {a: axis_bandwidth(cluster, cand.mesh, a) for a in ("tp", "pp", "dp")}
     steps = cand.microbatches * cand.grad_accum
@@ -148,7 +151,21 @@ def evaluate(
     )
     bubble = (cand.pp - 1) / (cand.microbatches + cand.pp - 1)
     worst = max(memory, key=lambda m: m.total)
-    return Evaluation(cand, worst, time, traffic, bubble, worst.total <= cluster.budget)
+    host = _host(cand, st, profile)
+    host_fits = host_budget is None or host.total <= host_budget
+    fits = worst.total <= cluster.budget and host_fits
+    return Evaluation(cand, worst, time, traffic, bubble, fits, host, host_fits)
+
+
+def _host(cand: Candidate, st: Stages, profile: ModelProfile) -> HostMemory:
+    """The fullest rank's host bytes while compiling (compiler/host_memory.py)."""
+    zero = cand.zero if cand.dp > 1 else 0
+    bounds = zip((0, *st.cuts), (*st.cuts, len(profile.units)))
+    each = [
+        planned_host(profile.host, ss.params, units, zero=zero, dp=cand.dp)
+        for ss, units in zip(st.stages, bounds)
+    ]
+    return max(each, key=lambda h: h.total)
 
 
 def _seconds(size: float, calls: int, link: tuple[float, bool]) -> float:

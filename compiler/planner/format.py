@@ -64,7 +64,7 @@ def format_plan(result: PlanResult, *, top: int = 5) -> str:
         f"compute priced as {result.rate}",
         f"searched {found.evaluated} specs in {seconds_text(result.search_seconds)} (profile "
         f"{seconds_text(result.profile_seconds)}); {len(found.ranked)} fit in "
-        f"{human_bytes(result.cluster.budget)} usable per GPU",
+        f"{human_bytes(result.cluster.budget)} usable per GPU" + _host_budget_text(result),
         "",
     ]
     if found.ranked:
@@ -89,6 +89,15 @@ def format_plan(result: PlanResult, *, top: int = 5) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _host_budget_text(result: PlanResult) -> str:
+    if result.host_mem is None or result.host_budget is None:
+        return ""
+    return (
+        f" and, while compiling, {human_bytes(result.host_budget)} of host memory per rank "
+        f"(--host-mem {human_bytes(result.host_mem)} over {result.ranks_per_node} ranks a node)"
+    )
+
+
 def _guide(result: PlanResult) -> list[str]:
     found = result.search
     rows = []
@@ -110,6 +119,7 @@ def _chosen(result: PlanResult, best: Evaluation) -> list[str]:
     lines = [
         f"Chosen: {best.candidate}",
         f"  per GPU at the peak: {best.memory.describe()}",
+        *_host_line(best),
         f"  step {seconds_text(t.total)} = {spent}; ~{_tokens_per_second(result, best)} tokens/s",
     ]
     if warnings:
@@ -118,6 +128,17 @@ def _chosen(result: PlanResult, best: Evaluation) -> list[str]:
             "(parc compile --strict names them)"
         )
     return lines
+
+
+def _host_line(ev: Evaluation) -> list[str]:
+    h = ev.host
+    if h is None:
+        return []
+    return [
+        f"  host per rank while compiling: {human_bytes(h.total)} (param shards "
+        f"{human_bytes(h.params)}, buffers {human_bytes(h.buffers)}, largest parameter "
+        f"{human_bytes(h.largest)}, recording {human_bytes(h.recording)})"
+    ]
 
 
 def plan_json(result: PlanResult, *, top: int = 5, path: str = "SPEC.par") -> dict[str, Any]:
@@ -141,6 +162,14 @@ def plan_json(result: PlanResult, *, top: int = 5, path: str = "SPEC.par") -> di
             "time": {k: getattr(ev.time, k) for k in ("compute", "tp", "pp", "dp", "bubble")},
             "bubble": ev.bubble,
             "traffic_bytes": dict(ev.traffic),
+            "host_memory": (
+                None
+                if ev.host is None
+                else {
+                    k: getattr(ev.host, k)
+                    for k in ("params", "buffers", "largest", "recording", "total")
+                }
+            ),
         }
 
     found = result.search
@@ -149,6 +178,8 @@ def plan_json(result: PlanResult, *, top: int = 5, path: str = "SPEC.par") -> di
         "cluster": str(result.cluster),
         "rate": result.rate.as_json(),
         "batch": result.batch,
+        "host_mem": result.host_mem,
+        "host_budget_per_rank": result.host_budget,
         "evaluated": found.evaluated,
         "best": [one(ev) for ev in found.ranked[:top]],
         "families": {

@@ -40,6 +40,7 @@ from parc.errors import ParcError
 
 from ..blocks import Blocks, find_blocks
 from ..cost import node_costs, output_numel, tensor_metas
+from ..host_memory import HostFacts, host_facts
 from ..layout import ParamSlice, canonical_names, param_slices, zero3_owner
 from ..model import ModelSource
 from ..node_meta import meta_of
@@ -102,6 +103,7 @@ class ModelProfile:
     tokens: int  # elements of the first input per sample (the sequence length of an LM)
     tp: dict[int, TPProfile]
     rejected_tp: dict[int, str]
+    host: HostFacts  # for the host memory of compiling (compiler/host_memory.py)
 
 
 def profile_model(
@@ -154,6 +156,7 @@ def _profile(source: ModelSource, gpus_per_node: int, seq: int | None) -> ModelP
         tokens=max(1, first.numel()),
         tp=profiles,
         rejected_tp=rejected,
+        host=host_facts(model, gm, base.unit),
     )
 
 

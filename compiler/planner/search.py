@@ -14,7 +14,8 @@ Algorithm:
 3. For each zero level (1-3 only with dp > 1), recompute (of every block) or
    not, microbatches m and grad_accum a (m·a divides the replica's batch; m is
    1 without a pipeline): the fullest rank's peak bytes and the step time.
-4. Candidates that fit (peak ≤ the usable memory) ranked by step time. The
+4. Candidates that fit (peak ≤ the usable memory and, with a host budget,
+   the host bytes of compiling ≤ it: compiler/host_memory.py) ranked by step time. The
    time model is not precise to a few percent: among the candidates within
    `TIE` of the fastest, the chosen one is of the simplest family in the
    decision guide's order (DDP, ZeRO-1/2, ZeRO-3, TP, PP, TP+PP), then the
@@ -32,7 +33,7 @@ from parc.dsl.ast import ScheduleKind
 
 from ..memory_model import MemoryModel
 from ..report import human_bytes
-from .candidate import Candidate, Evaluation, Family, Memory
+from .candidate import Candidate, Evaluation, Family, HostMemory, Memory
 from .cluster import Cluster
 from .evaluate import Stages, evaluate, stage_sums
 from .model_profile import ModelProfile
@@ -62,18 +63,22 @@ def search(
     batch: int,
     memory: MemoryModel,
     schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B,
+    host_budget: int | None = None,
 ) -> Search:
-    """Steps 1-5 (see the module docstring)."""
+    """Steps 1-5 (see the module docstring); `host_budget`: host bytes per rank while
+    compiling (None: not checked)."""
     fits: list[Evaluation] = []
     closest: dict[Family, Evaluation] = {}
     evaluated = 0
     for cand, stages in _candidates(profile, cluster, batch):
-        ev = evaluate(cand, stages, profile, cluster, batch, memory, schedule)
+        ev = evaluate(cand, stages, profile, cluster, batch, memory, schedule, host_budget)
         evaluated += 1
         family = cand.family
         if ev.fits:
             fits.append(ev)
-        elif family not in closest or ev.memory.total < closest[family].memory.total:
+        elif family not in closest or _shortfall(ev, cluster) < _shortfall(
+            closest[family], cluster
+        ):
             closest[family] = ev
     fits.sort(key=_rank)  # Step 4
     best_of: dict[Family, Evaluation] = {}
@@ -83,9 +88,19 @@ def search(
     close = [ev for ev in fits if ev.time.total <= (1 + TIE) * fits[0].time.total]
     chosen = min(close, key=lambda ev: (order.index(ev.candidate.family), _rank(ev)), default=None)
     rejected = {  # Step 5
-        f: _why(f, closest.get(f), profile, cluster, batch) for f in Family if f not in best_of
+        f: _why(f, closest.get(f), profile, cluster, batch, host_budget)
+        for f in Family
+        if f not in best_of
     }
     return Search(tuple(fits), rejected, evaluated, best_of, chosen)
+
+
+def _shortfall(ev: Evaluation, cluster: Cluster) -> tuple[bool, int]:
+    """How far a candidate that does not fit is from fitting: one that fits the GPU (and
+    misses only the host budget) is closer than any that does not, then by bytes."""
+    on_gpu = ev.memory.total <= cluster.budget
+    host = ev.host.total if ev.host is not None else 0
+    return (not on_gpu, host if on_gpu else ev.memory.total)
 
 
 def _rank(ev: Evaluation) -> tuple[float, ...]:
@@ -132,8 +147,12 @@ def _why(
     profile: ModelProfile,
     cluster: Cluster,
     batch: int,
+    host_budget: int | None = None,
 ) -> str:
     """One line: why no candidate of `family` fits."""
+    on_gpu = closest is not None and closest.memory.total <= cluster.budget
+    if on_gpu and closest is not None and closest.host is not None and host_budget is not None:
+        return _host_why(closest, closest.host, host_budget)
     if closest is not None:
         mem = closest.memory
         line = (
@@ -159,3 +178,15 @@ def _why(
     ):
         return f"not possible on {cluster.world} GPUs: needs tp × pp ≥ 4 dividing them"
     return f"not possible: no mesh of this kind divides the batch {batch} evenly over dp"
+
+
+def _host_why(closest: Evaluation, host: HostMemory, budget: int) -> str:
+    parts = (
+        f"param shards {human_bytes(host.params)}, buffers {human_bytes(host.buffers)}, "
+        f"largest parameter {human_bytes(host.largest)}, recording {human_bytes(host.recording)}"
+    )
+    return (
+        f"out of host memory while compiling: at least {human_bytes(host.total)} per rank > "
+        f"{human_bytes(budget)} (--host-mem over the ranks of a node; {parts}; "
+        f"with {closest.candidate})"
+    )

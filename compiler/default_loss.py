@@ -33,9 +33,15 @@ _DEFAULT = (
 
 @dataclass(frozen=True, slots=True)
 class DefaultLoss:
-    """Cross-entropy for the model file `path` (named in every error)."""
+    """Cross-entropy for the model file `path` (named in every error).
+
+    `check_range=False` leaves the targets' range to the caller (`check_range_of`,
+    e.g. once per step on the host's batch: the check reads the targets' values, a
+    device sync per call on a GPU).
+    """
 
     path: str
+    check_range: bool = True
 
     def __call__(self, output: Any, targets: Any) -> torch.Tensor:
         self._check_output(output)
@@ -58,10 +64,7 @@ class DefaultLoss:
 
     def _check_targets(self, output: torch.Tensor, targets: Any) -> None:
         classes = output.shape[-1]
-        wanted = (
-            f"integer class indices in [0, {classes}) ({classes} classes: the size of the "
-            "output's last dim, e.g. the vocabulary)"
-        )
+        wanted = _wanted(classes)
         integer = isinstance(targets, torch.Tensor) and not (
             targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool
         )
@@ -79,7 +82,13 @@ class DefaultLoss:
                 f"position (shape {tuple(output.shape[:-1])})",
                 "return targets with the output's shape without its last dim",
             )
-        # One fused check (one device sync) per call: out of range is an IndexError on
+        if self.check_range:
+            self.check_range_of(targets, classes)
+
+    def check_range_of(self, targets: torch.Tensor, classes: int) -> None:
+        """Every target in [0, classes) or the ignore index, else a ModelError."""
+        wanted = _wanted(classes)
+        # One fused check (one read of the targets): out of range is an IndexError on
         # the CPU and a device-side assert on a GPU.
         bad = ((targets < 0) & (targets != IGNORE_INDEX)) | (targets >= classes)
         if bool(bad.any()):
@@ -91,6 +100,13 @@ class DefaultLoss:
                 f"make the output's last dim the number of classes (or the vocabulary size, "
                 f"at least {int(targets.max()) + 1} here), or fix the targets",
             )
+
+
+def _wanted(classes: int) -> str:
+    return (
+        f"integer class indices in [0, {classes}) ({classes} classes: the size of the "
+        "output's last dim, e.g. the vocabulary)"
+    )
 
 
 def _describe(value: Any) -> str:

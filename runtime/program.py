@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from parc.compiler.default_loss import DefaultLoss
 from parc.compiler.model import off_batch
 from parc.dsl.ast import AXIS_DP, AXIS_PP
 from parc.errors import RuntimeFault
@@ -49,6 +51,7 @@ class Program:
         # True, skips that step's update on every rank and is recorded in `skipped`.
         self.skip_nonfinite = False
         self.skipped: list[tuple[int, str]] = []  # (step, what was not finite)
+        self._unchecked_targets: torch.Tensor | None = None  # this step's, on the host
         self._stats: dict[tuple[CommKind, str], tuple[int, int]] = {}
         # Where a step is watched or changed (step_hooks.py); nothing replaces a method.
         self.hooks = StepHooks()
@@ -81,7 +84,9 @@ class Program:
         d = comm.index(AXIS_DP)
         per_replica = plan.batch.per_replica
         xs = [x[d * per_replica : (d + 1) * per_replica].to(self.parts.device) for x in xs]
-        ys = targets[d * per_replica : (d + 1) * per_replica].to(self.parts.device)
+        # The default loss' range check reads the targets: once per step, on the host's.
+        self._unchecked_targets = targets[d * per_replica : (d + 1) * per_replica]
+        ys = self._unchecked_targets.to(self.parts.device)
         rounds, m = plan.grad_accum, plan.microbatches
         chunk = plan.batch.micro
         scale = 1.0 / (rounds * m)
@@ -113,7 +118,13 @@ class Program:
 
     def _loss(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
         """The model's loss (checked: its error names the model's loss_fn), then the hooks'."""
-        loss = checked_loss(self.parts.loss_fn(output, targets), self.parts.loss_fn)
+        loss_fn = self.parts.loss_fn
+        if isinstance(loss_fn, DefaultLoss):
+            if self._unchecked_targets is not None and isinstance(output, torch.Tensor):
+                loss_fn.check_range_of(self._unchecked_targets, output.shape[-1])
+                self._unchecked_targets = None
+            loss_fn = replace(loss_fn, check_range=False)
+        loss = checked_loss(loss_fn(output, targets), self.parts.loss_fn)
         return self.hooks.transform_loss(self.steps_done, loss)
 
     def _nonfinite(self, loss: float, param: str | None) -> None:

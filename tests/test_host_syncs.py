@@ -1,0 +1,115 @@
+"""A training step waits for the device once on every rank: host syncs per step = 1.
+
+A host sync is a read of a tensor's value on the host (`item`, `tolist`,
+`float()`, `int()`, `bool()`, `__index__`, `cpu()`, `numpy()`): on a GPU each
+one stalls the host until the device has caught up, so one per microbatch
+serialises the pipeline's last stage. The step's one read is the Program's
+global loss reduction, which carries the non-finite flag too (runtime/nonfinite.py);
+the exact non-finite search adds reads only when a rank flagged its gradients.
+
+Counted on the CPU by patching those methods of `torch.Tensor` for one step
+(after a first step, so lazily built state is out of the way), every call
+whichever code makes it (parc's, the model's, torch's own), with SGD, whose
+step reads no tensor (AdamW reads its step counters, which torch keeps on the
+CPU even under CUDA: no device sync there). On the CPU every tensor is a host
+tensor, so one read is told apart by where it is made: the default loss' range
+check of the targets (compiler/default_loss.py), which the Program runs once per
+step on the batch as the caller gave it, before it moves to the device (a read
+of host memory, no device sync, when the batch comes from the host).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from helpers import GPT, MLP
+
+from parc.runtime.equivalence import make_optimizer, model_env
+
+pytestmark = pytest.mark.multiprocess
+
+# The Tensor methods that read a value on the host.
+_READS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__", "cpu", "numpy")
+
+_GPT_ENV = {
+    "GPT_LAYERS": "2",
+    "GPT_DIM": "16",
+    "GPT_HEADS": "2",
+    "GPT_VOCAB": "48",
+    "GPT_SEQ": "8",
+    "GPT_TIE": "1",
+}
+
+
+@contextlib.contextmanager
+def _counting_reads(where: list[str]) -> Iterator[None]:
+    """Append the caller of every host read to `where` for the duration of the block."""
+    saved = {name: getattr(torch.Tensor, name) for name in _READS}
+
+    def counted(name: str, original: Any) -> Any:
+        def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            caller = traceback.extract_stack(limit=2)[0]
+            where.append(f"{name} at {caller.filename}:{caller.lineno}")
+            return original(self, *args, **kwargs)
+
+        return read
+
+    for name, original in saved.items():
+        setattr(torch.Tensor, name, counted(name, original))
+    try:
+        yield
+    finally:
+        for name, original in saved.items():
+            setattr(torch.Tensor, name, original)
+
+
+def _split(where: list[str]) -> tuple[list[str], list[str]]:
+    """(reads of the host's targets by the default loss' range check, every other read)."""
+    host = [w for w in where if "default_loss.py" in w]
+    return host, [w for w in where if w not in host]
+
+
+def reads_in_one_step(spec_text: str, model: str, env: dict[str, str], batch: int) -> list[str]:
+    """Pool case: the host reads of this rank during its second training step."""
+    from parc.api import compile as parc_compile
+    from parc.compiler.model import load_model
+
+    with model_env(env):
+        source = load_model(model)
+        program = parc_compile(spec_text, source, batch=batch, optimizer=make_optimizer("sgd"))
+        program.step(*source.batch(batch, 0))
+        inputs, targets = source.batch(batch, 1)
+        where: list[str] = []
+        with _counting_reads(where):
+            program.step(inputs, targets)
+    return where
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_pipeline_step_of_four_microbatches_syncs_the_host_once_per_rank(
+    gloo_pool: Any, schedule: str
+) -> None:
+    spec = (
+        "mesh pp=2\nstage wte, wpe, layers[0:1] -> 0\nstage layers[1:2], ln_f, lm_head -> 1\n"
+        f"microbatches 4\nschedule {schedule}\n"
+    )
+    reads = gloo_pool(2).run(reads_in_one_step, spec, GPT, _GPT_ENV, 8)
+    # Rank 1 runs the last stage: four losses, one device read; and one range check of
+    # the step's targets (not one per microbatch).
+    for rank, where in enumerate(reads):
+        host, device = _split(where)
+        assert len(device) == 1, f"rank {rank} read the device {len(device)} times: {device}"
+        assert len(host) == rank, f"rank {rank} checked the targets {len(host)} times: {host}"
+
+
+def test_a_data_parallel_step_syncs_the_host_once_per_rank(gloo_pool: Any) -> None:
+    for zero in (0, 2, 3):
+        spec = f"mesh dp=2\nzero {zero}\n"
+        reads = gloo_pool(2).run(reads_in_one_step, spec, MLP, {}, 8)
+        for rank, where in enumerate(reads):
+            assert len(where) == 1, f"zero {zero}, rank {rank}: {len(where)} reads: {where}"

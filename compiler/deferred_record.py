@@ -41,6 +41,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from parc.errors import clip
 
+from .freed_memory import release_freed
+
 __all__ = [
     "Const",
     "GeneratorSlot",
@@ -249,6 +251,8 @@ class Recorder(TorchDispatchMode):
             out = func(*args, **kwargs)
         except Exception as exc:
             raise _why(func, args, kwargs, exc) from exc
+        if seeded:  # its scratch draw is freed: glibc keeps the pages otherwise
+            release_freed(_meta_bytes((args, kwargs, out)))
         self._note(func, args, kwargs, out, rng)
         return out
 
@@ -300,12 +304,8 @@ class Recorder(TorchDispatchMode):
         generator = _generator_in((args, kwargs))
         source = generator or torch.default_generator
         before = source.get_state()
-        scratch = _scratch(tensor)
-        cpu_args, cpu_kwargs = tree_map(
-            lambda x: scratch if x is tensor else x, (tuple(args), dict(kwargs))
-        )
-        with torch.device("cpu"):  # factories inside it (eye_'s torch.eye) make CPU tensors
-            init(*cpu_args, **cpu_kwargs)
+        _init_on_scratch(init, tensor, args, kwargs)
+        release_freed(_meta_bytes(tensor))  # the scratch is freed: glibc keeps the pages
         drew = not torch.equal(before, source.get_state())
         key = self.key(tensor)
         whole = frozenset({key}) if _covers_storage(tensor) else frozenset()
@@ -318,6 +318,18 @@ class Recorder(TorchDispatchMode):
         return tensor
 
 
+def _init_on_scratch(
+    init: Callable[..., Any], tensor: torch.Tensor, args: tuple[Any, ...], kwargs: Any
+) -> None:
+    """Run `init` on a CPU scratch tensor in place of the meta `tensor` (the draws only)."""
+    scratch = _scratch(tensor)
+    cpu_args, cpu_kwargs = tree_map(
+        lambda x: scratch if x is tensor else x, (tuple(args), dict(kwargs))
+    )
+    with torch.device("cpu"):  # factories inside it (eye_'s torch.eye) make CPU tensors
+        init(*cpu_args, **cpu_kwargs)
+
+
 def _why(func: Any, args: Any, kwargs: Any, exc: Exception) -> Unreplayable:
     """Why a meta op failed: it copies values out, it has no meta kernel, or else."""
     devices = [x for x in tree_flatten(kwargs)[0] if isinstance(x, torch.device)]
@@ -327,6 +339,11 @@ def _why(func: Any, args: Any, kwargs: Any, exc: Exception) -> Unreplayable:
     if isinstance(exc, NotImplementedError):
         return Unreplayable(Problem.NO_META_KERNEL, str(func))
     return Unreplayable(Problem.FAILS_ON_META, str(func), clip(str(exc).strip(), 120))
+
+
+def _meta_bytes(tree: Any) -> int:
+    """Bytes of the meta tensors in `tree`: what their CPU scratch tensors took."""
+    return sum(t.numel() * t.element_size() for t in tree_flatten(tree)[0] if _is_meta(t))
 
 
 def _is_meta_device(x: object) -> bool:

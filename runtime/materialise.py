@@ -26,19 +26,13 @@ Algorithm:
    rank), so none is left waiting in a collective.
 
 Host memory: one full value (and its replay's temporaries) plus the rank's own
-slices. glibc keeps freed blocks resident in its heap (a kept slice allocated above
-a freed full value pins it, and the next value is served from new pages), so after
-each large value is dropped `malloc_trim(0)` hands the free pages back: resident
-memory then follows what is alive. (`MALLOC_MMAP_THRESHOLD_` in the environment
-would do the same for the whole process, but must be set before it starts and
-turns every later large allocation into an mmap.)
+slices; after each large value is dropped glibc is asked to hand its free pages
+back (compiler/freed_memory.py), so the resident set follows what is alive.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +41,7 @@ from torch import nn
 from torch.utils import swap_tensors
 
 from parc.compiler.deferred_init import CannotDefer, DeferredModel
+from parc.compiler.freed_memory import release_freed
 from parc.compiler.model import ModelSource
 from parc.compiler.passes.functional import local_slice
 from parc.compiler.passes.placement import Shard
@@ -55,8 +50,6 @@ from parc.dsl.ast import AXIS_DP
 from parc.errors import ModelError
 
 __all__ = ["materialise"]
-
-_TRIM_BYTES = 1 << 20  # smaller values live in glibc's bins, reused at once
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +124,7 @@ class _Filler:
 
     def _value(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         value = self.deferred.value_of(tensor, name=name).to(self.device)
-        _release(value.numel() * value.element_size())
+        release_freed(value.numel() * value.element_size())
         return value
 
     def _local(self, name: str, device: torch.device | None = None) -> torch.Tensor:
@@ -146,7 +139,7 @@ class _Filler:
             full = local_slice(full, Shard(cut.dim, cut.blocks), self.tp_index, self.tp)
         local = full.to(device or self.device)
         del full
-        _release(nbytes)
+        release_freed(nbytes)
         return local
 
     def _shards(self) -> None:
@@ -165,7 +158,7 @@ class _Filler:
                     flat[start - lo : end - lo].copy_(local[start - off : end - off])
                     nbytes = local.numel() * local.element_size()
                     del local
-                    _release(nbytes)
+                    release_freed(nbytes)
             self._put(shard, flat)
 
     def _put(
@@ -202,22 +195,3 @@ def _first_problem(mine: _Problem | None) -> _Problem | None:
     every: list[_Problem | None] = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     return next((p for p in every if p is not None), None)
-
-
-def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's malloc_trim, or None on another C library (nothing to hand back then)."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    except OSError:
-        return None
-    trim: Callable[[int], int] | None = getattr(libc, "malloc_trim", None)
-    return trim
-
-
-_TRIM = _malloc_trim()
-
-
-def _release(nbytes: int) -> None:
-    """After a full value of `nbytes` is dropped: glibc's free pages back (module docstring)."""
-    if _TRIM is not None and nbytes >= _TRIM_BYTES:
-        _TRIM(0)

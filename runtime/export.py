@@ -74,7 +74,7 @@ def export_state_dict(
     buffers = persistent_buffers(model)
     check_buffers(metadata, {n: tuple(built[n].shape) for n in buffers}, path)
     # DCP's key and the tensor's shape and dtype, for every canonical name.
-    stored = {n: (MODEL + n, p) for n, p in params.items()}
+    stored: dict[str, tuple[str, torch.Tensor]] = {n: (MODEL + n, p) for n, p in params.items()}
     stored |= {n: (BUFFER + n, built[n]) for n in buffers}
     names = state_names(model)
     layout: TensorLayout = {n: (tuple(t.shape), t.dtype) for n, (_, t) in stored.items()}

@@ -3,26 +3,29 @@ pipeline stages, ZeRO shards, buffers), one tensor at a time: `Program.state_dic
 and `Program.iter_state`.
 
 Every rank walks the model's `state_dict()` keys in the same order (so the
-collectives pair up) and, for each distinct tensor:
+collectives pair up) and, for each distinct tensor, fills reused receive
+buffers (`_Staging`, sized once for the largest tensor, so a backend that
+releases a finished collective's tensors late, as gloo's worker threads and
+NCCL's watchdog do, never makes memory pile up):
 
 1. Parameter: on the pp rank of its first stage (its holder), the tp-local
    value, assembled from the ZeRO-3 shards that cover it (`full_local`: one
    broadcast per covering shard, never the whole flat unit), is joined over
-   tp (one broadcast per tp rank into the full tensor, block by block); the
-   holder then broadcasts the full tensor over pp.
+   tp (one broadcast per tp rank, each slice copied into place block by
+   block); the holder then broadcasts the full tensor over pp.
 2. Persistent buffer (runtime/buffers.py): its holder broadcasts it over pp,
    then dp rank 0 broadcasts its replica's over dp (the replicas' statistics
    differ).
 3. A rank that keeps the result (rank 0, or every rank with
-   `rank0_only=False`) yields it under its first key and at once under its
-   other keys (tied aliases: the same tensor), moved to the CPU with
-   `cpu_offload`; any other rank drops it right after its collective.
+   `rank0_only=False`) copies it out of the buffer (to the CPU with
+   `cpu_offload`) and yields it under its first key and at once under its
+   other keys (tied aliases: the same tensor); any other rank goes on.
 
-Outside the ranks that keep the result, a rank holds at most one full tensor
-plus one tp slice of it (and, on a ZeRO-3 holder under tp, its tp-local
-value) beyond what it holds for training. A rank that receives a tensor
-allocates it with the tensor's own dtype and shape (a bf16 parameter arrives
-as bf16; a buffer of the wrong byte count would hang NCCL).
+So a rank that keeps nothing holds, beyond what it trains with, one buffer of
+the largest full tensor and, under tp, two of the largest tp slice (the slice
+it receives, and on a ZeRO-3 holder its own assembled one). A rank that
+receives a tensor reads it with the tensor's own dtype and shape (a bf16
+parameter arrives as bf16; a buffer of the wrong byte count would hang NCCL).
 
 Uses plain torch.distributed calls, not the counted `Comm`: gathering a
 checkpoint is not training traffic.
@@ -30,7 +33,9 @@ checkpoint is not training traffic.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -69,55 +74,91 @@ def iter_full_state(
     but take part in every collective.
     """
     keep = not rank0_only or parts.comm.rank == 0
-    keys = state_keys(parts)
     aliases: dict[str, list[str]] = {}
-    for key, canonical in keys.items():
+    for key, canonical in state_keys(parts).items():
         aliases.setdefault(canonical, []).append(key)
+    staging = _Staging.for_parts(parts)
     for canonical, its_keys in aliases.items():
         if canonical in parts.full_shapes:
-            full = _parameter(parts, canonical)
+            full = _parameter(parts, canonical, staging)
         else:
-            full = _buffer(parts, canonical)
+            full = _buffer(parts, canonical, staging)
         if not keep:
-            del full  # Step 3: freed before the next tensor's collectives
             continue
-        kept = full.cpu() if cpu_offload else full
+        # Step 3: a copy out of the reused buffer.
+        kept = full.to("cpu", copy=True) if cpu_offload else full.clone()
         del full
         for key in its_keys:
             yield key, kept
         del kept
 
 
-def _parameter(parts: ProgramParts, name: str) -> torch.Tensor:
-    """Step 1: parameter `name`'s full value, on every rank (a fresh tensor)."""
+@dataclass(frozen=True, slots=True)
+class _Staging:
+    """Receive buffers reused for every tensor: `full` (the largest full tensor),
+    `piece` (the largest tp slice received) and `local` (the largest tp slice a
+    ZeRO-3 holder assembles from its shards), as bytes."""
+
+    full: torch.Tensor
+    piece: torch.Tensor
+    local: torch.Tensor
+
+    @staticmethod
+    def for_parts(parts: ProgramParts) -> _Staging:
+        sizes = [_nbytes(s, parts.dtypes[n]) for n, s in parts.full_shapes.items()]
+        sizes += [_nbytes(s, parts.buffers.dtypes[n]) for n, s in parts.buffers.shapes.items()]
+        axis = parts.plan.tp_axis
+        tp = parts.comm.size(axis) if axis is not None else 1
+        sliced = [size // tp for n, size in zip(parts.full_shapes, sizes) if _sliced(parts, n)]
+        piece = max(sliced, default=0)
+
+        def buffer(nbytes: int) -> torch.Tensor:
+            return torch.empty(nbytes, dtype=torch.uint8, device=parts.device)
+
+        local = piece if parts.plan.zero == 3 else 0  # only ZeRO-3 assembles a slice
+        return _Staging(buffer(max(sizes, default=0)), buffer(piece), buffer(local))
+
+    @staticmethod
+    def view(buffer: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The first bytes of `buffer` as a contiguous tensor of `shape` and `dtype`."""
+        return buffer[: _nbytes(shape, dtype)].view(dtype).view(shape)
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def _parameter(parts: ProgramParts, name: str, staging: _Staging) -> torch.Tensor:
+    """Step 1: parameter `name`'s full value, on every rank, in `staging.full`."""
     shape, dtype = parts.full_shapes[name], parts.dtypes[name]
     holder = parts.stage_to_rank[parts.holders[name]]  # the pp rank of its first stage
+    full = staging.view(staging.full, shape, dtype)
     if parts.comm.index(AXIS_PP) == holder:
-        owned = parts.sync.full_local(name)  # ZeRO-3: a fresh tensor; else None
-        local = owned if owned is not None else parts.local_params[name].detach()
-        # A flat unit shared with another dtype must not change what is sent.
-        local = local.to(dtype)
-        if _sliced(parts, name):
-            full = _join_tp(parts, name, local)
-        elif owned is not None:
-            full = local
-        else:  # a copy, never the live parameter itself
-            full = local.clone(memory_format=torch.contiguous_format)
-    else:
-        full = torch.empty(shape, dtype=dtype, device=parts.device)
+        sliced = _sliced(parts, name)
+        # ZeRO-3 assembles the tp-local value into a buffer; other layouts hold it whole.
+        out: torch.Tensor | None = full
+        if sliced:
+            zero3 = parts.plan.zero == 3
+            out = staging.view(staging.local, _local_shape(parts, name), dtype) if zero3 else None
+        local = parts.sync.full_local(name, out=out)
+        if local is None:
+            local = parts.local_params[name].detach()
+        if sliced:
+            _join_tp(parts, name, local.to(dtype), full, staging)
+        elif local is not full:
+            # A flat unit shared with another dtype must not change what is sent.
+            full.copy_(local)
     _broadcast_from(parts, full, AXIS_PP, holder)
     return full
 
 
-def _buffer(parts: ProgramParts, name: str) -> torch.Tensor:
-    """Step 2: buffer `name` as dp rank 0's replica holds it, on every rank (a fresh tensor)."""
+def _buffer(parts: ProgramParts, name: str, staging: _Staging) -> torch.Tensor:
+    """Step 2: buffer `name` as dp rank 0's replica holds it, on every rank, in `staging.full`."""
     bufs = parts.buffers
     holder = parts.stage_to_rank[bufs.holders[name]]  # the pp rank of its first stage
-    dtype = bufs.dtypes[name]
+    value = staging.view(staging.full, bufs.shapes[name], bufs.dtypes[name])
     if parts.comm.index(AXIS_PP) == holder:
-        value = bufs.local[name].detach().to(parts.device, dtype).contiguous().clone()
-    else:
-        value = torch.empty(bufs.shapes[name], dtype=dtype, device=parts.device)
+        value.copy_(bufs.local[name].detach())
     _broadcast_from(parts, value, AXIS_PP, holder)
     _broadcast_from(parts, value, AXIS_DP, 0)  # the replicas' statistics differ
     return value
@@ -137,22 +178,29 @@ def _sliced(parts: ProgramParts, name: str) -> bool:
     return name in parts.slices and axis is not None and parts.comm.size(axis) > 1
 
 
-def _join_tp(parts: ProgramParts, name: str, local: torch.Tensor) -> torch.Tensor:
-    """The full tensor from each tp rank's slice, received one slice at a time and
-    copied into place (never the list of every slice beside the result)."""
+def _local_shape(parts: ProgramParts, name: str) -> tuple[int, ...]:
+    """A sliced parameter's shape on one tp rank."""
+    shape, slice_ = list(parts.full_shapes[name]), parts.slices[name]
+    shape[slice_.dim] //= slice_.parts
+    return tuple(shape)
+
+
+def _join_tp(
+    parts: ProgramParts, name: str, local: torch.Tensor, full: torch.Tensor, staging: _Staging
+) -> None:
+    """`full` from each tp rank's slice, received one slice at a time into
+    `staging.piece` and copied into place (never the list of every slice)."""
     slice_, axis = parts.slices[name], parts.plan.tp_axis
     assert axis is not None
     comm, dim, blocks = parts.comm, slice_.dim, slice_.blocks
     n, me = comm.size(axis), comm.index(axis)
     local = local.contiguous()
-    full = torch.empty(parts.full_shapes[name], dtype=local.dtype, device=local.device)
+    received = staging.view(staging.piece, tuple(local.shape), local.dtype)
     # Block b of the full tensor is rank 0's part of block b, then rank 1's, ...
     block = full.shape[dim] // blocks
     width = block // n
     for rank in range(n):
-        piece = local if rank == me else torch.empty_like(local)
+        piece = local if rank == me else received
         _broadcast_from(parts, piece, axis, rank)
         for b, part in enumerate(piece.chunk(blocks, dim=dim)):
             full.narrow(dim, b * block + rank * width, width).copy_(part)
-        del piece
-    return full

@@ -230,7 +230,7 @@ class GradSync:
             if unit.work is not None:
                 self._complete(unit)
 
-    def full_local(self, name: str) -> torch.Tensor | None:
+    def full_local(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """Parameters stay whole on this rank at levels 0-2: the caller reads them directly."""
         return None
 

@@ -13,9 +13,10 @@ shards). `ProgramParts.sync` holds one of them; `Program.step` calls, in order:
 4. the optimizer steps `optimizer_params()`, then `after_step()` (ZeRO-1/2
    gather the updated shards back into the whole parameters).
 
-`full_local(name)` gives `Program.state_dict` (runtime/gather.py) a
-parameter's whole tensor-parallel-local value, or None when the parameter is
-held whole already.
+`full_local(name, out)` gives `Program.state_dict` (runtime/gather.py) a
+parameter's whole tensor-parallel-local value (written into `out` when given:
+a reused buffer of its shape and dtype), or None when the parameter is held
+whole already.
 
 Where a reader needs a layout's own bookkeeping (the flat units, the shard
 offsets: runtime/nonfinite.py, runtime/checkpoint/layout.py) it narrows to the
@@ -48,7 +49,7 @@ class GradientSync(Protocol):
 
     def optimizer_params(self) -> list[torch.nn.Parameter]: ...
 
-    def full_local(self, name: str) -> torch.Tensor | None: ...
+    def full_local(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor | None: ...
 
 
 if TYPE_CHECKING:  # mypy checks both implementations against the protocol here

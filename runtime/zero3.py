@@ -180,14 +180,16 @@ class Zero3:
     def optimizer_params(self) -> list[torch.nn.Parameter]:
         return list(self.shards)
 
-    def full_local(self, name: str) -> torch.Tensor:
-        """This rank's whole (tensor-parallel local) value of parameter `name`, uncounted:
-        a fresh tensor, assembled from the shards that cover it (one broadcast each) so
-        that no more than the parameter itself is allocated, never its whole unit."""
+    def full_local(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's whole (tensor-parallel local) value of parameter `name`, uncounted,
+        in `out` (contiguous, its shape and dtype) or a fresh tensor: assembled from the
+        shards that cover it (one broadcast each), never gathering its whole unit."""
         unit, off = self.offsets[name]
         shard = self.shards[unit].detach()
         n, size = math.prod(self.shapes[name]), shard.numel()
-        full = torch.empty(n, dtype=shard.dtype, device=shard.device)
+        if out is None:
+            out = torch.empty(self.shapes[name], dtype=shard.dtype, device=shard.device)
+        full = out.view(-1)
         for owner in range(off // size, (off + n - 1) // size + 1):
             lo, hi = max(off, owner * size), min(off + n, (owner + 1) * size)
             part = full[lo - off : hi - off]
@@ -196,7 +198,7 @@ class Zero3:
             if self.dp > 1:
                 src = self.comm.rank_of({**self.comm.coords, self.axis: owner})
                 dist.broadcast(part, src=src, group=self.comm.groups[self.axis])
-        return full.view(self.shapes[name])
+        return out
 
 
 def active_runtime() -> Zero3 | None:

@@ -1,6 +1,6 @@
 """Run a pipeline schedule under the executor's rules (`simulate`) and prove it (`validate`).
 
-The rules, which the pipeline executor implements exactly:
+The rules, which the pipeline executor follows (with later waits, below):
 
 1. Stage s runs on pp rank ``stage_to_rank[s]`` (default: rank s, one stage per rank).
    Each rank runs its list in order, one item at a time, whichever stages it names.
@@ -25,7 +25,17 @@ The rules, which the pipeline executor implements exactly:
    grid and the stuck cells marked ``>…<``.
 
 A schedule that completes under these rules also completes when the backend buffers
-sends, since buffering only lets ops complete earlier.
+sends, since buffering only lets ops complete earlier. The same holds for the
+executor's later waits (runtime/pipeline/executor.py): it posts each batch where
+rule 2 does but waits for a receive only right before the compute that reads it
+and for a send when it posts its next batch. Every op is still posted in the same
+order on its rank, so channels pair the same transfers (rule 3), and no post
+happens later than under rule 2, so nothing can deadlock that rule 2 lets
+complete; the values are the same bitwise. Under NCCL a rank's ops also run in
+the order posted (one stream), which is rule 2's order. What the simulator's
+times do not show is the overlap: a rank computes while its earlier batch is in
+flight. Posting a receive *earlier* in the list than its place is another matter
+(NCCL would then run it before ops posted after it) and is not done.
 
     >>> from parc.compiler.schedule import format_grid, gpipe, lower_comms
     >>> timeline = simulate(lower_comms(gpipe(2, 2)))

@@ -123,7 +123,15 @@ class _Filler:
                     self._put(buffer, self._value(buffer, name), device=torch.device("cpu"))
 
     def _value(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
-        value = self.deferred.value_of(tensor, name=name).to(self.device)
+        try:
+            value = self.deferred.value_of(tensor, name=name).to(self.device)
+        except ValueError as exc:  # a meta tensor the recorded build did not make
+            raise CannotDefer(
+                f"the compiled program reads '{name}', a tensor on meta that no recorded "
+                "op of build_model() made",
+                file=self.deferred.file,
+                hint="make every tensor the model holds inside build_model()",
+            ) from exc
         release_freed(value.numel() * value.element_size())
         return value
 

@@ -22,7 +22,7 @@ from helpers import ROOT
 from peak_memory import LiveBytes
 from torch.nn.init import trunc_normal_ as trunc_normal_bound_at_import
 
-from parc.compiler.deferred_init import DeferredModel, record_build
+from parc.compiler.deferred_init import CannotDefer, DeferredModel, record_build
 from parc.compiler.model import load_model
 from parc.errors import ModelError
 
@@ -510,3 +510,24 @@ def test_build_model_failing_on_meta_is_a_model_error() -> None:
         record_build(broken, SEED)
     with pytest.raises(ModelError, match=r"must return a torch\.nn\.Module"):
         record_build(lambda: {"w": torch.zeros(2)}, SEED)
+
+
+def test_check_finds_an_unreplayable_parameter_before_any_value_is_asked_for() -> None:
+    # parc.compile calls check() right after the build: every rank finds it there, not
+    # only the one that would materialise 'w'.
+    deferred = record_build(InitBoundAtImport, SEED)
+    with pytest.raises(CannotDefer, match=r"'w' is made by aten\.empty"):
+        deferred.check()
+    record_build(FourMiBWeights, SEED).check()  # a replayable build passes
+
+
+def test_what_cannot_be_deferred_is_a_cannot_defer_model_error() -> None:
+    with pytest.raises(CannotDefer, match="reads a tensor's value") as info:
+        record_build(ReadsItem, SEED)
+    assert isinstance(info.value, ModelError)
+
+    def fails_on_meta() -> nn.Module:  # a CPU build may still work: parc.compile tries it
+        raise ValueError("n_head must divide dim")
+
+    with pytest.raises(CannotDefer, match="raised ValueError on the meta device"):
+        record_build(fails_on_meta, SEED)

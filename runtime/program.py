@@ -100,6 +100,7 @@ class Program:
             losses += self.executor.run(
                 self.parts.actions, micro_x, micro_y, scale=scale, last_round=r == rounds - 1
             )
+        self._unchecked_targets = None  # a stage without the loss never reads them
         self.parts.sync.finish(self._tied_reduce)
         self.hooks.synced(self.steps_done)
         self.parts.sync.arm(False)

@@ -14,9 +14,11 @@ It writes its own bench/RESULTS_large.md (RESULTS.md is rewritten by `make bench
    then `compile_rank` for rank 0 on the same meta model; wall time of each, and the
    process's peak RSS (`ru_maxrss`). The estimate's device and host bytes per rank
    are printed beside it.
-2. **1B, one step.** The same decoder at ~1G parameters (bench/_large_llama.py: SGD,
-   so no optimizer state) trained one step by `parc run` on 8 gloo ranks under
-   `mesh dp=8` + `zero 3`. Each rank's peak RSS is read from /proc (VmHWM, the
+2. **1B, compile and one step.** The same decoder at ~1G parameters
+   (bench/_large_llama.py: SGD, so no optimizer state) under `mesh dp=8` + `zero 3`
+   on 8 gloo ranks: first `parc.compile` alone (bench/_compile_only.py under
+   torchrun; each rank reports its `ru_maxrss` before and after), then one step of
+   `parc run`. Each rank's peak RSS is read from /proc (VmHWM, the
    counter `ru_maxrss` reports) every 0.2 s while it runs; a guard stops the run
    (its own process group) if the machine's available memory falls under
    `GUARD_BYTES`. A full-model build on every rank (what `parc.compile` did before
@@ -66,6 +68,10 @@ SIZES_1B = {
     "LLAMA_SEQ": "64",
 }
 BATCH_1B = 8  # one sample per rank
+# glibc keeps freed heap blocks resident (runtime/materialise.py trims after each value;
+# the step's gathered units and gradients are freed as fast): tensors over 1 MiB get
+# their own mapping, returned to the system when freed, so RSS follows what is alive.
+MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(2**20)}
 GUARD_BYTES = 2**30  # stop the run when the machine has less available than this
 RUN_LIMIT_S = 1800.0
 GIB = 2**30
@@ -236,7 +242,7 @@ def _rank_peaks(root: int) -> dict[int, int]:
 
 def run_1b() -> dict[str, Any]:
     """Part 2: `parc run` of one step; per-rank peak RSS, polled."""
-    env = {**os.environ, **SIZES_1B, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, **SIZES_1B, "OMP_NUM_THREADS": "1", **MALLOC}
     model = str(BENCH / "_large_llama.py")
     with tempfile.TemporaryDirectory() as tmp:
         spec, log = Path(tmp) / "dp8_zero3.par", Path(tmp) / "loss.jsonl"
@@ -280,6 +286,37 @@ def run_1b() -> dict[str, Any]:
     }
 
 
+def compile_1b() -> list[dict[str, Any]]:
+    """Part 2a: `parc.compile` alone on 8 gloo ranks (bench/_compile_only.py under
+    torchrun): each rank's seconds and `ru_maxrss` once compiled, no step."""
+    env = {**os.environ, **SIZES_1B, "OMP_NUM_THREADS": "1", **MALLOC}
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = Path(tmp) / "dp8_zero3.par"
+        spec.write_text(SPEC)
+        argv = [str(VENV_BIN / "torchrun"), "--standalone", f"--nproc-per-node={WORLD}"]
+        argv += [str(BENCH / "_compile_only.py"), str(spec), str(BENCH / "_large_llama.py")]
+        argv += [str(BATCH_1B)]
+        proc = subprocess.Popen(
+            argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True,
+        )  # fmt: skip
+        started, low = time.perf_counter(), None
+        while proc.poll() is None:
+            if _available() < GUARD_BYTES and low is None:
+                low = _available()
+                os.killpg(proc.pid, signal.SIGTERM)  # our own run's process group only
+            if time.perf_counter() - started > RUN_LIMIT_S:
+                os.killpg(proc.pid, signal.SIGTERM)
+            time.sleep(0.2)
+        output = proc.stdout.read() if proc.stdout else ""
+    ranks = [json.loads(line) for line in output.splitlines() if line.startswith('{"rank"')]
+    if proc.returncode != 0 or len(ranks) != WORLD:
+        raise RuntimeError(
+            f"the compile-only run failed (exit {proc.returncode}):\n{output[-3000:]}"
+        )
+    return sorted(ranks, key=lambda r: r["rank"])
+
+
 def estimate_1b() -> dict[str, Any]:
     """The estimate of the 1B plan (analysed on meta here), for comparison."""
     from parc.compiler.frontend import analyse
@@ -296,40 +333,57 @@ def estimate_1b() -> dict[str, Any]:
     }
 
 
-def section_1b(run: Mapping[str, Any], est: Mapping[str, Any]) -> str:
+def section_1b(
+    run: Mapping[str, Any], est: Mapping[str, Any], compiled: list[dict[str, Any]]
+) -> str:
     peaks = {int(r): b for r, b in run["peaks"].items()}
     full = est["params"] * 4
     status = "ok" if run["code"] == 0 else f"exit {run['code']}"
     if run["stopped_low_memory"] is not None:
         status += f" (stopped: available memory fell to {gib(run['stopped_low_memory'])})"
     at = {int(r): t for r, t in run["peak_at"].items()}
-    rows = [[str(r), gib(b), f"{at[r]:.0f} s"] for r, b in sorted(peaks.items())]
+    rows = [
+        [
+            str(c["rank"]),
+            f"{c['seconds']:.0f} s",
+            gib(c["rss_before"]),
+            gib(c["ru_maxrss"]),
+            gib(c["ru_maxrss"] - c["rss_before"]),
+            gib(peaks[c["rank"]]) if c["rank"] in peaks else "-",
+            f"{at[c['rank']]:.0f} s" if c["rank"] in at else "-",
+        ]
+        for c in compiled
+    ]
+    header = ["rank", "compile", "RSS before", "RSS after compile", "growth", "run peak", "at"]
     stepped = run["stepped_at"]
     loss = run["losses"][0]["loss"] if run["losses"] else None
     sizes = " ".join(f"{k}={v}" for k, v in SIZES_1B.items())
+    growth = max(c["ru_maxrss"] - c["rss_before"] for c in compiled)
     lines = [
-        "## 1B LLaMA-shaped, `mesh dp=8` + `zero 3`: `parc run` of one step on 8 gloo ranks",
+        "## 1B LLaMA-shaped, `mesh dp=8` + `zero 3`: `parc.compile` and one `parc run` step "
+        "on 8 gloo ranks",
         "",
         f"Model `bench/_large_llama.py` (examples/llama.py's decoder, SGD) with `{sizes}`, "
-        f"global batch {BATCH_1B}; {est['params'] / 1e9:.2f}G parameters, "
-        f"{gib(full)} in fp32. Status: {status}; {run['seconds']:.0f} s for the whole "
-        f"`parc run` (launcher, 8 compiles, one step)"
-        + (f"; step-0 loss {loss:.4f}" if loss is not None else "")
-        + ".",
+        f"global batch {BATCH_1B}, `{' '.join(f'{k}={v}' for k, v in MALLOC.items())}`; "
+        f"{est['params'] / 1e9:.2f}G parameters, {gib(full)} in fp32.",
         "",
-        "Peak RSS per rank (VmHWM, what `ru_maxrss` reports), compile and step together:",
+        "Per rank: `parc.compile` alone (bench/_compile_only.py under torchrun: the "
+        "deferred build and the rank's own tensors; `ru_maxrss` after imports and the "
+        "process group, then after the compile, and the growth between), and the peak RSS "
+        "of a separate `parc run --steps 1` (VmHWM polled from /proc, what `ru_maxrss` "
+        "reports; compile and step together, and when it was reached):",
         "",
-        md_table(["rank", "peak RSS", "reached at"], rows) if rows else "(no rank was seen)",
+        md_table(header, rows),
         "",
-        "(seconds from the start of `parc run`"
-        + (f"; the step's loss was logged at {stepped:.0f} s)" if stepped else ")"),
-        "",
-        f"Sum over the 8 ranks: {gib(sum(peaks.values()))}. The estimate per rank: device "
-        f"peak {gib(est['device_peak'])} (parameters, gradients, a gathered unit, "
-        f"activations), host while compiling {gib(est['host'])}; each rank also carries "
-        "the interpreter and torch (a few hundred MiB). A full-model build on every rank "
-        f"would hold 8 × {gib(full)} = {gib(8 * full)} of fp32 weights alone, more than "
-        "this machine's memory.",
+        f"`parc run`: {status}; {run['seconds']:.0f} s in all"
+        + (f", the step's loss ({loss:.4f}) logged at {stepped:.0f} s" if stepped else "")
+        + f"; the sum of the ranks' peaks {gib(sum(peaks.values()))}. The estimate per rank: "
+        f"host while compiling {gib(est['host'])} (measured growth at most {gib(growth)}), "
+        f"device peak {gib(est['device_peak'])} (parameter and gradient shards, a gathered "
+        "unit and its gradient, activations; gloo's own reduce-scatter copy and the "
+        "interpreter with torch, ~0.35 GiB, come on top). A full-model build on every rank "
+        f"(`parc.compile` before issue 14) would hold 8 × {gib(full)} = {gib(8 * full)} of "
+        "fp32 weights alone, more than this machine's memory.",
     ]
     return "\n".join(lines)
 
@@ -360,8 +414,9 @@ def _cli(argv: list[str]) -> int:
         sections.append(section_20b(analyse_20b()))
         print(sections[-1], flush=True)
     if "run" in parts:
+        compiled = compile_1b()
         run = run_1b()
-        sections.append(section_1b(run, estimate_1b()))
+        sections.append(section_1b(run, estimate_1b(), compiled))
         print(sections[-1], flush=True)
         if run["code"] != 0:
             print(run["output_tail"], file=sys.stderr)

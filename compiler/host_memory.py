@@ -19,6 +19,8 @@ of one pp index holds the same: tp and dp ranks keep equal shares):
 On a CUDA rank the kept slices move to the device, so `shards` and `buffers` bound
 the host from above there; on a CPU (gloo) rank they are host memory. Process
 baseline (the interpreter, torch's own libraries: a few hundred MiB) is not counted.
+A model whose build cannot be deferred (`parc.api.CannotDeferWarning`) is built whole
+on every rank instead: its full size, which this figure does not describe.
 
     >>> HostMemory(0, params=10, buffers=2, largest=8, recording=1).total
     21

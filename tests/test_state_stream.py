@@ -1,6 +1,7 @@
 """`Program.state_dict()`, `Program.iter_state()` and export gather one tensor at a time:
 outside rank 0 a rank never holds more than one full tensor's worth of receive
-buffers beside what it trains with, and export holds one tensor more on rank 0
+buffers beside what it trains with, export from a program holds one tensor more
+on rank 0, and `parc export` from a checkpoint (one process) two tensors
 (runtime/gather.py, runtime/export.py, runtime/state_file.py).
 
 Memory is counted as tests/peak_memory.py's `LiveBytes` counts it: every storage
@@ -167,8 +168,12 @@ def test_state_and_export_stream_one_tensor_at_a_time(
         assert peak <= bound < result["full"], (result["rank"], peak, bound, result["full"])
 
     # DCP's layout code saved the same values; export reads them back one at a time.
-    with model_env(env):
+    # In one process: the tensor DCP fills and one saved piece it reads into it (at most
+    # the tensor), for the largest tensor; nothing else outlives the tensor's write.
+    with model_env(env), HostBytes(start=()) as live:
         exported = export_state_dict(tmp_path / "ckpt", model, tmp_path / "ckpt.pt")
+    one = zero["bound"][1]
+    assert live.peak <= 2 * one < zero["full"], (live.peak, one, zero["full"])
     for path in (exported, tmp_path / "program.pt"):
         loaded = torch.load(path, weights_only=True)
         assert list(loaded) == list(built), path

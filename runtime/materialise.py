@@ -32,6 +32,7 @@ back (compiler/freed_memory.py), so the resident set follows what is alive.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -52,17 +53,30 @@ from parc.errors import ModelError
 __all__ = ["materialise"]
 
 
+class _Kind(enum.Enum):
+    """What stopped a rank while materialising."""
+
+    CANNOT_DEFER = "cannot defer"  # every rank falls back to the CPU build
+    MODEL = "model"  # the model file's mistake (a NaN initial value)
+    INTERNAL = "internal"  # a bug: the rank that met it re-raises its own exception
+
+
 @dataclass(frozen=True, slots=True)
 class _Problem:
     """A rank's reason to stop, as plain data (it travels to every rank)."""
 
+    kind: _Kind
+    rank: int
     message: str
-    file: str
-    hint: str | None
-    cannot_defer: bool
+    file: str = ""
+    hint: str | None = None
 
-    def error(self) -> ModelError:
-        kind = CannotDefer if self.cannot_defer else ModelError
+    def error(self) -> Exception:
+        if self.kind is _Kind.INTERNAL:
+            return RuntimeError(
+                f"rank {self.rank} failed to materialise its tensors: {self.message}"
+            )
+        kind = CannotDefer if self.kind is _Kind.CANNOT_DEFER else ModelError
         return kind(self.message, file=self.file, hint=self.hint)
 
 
@@ -74,11 +88,16 @@ def materialise(
     Raises, on every rank of the process group alike, `CannotDefer` when a value
     cannot be replayed and `ModelError` for a NaN or inf initial parameter.
     """
+    rank = dist.get_rank() if dist.is_initialized() else 0
     problem: _Problem | None = None
     try:
         _Filler(program, deferred, source, device).fill()
     except ModelError as exc:
-        problem = _Problem(exc.message, exc.file, exc.hint, isinstance(exc, CannotDefer))
+        kind = _Kind.CANNOT_DEFER if isinstance(exc, CannotDefer) else _Kind.MODEL
+        problem = _Problem(kind, rank, exc.message, exc.file, exc.hint)
+    except Exception as exc:  # a bug in parc: the other ranks must not wait for this one
+        _first_problem(_Problem(_Kind.INTERNAL, rank, f"{type(exc).__name__}: {exc}"))
+        raise
     # Step 5
     first = _first_problem(problem)
     if first is not None:

@@ -79,7 +79,8 @@ def export_state_dict(
     names = state_names(model)
     layout: TensorLayout = {n: (tuple(t.shape), t.dtype) for n, (_, t) in stored.items()}
     out = Path(out_path)
-    with StateFileWriter(out, layout, names) as writer, quiet_single_process(), reading(path):
+    writer = StateFileWriter(out, layout, names)  # Step 2
+    with writer, quiet_single_process(), reading(path):
         for canonical in dict.fromkeys(names.values()):  # Step 3
             key, like = stored[canonical]
             holder = {key: torch.empty(like.shape, dtype=like.dtype, device="cpu")}

@@ -39,6 +39,8 @@ from typing import BinaryIO
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from parc.errors import ParcError
+
 __all__ = ["StateFileWriter", "TensorLayout"]
 
 TensorLayout = dict[str, tuple[tuple[int, ...], torch.dtype]]  # canonical -> (shape, dtype)
@@ -115,6 +117,12 @@ class StateFileWriter:
 
 def _lay_out(path: Path, layout: TensorLayout, names: dict[str, str], order: list[str]) -> None:
     """Step 1: torch.save's pickle and reserved records, from shapes and dtypes only."""
+    if not hasattr(torch.serialization, "skip_data"):
+        raise ParcError(
+            "writing a state dict one tensor at a time needs torch.serialization.skip_data "
+            f"(torch >= 2.5); this is torch {torch.__version__}",
+            hint="upgrade torch: pip install 'torch>=2.5'",
+        )
     with FakeTensorMode():
         fakes = {c: torch.empty(layout[c][0], dtype=layout[c][1], device="cpu") for c in order}
     state = {key: fakes[canonical] for key, canonical in names.items()}

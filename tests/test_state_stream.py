@@ -188,3 +188,73 @@ def test_state_and_export_stream_one_tensor_at_a_time(
 def _model(model: str, env: dict[str, str]) -> torch.nn.Module:
     with model_env(env):
         return load_model(model).build()
+
+
+# ------------------------------------------------------------ the file, one tensor at a time
+
+
+def _mixed() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "w": torch.randn(5, 3, generator=g),
+        "half": torch.randn(4, 2, generator=g).to(torch.bfloat16),
+        "steps": torch.arange(6, dtype=torch.int64).view(2, 3),
+        "mask": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+        "empty": torch.empty(0, 4),
+    }
+
+
+# Every key in the state dict's order -> its tensor; "tied" is an alias of "w".
+NAMES = {"w": "w", "half": "half", "tied": "w", "steps": "steps"}
+NAMES |= {"mask": "mask", "scalar": "scalar", "empty": "empty"}
+
+
+def _layout(values: dict[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    return {key: (tuple(v.shape), v.dtype) for key, v in values.items()}
+
+
+def test_a_state_file_loads_as_torch_save_wrote_it_whatever_the_write_order(
+    tmp_path: Path,
+) -> None:
+    from parc.runtime.state_file import StateFileWriter
+
+    values, path = _mixed(), tmp_path / "state.pt"
+    with StateFileWriter(path, _layout(values), NAMES) as writer:
+        for key in reversed(list(values)):
+            writer.write(key, values[key])
+    loaded = torch.load(path, weights_only=True)
+    assert list(loaded) == list(NAMES)
+    for key, canonical in NAMES.items():
+        got, want = loaded[key], values[canonical]
+        assert got.dtype == want.dtype and torch.equal(got, want), key
+    assert loaded["tied"] is loaded["w"], "an alias shares its tensor, as torch.save keeps it"
+    with zipfile.ZipFile(path) as archive:
+        assert archive.testzip() is None, "every record's CRC-32 is right"
+    assert not (tmp_path / "state.pt.partial").exists()
+
+
+def test_a_state_file_with_a_tensor_missing_or_an_error_is_never_published(
+    tmp_path: Path,
+) -> None:
+    from parc.runtime.state_file import StateFileWriter
+
+    values, path = _mixed(), tmp_path / "state.pt"
+    layout = _layout(values)
+    with (
+        pytest.raises(AssertionError, match="never written"),
+        StateFileWriter(path, layout, NAMES) as writer,
+    ):
+        writer.write("w", values["w"])
+    with (
+        pytest.raises(RuntimeError, match="the read failed"),
+        StateFileWriter(path, layout, NAMES) as writer,
+    ):
+        writer.write("w", values["w"])
+        raise RuntimeError("the read failed")
+    with (
+        pytest.raises(AssertionError, match="laid out as"),
+        StateFileWriter(path, layout, NAMES) as writer,
+    ):
+        writer.write("w", values["w"].double())
+    assert list(tmp_path.iterdir()) == [], "no file, and no partial one left behind"

@@ -2,7 +2,7 @@
 
 program = parc.compile("specs/gpt_dp.par", "examples/gpt.py", batch=8)
 loss = program.step(inputs, targets)      # on every rank
-state = program.state_dict()              # the full, unsharded model
+state = program.state_dict()              # the full, unsharded model, on rank 0 ({} elsewhere)
 """
 
 from typing import TYPE_CHECKING

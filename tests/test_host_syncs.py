@@ -113,3 +113,73 @@ def test_a_data_parallel_step_syncs_the_host_once_per_rank(gloo_pool: Any) -> No
         reads = gloo_pool(2).run(reads_in_one_step, spec, MLP, {}, 8)
         for rank, where in enumerate(reads):
             assert len(where) == 1, f"zero {zero}, rank {rank}: {len(where)} reads: {where}"
+
+
+# ------------------------------------------------------------- the non-finite flag
+
+
+class _Params:
+    """The one thing `grads_flag` asks of a gradient sync that is not a zero-0 GradSync."""
+
+    def __init__(self, *grads: torch.Tensor) -> None:
+        self.params = []
+        for grad in grads:
+            p = torch.nn.Parameter(torch.zeros_like(grad))
+            p.grad = grad
+            self.params.append(p)
+
+    def optimizer_params(self) -> list[torch.nn.Parameter]:
+        return self.params
+
+
+@pytest.mark.parametrize(
+    ("grads", "flag"),
+    [
+        ((torch.ones(4), torch.ones(3, dtype=torch.bfloat16)), 0.0),
+        ((torch.ones(4), torch.tensor([1.0, float("nan")])), 1.0),
+        ((torch.tensor([float("-inf"), 1.0]),), 1.0),
+        # 16-bit gradients are summed in fp32: 4 x 60000 overflows fp16, not the flag.
+        ((torch.full((4,), 60000.0, dtype=torch.float16),), 0.0),
+        # Finite values whose fp32 sum overflows: a false alarm (the exact search clears it).
+        ((torch.full((4,), 3e38),), 1.0),
+    ],
+)
+def test_the_nonfinite_flag_is_a_device_tensor_read_by_nobody(
+    grads: tuple[torch.Tensor, ...], flag: float
+) -> None:
+    from parc.runtime.nonfinite import grads_flag
+
+    where: list[str] = []
+    with _counting_reads(where):
+        got = grads_flag(_Params(*grads), torch.device("cpu"))  # type: ignore[arg-type]
+    assert where == []
+    assert (got.dtype, got.shape, float(got)) == (torch.float64, (), flag)
+
+
+def overflowed_gradient_sum(spec_text: str) -> dict[str, Any]:
+    """Pool case: a step whose gradients are all finite but sum past fp32's range."""
+    from parc.api import compile as parc_compile
+    from parc.compiler.model import load_model
+
+    source = load_model(MLP)
+    program = parc_compile(spec_text, source, batch=8, optimizer=make_optimizer("sgd"))
+    trained = list(program.parts.sync.optimizer_params())  # ZeRO: the flat shards
+    before = [t.detach().clone() for t in trained]
+
+    def huge(step: int) -> None:
+        for _, view in program.grad_views():
+            view.fill_(3e38)
+
+    program.hooks.after_sync.append(huge)
+    loss = program.step(*source.batch(8, 0))
+    moved = [i for i, t in enumerate(trained) if not torch.equal(t, before[i])]
+    return {"loss": loss, "skipped": program.skipped, "moved": len(moved)}
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_a_finite_gradient_sum_that_overflows_still_steps(gloo_pool: Any, zero: int) -> None:
+    # The flag goes up (the sum is inf); the exact search finds no parameter on any
+    # rank, so every rank steps the optimizer as one device would.
+    results = gloo_pool(2).run(overflowed_gradient_sum, f"mesh dp=2\nzero {zero}\n")
+    for rank, result in enumerate(results):
+        assert result["skipped"] == [] and result["moved"] > 0, f"rank {rank}: {result}"

@@ -394,14 +394,14 @@ def section_1b(
 def write_results(sections: list[str]) -> None:
     facts = machine()
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     head = [
         "# parc large-model measurements",
         "",
         f"Written by `bench/large_model.py` on {when} (not part of `make bench`; rerun it "
         "to refresh). Machine: "
         + ", ".join(f"{k} {v}" for k, v in facts.items())
-        + f"; load averages when written: {load}.",
+        + " (load: averages over 1, 5, 15 min when written; the machine is shared, so "
+        "wall times move with it).",
     ]
     RESULTS.write_text("\n\n".join(["\n".join(head), *sections]) + "\n")
     print(f"wrote {RESULTS.relative_to(ROOT)}", file=sys.stderr)

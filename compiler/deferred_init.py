@@ -228,12 +228,13 @@ class _Plan:
 
 def _plan(recording: Recording, target: int, *, file: str, name: str) -> _Plan:
     """Step 2: the steps the content of storage `target` depends on."""
-    steps, mades, touched = recording.steps, *_storages_of(recording)
+    steps = recording.steps
     live, needed, writers = {target}, [], 0
     for i in reversed(range(len(steps))):
-        if touched[i].isdisjoint(live):
+        step = steps[i]
+        if step.touched.isdisjoint(live):  # the sets are the step's own: made once
             continue
-        step, made = steps[i], mades[i]
+        made = step.made
         needed.append(i)
         writers += target in step.writes
         if target in made and step.blank and not writers:
@@ -262,19 +263,6 @@ def _plan(recording: Recording, target: int, *, file: str, name: str) -> _Plan:
         if key != target:
             frees[pos].add(key)
     return _Plan(order, tuple(frozenset(f) for f in frees))
-
-
-@functools.lru_cache(maxsize=2)
-def _storages_of(
-    recording: Recording,
-) -> tuple[tuple[frozenset[int], ...], tuple[frozenset[int], ...]]:
-    """Per step, the storages it makes and those it makes or writes: `_plan` walks every
-    step once per tensor, so building these sets there made a model's check quadratic
-    in set constructions (~9 s for a 48-layer GPT); a recording of the last build or
-    two is kept."""
-    made = tuple(frozenset(ref.storage for _, ref in step.creates) for step in recording.steps)
-    touched = tuple(m | step.writes for m, step in zip(made, recording.steps, strict=True))
-    return made, touched
 
 
 def replay(

@@ -123,6 +123,8 @@ class Step:
     rng: Rng | None
     blank: bool  # its outputs hold no values yet (torch.empty and friends)
     name: str
+    made: frozenset[int] = frozenset()  # the storages of `creates`
+    touched: frozenset[int] = frozenset()  # made or written: what a replay plan asks
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -294,7 +296,9 @@ class Recorder(TorchDispatchMode):
 
     def _append(self, call: Callable[..., Any], args: Any, kwargs: Any, **fields: Any) -> None:
         template = self.template((tuple(args), dict(kwargs)))
-        self.steps.append(Step(call, *template, **fields))
+        made = frozenset(ref.storage for _, ref in fields["creates"])
+        touched = made | fields["writes"]
+        self.steps.append(Step(call, *template, **fields, made=made, touched=touched))
 
     def record_init(self, init: Callable[..., Any], args: tuple[Any, ...], kwargs: Any) -> Any:
         """Step 3: one torch.nn.init call on a meta tensor, run whole on a scratch tensor."""
@@ -373,9 +377,21 @@ class _DataConstructors(TorchFunctionMode):
         return meta.requires_grad_(value.requires_grad)
 
 
+def _import_init_users() -> None:
+    """Import what the first torch.nn.init call imports, before its functions are patched.
+
+    That call imports torch._dynamo, and with it torch.distributed's sharded_tensor,
+    which keeps torch.nn.init's functions in a table of its own: imported while they
+    are patched, it would keep this recording's wrappers, and the recording with its
+    generator states, alive for good (and record into it later).
+    """
+    import torch._dynamo  # noqa: F401
+
+
 @contextlib.contextmanager
 def _initialisers_recorded(recorder: Recorder) -> Iterator[None]:
     """Step 3: torch.nn.init's initialisers record a call on a meta tensor as one step."""
+    _import_init_users()
     originals = {name: getattr(torch.nn.init, name) for name in INITIALISERS}
 
     def recorded(init: Callable[..., Any]) -> Callable[..., Any]:

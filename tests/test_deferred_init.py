@@ -531,3 +531,25 @@ def test_what_cannot_be_deferred_is_a_cannot_defer_model_error() -> None:
 
     with pytest.raises(CannotDefer, match="raised ValueError on the meta device"):
         record_build(fails_on_meta, SEED)
+
+
+# In a fresh interpreter (torch._dynamo not yet imported: the first torch.nn.init call
+# imports it, and with it a module that keeps torch.nn.init's functions in a table).
+_NOTHING_KEPT_PROBE = """
+import gc, torch, torch.nn as nn
+from parc.compiler.deferred_init import record_build
+from parc.compiler.deferred_record import Step
+deferred = record_build(lambda: nn.Linear(4, 4), 0)
+del deferred
+gc.collect()
+print(sum(isinstance(o, Step) for o in gc.get_objects()))
+"""
+
+
+def test_a_recording_is_freed_with_its_deferred_model() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", _NOTHING_KEPT_PROBE], capture_output=True, text=True,
+        timeout=240, cwd=Path(ROOT), check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["0"], proc.stdout  # no step (nor generator state) kept

@@ -296,9 +296,9 @@ class Recorder(TorchDispatchMode):
 
     def _append(self, call: Callable[..., Any], args: Any, kwargs: Any, **fields: Any) -> None:
         template = self.template((tuple(args), dict(kwargs)))
-        made = frozenset(ref.storage for _, ref in fields["creates"])
-        touched = made | fields["writes"]
-        self.steps.append(Step(call, *template, **fields, made=made, touched=touched))
+        fields["made"] = frozenset(ref.storage for _, ref in fields["creates"])
+        fields["touched"] = fields["made"] | fields["writes"]
+        self.steps.append(Step(call, *template, **fields))
 
     def record_init(self, init: Callable[..., Any], args: tuple[Any, ...], kwargs: Any) -> Any:
         """Step 3: one torch.nn.init call on a meta tensor, run whole on a scratch tensor."""

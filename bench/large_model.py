@@ -34,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -240,6 +240,25 @@ def _rank_peaks(root: int) -> dict[int, int]:
     return found
 
 
+def _guarded_wait(
+    proc: subprocess.Popen[str], started: float, poll: Callable[[float], None] | None = None
+) -> int | None:
+    """Wait for `proc`, calling `poll(seconds since started)` every 0.2 s; stop its process
+    group when free memory falls under GUARD_BYTES (returns the free bytes then) or after
+    RUN_LIMIT_S."""
+    low = None
+    while proc.poll() is None:
+        if poll is not None:
+            poll(time.perf_counter() - started)
+        if _available() < GUARD_BYTES and low is None:
+            low = _available()
+            os.killpg(proc.pid, signal.SIGTERM)  # our own run's process group only
+        if time.perf_counter() - started > RUN_LIMIT_S:
+            os.killpg(proc.pid, signal.SIGTERM)
+        time.sleep(0.2)
+    return low
+
+
 def run_1b() -> dict[str, Any]:
     """Part 2: `parc run` of one step; per-rank peak RSS, polled."""
     env = {**os.environ, **SIZES_1B, "OMP_NUM_THREADS": "1", **MALLOC}
@@ -257,20 +276,16 @@ def run_1b() -> dict[str, Any]:
         peaks: dict[int, int] = {}
         peak_at: dict[int, float] = {}  # seconds from the start when the peak was reached
         stepped = None  # when the loss line appeared: the step had ended
-        low = None
-        while proc.poll() is None:
-            now = time.perf_counter() - started
+
+        def poll(now: float) -> None:
+            nonlocal stepped
             for rank, hwm in _rank_peaks(proc.pid).items():
                 if hwm > peaks.get(rank, 0):
                     peaks[rank], peak_at[rank] = hwm, now
             if stepped is None and log.exists() and log.read_text().strip():
                 stepped = now
-            if _available() < GUARD_BYTES and low is None:
-                low = _available()
-                os.killpg(proc.pid, signal.SIGTERM)  # our own run's process group only
-            if time.perf_counter() - started > RUN_LIMIT_S:
-                os.killpg(proc.pid, signal.SIGTERM)
-            time.sleep(0.2)
+
+        low = _guarded_wait(proc, started, poll)
         output = proc.stdout.read() if proc.stdout else ""
         took = time.perf_counter() - started
         losses = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
@@ -300,14 +315,7 @@ def compile_1b() -> list[dict[str, Any]]:
             argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             start_new_session=True,
         )  # fmt: skip
-        started, low = time.perf_counter(), None
-        while proc.poll() is None:
-            if _available() < GUARD_BYTES and low is None:
-                low = _available()
-                os.killpg(proc.pid, signal.SIGTERM)  # our own run's process group only
-            if time.perf_counter() - started > RUN_LIMIT_S:
-                os.killpg(proc.pid, signal.SIGTERM)
-            time.sleep(0.2)
+        _guarded_wait(proc, time.perf_counter())
         output = proc.stdout.read() if proc.stdout else ""
     ranks = [json.loads(line) for line in output.splitlines() if line.startswith('{"rank"')]
     if proc.returncode != 0 or len(ranks) != WORLD:

@@ -13,6 +13,10 @@ Call it on every rank of a process group whose size is the mesh's world size
    single-device initial values.
 4. Build the runtime pieces from the program (`parc.runtime.assemble.assemble`).
 
+With `weights`, a Hugging Face checkpoint directory (safetensors files named by
+the model's state_dict keys), step 3 reads each rank's slices from its files
+instead of replaying the initialisation (runtime/hf_weights.py).
+
 A model whose build cannot be deferred (`CannotDefer`) is built whole on the CPU
 instead, with a warning saying why and what it costs.
 """
@@ -58,6 +62,7 @@ def compile(
     bucket_elems: int = DEFAULT_BUCKET_ELEMS,
     device: torch.device | None = None,
     schedule: HandSchedule | None = None,
+    weights: str | Path | None = None,
 ) -> Program:
     """This rank's program for `spec` on `model` (a model file, module or ModelSource).
 
@@ -66,15 +71,17 @@ def compile(
     compute schedule written by hand (pp rank -> its actions, e.g.
     ``{0: ["0F0", "2F0", "2B0", "0B0"], 1: [...]}``), runs instead of the spec's once
     validated against the plan's stages, microbatches and stage_to_rank
-    (a `ScheduleError` with the grid otherwise).
+    (a `ScheduleError` with the grid otherwise). `weights`: a checkpoint directory
+    (`config.json` + `model.safetensors`, or shards and their index) to start from
+    instead of the seeded initial values; buffers it does not store keep theirs.
     """
     source = model if isinstance(model, ModelSource) else load_model(model)
     device = device or device_for_rank()
     options = {"batch": batch, "seed": seed, "strict": strict, "schedule": schedule}
     try:
-        comm, program = _deferred(as_spec(spec), source, options, bucket_elems, device)
+        comm, program = _deferred(as_spec(spec), source, options, bucket_elems, device, weights)
     except CannotDefer as why:
-        comm, program = _built_whole(as_spec(spec), source, options, bucket_elems, why)
+        comm, program = _built_whole(as_spec(spec), source, options, bucket_elems, why, weights)
     parts = assemble(
         program,
         comm,
@@ -92,21 +99,33 @@ def _deferred(
     options: dict[str, Any],
     bucket_elems: int,
     device: torch.device,
+    weights: str | Path | None,
 ) -> tuple[Comm, RankProgram]:
     """Steps 1-3: built on meta, compiled on meta, then only the rank's tensors made."""
     analysis = analyse(spec, source, deferred=True, **options)
     assert analysis.deferred is not None
     comm = build_comm(analysis.plan.mesh)
     program = compile_rank(analysis, comm.coords, bucket_elems=bucket_elems)
-    materialise(program, analysis.deferred, source, device)  # the same outcome on every rank
+    # The same outcome on every rank.
+    materialise(program, analysis.deferred, source, device, weights)
     return comm, program
 
 
 def _built_whole(
-    spec: Spec, source: ModelSource, options: dict[str, Any], bucket_elems: int, why: CannotDefer
+    spec: Spec,
+    source: ModelSource,
+    options: dict[str, Any],
+    bucket_elems: int,
+    why: CannotDefer,
+    weights: str | Path | None,
 ) -> tuple[Comm, RankProgram]:
-    """The fallback: built on the CPU from the seed, as a single-device run builds it."""
+    """The fallback: built on the CPU from the seed, as a single-device run builds it
+    (then the whole checkpoint `weights` read into it)."""
     analysis = analyse(spec, source, device="cpu", **options)
+    if weights:
+        from parc.runtime.hf_weights import load_full
+
+        load_full(analysis.model, weights)
     comm = build_comm(analysis.plan.mesh)
     warnings.warn(_fallback_words(analysis, why), CannotDeferWarning, stacklevel=3)
     return comm, compile_rank(analysis, comm.coords, bucket_elems=bucket_elems)

@@ -25,6 +25,12 @@ Algorithm:
    is found by the ranks holding it; every rank raises the first one found (by
    rank), so none is left waiting in a collective.
 
+With `weights` (a checkpoint directory, runtime/hf_weights.py) the values of the
+parameters, and of the persistent buffers stored there, are read from its files
+instead: the tp slice, or the rows covering a ZeRO-3 shard's range, never a whole
+tensor the rank does not hold; its mistakes (a missing tensor, a shape) are agreed
+on as in step 5.
+
 Host memory: one full value (and its replay's temporaries) plus the rank's own
 slices; after each large value is dropped glibc is asked to hand its free pages
 back (compiler/freed_memory.py), so the resident set follows what is alive.
@@ -32,9 +38,11 @@ back (compiler/freed_memory.py), so the resident set follows what is alive.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -49,6 +57,8 @@ from parc.compiler.passes.placement import Shard
 from parc.compiler.rank_program import RankProgram
 from parc.dsl.ast import AXIS_DP
 from parc.errors import ModelError
+
+from .hf_weights import RankWeights
 
 __all__ = ["materialise"]
 
@@ -81,17 +91,24 @@ class _Problem:
 
 
 def materialise(
-    program: RankProgram, deferred: DeferredModel, source: ModelSource, device: torch.device
+    program: RankProgram,
+    deferred: DeferredModel,
+    source: ModelSource,
+    device: torch.device,
+    weights: str | Path | None = None,
 ) -> None:
-    """Replace every meta tensor `program` holds by its initial value on `device`.
+    """Replace every meta tensor `program` holds by its initial value on `device`
+    (read from the checkpoint directory `weights` where it stores one).
 
     Raises, on every rank of the process group alike, `CannotDefer` when a value
-    cannot be replayed and `ModelError` for a NaN or inf initial parameter.
+    cannot be replayed and `ModelError` for a NaN or inf initial parameter or a
+    checkpoint that does not fit the model.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     problem: _Problem | None = None
     try:
-        _Filler(program, deferred, source, device).fill()
+        with RankWeights(weights, program) if weights else contextlib.nullcontext() as stored:
+            _Filler(program, deferred, source, device, stored).fill()
     except ModelError as exc:
         kind = _Kind.CANNOT_DEFER if isinstance(exc, CannotDefer) else _Kind.MODEL
         problem = _Problem(kind, rank, exc.message, exc.file, exc.hint)
@@ -113,8 +130,10 @@ class _Filler:
         deferred: DeferredModel,
         source: ModelSource,
         device: torch.device,
+        stored: RankWeights | None = None,
     ) -> None:
         self.program, self.deferred, self.source, self.device = program, deferred, source, device
+        self.stored = stored  # the values a checkpoint holds, read instead of replayed
         plan = program.plan
         self.tp = plan.tp if plan.tp_axis is not None else 1
         self.tp_index = program.coords.get(plan.tp_axis, 0) if plan.tp_axis else 0
@@ -142,6 +161,8 @@ class _Filler:
                     self._put(buffer, self._value(buffer, name), device=torch.device("cpu"))
 
     def _value(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        if self.stored is not None and name in self.stored:
+            return self.stored.buffer(name, tensor.dtype).to(self.device)
         try:
             value = self.deferred.value_of(tensor, name=name).to(self.device)
         except ValueError as exc:  # a meta tensor the recorded build did not make
@@ -156,6 +177,8 @@ class _Filler:
 
     def _local(self, name: str, device: torch.device | None = None) -> torch.Tensor:
         """Parameter `name`'s tp-local initial value, on `device` (default the rank's)."""
+        if self.stored is not None:
+            return self.stored.local(name).to(device or self.device)
         full = self.deferred.value(name)
         error = self.source.nonfinite_error(name, full)
         if error is not None:
@@ -180,7 +203,10 @@ class _Filler:
             for name in unit.params:
                 off, numel = layout.offsets[name][1], layout.numel(name)
                 start, end = max(lo, off), min(hi, off + numel)
-                if start < end:
+                if start < end and self.stored is not None:
+                    piece = self.stored.flat(name, start - off, end - off)
+                    flat[start - lo : end - lo].copy_(piece)
+                elif start < end:
                     local = self._local(name, torch.device("cpu")).reshape(-1)
                     flat[start - lo : end - lo].copy_(local[start - off : end - off])
                     nbytes = local.numel() * local.element_size()

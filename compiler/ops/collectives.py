@@ -113,7 +113,9 @@ def _gather_dim(x: torch.Tensor, dim: int, axis: str, blocks: int) -> torch.Tens
     # Bring the rank dim next to the block's chunk dim: [..., k, n, c, ...].
     parts = parts.movedim(0, dim + 1)
     shape[dim] = blocks * n * c
-    return parts.reshape(shape)
+    # With one element per part (c == 1) the reshape is a strided view, not a copy;
+    # the gathered value must be laid out as the whole one (`view_as_complex`, `.view`).
+    return parts.reshape(shape).contiguous()
 
 
 def _parts(x: torch.Tensor, dim: int, axis: str, blocks: int) -> tuple[int, int, int]:

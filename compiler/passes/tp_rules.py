@@ -36,6 +36,7 @@ from .tp_context import Decision, Misaligned, NotDivisible, OpContext, Rule
 from .tp_view_rules import (
     along_dim,
     cat,
+    complex_view,
     expand,
     index,
     permute,
@@ -287,7 +288,7 @@ _BINARY_FUNCTIONS = (
     operator.add, operator.sub, operator.mul, operator.truediv, operator.pow,
     operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge,
     torch.add, torch.sub, torch.mul, torch.div, torch.pow, torch.maximum, torch.minimum,
-    torch.where, torch.masked_fill,
+    torch.where, torch.masked_fill, torch.polar, torch.complex,
 )  # fmt: skip
 _BINARY_METHODS = (
     "add", "sub", "mul", "div", "pow", "masked_fill", "maximum", "minimum",
@@ -318,6 +319,7 @@ RULES: dict[object, Rule] = {
     **{op: matmul for op in (operator.matmul, torch.matmul, torch.bmm, "matmul", "bmm")},
     **{op: repeat_interleave for op in ("repeat_interleave", torch.repeat_interleave)},
     **{op: layer_norm for op in (F.layer_norm, F.rms_norm)},
+    **{op: complex_view for op in (torch.view_as_complex, torch.view_as_real)},
     "expand": expand,
     getattr: attribute,
     "repeat": repeat,

@@ -2,9 +2,9 @@
 
 Each rule follows a sharded dim through the op (docs/architecture.md, Tensor-parallel rules: `view`,
 `reshape`, `split`/`chunk`, `transpose`/`permute`, `repeat_interleave`,
-`repeat`, slicing, `cat`, softmax and reductions over other dims). Shape
-arguments that give the sharded dim's size are returned in `Decision.sizes`
-so the rewrite makes them local.
+`repeat`, slicing, `cat`, `view_as_complex`/`view_as_real`, softmax and
+reductions over other dims). Shape arguments that give the sharded dim's size
+are returned in `Decision.sizes` so the rewrite makes them local.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from .tp_dims import arg, index_dim, norm_dim, shape_paths, view_groups
 __all__ = [
     "along_dim",
     "cat",
+    "complex_view",
     "expand",
     "index",
     "permute",
@@ -103,6 +104,19 @@ def _with_size(ctx: OpContext, out: Shard, paths: dict[int, ArgPath] | None) -> 
         return None  # the shape is one opaque value: cannot make one entry local
     path = paths.get(out.dim)
     return Decision(out, sizes=(path,) if path is not None else ())
+
+
+def complex_view(ctx: OpContext) -> Decision | None:
+    """`view_as_complex` (its last dim, of size 2, becomes complex values) and
+    `view_as_real` (back): every other dim keeps its index, so S(d) → S(d).
+
+    A shard on the pairs' dim itself has no local form (a rank would hold half
+    of each pair): no rule, so it is all-gathered first.
+    """
+    s = ctx.sharded(ctx.arg(0))
+    if s is None or s.dim >= len(ctx.out_shape):
+        return None
+    return Decision(s)
 
 
 def expand(ctx: OpContext) -> Decision | None:

@@ -1,0 +1,173 @@
+"""Complex rotary embeddings (torchtitan's form) on head-sharded q and k stay local.
+
+torchtitan applies rotary embeddings as complex numbers: q [bs, seqlen, heads,
+head_dim] is viewed as [bs, seqlen, heads, head_dim / 2] complex values
+(`view_as_complex` of its (even, odd) pairs), multiplied by a replicated
+`freqs_cis` table (made with `torch.polar`) that broadcasts over batch and
+heads, and viewed back (`view_as_real`, `flatten(3)`). Under a Megatron plan q
+and k arrive sharded by heads; each rank rotates its own heads, so nothing is
+gathered. A shard on the dim the pairs live on (the last, of size 2) cannot
+stay: it is all-gathered, with a warning, and trains as one device.
+
+The model is tests/models/titan_style.py (torchtitan's style, parc's convention).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import check_equivalent
+
+from parc.compiler.frontend import Analysis, analyse
+from parc.compiler.node_meta import meta_of
+from parc.compiler.ops.collectives import CommKind
+from parc.compiler.passes.placement import Shard
+from parc.compiler.passes.tensor_parallel import tensor_parallel
+
+TITAN = str(Path(__file__).resolve().parent / "models" / "titan_style.py")
+MEGATRON = """
+shard *.attention.wq col tp
+shard *.attention.wk col tp
+shard *.attention.wv col tp
+shard *.attention.wo row tp
+shard *.feed_forward.w1 col tp
+shard *.feed_forward.w3 col tp
+shard *.feed_forward.w2 row tp
+"""
+HEADS_DIM = 2  # q and k are [bs, seqlen, heads, head_dim (/ 2 complex)]: sharded by heads
+
+
+def _env(monkeypatch: pytest.MonkeyPatch, heads: int = 4, kv_heads: int = 2) -> dict[str, str]:
+    env = {
+        "TITAN_DIM": str(8 * heads),  # head_dim 8: 4 complex pairs per head
+        "TITAN_LAYERS": "2",
+        "TITAN_HEADS": str(heads),
+        "TITAN_KV_HEADS": str(kv_heads),
+        "TITAN_VOCAB": "64",
+        "TITAN_SEQ": "8",
+    }
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return env
+
+
+def _gathers(analysis: Analysis) -> int:
+    return sum(
+        c.count for _, comms in analysis.estimate.collectives for c in comms
+        if c.kind == CommKind.ALL_GATHER
+    )  # fmt: skip
+
+
+def _gathers_at(node: torch.fx.Node) -> bool:
+    return CommKind.ALL_GATHER in dict(meta_of(node).collectives)
+
+
+def _complex_views(analysis: Analysis) -> list[torch.fx.Node]:
+    views = (torch.view_as_complex, torch.view_as_real)
+    return [n for n in analysis.gm.graph.nodes if n.target in views]
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "tp"),
+    [(4, 4, 2), (4, 2, 2), (8, 4, 4)],
+    ids=["mha-tp2", "gqa-tp2", "gqa-tp4"],
+)
+def test_head_sharded_complex_rotary_gathers_nothing(
+    monkeypatch: pytest.MonkeyPatch, heads: int, kv_heads: int, tp: int
+) -> None:
+    _env(monkeypatch, heads, kv_heads)
+    analysis = analyse(f"mesh tp={tp}\n{MEGATRON}", TITAN, batch=2)
+    assert not analysis.plan.warnings, [w.message for w in analysis.plan.warnings]
+    assert _gathers(analysis) == 0
+    views = _complex_views(analysis)
+    assert len(views) == 2 * 2 * 2  # q and k, in and out, 2 layers
+    for node in views:
+        assert meta_of(node).tp == Shard(HEADS_DIM), node.format_node()
+    assert not [n.format_node() for n in analysis.gm.graph.nodes if _gathers_at(n)]
+
+
+def test_the_rank_program_rotates_its_own_heads_with_local_sizes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _env(monkeypatch)
+    analysis = analyse(f"mesh tp=2\n{MEGATRON}", TITAN, batch=2)
+    rank = tensor_parallel(analysis.gm, analysis.plan, tp_index=1)
+    assert "tp_all_gather" not in rank.code
+    # [bs, seqlen, heads, head_dim / 2] complex: 2 of the 4 q heads on each rank.
+    views = [n for n in rank.graph.nodes if n.target is torch.view_as_complex]
+    assert [tuple(n.meta["tensor_meta"].shape) for n in views[:2]] == [(2, 8, 2, 4), (2, 8, 1, 4)]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mesh", ["tp=2", "dp=2 tp=2"])
+def test_titan_style_megatron_plan_trains_as_one_device(
+    gloo_pool, monkeypatch: pytest.MonkeyPatch, mesh: str
+) -> None:
+    env = _env(monkeypatch)  # GQA: 4 q heads share 2 kv heads, tp=2 divides the kv heads
+    comparison, _ = check_equivalent(gloo_pool, f"mesh {mesh}\n{MEGATRON}", TITAN, env=env)
+    assert comparison.ok, comparison
+
+
+_PAIRS_SHARDED = '''
+import torch
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    """The col layer's output is viewed so that its shard lands on the pairs' dim."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(8, 16, bias=False)
+        angles = torch.arange(8.0) / 8
+        self.register_buffer("freqs", torch.polar(torch.ones(8), angles), persistent=False)
+
+    def forward(self, x):
+        b = x.shape[0]
+        pairs = self.up(x).view(b, 2, 8).transpose(1, 2).contiguous()  # [b, 8, 2], S(2)
+        z = torch.view_as_complex(pairs) * self.freqs
+        return torch.view_as_real(z).transpose(1, 2).reshape(b, 16)
+
+
+def build_model():
+    return Net()
+
+
+def sample_batch(batch_size, step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(batch_size, 8, generator=g), torch.randn(batch_size, 16, generator=g)
+
+
+def loss_fn(out, y):
+    return ((out - y) ** 2).mean()
+
+
+def configure_optimizer(params):
+    return torch.optim.SGD(params, lr=0.1)
+'''
+
+
+def _pairs_model(tmp_path: Path) -> str:
+    path = tmp_path / "pairs_sharded.py"
+    path.write_text(_PAIRS_SHARDED)
+    return str(path)
+
+
+def test_a_shard_on_the_pairs_dim_is_gathered_with_a_warning(tmp_path: Path) -> None:
+    analysis = analyse("mesh tp=2\nshard up col tp\n", _pairs_model(tmp_path), batch=2)
+    (warning,) = analysis.plan.warnings
+    assert "`view_as_complex()`" in warning.message
+    assert "placed S(2) (sharded by 'up'): it is all-gathered first" in warning.message
+    (node,) = (n for n in analysis.gm.graph.nodes if n.target is torch.view_as_complex)
+    assert _gathers_at(node)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_a_shard_on_the_pairs_dim_trains_as_one_device(gloo_pool, tmp_path: Path) -> None:
+    spec = "mesh tp=2\nshard up col tp\n"
+    comparison, _ = check_equivalent(gloo_pool, spec, _pairs_model(tmp_path), env={})
+    assert comparison.ok, comparison

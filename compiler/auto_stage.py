@@ -1,9 +1,22 @@
 """`stage auto`: where a model can be cut into pipeline stages, and the best cuts.
 
-A legal cut is an activation node that dominates the graph output in the
-activation dataflow graph: every path from the inputs to the loss passes
-through it, so cutting right after it sends exactly one tensor to the next
-stage (for a transformer: the residual stream between blocks).
+A cut after node c sends what `pipeline_split` would send across it: every
+activation placed at or before c and used after it. A legal cut sends exactly
+one tensor, c itself (for a transformer: the residual stream between blocks).
+
+What never blocks a cut:
+- the model inputs and what is computed from them alone (`idx`, `targets`, a
+  mask, position ids, `targets.view(-1)`): they are not activations, and every
+  stage that uses them gets them (pipeline_split Step 3), so a loss the model
+  computes from `targets` at its very end needs nothing from the first stage
+  but the logits;
+- an activation computed from parameters alone (`self.weight.shape` in a
+  custom LayerNorm, a transposed tied weight): it reads no model input, so it
+  is placed right before its first user instead of where the trace put it
+  (`placed_order`), and is made on that user's stage.
+
+An activation that reads no other activation (an embedding of the position
+ids) can start on any stage: it is no path around a cut either.
 
 The cost of a stage is its training seconds on a device (`DeviceRates`, CPU
 defaults: compiler/cost.py): FLOPs at a rate, plus the bytes its ops move
@@ -11,49 +24,91 @@ defaults: compiler/cost.py): FLOPs at a rate, plus the bytes its ops move
 time per op. FLOPs alone put a block whose big matmuls run efficiently on a
 par with as many FLOPs of small, memory- and overhead-bound blocks.
 `balanced_cuts` picks the pp−1 cuts minimising the slowest stage with a
-dynamic program over the chain of legal cuts.
+dynamic program over the chain of legal cuts; `cut_stages` gives every
+activation the stage the cuts put it in.
 """
 
 from __future__ import annotations
 
 import functools
 
-import networkx as nx
 import torch.fx
+from torch.fx.passes.shape_prop import TensorMetadata
 
 from .cost import CPU_RATES, DeviceRates, NodeCost
 
-__all__ = ["balanced_cuts", "legal_cuts"]
+__all__ = ["balanced_cuts", "cut_stages", "legal_cuts", "placed_order"]
 
-_SOURCE = "__parc_source__"
+
+def _input_fed(gm: torch.fx.GraphModule) -> set[str]:
+    """Nodes that read a model input, directly or transitively."""
+    fed: set[str] = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" or any(a.name in fed for a in node.all_input_nodes):
+            fed.add(node.name)
+    return fed
+
+
+def placed_order(gm: torch.fx.GraphModule, activations: set[str]) -> list[torch.fx.Node]:
+    """Graph order, with every activation computed from parameters alone moved right
+    before its first user (a node the output alone uses stays where it is)."""
+    nodes = list(gm.graph.nodes)
+    index = {n.name: i for i, n in enumerate(nodes)}
+    fed = _input_fed(gm)
+    home = {n.name: float(i) for i, n in enumerate(nodes)}
+    for node in reversed(nodes):
+        if node.name in activations and node.name not in fed:
+            users = [home[u.name] for u in node.users if u.op != "output"]
+            if users:
+                home[node.name] = min(users) - 0.5
+    # A moved node sorts before its user and after the nodes it reads: they are
+    # parameters, constants or other moved nodes homed no later.
+    return sorted(nodes, key=lambda n: (home[n.name], index[n.name]))
 
 
 def legal_cuts(gm: torch.fx.GraphModule, activations: set[str]) -> list[str]:
-    """Activation nodes (in graph order) that dominate the output, excluding the last one."""
-    graph = nx.DiGraph()
-    graph.add_node(_SOURCE)
-    order = [n for n in gm.graph.nodes if n.name in activations]
-    output = next(n for n in gm.graph.nodes if n.op == "output")
-    for node in order:
-        ins = [a.name for a in node.all_input_nodes if a.name in activations]
-        if not ins:
-            graph.add_edge(_SOURCE, node.name)
-        for name in ins:
-            graph.add_edge(name, node.name)
-    sinks = [a.name for a in output.all_input_nodes if a.name in activations]
-    if not sinks:
-        return []
-    for name in sinks:
-        graph.add_edge(name, output.name)
-    idom = nx.immediate_dominators(graph, _SOURCE)
-    chain: set[str] = set()
-    walk = idom.get(output.name)
-    while walk is not None and walk != _SOURCE:
-        chain.add(walk)
-        walk = idom[walk] if idom[walk] != walk else None
-    # A cut right before the output would leave the last stage with no work.
-    last = sinks[-1] if len(sinks) == 1 else None
-    return [n.name for n in order if n.name in chain and n.name != last]
+    """Activation nodes (in placed order) after which exactly one tensor, the node's own
+    output, crosses to the next stage, and some work on the model inputs is left."""
+    order = placed_order(gm, activations)
+    at = {n.name: i for i, n in enumerate(order)}
+    fed = _input_fed(gm)
+    last_use = {
+        n.name: max((at[u.name] if u.op != "output" else len(order) for u in n.users), default=-1)
+        for n in order
+        if n.name in activations
+    }
+    work_after = [False] * (len(order) + 1)  # whether an input-fed activation sits after i
+    for i in range(len(order) - 1, -1, -1):
+        name = order[i].name
+        work_after[i] = work_after[i + 1] or (name in activations and name in fed)
+    cuts: list[str] = []
+    crossing: set[str] = set()
+    for i, node in enumerate(order):
+        if node.name not in activations:
+            continue
+        crossing = {c for c in crossing if last_use[c] > i}
+        if last_use[node.name] > i:
+            crossing.add(node.name)
+        if crossing == {node.name} and node.name in fed and work_after[i + 1] and _is_tensor(node):
+            cuts.append(node.name)
+    return cuts
+
+
+def _is_tensor(node: torch.fx.Node) -> bool:
+    """Only a tensor can be sent to the next stage (a `size()` result cannot)."""
+    return isinstance(node.meta.get("tensor_meta"), TensorMetadata)
+
+
+def cut_stages(gm: torch.fx.GraphModule, activations: set[str], cuts: list[str]) -> dict[str, int]:
+    """The stage of every activation: the number of `cuts` placed before it."""
+    out: dict[str, int] = {}
+    stage = 0
+    for node in placed_order(gm, activations):
+        if node.name in activations:
+            out[node.name] = stage
+            if stage < len(cuts) and node.name == cuts[stage]:
+                stage += 1
+    return out
 
 
 def balanced_cuts(
@@ -68,7 +123,7 @@ def balanced_cuts(
     cuts = legal_cuts(gm, activations)
     if len(cuts) < pp - 1:
         return None
-    order = [n.name for n in gm.graph.nodes]
+    order = [n.name for n in placed_order(gm, activations)]
     position = {name: i for i, name in enumerate(order)}
     prefix = [0.0]
     for name in order:

@@ -18,10 +18,11 @@ Explicit stages (`assign_stages`):
    the earliest stage among their users.
 3. Every activation edge must go forward (stage of input ≤ stage of user).
 
-`stage auto` (`auto_stages`): legal cuts are the activation nodes that dominate
-the output in the activation dataflow graph (networkx), e.g. the residual
-stream between blocks; a small dynamic program over that chain picks the pp−1
-cuts that minimise the slowest stage's training seconds (FLOPs, bytes moved and
+`stage auto` (`auto_stages`): a legal cut is an activation node after which it
+alone crosses to the next stage, e.g. the residual stream between blocks (the
+model inputs, such as `targets` used by a loss at the end, reach every stage
+and never block a cut); a small dynamic program over the legal cuts picks the
+pp−1 that minimise the slowest stage's training seconds (FLOPs, bytes moved and
 ops at CPU rates: compiler/cost.py, compiler/auto_stage.py).
 """
 
@@ -260,8 +261,8 @@ def stage_module_names(
 def auto_stages(
     spec: Spec, gm: torch.fx.GraphModule, modules: dict[str, torch.nn.Module]
 ) -> tuple[NodeStages, StageModules]:
-    """`stage auto`: cut the dominator chain of the output to balance training seconds."""
-    from .auto_stage import balanced_cuts
+    """`stage auto`: cut where one tensor crosses, balancing training seconds."""
+    from .auto_stage import balanced_cuts, cut_stages
 
     pp = spec.mesh.size(AXIS_PP)
     auto = spec.stage_auto
@@ -280,12 +281,5 @@ def auto_stages(
             spec.locate(auto.span),
             hint="lower pp, or write explicit `stage` lines",
         )
-    explicit: dict[str, int] = {}
-    stage = 0
-    for node in gm.graph.nodes:
-        if node.name in activations:
-            explicit[node.name] = stage
-            if stage < len(cuts) and node.name == cuts[stage]:
-                stage += 1
-    stages = fill_stages(gm, explicit, activations)
+    stages = fill_stages(gm, cut_stages(gm, activations, cuts), activations)
     return tuple(stages.items()), stage_module_names(gm, stages, modules, pp)

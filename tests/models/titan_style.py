@@ -16,9 +16,13 @@ each with `attention_norm`, `attention.wq|wk|wv|wo`, `ffn_norm`,
     shard *.attention.wv col tp    shard *.feed_forward.w3 col tp
                                    shard *.feed_forward.w2 row tp
 
-`reshape_for_broadcast` views the table as (1, seqlen, 1, head_dim // 2):
-torchtitan's own asserts the shapes with a tuple comparison and builds the
-view shape by iterating over `x.shape`, which torch.fx cannot trace.
+Two forms of the rotary code. By default one torch.fx can trace
+(`apply_rotary_emb`): the table is sliced with `narrow` and viewed as
+(1, seqlen, 1, head_dim // 2) with explicit sizes. TITAN_ROTARY=torchtitan
+uses torchtitan's own form (`apply_rotary_emb_torchtitan`): `reshape(*x.shape[:-1],
+-1, 2)`, `freqs_cis[0:seqlen]`, an assert comparing the shape with a tuple and
+a view shape built by iterating over `x.shape`; torch.fx traces none of these,
+so parc captures that form with torch.export (compiler/capture.py).
 
 Sizes come from environment variables, so tests can shrink it: TITAN_DIM,
 TITAN_LAYERS, TITAN_HEADS, TITAN_KV_HEADS, TITAN_VOCAB, TITAN_SEQ.
@@ -47,6 +51,7 @@ class ModelArgs:
     rope_theta: float = 10000.0
     max_seq_len: int = 16  # rotary table length; sample_batch uses seq_len <= this
     seq_len: int = 8
+    torchtitan_rotary: bool = False  # torchtitan's exact rotary code (fx cannot trace it)
 
     @staticmethod
     def from_env() -> ModelArgs:
@@ -58,6 +63,7 @@ class ModelArgs:
             n_kv_heads=int(env.get("TITAN_KV_HEADS", 2)),
             vocab_size=int(env.get("TITAN_VOCAB", 128)),
             seq_len=int(env.get("TITAN_SEQ", 8)),
+            torchtitan_rotary=env.get("TITAN_ROTARY", "fx") == "torchtitan",
         )
 
 
@@ -93,6 +99,28 @@ def apply_rotary_emb(
     xq_ = torch.view_as_complex(_pairs(xq.float()))
     xk_ = torch.view_as_complex(_pairs(xk.float()))
     freqs_cis = reshape_for_broadcast(freqs_cis, xq_)
+    xq_out = torch.view_as_real(xq_ * freqs_cis).flatten(3)
+    xk_out = torch.view_as_real(xk_ * freqs_cis).flatten(3)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+def _reshape_for_broadcast_torchtitan(freqs_cis: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    ndim = x.ndim
+    assert 0 <= 1 < ndim
+    seqlen = x.shape[1]
+    freqs_cis = freqs_cis[0:seqlen]
+    assert freqs_cis.shape == (seqlen, x.shape[-1])
+    shape = [d if i == 1 or i == ndim - 1 else 1 for i, d in enumerate(x.shape)]
+    return freqs_cis.view(*shape)
+
+
+def apply_rotary_emb_torchtitan(
+    xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`apply_rotary_emb` as torchtitan writes it."""
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    freqs_cis = _reshape_for_broadcast_torchtitan(freqs_cis, xq_)
     xq_out = torch.view_as_real(xq_ * freqs_cis).flatten(3)
     xk_out = torch.view_as_real(xk_ * freqs_cis).flatten(3)
     return xq_out.type_as(xq), xk_out.type_as(xk)
@@ -137,6 +165,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(model_args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(model_args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(model_args.n_heads * self.head_dim, model_args.dim, bias=False)
+        torchtitan = model_args.torchtitan_rotary
+        self.rotary = apply_rotary_emb_torchtitan if torchtitan else apply_rotary_emb
 
     def init_weights(self, init_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
@@ -150,7 +180,7 @@ class Attention(nn.Module):
         xq = xq.view(bs, seqlen, -1, self.head_dim)
         xk = xk.view(bs, seqlen, -1, self.head_dim)
         xv = xv.view(bs, seqlen, -1, self.head_dim)
-        xq, xk = apply_rotary_emb(xq, xk, freqs_cis=freqs_cis)
+        xq, xk = self.rotary(xq, xk, freqs_cis=freqs_cis)
         keys = repeat_kv(xk, self.n_rep)  # [bs, seqlen, n_heads, head_dim]
         values = repeat_kv(xv, self.n_rep)
         xq, xk, xv = xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)

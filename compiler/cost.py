@@ -67,6 +67,8 @@ _FREE = {
     torch.flatten,
     torch.unsqueeze,
     torch.squeeze,
+    torch.view_as_complex,  # (even, odd) pairs read as complex numbers, and back
+    torch.view_as_real,
     getattr,
 }
 

@@ -20,6 +20,7 @@ import pytest
 import torch
 from helpers import check_equivalent
 
+from parc.compiler.cost import node_costs
 from parc.compiler.frontend import Analysis, analyse
 from parc.compiler.node_meta import meta_of
 from parc.compiler.ops.collectives import CommKind
@@ -36,11 +37,15 @@ shard *.feed_forward.w1 col tp
 shard *.feed_forward.w3 col tp
 shard *.feed_forward.w2 row tp
 """
+ROTARY_FORMS = ["fx"]  # tests/models/titan_style.py's forms of the rotary code (TITAN_ROTARY)
 HEADS_DIM = 2  # q and k are [bs, seqlen, heads, head_dim (/ 2 complex)]: sharded by heads
 
 
-def _env(monkeypatch: pytest.MonkeyPatch, heads: int = 4, kv_heads: int = 2) -> dict[str, str]:
+def _env(
+    monkeypatch: pytest.MonkeyPatch, heads: int = 4, kv_heads: int = 2, rotary: str = "fx"
+) -> dict[str, str]:
     env = {
+        "TITAN_ROTARY": rotary,  # "torchtitan": its exact code, captured with torch.export
         "TITAN_DIM": str(8 * heads),  # head_dim 8: 4 complex pairs per head
         "TITAN_LAYERS": "2",
         "TITAN_HEADS": str(heads),
@@ -69,15 +74,16 @@ def _complex_views(analysis: Analysis) -> list[torch.fx.Node]:
     return [n for n in analysis.gm.graph.nodes if n.target in views]
 
 
+@pytest.mark.parametrize("rotary", ROTARY_FORMS)
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "tp"),
     [(4, 4, 2), (4, 2, 2), (8, 4, 4)],
     ids=["mha-tp2", "gqa-tp2", "gqa-tp4"],
 )
 def test_head_sharded_complex_rotary_gathers_nothing(
-    monkeypatch: pytest.MonkeyPatch, heads: int, kv_heads: int, tp: int
+    monkeypatch: pytest.MonkeyPatch, heads: int, kv_heads: int, tp: int, rotary: str
 ) -> None:
-    _env(monkeypatch, heads, kv_heads)
+    _env(monkeypatch, heads, kv_heads, rotary)
     analysis = analyse(f"mesh tp={tp}\n{MEGATRON}", TITAN, batch=2)
     assert not analysis.plan.warnings, [w.message for w in analysis.plan.warnings]
     assert _gathers(analysis) == 0
@@ -88,10 +94,11 @@ def test_head_sharded_complex_rotary_gathers_nothing(
     assert not [n.format_node() for n in analysis.gm.graph.nodes if _gathers_at(n)]
 
 
+@pytest.mark.parametrize("rotary", ROTARY_FORMS)
 def test_the_rank_program_rotates_its_own_heads_with_local_sizes(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, rotary: str
 ) -> None:
-    _env(monkeypatch)
+    _env(monkeypatch, rotary=rotary)
     analysis = analyse(f"mesh tp=2\n{MEGATRON}", TITAN, batch=2)
     rank = tensor_parallel(analysis.gm, analysis.plan, tp_index=1)
     assert "tp_all_gather" not in rank.code
@@ -100,13 +107,24 @@ def test_the_rank_program_rotates_its_own_heads_with_local_sizes(
     assert [tuple(n.meta["tensor_meta"].shape) for n in views[:2]] == [(2, 8, 2, 4), (2, 8, 1, 4)]
 
 
+def test_complex_views_cost_no_flops_and_no_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    _env(monkeypatch)
+    analysis = analyse("mesh dp=1\n", TITAN, batch=2)
+    costs = node_costs(analysis.gm)
+    views = _complex_views(analysis)
+    assert views and all(costs[n.name].flops == costs[n.name].ops == 0 for n in views)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("rotary", ROTARY_FORMS)
 @pytest.mark.parametrize("mesh", ["tp=2", "dp=2 tp=2"])
 def test_titan_style_megatron_plan_trains_as_one_device(
-    gloo_pool, monkeypatch: pytest.MonkeyPatch, mesh: str
+    gloo_pool, monkeypatch: pytest.MonkeyPatch, mesh: str, rotary: str
 ) -> None:
-    env = _env(monkeypatch)  # GQA: 4 q heads share 2 kv heads, tp=2 divides the kv heads
+    env = _env(
+        monkeypatch, rotary=rotary
+    )  # GQA: 4 q heads share 2 kv heads, tp=2 divides the kv heads
     comparison, _ = check_equivalent(gloo_pool, f"mesh {mesh}\n{MEGATRON}", TITAN, env=env)
     assert comparison.ok, comparison
 

@@ -181,7 +181,8 @@ def sample_batch(
     """`((idx, targets), targets)`: the model is given the targets and computes its loss."""
     g = torch.Generator().manual_seed(1000 + step)
     tokens = torch.randint(0, GPTConfig.vocab_size, (batch_size, 9), generator=g)
-    idx, targets = tokens[:, :-1], tokens[:, 1:]  # predict the next token
+    # predict the next token; contiguous, as nanoGPT's get_batch stacks them (`view` needs it)
+    idx, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     return (idx, targets), targets
 
 

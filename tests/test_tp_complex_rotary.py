@@ -122,33 +122,22 @@ def test_complex_views_cost_no_flops_and_no_kernel(monkeypatch: pytest.MonkeyPat
 def test_titan_style_megatron_plan_trains_as_one_device(
     gloo_pool, monkeypatch: pytest.MonkeyPatch, mesh: str, rotary: str
 ) -> None:
-    env = _env(
-        monkeypatch, rotary=rotary
-    )  # GQA: 4 q heads share 2 kv heads, tp=2 divides the kv heads
+    # GQA: 4 q heads share 2 kv heads, and tp=2 divides the kv heads.
+    env = _env(monkeypatch, rotary=rotary)
     comparison, _ = check_equivalent(gloo_pool, f"mesh {mesh}\n{MEGATRON}", TITAN, env=env)
     assert comparison.ok, comparison
 
 
-_PAIRS_SHARDED = '''
+_SMALL_MODEL = """
 import torch
 import torch.nn as nn
 
 
 class Net(nn.Module):
-    """The col layer's output is viewed so that its shard lands on the pairs' dim."""
-
     def __init__(self):
         super().__init__()
         self.up = nn.Linear(8, 16, bias=False)
-        angles = torch.arange(8.0) / 8
-        self.register_buffer("freqs", torch.polar(torch.ones(8), angles), persistent=False)
-
-    def forward(self, x):
-        b = x.shape[0]
-        pairs = self.up(x).view(b, 2, 8).transpose(1, 2).contiguous()  # [b, 8, 2], S(2)
-        z = torch.view_as_complex(pairs) * self.freqs
-        return torch.view_as_real(z).transpose(1, 2).reshape(b, 16)
-
+{forward}
 
 def build_model():
     return Net()
@@ -165,13 +154,55 @@ def loss_fn(out, y):
 
 def configure_optimizer(params):
     return torch.optim.SGD(params, lr=0.1)
-'''
+"""
+# The col layer's output viewed so that its shard lands on the pairs' dim.
+_PAIRS_SHARDED = """
+        angles = torch.arange(8.0) / 8
+        self.register_buffer("freqs", torch.polar(torch.ones(8), angles), persistent=False)
+
+    def forward(self, x):
+        b = x.shape[0]
+        pairs = self.up(x).view(b, 2, 8).transpose(1, 2).contiguous()  # [b, 8, 2], S(2)
+        z = torch.view_as_complex(pairs) * self.freqs
+        return torch.view_as_real(z).transpose(1, 2).reshape(b, 16)
+"""
+# Angles from a col layer made complex with polar (the radii sliced locally), the
+# pairs flattened back into the row layer's input. (Each model adds to __init__.)
+_POLAR_SHARDED = """
+        self.down = nn.Linear(32, 16, bias=False)
+        self.register_buffer("radius", torch.linspace(0.5, 1.5, 16), persistent=False)
+
+    def forward(self, x):
+        z = torch.polar(self.radius, self.up(x))  # [b, 16] complex, S(1)
+        return self.down(torch.view_as_real(z).flatten(-2))  # [b, 32], S(1)
+"""
+POLAR_SPEC = "mesh tp=2\nshard up col tp\nshard down row tp\n"
+
+
+def _model(tmp_path: Path, forward: str) -> str:
+    path = tmp_path / "complex_net.py"
+    path.write_text(_SMALL_MODEL.format(forward=forward))
+    return str(path)
 
 
 def _pairs_model(tmp_path: Path) -> str:
-    path = tmp_path / "pairs_sharded.py"
-    path.write_text(_PAIRS_SHARDED)
-    return str(path)
+    return _model(tmp_path, _PAIRS_SHARDED)
+
+
+def test_polar_of_sharded_angles_stays_sharded(tmp_path: Path) -> None:
+    analysis = analyse(POLAR_SPEC, _model(tmp_path, _POLAR_SHARDED), batch=2)
+    assert not analysis.plan.warnings, [w.message for w in analysis.plan.warnings]
+    assert _gathers(analysis) == 0
+    (polar,) = (n for n in analysis.gm.graph.nodes if n.target is torch.polar)
+    assert meta_of(polar).tp == Shard(1)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_polar_of_sharded_angles_trains_as_one_device(gloo_pool, tmp_path: Path) -> None:
+    model = _model(tmp_path, _POLAR_SHARDED)
+    comparison, _ = check_equivalent(gloo_pool, POLAR_SPEC, model, env={})
+    assert comparison.ok, comparison
 
 
 def test_a_shard_on_the_pairs_dim_is_gathered_with_a_warning(tmp_path: Path) -> None:

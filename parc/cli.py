@@ -96,17 +96,38 @@ def _parser() -> argparse.ArgumentParser:
     _add_plan(sub)
     _add_check(sub)
     _add_run(sub)
-    p = sub.add_parser("export", help="write a checkpoint as a plain state_dict file")
-    p.add_argument("checkpoint", help="a checkpoint directory (its latest step) or one step")
-    p.add_argument("model", help="the model file the checkpoint was trained with")
-    p.add_argument("-o", "--output", required=True, metavar="FILE", help="where to write it")
-    p.set_defaults(run=commands.cmd_export)
+    _add_export(sub)
     p = sub.add_parser("demo", help="train a small GPT on 4 processes and prove it equivalent")
     p.add_argument("--steps", type=_positive, default=150, help="training steps (default 150)")
     p.add_argument("--batch", type=_positive, default=16, help="global batch (default 16)")
     p.add_argument("--out", default="runs/demo", help="where to write the pictures and logs")
     p.set_defaults(run=commands.cmd_demo)
     return parser
+
+
+def _add_export(sub: Any) -> None:
+    p = sub.add_parser(
+        "export", help="write a checkpoint as a plain state_dict file or a Hugging Face directory"
+    )
+    p.add_argument("checkpoint", help="a checkpoint directory (its latest step) or one step")
+    p.add_argument("model", help="the model file the checkpoint was trained with")
+    p.add_argument(
+        "-o", "--output", required=True, metavar="PATH", help="the file (a directory for hf)"
+    )
+    p.add_argument(
+        "--format",
+        choices=["torch", "hf"],
+        default="torch",
+        help="torch (the default: one torch.save file) or hf (safetensors and config.json, "
+        "as save_pretrained writes them: from_pretrained loads the directory)",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        metavar="SIZE",
+        help="with --format hf, split the weights into files of at most SIZE (default 5GB)",
+    )
+    p.set_defaults(run=commands.cmd_export)
 
 
 def _add_plan(sub: Any) -> None:
@@ -156,6 +177,12 @@ def _add_check(sub: Any) -> None:
         "sgd (lr 0.1, momentum 0.9) or adamw (lr 1e-3)",
     )
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.add_argument(
+        "--weights",
+        metavar="DIR",
+        help="both runs start from this Hugging Face checkpoint directory (safetensors, as "
+        "save_pretrained writes it) instead of the model's initialisation",
+    )
     p.add_argument("--timeout", type=_seconds, default=300.0, help="seconds per collective")
     p.add_argument("--inject-fault", help=argparse.SUPPRESS)
     p.set_defaults(run=commands.cmd_check)
@@ -169,6 +196,12 @@ def _add_run(sub: Any) -> None:
     p.add_argument("--batch", type=_positive, help="global batch size")
     p.add_argument(
         "--lr", type=_learning_rate, help="learning rate (overrides configure_optimizer's)"
+    )
+    p.add_argument(
+        "--weights",
+        metavar="DIR",
+        help="start from this Hugging Face checkpoint directory (safetensors, as "
+        "save_pretrained writes it) instead of the model's initialisation",
     )
     p.add_argument("--checkpoint", metavar="DIR", help="save a checkpoint here after the last step")
     p.add_argument(
@@ -273,6 +306,7 @@ class _Output:
     flag: str
     kind: str  # a PathKind name (compiler/output.py, imported only when there is a path)
     example: str  # a file name for the hint when a directory is given instead
+    dir_if: tuple[str, str] | None = None  # (argument, value): then it names a directory
 
 
 # What each command writes, checked before any work starts (a --log that cannot be
@@ -287,7 +321,7 @@ _OUTPUTS: dict[str, tuple[_Output, ...]] = {
         _Output("log", "--log", "FILE", "log.jsonl"),
         _Output("checkpoint", "--checkpoint", "DIR", "c"),
     ),
-    "export": (_Output("output", "-o", "FILE", "model.pt"),),
+    "export": (_Output("output", "-o", "FILE", "model.pt", dir_if=("format", "hf")),),
     "demo": (_Output("out", "--out", "DIR", "demo"),),
 }
 
@@ -303,7 +337,9 @@ def _check_outputs(args: argparse.Namespace) -> None:
 
     for out, path in given:
         if path:
-            check_writable(Path(path), PathKind[out.kind], out.flag, out.example)
+            as_dir = out.dir_if is not None and getattr(args, out.dir_if[0]) == out.dir_if[1]
+            kind = PathKind.DIR if as_dir else PathKind[out.kind]
+            check_writable(Path(path), kind, out.flag, out.example)
 
 
 def _signalled(sig: signal.Signals) -> int:

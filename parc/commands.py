@@ -122,6 +122,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         optimizer=args.optimizer,
         fault=args.inject_fault,
         timeout=args.timeout,
+        weights=args.weights,
     )
     if args.json:
         print(json.dumps(check_json(result), indent=2))
@@ -146,6 +147,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         log=args.log,
         skip_nonfinite=args.skip_nonfinite,
         fault=args.inject_fault,
+        weights=args.weights,
     )
     if under_torchrun():
         exit_hard(_train_rank(opts, args.debug))
@@ -156,6 +158,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     # Every spec and model error surfaces here, once, before any process starts.
     analysis = analyse(args.spec, args.model, batch=args.batch)
+    if args.weights:
+        from parc.runtime.hf_weights import check_weights
+
+        check_weights(args.weights, analysis.model)
     return launch(
         args.argv,
         analysis.plan.mesh.world_size,
@@ -203,8 +209,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from parc.runtime.export import export_state_dict
+    from parc.compiler.planner.cluster import parse_size
+    from parc.runtime.export import ExportFormat, export_state_dict
 
-    path = export_state_dict(args.checkpoint, args.model, args.output)
-    print(f"wrote {path}: load it with build_model().load_state_dict(torch.load(path))")
+    fmt = ExportFormat(args.format)
+    shard = parse_size(args.max_shard_size, "--max-shard-size")
+    path = export_state_dict(
+        args.checkpoint, args.model, args.output, format=fmt, max_shard_size=shard
+    )
+    if fmt is ExportFormat.HF:
+        print(f"wrote {path}: load it with from_pretrained(path) (transformers) or --weights")
+    else:
+        print(f"wrote {path}: load it with build_model().load_state_dict(torch.load(path))")
     return EXIT_OK

@@ -76,8 +76,10 @@ def run_check(
     seed: int = 0,
     fault: str | None = None,
     timeout: float = 300.0,
+    weights: str | None = None,
 ) -> CheckResult:
-    """Run both sides and compare; raises ParcError for a bad spec, model or optimizer."""
+    """Run both sides and compare; raises ParcError for a bad spec, model or optimizer.
+    With `weights` (a checkpoint directory) both start from its tensors."""
     from parc.compiler.frontend import analyse, default_batch
     from parc.runtime.mesh import check_local_ranks, local_backend
     from parc.testing.pool import WorkerPool
@@ -90,7 +92,12 @@ def run_check(
     source = load_model(model_file)
     batch = batch or default_batch(spec)
     # Every spec and model error, before any process starts.
-    plan = analyse(spec, source, batch=batch).plan
+    analysis = analyse(spec, source, batch=batch)
+    plan = analysis.plan
+    if weights:
+        from parc.runtime.hf_weights import check_weights
+
+        check_weights(weights, analysis.model)
     opt_class = _check_optimizer(source, optimizer, plan)
     with WorkerPool(world, timeout=timeout) as pool:
         comparison, twin_diff = compare_in_pool(
@@ -102,6 +109,7 @@ def run_check(
             seed=seed,
             optimizer=optimizer,
             fault=fault,
+            weights=weights,
         )
     return CheckResult(
         spec_path,
@@ -128,6 +136,7 @@ def compare_in_pool(
     optimizer: str = "model",
     fault: str | None = None,
     env: dict[str, str] | None = None,
+    weights: str | None = None,
 ) -> tuple[Comparison, float | None]:
     """The reference and its noise twin here, the program twice on `pool` (a gradient
     probe step, then `steps` training steps); the calibrated comparison and, when the
@@ -139,6 +148,7 @@ def compare_in_pool(
         "seed": seed,
         "optimizer": optimizer,
         "env": env,
+        "weights": weights,
     }
     ref = reference_run(model_file, **runs)
     twin = reference_run(model_file, **runs, twin=True)

@@ -112,23 +112,36 @@ def reference_run(
     optimizer: str = "sgd",
     env: dict[str, str] | None = None,
     twin: bool = False,
+    weights: str | None = None,
 ) -> dict[str, Any]:
     """Train the unmodified model on one process; losses per step, final parameters and
     buffers, and the gradients of step 0 ("grads", by parameter name).
 
     `twin` runs the noise twin of runtime/calibration.py instead: the same
     training, rounded differently (every batch in reverse sample order, every
-    module's output moved by one ulp).
+    module's output moved by one ulp). `weights`: a checkpoint directory to start
+    from (runtime/hf_weights.py), as `parc.compile(weights=...)` does.
     """
     with model_env(env):
-        return _reference(load_model(model_file), steps, batch, seed, optimizer, twin)
+        source = load_model(model_file)
+        return _reference(source, steps, batch, seed, optimizer, twin, weights)
 
 
 def _reference(
-    source: ModelSource, steps: int, batch: int, seed: int, optimizer: str, twin: bool = False
+    source: ModelSource,
+    steps: int,
+    batch: int,
+    seed: int,
+    optimizer: str,
+    twin: bool = False,
+    weights: str | None = None,
 ) -> dict[str, Any]:
     torch.manual_seed(seed)
     model = source.build()
+    if weights:
+        from .hf_weights import load_full
+
+        load_full(model, weights)
     if twin:
         nudge_outputs(model)
     # Everything below is the user's code on plain PyTorch: its errors are the model
@@ -182,11 +195,13 @@ def parallel_case(
     want_params: bool = True,
     fault: str | None = None,
     schedule: dict[int, list[str]] | None = None,
+    weights: str | None = None,
 ) -> dict[str, Any]:
     """One rank's side of a parallel run (call on every rank of a process group).
 
     `fault` names a deliberate bug to inject (parc/testing/faults.py), to prove checks fail;
-    `schedule` is a hand-written pipeline schedule for `parc.compile(schedule=...)`.
+    `schedule` is a hand-written pipeline schedule for `parc.compile(schedule=...)`;
+    `weights` a checkpoint directory to start from.
     """
     import torch.distributed as dist
 
@@ -202,6 +217,7 @@ def parallel_case(
             seed=seed,
             optimizer=_optimizer_for(source, optimizer),
             schedule=schedule,
+            weights=weights,
         )
         if fault is not None:
             inject(program, fault)

@@ -24,10 +24,16 @@ same function as `Program.state_dict()` (`compiler.model_state.state_names`).
 
 `export_program` writes the same file from a live program on every rank
 (`Program.iter_state`): rank 0 writes each tensor as it is gathered.
+
+`format=ExportFormat.HF` writes a Hugging Face checkpoint directory instead
+(runtime/hf_export.py: safetensors files `from_pretrained` loads, tied weights
+stored once, config.json from the model's transformers config), streamed the
+same way.
 """
 
 from __future__ import annotations
 
+import enum
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -47,20 +53,47 @@ from parc.runtime.checkpoint.store import (
 )
 
 from .gather import state_keys
+from .hf_export import DEFAULT_MAX_SHARD_SIZE, HFWriter
 from .state_file import StateFileWriter, TensorLayout
 
 if TYPE_CHECKING:
     from .program import Program
 
-__all__ = ["export_program", "export_state_dict"]
+__all__ = ["ExportFormat", "export_program", "export_state_dict"]
+
+
+class ExportFormat(enum.Enum):
+    """What `parc export --format` writes."""
+
+    TORCH = "torch"  # one torch.save file of the state_dict (runtime/state_file.py)
+    HF = "hf"  # a Hugging Face checkpoint directory (runtime/hf_export.py)
+
+
+def _writer(
+    format: ExportFormat | str,
+    out: Path,
+    layout: TensorLayout,
+    names: dict[str, str],
+    model: torch.nn.Module | None,
+    max_shard_size: int,
+) -> StateFileWriter | HFWriter:
+    if ExportFormat(format) is ExportFormat.HF:
+        return HFWriter(out, layout, names, model=model, max_shard_size=max_shard_size)
+    return StateFileWriter(out, layout, names)
 
 
 def export_state_dict(
-    checkpoint_dir: str | Path, model_file: str | Path | ModelSource, out_path: str | Path
+    checkpoint_dir: str | Path,
+    model_file: str | Path | ModelSource,
+    out_path: str | Path,
+    *,
+    format: ExportFormat | str = ExportFormat.TORCH,
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
 ) -> Path:
     """Write the model's full `state_dict` from the latest checkpoint of `checkpoint_dir`
-    (or that checkpoint directory itself) to `out_path`, a file `torch.load` reads;
-    returns `out_path`."""
+    (or that checkpoint directory itself) to `out_path`, a file `torch.load` reads (or,
+    with `ExportFormat.HF`, a directory `from_pretrained` reads, in files of at most
+    `max_shard_size` bytes but for a larger tensor); returns `out_path`."""
     path = checkpoint_path(checkpoint_dir)
     source = model_file if isinstance(model_file, ModelSource) else load_model(model_file)
     with torch.random.fork_rng(devices=[]):  # a build that seeds leaves the caller's RNG
@@ -79,7 +112,7 @@ def export_state_dict(
     names = state_names(model)
     layout: TensorLayout = {n: (tuple(t.shape), t.dtype) for n, (_, t) in stored.items()}
     out = Path(out_path)
-    writer = StateFileWriter(out, layout, names)  # Step 2
+    writer = _writer(format, out, layout, names, model, max_shard_size)  # Step 2
     with writer, quiet_single_process(), reading(path):
         for canonical in dict.fromkeys(names.values()):  # Step 3
             key, like = stored[canonical]
@@ -89,10 +122,18 @@ def export_state_dict(
     return out
 
 
-def export_program(program: Program, out_path: str | Path) -> Path | None:
+def export_program(
+    program: Program,
+    out_path: str | Path,
+    *,
+    format: ExportFormat | str = ExportFormat.TORCH,
+    model: str | Path | ModelSource | None = None,
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+) -> Path | None:
     """Write `program`'s full `state_dict` to `out_path` (call on every rank): rank 0
     writes each tensor as `Program.iter_state` gathers it and returns `out_path`; the
-    other ranks take part in the gathering and return None."""
+    other ranks take part in the gathering and return None. With `ExportFormat.HF`,
+    `model` (its model file) gives config.json and the names of tied weights."""
     parts = program.parts
     names = state_keys(parts)
     layout: TensorLayout = {n: (s, parts.dtypes[n]) for n, s in parts.full_shapes.items()}
@@ -104,10 +145,17 @@ def export_program(program: Program, out_path: str | Path) -> Path | None:
         return None
     out = Path(out_path)
     written: set[str] = set()
-    with StateFileWriter(out, layout, names) as writer:
+    built = None if model is None else _on_meta(model)
+    with _writer(format, out, layout, names, built, max_shard_size) as writer:
         for key, tensor in program.iter_state():
             if names[key] not in written:  # an alias follows its tensor, already written
                 writer.write(names[key], tensor)
                 written.add(names[key])
             del tensor
     return out
+
+
+def _on_meta(model: str | Path | ModelSource) -> torch.nn.Module:
+    source = model if isinstance(model, ModelSource) else load_model(model)
+    with torch.random.fork_rng(devices=[]):  # a build that seeds leaves the caller's RNG
+        return source.build(device="meta")

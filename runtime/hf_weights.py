@@ -88,9 +88,9 @@ class WeightFiles:
 
     @staticmethod
     def open(root: str | Path) -> WeightFiles:
+        safe_open = _safetensors().safe_open
         root = Path(root)
         files = _weight_files(root)
-        safe_open = _safetensors().safe_open
         tensors: dict[str, Stored] = {}
         for file in files:
             with safe_open(str(file), framework="pt") as handle:

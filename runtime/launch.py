@@ -51,6 +51,7 @@ class RunOptions:
     log: str | None = None  # JSON lines of (step, loss) written by rank 0
     skip_nonfinite: bool = False  # skip a NaN/inf step's update on every rank instead of stopping
     fault: str | None = None  # faults to inject (parc/testing/faults.py): a testing aid
+    weights: str | None = None  # a checkpoint directory to start from (runtime/hf_weights.py)
 
 
 def under_torchrun() -> bool:
@@ -236,7 +237,9 @@ def train(opts: RunOptions) -> int:
     factory = source.configure_optimizer
     if opts.lr is not None:
         factory = _with_lr(factory, opts.lr)
-    program = parc_compile(spec, source, batch=opts.batch, seed=opts.seed, optimizer=factory)
+    program = parc_compile(
+        spec, source, batch=opts.batch, seed=opts.seed, optimizer=factory, weights=opts.weights
+    )
     program.skip_nonfinite = opts.skip_nonfinite
     if opts.fault:
         from parc.testing.faults import inject

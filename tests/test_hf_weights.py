@@ -1,0 +1,510 @@
+"""Hugging Face weights in and out (issue 15, Build 3): runtime/hf_weights.py, runtime/hf_export.py.
+
+In: a checkpoint directory (`model.safetensors`, or shards and their index, named
+by the model's state_dict keys) loads into any spec, each rank reading only its
+slices. Every saved tensor here is the seeded build plus noise, so no value can
+come from the model's own initialisation by accident.
+
+- the rank's materialised tensors equal the slices of the saved tensors bitwise
+  (checked against `load_state_dict(safetensors.torch.load_file(...))`, which
+  shares nothing with parc's reader), under dp=2 zero 3, tp=2 and pp=2, and one
+  SGD step equals the single-device reference started from the same files;
+- a tp=2 rank reads half of each sharded weight, a ZeRO-3 rank about half of
+  the model (every `get_slice(...)[...]` counted);
+- a missing or extra tensor, a wrong shape, a path that is no directory or holds
+  no safetensors file: a `ModelError` naming the tensor, the file and the fix,
+  on every rank alike, and from the CLI without a traceback.
+
+Out: `export --format hf` writes safetensors that `safetensors.torch.load_file`
+reads back equal to the state dict (tied weights once), sharded with an index
+above `--max-shard-size`, with config.json where the model has a transformers
+config, which `from_pretrained` loads.
+
+Tolerances: the loads and exports copy values, so they are compared bitwise. The
+one-step runs use `Tolerance()` of runtime/equivalence.py (fp32 reorderings).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import GPT, LLAMA
+from test_compile_memory import _mismatches
+
+from parc.compiler.model import load_model
+from parc.errors import ModelError, ParcError
+from parc.runtime.equivalence import (
+    Tolerance,
+    compare_runs,
+    make_optimizer,
+    model_env,
+    reference_run,
+)
+
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+GPT_ENV = {"GPT_LAYERS": "2", "GPT_DIM": "16", "GPT_HEADS": "2", "GPT_VOCAB": "48", "GPT_SEQ": "8"}
+LLAMA_ENV = {"LLAMA_LAYERS": "2", "LLAMA_DIM": "16", "LLAMA_HEADS": "4", "LLAMA_KV_HEADS": "2"}
+LLAMA_ENV |= {"LLAMA_VOCAB": "40", "LLAMA_SEQ": "8", "LLAMA_FFN": "24"}
+BATCH = 4
+GPT_TP = "shard *.attn.qkv col tp\nshard *.attn.proj row tp\nshard *.mlp.fc1 col tp\n"
+GPT_TP += "shard *.mlp.fc2 row tp\n"
+LLAMA_TP = "".join(f"shard *.attn.{m} col tp\n" for m in "qkv") + "shard *.attn.o row tp\n"
+LLAMA_TP += "shard *.mlp.gate col tp\nshard *.mlp.up col tp\nshard *.mlp.down row tp\n"
+SPECS = {
+    ("gpt", "dp2-zero3"): "mesh dp=2\nzero 3\n",
+    ("gpt", "tp2"): "mesh tp=2\n" + GPT_TP,
+    # The tied embedding and LM head on both stages: stage 1 reads it under wte's name.
+    ("gpt", "pp2"): "mesh pp=2\nstage wte, wpe, layers[0:1] -> 0\n"
+    "stage layers[1:2], ln_f, lm_head -> 1\nmicrobatches 2\n",
+    ("llama", "dp2-zero3"): "mesh dp=2\nzero 3\n",
+    ("llama", "tp2"): "mesh tp=2\n" + LLAMA_TP,
+    ("llama", "pp2"): "mesh pp=2\nstage tok, layers[0:1] -> 0\n"
+    "stage layers[1:2], norm, lm_head -> 1\nmicrobatches 2\n",
+}
+MODELS = {"gpt": (GPT, GPT_ENV), "llama": (LLAMA, LLAMA_ENV)}
+
+
+def _saved_state(model: str, env: dict[str, str]) -> dict[str, torch.Tensor]:
+    """The model's state dict, seeded 11 plus noise, each tied tensor once (first name)."""
+    with model_env(env):
+        torch.manual_seed(11)
+        built = load_model(model).build_model()
+    state, seen = {}, set()
+    for key, value in built.state_dict().items():
+        if value.untyped_storage().data_ptr() in seen:
+            continue
+        seen.add(value.untyped_storage().data_ptr())
+        noise = 0.01 * torch.randn(value.shape) if value.is_floating_point() else 0
+        state[key] = (value + noise).contiguous()
+    return state
+
+
+def save_dir(
+    directory: Path, state: dict[str, torch.Tensor], shards: int = 1, index: bool = True
+) -> Path:
+    """`state` as save_pretrained lays it out: one file, or `shards` files and their index."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text("{}\n")
+    if shards == 1:
+        safetensors_torch.save_file(state, directory / "model.safetensors", {"format": "pt"})
+        return directory
+    keys = list(state)
+    weight_map = {}
+    for i in range(shards):
+        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = {k: state[k] for k in keys[i::shards]}
+        safetensors_torch.save_file(part, directory / name, {"format": "pt"})
+        weight_map |= dict.fromkeys(part, name)
+    if index:
+        meta = {"total_size": sum(t.numel() * t.element_size() for t in state.values())}
+        text = json.dumps({"metadata": meta, "weight_map": weight_map})
+        (directory / "model.safetensors.index.json").write_text(text)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """GPT (tied) in one file, LLaMA in three shards with an index."""
+    root = tmp_path_factory.mktemp("hf")
+    return {
+        "gpt": save_dir(root / "gpt", _saved_state(GPT, GPT_ENV)),
+        "llama": save_dir(root / "llama", _saved_state(LLAMA, LLAMA_ENV), shards=3),
+    }
+
+
+def _files_model(source: Any, directory: Path) -> torch.nn.Module:
+    """The model with the directory's tensors, loaded by torch and safetensors alone."""
+    model = source.build_model()
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        state |= safetensors_torch.load_file(file)
+    model.load_state_dict(state, strict=False)  # a tied alias stored once is absent
+    return model
+
+
+def load_and_step(spec: str, model: str, env: dict[str, str], weights: str) -> dict[str, Any]:
+    """One rank: compile from `weights`, what differs from the files' slices, one SGD step."""
+    import torch.distributed as dist
+
+    from parc.api import compile as parc_compile
+
+    with model_env(env):
+        source = load_model(model)
+        sgd = make_optimizer("sgd")
+        program = parc_compile(spec, source, batch=BATCH, optimizer=sgd, weights=weights)
+        bad = _mismatches(program, _files_model(source, Path(weights)))
+        loss = program.step(*source.batch(BATCH, 0))
+        state = program.state_dict()
+    return {"mismatches": bad, "losses": [loss], "params": state if dist.get_rank() == 0 else {}}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("model", "layout"), list(SPECS), ids=["-".join(k) for k in SPECS])
+def test_each_rank_holds_the_slices_of_the_saved_tensors_and_steps_as_one_device(
+    model: str, layout: str, saved: dict[str, Path], gloo_pool: Any
+) -> None:
+    spec, (file, env) = SPECS[model, layout], MODELS[model]
+    results = gloo_pool(2).run(load_and_step, spec, file, env, str(saved[model]))
+    assert [r["mismatches"] for r in results] == [[], []]  # bitwise the files' slices
+    ref = reference_run(
+        file, steps=1, batch=BATCH, optimizer="sgd", env=env, weights=str(saved[model])
+    )
+    comparison = compare_runs(ref, results[0], Tolerance())
+    assert comparison.ok, comparison.describe()
+    # The loaded values, not the seeded initialisation, are what trained.
+    seeded = reference_run(file, steps=1, batch=BATCH, optimizer="sgd", env=env)
+    assert abs(seeded["losses"][0] - ref["losses"][0]) > 1e-4
+
+
+def count_reads(spec: str, model: str, env: dict[str, str], weights: str) -> dict[str, Any]:
+    """One rank: the elements every `get_slice(name)[...]` returned while compiling."""
+    import safetensors
+
+    from parc.api import compile as parc_compile
+
+    real, read = safetensors.safe_open, dict[str, int]()
+
+    class Slice:
+        def __init__(self, inner: Any, key: str) -> None:
+            self.inner, self.key = inner, key
+
+        def __getitem__(self, index: Any) -> torch.Tensor:
+            out = self.inner[index]
+            read[self.key] = read.get(self.key, 0) + out.numel()
+            return out
+
+        def get_shape(self) -> list[int]:
+            return list(self.inner.get_shape())
+
+    class Handle:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self.inner = real(*args, **kwargs)
+
+        def __enter__(self) -> Handle:
+            self.inner.__enter__()
+            return self
+
+        def __exit__(self, *exc: Any) -> None:
+            self.inner.__exit__(*exc)
+
+        def keys(self) -> list[str]:
+            return list(self.inner.keys())
+
+        def get_slice(self, key: str) -> Slice:
+            return Slice(self.inner.get_slice(key), key)
+
+    safetensors.safe_open = Handle
+    try:
+        with model_env(env):
+            program = parc_compile(spec, load_model(model), batch=BATCH, weights=weights)
+    finally:
+        safetensors.safe_open = real
+    parts = program.parts
+    shards = sum(s.numel() for s in getattr(parts.sync, "shards", ()))
+    return {"read": read, "sliced": sorted(parts.slices), "shard_elems": shards}
+
+
+@pytest.mark.multiprocess
+def test_a_tp_rank_reads_half_of_each_sharded_weight_from_sharded_files(
+    saved: dict[str, Path], gloo_pool: Any
+) -> None:
+    state = _saved_state(LLAMA, LLAMA_ENV)
+    spec = SPECS["llama", "tp2"]
+    results = gloo_pool(2).run(count_reads, spec, LLAMA, LLAMA_ENV, str(saved["llama"]))
+    for r in results:
+        assert r["sliced"], "the plan shards some weights"
+        assert set(r["read"]) == set(state)  # every tensor read, under its stored name
+        for key, value in state.items():
+            share = 2 if key in r["sliced"] else 1
+            assert r["read"][key] == value.numel() // share, key
+
+
+@pytest.mark.multiprocess
+def test_a_zero3_rank_reads_the_rows_covering_its_shard_not_the_model(
+    saved: dict[str, Path], gloo_pool: Any
+) -> None:
+    state = _saved_state(GPT, GPT_ENV)
+    spec = SPECS["gpt", "dp2-zero3"]
+    results = gloo_pool(2).run(count_reads, spec, GPT, GPT_ENV, str(saved["gpt"]))
+    whole = sum(t.numel() for t in state.values())
+    # Rows of dim 0 that cover the shard's range: at most one partial row more at each
+    # end of every parameter the shard cuts, and there are two ranks' halves.
+    widest = max(t.numel() // t.shape[0] for t in state.values() if t.dim())
+    for r in results:
+        total = sum(r["read"].values())
+        assert r["shard_elems"] <= total <= r["shard_elems"] + 2 * len(state) * widest, r
+        assert total < 0.75 * whole, (total, whole)
+
+
+# ----------------------------------------------------------------------- mistakes
+
+
+def _compile_dp1(weights: Path | str, model: str = GPT, env: dict[str, str] = GPT_ENV) -> Any:
+    from parc.api import compile as parc_compile
+
+    with model_env(env):
+        return parc_compile("mesh dp=1\n", load_model(model), batch=BATCH, weights=weights)
+
+
+def test_a_file_dtype_is_cast_to_the_parameter_dtype(tmp_path: Path) -> None:
+    state = {k: v.double() for k, v in _saved_state(GPT, GPT_ENV).items()}
+    program = _compile_dp1(save_dir(tmp_path / "f64", state))
+    got = program.state_dict()
+    for key, value in state.items():
+        assert got[key].dtype == torch.float32
+        assert torch.equal(got[key], value.float()), key
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ("missing", "the checkpoint has no tensor for 1 parameter(s) of the model: 'ln_f.bias'"),
+        ("extra", "no parameter or buffer of the model: 'ln_f.scale'"),
+        ("shape", "tensor 'ln_f.bias' has shape (3,) in model.safetensors, but the model's"),
+    ],
+)
+def test_a_checkpoint_that_does_not_fit_the_model_is_a_model_error(
+    change: str, says: str, tmp_path: Path
+) -> None:
+    state = _saved_state(GPT, GPT_ENV)
+    if change == "missing":
+        del state["ln_f.bias"]
+    elif change == "extra":
+        state["ln_f.scale"] = torch.ones(3)
+    else:
+        state["ln_f.bias"] = torch.zeros(3)
+    directory = save_dir(tmp_path / change, state)
+    with pytest.raises(ModelError) as caught:
+        _compile_dp1(directory)
+    text = str(caught.value)
+    assert says in text, text
+    assert text.startswith(f"{directory}: error:"), text
+    assert "hint:" in text, text
+
+
+def test_a_path_that_is_no_checkpoint_directory_is_a_model_error(tmp_path: Path) -> None:
+    with pytest.raises(ModelError, match="weights directory does not exist"):
+        _compile_dp1(tmp_path / "nowhere")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ModelError, match="weights directory is not a directory"):
+        _compile_dp1(tmp_path / "file")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelError, match=r"holds no \.safetensors file"):
+        _compile_dp1(tmp_path / "empty")
+    shards = save_dir(tmp_path / "lost", _saved_state(GPT, GPT_ENV), shards=2)
+    (shards / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ModelError, match=r"lists model-00002-of-00002\.safetensors, which the"):
+        _compile_dp1(shards)
+
+
+def test_shards_without_an_index_are_read_together(tmp_path: Path) -> None:
+    state = _saved_state(LLAMA, LLAMA_ENV)
+    directory = save_dir(tmp_path / "noindex", state, shards=2, index=False)
+    got = _compile_dp1(directory, LLAMA, LLAMA_ENV).state_dict()
+    assert all(torch.equal(got[k], v) for k, v in state.items())
+
+
+def test_without_safetensors_installed_the_error_says_how_to_install_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # `import safetensors` fails
+    with pytest.raises(ParcError, match="pip install safetensors"):
+        _compile_dp1(tmp_path)
+
+
+def compile_missing(weights: str) -> str:
+    from parc.api import compile as parc_compile
+
+    try:
+        with model_env(GPT_ENV):
+            parc_compile(SPECS["gpt", "dp2-zero3"], load_model(GPT), batch=BATCH, weights=weights)
+    except ModelError as exc:
+        return str(exc)
+    return ""
+
+
+@pytest.mark.multiprocess
+def test_a_missing_tensor_stops_every_rank_with_the_same_error(
+    tmp_path: Path, gloo_pool: Any
+) -> None:
+    state = _saved_state(GPT, GPT_ENV)
+    del state["layers.1.mlp.fc2.weight"]
+    directory = save_dir(tmp_path / "missing", state)
+    texts = gloo_pool(2).run(compile_missing, str(directory))
+    assert texts[0] == texts[1] != "", texts
+    assert "'layers.1.mlp.fc2.weight'" in texts[0]
+
+
+@pytest.mark.parametrize("command", ["run", "check"])
+def test_the_cli_refuses_bad_weights_before_any_process_starts(
+    command: str, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    from parc.cli import main
+
+    state = _saved_state(GPT, GPT_ENV)
+    state["wte.weight"] = state["wte.weight"][:-1].contiguous()
+    directory = save_dir(tmp_path / "short", state)
+    spec = tmp_path / "dp2.par"
+    spec.write_text("mesh dp=2\n")
+    with model_env(GPT_ENV):
+        code = main([command, str(spec), GPT, "--steps", "1", "--weights", str(directory)])
+    out, err = capfd.readouterr()
+    assert code == 2, err
+    assert "tensor 'wte.weight' has shape (47, 16) in model.safetensors" in err, err
+    assert "Traceback" not in out + err
+
+
+# ------------------------------------------------------------------------- export
+
+
+def export_from_program(spec: str, weights: str, out: str) -> dict[str, Any]:
+    """One rank: start from `weights`, one step, export hf; rank 0's state_dict."""
+    import torch.distributed as dist
+
+    from parc.api import compile as parc_compile
+    from parc.runtime.export import export_program
+
+    with model_env(GPT_ENV):
+        source = load_model(GPT)
+        program = parc_compile(spec, source, batch=BATCH, weights=weights)
+        program.step(*source.batch(BATCH, 0))
+        export_program(program, out, format="hf", model=source)
+        state = program.state_dict()
+    return state if dist.get_rank() == 0 else {}
+
+
+@pytest.mark.multiprocess
+def test_export_hf_from_a_program_stores_its_state_once_per_tensor_and_loads_back(
+    saved: dict[str, Path], tmp_path: Path, gloo_pool: Any
+) -> None:
+    out = tmp_path / "exported"
+    state = gloo_pool(2).run(export_from_program, SPECS["gpt", "tp2"], str(saved["gpt"]), str(out))[
+        0
+    ]
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["model.safetensors"], files  # a plain module: no config.json
+    stored = safetensors_torch.load_file(out / "model.safetensors")
+    assert "lm_head.weight" not in stored  # tied to wte.weight, stored once
+    assert set(stored) == set(state) - {"lm_head.weight"}
+    for key, value in stored.items():
+        assert torch.equal(value, state[key]), key
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}
+    again = _compile_dp1(out).state_dict()  # and parc starts from what it exported
+    assert all(torch.equal(again[k], v) for k, v in state.items())
+
+
+def test_parc_export_format_hf_shards_a_checkpoint_above_max_shard_size(
+    saved: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from parc.cli import main
+    from parc.runtime.checkpoint.store import save_checkpoint
+
+    save_checkpoint(_compile_dp1(saved["gpt"]), tmp_path / "ckpt", 1)
+    out, pt = tmp_path / "hf", tmp_path / "gpt.pt"
+    with model_env(GPT_ENV):
+        args = [str(tmp_path / "ckpt"), GPT, "-o", str(out), "--format", "hf"]
+        assert main(["export", *args, "--max-shard-size", "8KB"]) == 0
+        assert main(["export", str(tmp_path / "ckpt"), GPT, "-o", str(pt)]) == 0
+    assert "from_pretrained" in capsys.readouterr().out
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and sorted(p.name for p in out.glob("*.safetensors")) == shards
+    expected = torch.load(pt, weights_only=True)
+    stored: dict[str, torch.Tensor] = {}
+    for name in shards:
+        part = safetensors_torch.load_file(out / name)
+        # At most 8 KB a file, but for a single larger tensor (as save_pretrained shards).
+        assert len(part) == 1 or sum(t.numel() * t.element_size() for t in part.values()) <= 8000
+        stored |= part
+    assert index["weight_map"] == {
+        k: n for n in shards for k in safetensors_torch.load_file(out / n)
+    }
+    assert index["metadata"]["total_size"] == sum(
+        t.numel() * t.element_size() for t in stored.values()
+    )
+    assert set(stored) == set(expected) - {"lm_head.weight"}
+    assert all(torch.equal(v, expected[k]) for k, v in stored.items())
+    # A second export into the same directory, one file now: no stale shard or index left.
+    with model_env(GPT_ENV):
+        assert main(["export", *args]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+
+
+def test_parc_export_format_hf_refuses_a_file_as_its_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from parc.cli import main
+
+    (tmp_path / "taken").write_text("x")
+    code = main(["export", str(tmp_path), GPT, "-o", str(tmp_path / "taken"), "--format", "hf"])
+    err = capsys.readouterr().err
+    assert code == 2 and "-o " in err and "exists and is not a directory" in err, err
+    assert "Traceback" not in err
+
+
+def _tiny_llama(tie: bool, seed: int) -> Any:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        tie_word_embeddings=tie,
+    )
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def test_the_hf_writer_output_loads_with_from_pretrained_to_the_same_logits(
+    tmp_path: Path,
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from parc.compiler.model_state import state_names
+    from parc.runtime.hf_export import HFWriter
+
+    model = _tiny_llama(tie=True, seed=1)
+    state = model.state_dict()
+    names = state_names(model)
+    layout = {c: (tuple(state[c].shape), state[c].dtype) for c in set(names.values())}
+    with HFWriter(tmp_path, layout, names, model=model, max_shard_size=60_000) as out:
+        for canonical in reversed(list(dict.fromkeys(names.values()))):  # any order
+            out.write(canonical, state[canonical])
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == [
+        "LlamaForCausalLM"
+    ]
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert "lm_head.weight" not in index["weight_map"]  # as save_pretrained: tied, once
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_a_save_pretrained_directory_loads_into_the_model_it_was_saved_from(
+    tie: bool, tmp_path: Path
+) -> None:
+    from parc.runtime.hf_weights import check_weights, load_full
+
+    saved_model = _tiny_llama(tie, seed=1)
+    saved_model.save_pretrained(tmp_path, max_shard_size="100KB")  # sharded, with an index
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    model = _tiny_llama(tie, seed=2)
+    with torch.device("meta"):
+        check_weights(tmp_path, type(model)(model.config))
+    load_full(model, tmp_path)
+    for key, value in saved_model.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key

@@ -1,4 +1,4 @@
-"""Hugging Face weights in and out (issue 15, Build 3): runtime/hf_weights.py, runtime/hf_export.py.
+"""Hugging Face weights in (issue 15, Build 3): runtime/hf_weights.py; out: tests/test_hf_export.py.
 
 In: a checkpoint directory (`model.safetensors`, or shards and their index, named
 by the model's state_dict keys) loads into any spec, each rank reading only its
@@ -15,12 +15,7 @@ come from the model's own initialisation by accident.
   no safetensors file: a `ModelError` naming the tensor, the file and the fix,
   on every rank alike, and from the CLI without a traceback.
 
-Out: `export --format hf` writes safetensors that `safetensors.torch.load_file`
-reads back equal to the state dict (tied weights once), sharded with an index
-above `--max-shard-size`, with config.json where the model has a transformers
-config, which `from_pretrained` loads.
-
-Tolerances: the loads and exports copy values, so they are compared bitwise. The
+Tolerances: the loads copy values, so they are compared bitwise. The
 one-step runs use `Tolerance()` of runtime/equivalence.py (fp32 reorderings).
 """
 
@@ -160,6 +155,21 @@ def test_each_rank_holds_the_slices_of_the_saved_tensors_and_steps_as_one_device
     # The loaded values, not the seeded initialisation, are what trained.
     seeded = reference_run(file, steps=1, batch=BATCH, optimizer="sgd", env=env)
     assert abs(seeded["losses"][0] - ref["losses"][0]) > 1e-4
+
+
+@pytest.mark.multiprocess
+def test_parc_check_starts_the_reference_and_the_program_from_the_same_files(
+    saved: dict[str, Path], gloo_pool: Any
+) -> None:
+    from parc.runtime.check import compare_in_pool
+
+    spec, weights = SPECS["llama", "tp2"], str(saved["llama"])
+    runs = {"steps": 2, "batch": BATCH, "optimizer": "sgd", "env": LLAMA_ENV}
+    comparison, twin = compare_in_pool(gloo_pool(2), spec, LLAMA, **runs, weights=weights)
+    assert comparison.ok and twin is None, comparison.describe()
+    # Only one side from the files: the calibrated check sees it.
+    ref = reference_run(LLAMA, **runs)
+    assert abs(ref["losses"][0] - comparison.rows[0][2]) > 1e-4
 
 
 def count_reads(spec: str, model: str, env: dict[str, str], weights: str) -> dict[str, Any]:
@@ -358,153 +368,3 @@ def test_the_cli_refuses_bad_weights_before_any_process_starts(
     assert code == 2, err
     assert "tensor 'wte.weight' has shape (47, 16) in model.safetensors" in err, err
     assert "Traceback" not in out + err
-
-
-# ------------------------------------------------------------------------- export
-
-
-def export_from_program(spec: str, weights: str, out: str) -> dict[str, Any]:
-    """One rank: start from `weights`, one step, export hf; rank 0's state_dict."""
-    import torch.distributed as dist
-
-    from parc.api import compile as parc_compile
-    from parc.runtime.export import export_program
-
-    with model_env(GPT_ENV):
-        source = load_model(GPT)
-        program = parc_compile(spec, source, batch=BATCH, weights=weights)
-        program.step(*source.batch(BATCH, 0))
-        export_program(program, out, format="hf", model=source)
-        state = program.state_dict()
-    return state if dist.get_rank() == 0 else {}
-
-
-@pytest.mark.multiprocess
-def test_export_hf_from_a_program_stores_its_state_once_per_tensor_and_loads_back(
-    saved: dict[str, Path], tmp_path: Path, gloo_pool: Any
-) -> None:
-    out = tmp_path / "exported"
-    state = gloo_pool(2).run(export_from_program, SPECS["gpt", "tp2"], str(saved["gpt"]), str(out))[
-        0
-    ]
-    files = sorted(p.name for p in out.iterdir())
-    assert files == ["model.safetensors"], files  # a plain module: no config.json
-    stored = safetensors_torch.load_file(out / "model.safetensors")
-    assert "lm_head.weight" not in stored  # tied to wte.weight, stored once
-    assert set(stored) == set(state) - {"lm_head.weight"}
-    for key, value in stored.items():
-        assert torch.equal(value, state[key]), key
-    from safetensors import safe_open
-
-    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
-        assert f.metadata() == {"format": "pt"}
-    again = _compile_dp1(out).state_dict()  # and parc starts from what it exported
-    assert all(torch.equal(again[k], v) for k, v in state.items())
-
-
-def test_parc_export_format_hf_shards_a_checkpoint_above_max_shard_size(
-    saved: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    from parc.cli import main
-    from parc.runtime.checkpoint.store import save_checkpoint
-
-    save_checkpoint(_compile_dp1(saved["gpt"]), tmp_path / "ckpt", 1)
-    out, pt = tmp_path / "hf", tmp_path / "gpt.pt"
-    with model_env(GPT_ENV):
-        args = [str(tmp_path / "ckpt"), GPT, "-o", str(out), "--format", "hf"]
-        assert main(["export", *args, "--max-shard-size", "8KB"]) == 0
-        assert main(["export", str(tmp_path / "ckpt"), GPT, "-o", str(pt)]) == 0
-    assert "from_pretrained" in capsys.readouterr().out
-    index = json.loads((out / "model.safetensors.index.json").read_text())
-    shards = sorted(set(index["weight_map"].values()))
-    assert len(shards) > 1 and sorted(p.name for p in out.glob("*.safetensors")) == shards
-    expected = torch.load(pt, weights_only=True)
-    stored: dict[str, torch.Tensor] = {}
-    for name in shards:
-        part = safetensors_torch.load_file(out / name)
-        # At most 8 KB a file, but for a single larger tensor (as save_pretrained shards).
-        assert len(part) == 1 or sum(t.numel() * t.element_size() for t in part.values()) <= 8000
-        stored |= part
-    assert index["weight_map"] == {
-        k: n for n in shards for k in safetensors_torch.load_file(out / n)
-    }
-    assert index["metadata"]["total_size"] == sum(
-        t.numel() * t.element_size() for t in stored.values()
-    )
-    assert set(stored) == set(expected) - {"lm_head.weight"}
-    assert all(torch.equal(v, expected[k]) for k, v in stored.items())
-    # A second export into the same directory, one file now: no stale shard or index left.
-    with model_env(GPT_ENV):
-        assert main(["export", *args]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
-
-
-def test_parc_export_format_hf_refuses_a_file_as_its_directory(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    from parc.cli import main
-
-    (tmp_path / "taken").write_text("x")
-    code = main(["export", str(tmp_path), GPT, "-o", str(tmp_path / "taken"), "--format", "hf"])
-    err = capsys.readouterr().err
-    assert code == 2 and "-o " in err and "exists and is not a directory" in err, err
-    assert "Traceback" not in err
-
-
-def _tiny_llama(tie: bool, seed: int) -> Any:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        tie_word_embeddings=tie,
-    )
-    torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(config).eval()
-
-
-def test_the_hf_writer_output_loads_with_from_pretrained_to_the_same_logits(
-    tmp_path: Path,
-) -> None:
-    from transformers import AutoModelForCausalLM
-
-    from parc.compiler.model_state import state_names
-    from parc.runtime.hf_export import HFWriter
-
-    model = _tiny_llama(tie=True, seed=1)
-    state = model.state_dict()
-    names = state_names(model)
-    layout = {c: (tuple(state[c].shape), state[c].dtype) for c in set(names.values())}
-    with HFWriter(tmp_path, layout, names, model=model, max_shard_size=60_000) as out:
-        for canonical in reversed(list(dict.fromkeys(names.values()))):  # any order
-            out.write(canonical, state[canonical])
-    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == [
-        "LlamaForCausalLM"
-    ]
-    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
-    assert "lm_head.weight" not in index["weight_map"]  # as save_pretrained: tied, once
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
-    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        assert torch.equal(loaded(ids).logits, model(ids).logits)
-
-
-@pytest.mark.parametrize("tie", [True, False])
-def test_a_save_pretrained_directory_loads_into_the_model_it_was_saved_from(
-    tie: bool, tmp_path: Path
-) -> None:
-    from parc.runtime.hf_weights import check_weights, load_full
-
-    saved_model = _tiny_llama(tie, seed=1)
-    saved_model.save_pretrained(tmp_path, max_shard_size="100KB")  # sharded, with an index
-    assert (tmp_path / "model.safetensors.index.json").is_file()
-    model = _tiny_llama(tie, seed=2)
-    with torch.device("meta"):
-        check_weights(tmp_path, type(model)(model.config))
-    load_full(model, tmp_path)
-    for key, value in saved_model.state_dict().items():
-        assert torch.equal(model.state_dict()[key], value), key

@@ -65,8 +65,11 @@ XTRANSFORMERS = Style(
 )
 
 
-def _block_of(node_path: list[str], layers: str) -> str | None:
-    return next((p for p in node_path if p.rpartition(".")[0] == layers), None)
+def _block_of(node_path: tuple[str, ...], layers: str) -> str | None:
+    """`layers.<i>` of a node inside block i (a ModuleList is never called, so a node's
+    module path may name only what is inside the block, `layers.3.1`)."""
+    inside = next((p for p in node_path if p.startswith(layers + ".")), None)
+    return None if inside is None else f"{layers}.{inside.split('.')[layers.count('.') + 1]}"
 
 
 def _stage_costs(a: Analysis, layers: str) -> tuple[list[float], dict[str, float], dict[str, int]]:
@@ -84,7 +87,7 @@ def _stage_costs(a: Analysis, layers: str) -> tuple[list[float], dict[str, float
         if block is not None:
             per_block[block] = per_block.get(block, 0.0) + seconds
             held = block_stage.setdefault(block, stage_of[node.name])
-            if held != stage_of[node.name] and node.op != "placeholder":
+            if held != stage_of[node.name]:
                 block_stage[block] = -1
     return per_stage, per_block, block_stage
 

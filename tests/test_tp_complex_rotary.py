@@ -118,13 +118,17 @@ def test_complex_views_cost_no_flops_and_no_kernel(monkeypatch: pytest.MonkeyPat
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("rotary", ROTARY_FORMS)
-@pytest.mark.parametrize("mesh", ["tp=2", "dp=2 tp=2"])
+@pytest.mark.parametrize(
+    "mesh",
+    ["mesh tp=2", "mesh dp=2 tp=2", "mesh pp=2 tp=2\nstage auto\nmicrobatches 2"],
+    ids=["tp2", "dp2-tp2", "pp2-tp2"],
+)
 def test_titan_style_megatron_plan_trains_as_one_device(
     gloo_pool, monkeypatch: pytest.MonkeyPatch, mesh: str, rotary: str
 ) -> None:
     # GQA: 4 q heads share 2 kv heads, and tp=2 divides the kv heads.
     env = _env(monkeypatch, rotary=rotary)
-    comparison, _ = check_equivalent(gloo_pool, f"mesh {mesh}\n{MEGATRON}", TITAN, env=env)
+    comparison, _ = check_equivalent(gloo_pool, f"{mesh}\n{MEGATRON}", TITAN, env=env)
     assert comparison.ok, comparison
 
 

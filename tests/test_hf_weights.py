@@ -90,7 +90,7 @@ def save_dir(
         safetensors_torch.save_file(state, directory / "model.safetensors", {"format": "pt"})
         return directory
     keys = list(state)
-    weight_map = {}
+    weight_map: dict[str, str] = {}
     for i in range(shards):
         name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
         part = {k: state[k] for k in keys[i::shards]}
@@ -164,7 +164,7 @@ def test_parc_check_starts_the_reference_and_the_program_from_the_same_files(
     from parc.runtime.check import compare_in_pool
 
     spec, weights = SPECS["llama", "tp2"], str(saved["llama"])
-    runs = {"steps": 2, "batch": BATCH, "optimizer": "sgd", "env": LLAMA_ENV}
+    runs: dict[str, Any] = {"steps": 2, "batch": BATCH, "optimizer": "sgd", "env": LLAMA_ENV}
     comparison, twin = compare_in_pool(gloo_pool(2), spec, LLAMA, **runs, weights=weights)
     assert comparison.ok and twin is None, comparison.describe()
     # Only one side from the files: the calibrated check sees it.
@@ -209,12 +209,12 @@ def count_reads(spec: str, model: str, env: dict[str, str], weights: str) -> dic
         def get_slice(self, key: str) -> Slice:
             return Slice(self.inner.get_slice(key), key)
 
-    safetensors.safe_open = Handle
+    safetensors.safe_open = Handle  # type: ignore[misc,assignment]
     try:
         with model_env(env):
             program = parc_compile(spec, load_model(model), batch=BATCH, weights=weights)
     finally:
-        safetensors.safe_open = real
+        safetensors.safe_open = real  # type: ignore[misc]
     parts = program.parts
     shards = sum(s.numel() for s in getattr(parts.sync, "shards", ()))
     return {"read": read, "sliced": sorted(parts.slices), "shard_elems": shards}

@@ -242,8 +242,8 @@ def _plan(recording: Recording, target: int, *, file: str, name: str) -> _Plan:
                 f"{name} is made by {step.name} and nothing writes it afterwards on meta, "
                 "so it has no initial value to replay",
                 file=file,
-                hint="call initialisers as torch.nn.init.trunc_normal_(...): one imported by "
-                "name before the build skips meta tensors; or write it with tensor ops",
+                hint="initialise it in build_model (a torch.nn.init initialiser or tensor "
+                "ops), or make it with torch.zeros/torch.randn instead of torch.empty",
             )
         live = (live - step.overwrites - made) | step.reads
     if live:

@@ -42,6 +42,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from parc.errors import clip
 
 from .freed_memory import release_freed
+from .init_tables import probes_answer_cpu, replaced_everywhere
 
 __all__ = [
     "Const",
@@ -404,17 +405,14 @@ def _initialisers_recorded(recorder: Recorder) -> Iterator[None]:
         call.__wrapped__ = init  # type: ignore[attr-defined]
         return call
 
-    try:
-        for name, init in originals.items():
-            setattr(torch.nn.init, name, recorded(init))
+    # torch.nn.init's own namespace is one of the dicts that hold them.
+    with replaced_everywhere({init: recorded(init) for init in originals.values()}):
         yield
-    finally:
-        for name, init in originals.items():
-            setattr(torch.nn.init, name, init)
 
 
 @contextlib.contextmanager
 def recording(recorder: Recorder) -> Iterator[None]:
     """Every hook of the module docstring, for a build under `torch.device("meta")`."""
-    with _initialisers_recorded(recorder), _DataConstructors(recorder), recorder:
+    hooks = (probes_answer_cpu(), _initialisers_recorded(recorder), _DataConstructors(recorder))
+    with hooks[0], hooks[1], hooks[2], recorder:
         yield

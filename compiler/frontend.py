@@ -27,7 +27,8 @@ from .deferred_init import DeferredModel, record_build
 from .dropout import dropout_warnings
 from .estimate import Estimate, estimate
 from .memory_model import memory_model_of
-from .model import ModelSource, load_model
+from .model import ModelSource, load_model, owns_loss
+from .model_output import ModelLoss, input_tensors, targets_given
 from .model_state import batch_statistics_warnings, buffer_versions, untraced_writes
 from .optimizers import optimizer_warnings
 from .passes.pipeline_split import annotate_stages
@@ -118,12 +119,16 @@ def _analyse(
     batch_plan = check_batch(spec, batch)
     built, deferred = how.build(source)
     versions = buffer_versions(built)
-    sample, _ = source.batch(batch_plan.micro, 0)
-    inputs = tuple(sample) if isinstance(sample, tuple | list) else (sample,)
-    gm = trace_model(built, inputs)
+    sample, targets = source.batch(batch_plan.micro, 0)
+    inputs = sample if isinstance(sample, dict) else input_tensors(sample)
+    own = owns_loss(source) and targets_given(sample, targets)
+    gm = trace_model(built, inputs, own_loss=own, file=source.path)
+    if gm.meta["parc_output"].is_loss:
+        source = dataclasses.replace(source, loss_fn=ModelLoss(source.path))
     untraced_writes(built, versions, source.path)
-    saved = profile_forward(gm, inputs)
+    saved = profile_forward(gm, input_tensors(inputs))
     plan = resolve(spec, built, gm, batch=batch)
+    plan = dataclasses.replace(plan, capture=_capture_note(gm))
     if schedule is not None:
         plan = with_schedule(plan, schedule)
     annotate_stages(gm, plan)
@@ -144,6 +149,14 @@ def _analyse(
     memory = memory_model_of(source.configure_optimizer)
     costs = estimate(plan, gm, built, saved, memory=memory)
     return Analysis(spec, source, built, gm, plan, costs, saved, deferred)
+
+
+def _capture_note(gm: torch.fx.GraphModule) -> str:
+    """The report's line on how the model was captured and which output it trains on."""
+    how = gm.meta.get("parc_capture", "fx")
+    words = ["captured with torch.export (torch.fx could not trace it)"] if how == "export" else []
+    note = gm.meta["parc_output"].note if "parc_output" in gm.meta else ""
+    return "; ".join([*words, *([note] if note else [])])
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,7 +31,7 @@ from parc.errors import ModelError
 
 from .default_loss import DefaultLoss
 
-__all__ = ["ModelSource", "default_loss", "load_model", "off_batch"]
+__all__ = ["ModelSource", "default_loss", "load_model", "off_batch", "owns_loss"]
 
 Batch = tuple[Any, torch.Tensor]
 _FINITE_CHUNK = 1 << 16  # elements checked at once for NaN or inf (isfinite makes ~8 B each)
@@ -127,12 +127,12 @@ class ModelSource:
             )
         inputs, targets = result
         for what, value in (("inputs", inputs), ("targets", targets)):
-            tensors = value if isinstance(value, tuple | list) else (value,)
+            tensors = _tensors_of(value) if what == "inputs" else (value,)
             bad = [t for t in tensors if not isinstance(t, torch.Tensor)]
             if bad or not tensors:
                 raise ModelError(
                     f"sample_batch({batch_size}, {step}) returned {what} as {_describe(value)}; "
-                    f"{what} must be a tensor (or a tuple of tensors)",
+                    f"{what} must be a tensor (inputs: or a tuple or a dict of tensors)",
                     file=self.path,
                     hint="build them with torch.tensor(...) or torch.stack(...)",
                 )
@@ -175,6 +175,20 @@ def _no_init() -> Iterator[None]:
 
 def _keep(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     return tensor
+
+
+def _tensors_of(inputs: Any) -> tuple[Any, ...]:
+    """The inputs' tensors: one, a tuple's or list's items, or a dict's values (kwargs)."""
+    if isinstance(inputs, dict):
+        if not all(isinstance(k, str) for k in inputs):
+            return (inputs,)  # reported as not tensors
+        return tuple(inputs.values())
+    return tuple(inputs) if isinstance(inputs, tuple | list) else (inputs,)
+
+
+def owns_loss(source: ModelSource) -> bool:
+    """Whether a loss the model computes itself is the training loss: no loss_fn given."""
+    return isinstance(source.loss_fn, DefaultLoss)
 
 
 def _describe(value: object) -> str:

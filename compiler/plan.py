@@ -133,6 +133,8 @@ class Plan:
     tp_axis: str | None
     stage_auto: bool = False
     warnings: tuple[PlanWarning, ...] = ()
+    capture: str = ""
+    """How the model was captured and which output it trains on (the report's `Model` line)."""
     hand_schedule: tuple[tuple[Action, ...], ...] | None = None
 
     @property
@@ -198,6 +200,7 @@ class Plan:
             "recompute": list(self.recompute),
             "tp_axis": self.tp_axis,
             "warnings": [str(w) for w in self.warnings],
+            "capture": self.capture,
             **(
                 {"hand_schedule": [[str(a) for a in actions] for actions in self.hand_schedule]}
                 if self.hand_schedule

@@ -295,6 +295,7 @@ def format_report(
         [title],
         _mesh_lines(plan),
         [f"Batch  {plan.batch}"],
+        [f"Model  {plan.capture}"] if plan.capture else [],
         _placement_lines(plan),
         _stage_lines(plan, est),
         _recompute_lines(plan, est),

@@ -27,7 +27,7 @@ import inspect
 import linecache
 import traceback
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -35,10 +35,11 @@ import torch.fx
 
 from parc.errors import CompileError
 
+from .model_output import Path, choose_output, leaves
 from .node_info import module_path, node_source
 from .trace_asserts import ASSERT_FIX, TracedAssert, assert_site, check_asserts
 
-__all__ = ["module_path", "node_source", "propagate_shapes", "trace_model"]
+__all__ = ["choose_single_output", "module_path", "node_source", "propagate_shapes", "trace_model"]
 
 _CONTROL_FLOW = "cannot be used as inputs to control flow"
 # Frames in these folders are torch's or parc's, never the user's source line.
@@ -83,8 +84,67 @@ class _ParcTracer(torch.fx.Tracer):
 
 
 def trace_model(
-    model: torch.nn.Module, inputs: Sequence[Any] | None = None
+    model: torch.nn.Module,
+    inputs: Sequence[Any] | Mapping[str, Any] | None = None,
+    *,
+    own_loss: bool = False,
+    file: str = "",
 ) -> torch.fx.GraphModule:
+    """Capture `model` as an fx graph whose one output is what parc trains on.
+
+    `torch.fx.symbolic_trace` first (a torch-level graph, batch sizes dynamic);
+    a model it cannot trace is captured with `torch.export` instead
+    (`compiler/capture.py`). A forward that returns several outputs has one
+    chosen (`compiler/model_output.py`; `own_loss`: the model file has no
+    loss_fn, so a loss the model computes is taken). `gm.meta["parc_output"]`
+    is the `OutputChoice`, `gm.meta["parc_capture"]` "fx" or "export".
+    """
+    if isinstance(inputs, Mapping):
+        return _exported(model, inputs, own_loss, file, None)
+    try:
+        gm = _symbolic(model, inputs)
+    except CompileError as fx_error:
+        if inputs is None:
+            raise
+        return _exported(model, inputs, own_loss, file, fx_error)
+    gm.meta["parc_capture"] = "fx"
+    choose_single_output(gm, _fx_leaves(gm, inputs), own_loss, file)
+    return gm
+
+
+def _exported(
+    model: torch.nn.Module,
+    inputs: Any,
+    own_loss: bool,
+    file: str,
+    fx_error: CompileError | None,
+) -> torch.fx.GraphModule:
+    from .capture import capture_model, strip_export_meta
+
+    try:
+        captured = capture_model(model, inputs)
+    except Exception as exc:
+        raise _export_error(exc, model, fx_error) from exc
+    gm = captured.gm
+    gm.meta["parc_capture"] = "export"
+    found = [(path, node) for path, node in captured.found]
+    choose_single_output(gm, found, own_loss, file)
+    strip_export_meta(gm)
+    return gm
+
+
+def _fx_leaves(gm: torch.fx.GraphModule, inputs: Sequence[Any] | None) -> list[tuple[Path, Any]]:
+    """The traced output's leaves; shapes from one fake forward when there are several."""
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
+    if isinstance(out, torch.fx.Node) or inputs is None:
+        return [((), out)]
+    from .saved import profile_forward
+
+    profile_forward(gm, inputs)
+    return list(leaves(out))
+
+
+def _symbolic(model: torch.nn.Module, inputs: Sequence[Any] | None = None) -> torch.fx.GraphModule:
     """Symbolically trace `model`, keeping torch.nn leaves as `call_module` nodes.
 
     `inputs` are the sample inputs, as passed to `model(*inputs)`: forward's
@@ -252,3 +312,60 @@ def propagate_shapes(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> None:
     from .saved import profile_forward
 
     profile_forward(gm, inputs)
+
+
+def choose_single_output(
+    gm: torch.fx.GraphModule, found: Sequence[tuple[Path, Any]], own_loss: bool, file: str
+) -> None:
+    """Make the graph's output the one `choose_output` picks; record the choice."""
+    described = [(p, _ndim(v), _floating(v)) for p, v in found]
+    choice = choose_output(described, own_loss, file)
+    gm.meta["parc_output"] = choice
+    if choice.path == () and len(found) == 1:
+        return
+    node = dict(found)[choice.path]
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    output.args = (node,)
+    gm.graph._codegen = torch.fx.graph.CodeGen()
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+
+
+def _ndim(value: Any) -> int | None:
+    if not isinstance(value, torch.fx.Node):
+        return None
+    meta = value.meta.get("val", value.meta.get("tensor_meta"))
+    shape = getattr(meta, "shape", None)
+    return None if shape is None else len(shape)
+
+
+def _floating(value: Any) -> bool:
+    meta = (
+        value.meta.get("val", value.meta.get("tensor_meta"))
+        if isinstance(value, torch.fx.Node)
+        else None
+    )
+    dtype = getattr(meta, "dtype", None)
+    return dtype is not None and dtype.is_floating_point
+
+
+def _export_error(
+    exc: Exception, model: torch.nn.Module, fx_error: CompileError | None
+) -> CompileError:
+    """Neither capture worked: the fx error (it names the module and line), with why
+    torch.export could not capture the model either."""
+    reason = (
+        f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
+        if str(exc)
+        else (type(exc).__name__)
+    )
+    frame = _user_frame(exc)
+    if fx_error is not None:
+        fx_error.message += f" (torch.export could not capture it either: {reason})"
+        return fx_error
+    return CompileError(
+        f"the model ({type(model).__name__}) cannot be captured with torch.export: {reason}",
+        source=frame,
+        hint="keep forward free of data-dependent Python (an `if` or `.item()` on a "
+        "tensor's values); shapes and config values are fine",
+    )

@@ -221,7 +221,9 @@ def input_dtype_hint(inputs: Any, model: Any, exc: BaseException) -> str | None:
     """For a forward that failed on a dtype: the inputs' dtypes differ from the weights'."""
     if not any(word in str(exc) for word in _DTYPE_WORDS):
         return None
-    xs = inputs if isinstance(inputs, tuple | list) else (inputs,)
+    from parc.compiler.model_output import input_tensors
+
+    xs = input_tensors(inputs)
     weights = {p.dtype for p in model.parameters() if p.is_floating_point()}
     if len(weights) != 1:
         return None

@@ -38,7 +38,15 @@ from typing import Any
 import torch
 
 from parc.blame import input_dtype_hint, user_code
-from parc.compiler.model import ModelSource, load_model
+from parc.compiler.model import ModelSource, load_model, owns_loss
+from parc.compiler.model_output import (
+    ModelLoss,
+    call_model,
+    eager_choice,
+    input_tensors,
+    take,
+    targets_given,
+)
 from parc.errors import RuntimeFault
 from parc.runtime.pipeline.executor import checked_loss, checked_optimizer
 
@@ -127,6 +135,13 @@ def reference_run(
         return _reference(source, steps, batch, seed, optimizer, twin, weights)
 
 
+def _flipped(inputs: Any) -> Any:
+    """The inputs in reverse sample order (a tensor, a tuple or a dict of tensors)."""
+    if isinstance(inputs, dict):
+        return {k: v.flip(0) for k, v in inputs.items()}
+    return tuple(x.flip(0) for x in input_tensors(inputs))
+
+
 def _reference(
     source: ModelSource,
     steps: int,
@@ -152,15 +167,17 @@ def _reference(
     losses, grads = [], {}
     for step in range(steps):
         inputs, targets = source.batch(batch, step)
-        xs = inputs if isinstance(inputs, tuple | list) else (inputs,)
         if twin:
-            xs, targets = tuple(x.flip(0) for x in xs), targets.flip(0)
+            inputs, targets = _flipped(inputs), targets.flip(0)
         opt.zero_grad(set_to_none=True)
-        dtypes = functools.partial(input_dtype_hint, xs, model)
+        dtypes = functools.partial(input_dtype_hint, input_tensors(inputs), model)
         with user_code(path, f"the model's forward {ref}", step=step, hint=dtypes):
-            output = model(*xs)
+            output = call_model(model, inputs)
+        choice = eager_choice(output, owns_loss(source) and targets_given(inputs, targets), path)
+        output = take(output, choice.path)
+        loss_fn = ModelLoss(path) if choice.is_loss else source.loss_fn
         with user_code(path, f"loss_fn {ref}", step=step):
-            loss = checked_loss(source.loss_fn(output, targets), source.loss_fn)
+            loss = checked_loss(loss_fn(output, targets), loss_fn)
         if not torch.isfinite(loss.detach()).all():
             raise RuntimeFault(
                 f"the loss is {float(loss.detach())} in the single-device reference run: the "

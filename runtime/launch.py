@@ -24,6 +24,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TextIO
 
+from parc.compiler.model_output import input_tensors
 from parc.compiler.optimizer_factory import OptimizerFactory
 from parc.errors import ModelError, ParcError
 
@@ -326,7 +327,7 @@ def _note(text: str) -> None:
 
 def _check_shapes(program: Any, model_file: str, inputs: Any, batch: int, step: int) -> None:
     """Every step's inputs must have the shapes the program was compiled for (step 0's)."""
-    xs = list(inputs) if isinstance(inputs, tuple | list) else [inputs]
+    xs = list(input_tensors(inputs))
     want = [(batch, *shape[1:]) for shape in program.parts.input_shapes]
     got = [tuple(x.shape) for x in xs]
     if got != want:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from parc.compiler.default_loss import DefaultLoss
 from parc.compiler.model import off_batch
+from parc.compiler.model_output import input_tensors
 from parc.dsl.ast import AXIS_DP, AXIS_PP
 from parc.errors import RuntimeFault
 from parc.runtime.pipeline.executor import StageExecutor, checked_loss
@@ -79,7 +80,7 @@ class Program:
         # Gradient buffers are (re)made here, not after the step: ZeRO-2 holds only
         # its gradient shards between steps.
         self.parts.sync.prepare()
-        xs = list(inputs) if isinstance(inputs, tuple | list) else [inputs]
+        xs = list(input_tensors(inputs))
         self._check_batch(xs, targets)
         d = comm.index(AXIS_DP)
         per_replica = plan.batch.per_replica

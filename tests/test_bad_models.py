@@ -12,8 +12,6 @@ The files under tests/models/run/ pass `parc compile` (it builds the model on
 
 and, tested in tests/test_user_mistakes.py (issue 12.5: none may be "a bug in parc"):
 
-    forward_returns_dict.py / forward_returns_tuple.py   no loss_fn, forward's output
-                            is not the logits tensor the default cross-entropy needs
     float_targets.py / targets_out_of_range.py   targets the default cross-entropy cannot take
     int64_inputs.py / float64_inputs.py   inputs of another dtype than the weights
     loss_raises.py / embedding_index_out_of_range.py   torch raises inside loss_fn / forward

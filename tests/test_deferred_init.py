@@ -473,7 +473,22 @@ class InitBoundAtImport(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.w = nn.Parameter(torch.empty(4, 4))
-        trunc_normal_bound_at_import(self.w)  # the original: it returns at once on meta
+        # Imported by name before the build (like transformers' own table of the
+        # initialisers): the recording replaces it wherever it is held.
+        trunc_normal_bound_at_import(self.w)
+
+
+class NeverWritten(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(4, 4))  # no initialiser: no value to replay
+
+
+def test_an_initialiser_imported_by_name_is_recorded_too() -> None:
+    deferred = record_build(InitBoundAtImport, SEED)
+    deferred.check()
+    torch.manual_seed(SEED)
+    assert torch.equal(deferred.value("w"), InitBoundAtImport().w.detach())
 
 
 @pytest.mark.parametrize(
@@ -496,10 +511,10 @@ def test_an_unreplayable_build_names_the_model_line(build: Build, words: str, co
 
 
 def test_a_parameter_nothing_writes_after_empty_is_refused_when_asked_for() -> None:
-    deferred = record_build(InitBoundAtImport, SEED)  # recording itself cannot tell
+    deferred = record_build(NeverWritten, SEED)  # recording itself cannot tell
     with pytest.raises(ModelError, match=r"'w' is made by aten\.empty") as info:
         deferred.value("w")
-    assert "imported by name" in str(info.value)
+    assert "initialise it" in str(info.value)
 
 
 def test_build_model_failing_on_meta_is_a_model_error() -> None:
@@ -515,7 +530,7 @@ def test_build_model_failing_on_meta_is_a_model_error() -> None:
 def test_check_finds_an_unreplayable_parameter_before_any_value_is_asked_for() -> None:
     # parc.compile calls check() right after the build: every rank finds it there, not
     # only the one that would materialise 'w'.
-    deferred = record_build(InitBoundAtImport, SEED)
+    deferred = record_build(NeverWritten, SEED)
     with pytest.raises(CannotDefer, match=r"'w' is made by aten\.empty"):
         deferred.check()
     record_build(FourMiBWeights, SEED).check()  # a replayable build passes

@@ -92,7 +92,7 @@ BROKEN = [
         "batch_not_tensors.py",
         ModelError,
         ("sample_batch(4, 0) returned inputs as a list of 4 items",),
-        "inputs must be a tensor (or a tuple of tensors)",
+        "inputs must be a tensor (inputs: or a tuple or a dict of tensors)",
     ),
     Broken(
         "batch_wrong_dim.py",

@@ -80,19 +80,6 @@ class Mistake:
 DEFAULT_LOSS = "the default loss (cross-entropy over the output's last dim"
 CHECKED = [
     Mistake(
-        "forward_returns_dict.py",
-        ("the model's forward returned a dict with keys 'logits'", DEFAULT_LOSS),
-        "define loss_fn(output, targets) in {path}, or return the logits from forward",
-    ),
-    Mistake(
-        "forward_returns_tuple.py",
-        (
-            "the model's forward returned a tuple of 2 (a torch.float32 tensor of shape",
-            DEFAULT_LOSS,
-        ),
-        "define loss_fn(output, targets) in {path}, or return only the logits",
-    ),
-    Mistake(
         "float_targets.py",
         (
             "sample_batch returned targets as a torch.float32 tensor of shape (8, 4)",
@@ -178,8 +165,6 @@ def step_error(file: str) -> str:
 
 # (file, what every rank's error says, the code on the line "{at}" stands for)
 RANKS = [
-    ("forward_returns_dict.py", "{path}: error: the model's forward returned a dict", None),
-    ("forward_returns_tuple.py", "{path}: error: the model's forward returned a tuple of 2", None),
     ("float_targets.py", "{path}: error: sample_batch returned targets as a torch.float32", None),
     ("targets_out_of_range.py", "{path}: error: sample_batch returned targets from 4 to", None),
     (

@@ -42,7 +42,8 @@ from ..blocks import Blocks, find_blocks
 from ..cost import node_costs, output_numel, tensor_metas
 from ..host_memory import HostFacts, host_facts
 from ..layout import ParamSlice, canonical_names, param_slices, zero3_owner
-from ..model import ModelSource
+from ..model import ModelSource, owns_loss
+from ..model_output import input_tensors, targets_given
 from ..node_meta import meta_of
 from ..ops.collectives import CommKind
 from ..passes.placement import Partial, Shard
@@ -123,9 +124,9 @@ def _profile(source: ModelSource, gpus_per_node: int, seq: int | None) -> ModelP
     # Step 1
     torch.manual_seed(0)
     model = source.build(device="meta")
-    inputs = _sample(source, seq)
-    gm = trace_model(model, inputs)
-    saved = profile_forward(gm, inputs)
+    inputs, own = _sample(source, seq)
+    gm = trace_model(model, inputs, own_loss=own, file=source.path)
+    saved = profile_forward(gm, input_tensors(inputs))
     # Step 2
     found = find_blocks(model)
     unit_of, units = _units(gm, found)
@@ -146,7 +147,8 @@ def _profile(source: ModelSource, gpus_per_node: int, seq: int | None) -> ModelP
             rejected[tp] = exc.message
             continue
         profiles[tp] = base.at(tp, shard_lines, warnings, param_slices(plan, model))
-    first = inputs[0] if isinstance(inputs[0], torch.Tensor) else torch.zeros(1)
+    xs = input_tensors(inputs)
+    first = xs[0] if isinstance(xs[0], torch.Tensor) else torch.zeros(1)
     return ModelProfile(
         path=source.path,
         units=tuple(units),
@@ -160,11 +162,14 @@ def _profile(source: ModelSource, gpus_per_node: int, seq: int | None) -> ModelP
     )
 
 
-def _sample(source: ModelSource, seq: int | None) -> tuple[Any, ...]:
-    inputs, _ = source.batch(1, 0)
-    xs = tuple(inputs) if isinstance(inputs, tuple | list) else (inputs,)
+def _sample(source: ModelSource, seq: int | None) -> tuple[Any, bool]:
+    """The inputs of one sample (sequences cut to `seq`), and whether the model's own
+    loss is trained on (model_output.py)."""
+    inputs, targets = source.batch(1, 0)
+    own = owns_loss(source) and targets_given(inputs, targets)
     if seq is None:
-        return xs
+        return inputs, own
+    xs = input_tensors(inputs)
     long = [x for x in xs if x.dim() >= 2]
     if not long or any(x.shape[1] < seq for x in long):
         have = long[0].shape[1] if long else 0
@@ -173,7 +178,8 @@ def _sample(source: ModelSource, seq: int | None) -> tuple[Any, ...]:
             "shorter ones by slicing dim 1 of the inputs, not longer ones",
             hint="set the model's own sequence length (e.g. LLAMA_SEQ) instead",
         )
-    return tuple(x.narrow(1, 0, seq) if x.dim() >= 2 else x for x in xs)
+    cut = [x.narrow(1, 0, seq) if x.dim() >= 2 else x for x in xs]
+    return (dict(zip(inputs, cut, strict=True)) if isinstance(inputs, dict) else tuple(cut)), own
 
 
 def _units(gm: torch.fx.GraphModule, blocks: Blocks) -> tuple[dict[str, str], list[str]]:

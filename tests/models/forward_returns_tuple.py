@@ -1,21 +1,23 @@
-"""Broken: forward returns a dict and the file defines no loss_fn (the default needs logits)."""
+"""Forward returns (logits, aux loss) and the file defines no loss_fn: parc trains on the logits
+(the aux loss is not an input-given loss) and the report says output[1] is not used."""
 
 import torch
 import torch.nn as nn
 
 
-class Classifier(nn.Module):
+class WithAux(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.body = nn.Linear(8, 16)
         self.head = nn.Linear(16, 4)
 
-    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"logits": self.head(torch.relu(self.body(x)))}
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.relu(self.body(x))
+        return self.head(h), h.pow(2).mean()
 
 
 def build_model() -> nn.Module:
-    return Classifier()
+    return WithAux()
 
 
 def sample_batch(batch_size: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,286 @@
+"""Capture a model that `torch.fx.symbolic_trace` cannot trace, with `torch.export`.
+
+Real models (Hugging Face `transformers`, torchtitan-style code) branch in
+Python on shapes and configs, take keyword inputs and return `ModelOutput`s;
+`torch.export.export(..., strict=False)` runs forward as Python and records
+the aten ops, so it captures them unchanged. `capture_model` turns its graph
+into the torch-level graph the passes read:
+
+1. Export with the model's own call (`model_output.call_kwargs`: positional or
+   keyword inputs, `use_cache=False` where forward takes it), the inputs moved
+   to the model's device (on `meta` nothing is allocated).
+2. Copy the graph node by node, raising each aten op to its torch-level form
+   (`compiler/aten_raise.py`); export's guards, metadata asserts and aliases
+   are dropped; a constant `device` equal to the capture device becomes the
+   device of the first input, so the graph runs wherever its inputs are.
+3. Give torch.nn leaf modules back their `call_module` node: a functional
+   call (`F.linear`, `F.embedding`, `F.layer_norm`, `F.rms_norm`) made inside
+   a module of the matching class on that module's own parameters is that
+   module's call, as `symbolic_trace` would record it, so `.par` patterns, the
+   tensor-parallel rules and the cost model see the same graph.
+4. Keep forward's output structure: `CapturedOutput.found` lists each leaf
+   with its path (`output['logits']`), for `model_output.choose_output`.
+
+The graph is static in shape: it holds the traced (micro-batch) sizes, which
+is what every rank runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import logging
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch.fx.graph_module import _copy_attr
+
+from .aten_raise import DROPPED, IDENTITY, index_key, raised
+from .model_output import Path, call_kwargs
+
+__all__ = ["CapturedOutput", "capture_model", "export_model", "strip_export_meta"]
+
+
+@dataclass(frozen=True, slots=True)
+class CapturedOutput:
+    """A captured graph (output still structured) and its output leaves."""
+
+    gm: torch.fx.GraphModule
+    found: tuple[tuple[Path, torch.fx.Node | None], ...]
+
+
+def export_model(model: torch.nn.Module, inputs: Any) -> torch.export.ExportedProgram:
+    """Step 1: `torch.export.export(..., strict=False)` of the model's twin on `meta`.
+
+    Export keeps weak references to the tensors it sees (its fake-tensor
+    converter), and `torch.utils.swap_tensors`, how ranks later materialise
+    their shards, refuses a tensor with one: so it sees a twin of the model
+    whose parameters and buffers are fresh meta tensors (nothing allocated).
+    """
+    args, kwargs = call_kwargs(model, inputs)
+    meta = lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t  # noqa: E731
+    args, kwargs = pytree.tree_map(meta, (args, kwargs))
+    twin = _meta_twin(model)
+    # A failed export prints its partial graph to stderr and logs: the CompileError
+    # parc raises says it better.
+    logging.disable(logging.CRITICAL)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            return torch.export.export(twin, tuple(args), kwargs, strict=False)
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+def _meta_twin(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of `model` whose tensors are new meta tensors of the same kind."""
+    memo: dict[int, Any] = {}
+    for tensor in (*model.parameters(), *model.buffers()):
+        twin = torch.empty_like(tensor, device="meta")
+        if isinstance(tensor, torch.nn.Parameter):
+            twin = torch.nn.Parameter(twin, requires_grad=tensor.requires_grad)
+        memo[id(tensor)] = twin
+    return copy.deepcopy(model, memo)
+
+
+def capture_model(model: torch.nn.Module, inputs: Any) -> CapturedOutput:
+    """Export `model` at `inputs` and raise its graph (steps 1-4)."""
+    exported = export_model(model, inputs)
+    source = exported.module()
+    copier = _Copier(torch.device("meta"))
+    graph = copier.graph
+    leaves: list[Any] = []
+    for node in source.graph.nodes:
+        if node.op == "output":
+            leaves = list(node.args[0])
+        else:
+            copier.copy(node)
+    outs = [copier.env.get(n) if isinstance(n, torch.fx.Node) else n for n in leaves]
+    structure = pytree.tree_unflatten(list(range(len(outs))), _plain(exported.call_spec.out_spec))
+    found = tuple((p, outs[i]) for p, i in _index_leaves(structure))
+    graph.output(tuple(o for _, o in found))
+    _reform_modules(graph, model)
+    gm = _module_of(graph, model, source)
+    gm.graph.eliminate_dead_code()  # needs an owning module (purity of in-place ops)
+    gm = _module_of(gm.graph, model, source)
+    outputs = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
+    return CapturedOutput(gm, tuple((p, o) for (p, _), o in zip(found, outputs, strict=True)))
+
+
+def _module_of(
+    graph: torch.fx.Graph, model: torch.nn.Module, source: torch.nn.Module
+) -> torch.fx.GraphModule:
+    """A GraphModule holding exactly what `graph` reads: the model's own modules and
+    parameters (the same objects), and export's constants."""
+    root = torch.nn.Module()
+    for node in graph.nodes:
+        if node.op in ("get_attr", "call_module"):
+            owner = model if _has(model, str(node.target)) else source
+            _copy_attr(owner, root, str(node.target))
+    return torch.fx.GraphModule(root, graph, type(model).__name__)
+
+
+_KEPT_META = ("nn_module_stack", "stack_trace")
+
+
+def strip_export_meta(gm: torch.fx.GraphModule) -> None:
+    """Drop export's node metadata but where a node came from.
+
+    Its `val` FakeTensors keep their fake mode alive, whose converter holds weak
+    references to the model's parameters, and `torch.utils.swap_tensors` (how
+    ranks materialise their shards) refuses a tensor with weak references.
+    """
+    for node in gm.graph.nodes:
+        node.meta = {k: node.meta[k] for k in _KEPT_META if k in node.meta}
+
+
+def _has(module: torch.nn.Module, target: str) -> bool:
+    try:
+        module.get_submodule(target.rpartition(".")[0])
+    except AttributeError:
+        return False
+    owner = module.get_submodule(target.rpartition(".")[0]) if "." in target else module
+    return hasattr(owner, target.rpartition(".")[2])
+
+
+class _Copier:
+    """Step 2: copies an exported graph's nodes, raising aten ops on the way."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.graph = torch.fx.Graph()
+        self.env: dict[torch.fx.Node, Any] = {}
+        self.device = device
+        self.first_input: torch.fx.Node | None = None
+        self.device_node: torch.fx.Node | None = None
+
+    def copy(self, node: torch.fx.Node) -> None:
+        if node.op == "placeholder":
+            self._placeholder(node)
+        elif node.op == "call_module" or node.target in DROPPED:
+            return  # export's guards function and metadata asserts
+        elif node.op == "call_function" and node.target in IDENTITY:
+            self.env[node] = self._arg(node.args[0])
+        elif node.op == "call_function":
+            self._call(node)
+        else:
+            new = self.graph.node_copy(node, self._arg)
+            self.env[node] = new
+
+    def _placeholder(self, node: torch.fx.Node) -> None:
+        if not isinstance(node.meta.get("val"), torch.Tensor):
+            return  # a constant input (`use_cache=False`): export specialised on it
+        new = self.graph.placeholder(node.name)
+        new.meta = dict(node.meta)
+        self.first_input = self.first_input or new
+        self.env[node] = new
+
+    def _call(self, node: torch.fx.Node) -> None:
+        args, kwargs = pytree.tree_map(self._arg, (node.args, node.kwargs))
+        val = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+        key = index_key(node.target, args, val.dim() if isinstance(val, torch.Tensor) else 1)
+        up = raised(node.target, args, kwargs)
+        if key is not None:
+            new = self.graph.call_function(operator.getitem, key)
+        elif up is not None:
+            op, target, new_args, new_kwargs = up
+            new = self.graph.create_node(op, target, new_args, new_kwargs)
+        else:
+            new = self.graph.create_node("call_function", node.target, args, kwargs)
+        new.meta = dict(node.meta)
+        self.env[node] = new
+
+    def _arg(self, value: Any) -> Any:
+        if isinstance(value, torch.fx.Node):
+            return self.env[value]
+        if isinstance(value, torch.device) and value == self.device:
+            return self._device()
+        return value
+
+    def _device(self) -> Any:
+        if self.first_input is None:
+            return self.device
+        if self.device_node is None:
+            with self.graph.inserting_after(self.first_input):
+                self.device_node = self.graph.call_function(getattr, (self.first_input, "device"))
+        return self.device_node
+
+
+def _plain(spec: pytree.TreeSpec) -> pytree.TreeSpec:
+    """The output spec with ModelOutputs and other mappings as dicts (keys kept)."""
+    children = [_plain(c) for c in spec.children()]
+    context = spec.context
+    if spec.type in (tuple, list) or spec.is_leaf():
+        return spec if spec.is_leaf() else pytree.TreeSpec(spec.type, context, children)
+    if isinstance(context, list | tuple) and len(context) == len(children):
+        return pytree.TreeSpec(dict, list(context), children)
+    return pytree.TreeSpec(tuple, None, children)
+
+
+def _index_leaves(structure: Any, path: Path = ()) -> list[tuple[Path, int]]:
+    if isinstance(structure, dict):
+        return [x for k, v in structure.items() for x in _index_leaves(v, (*path, k))]
+    if isinstance(structure, tuple | list):
+        return [x for i, v in enumerate(structure) for x in _index_leaves(v, (*path, i))]
+    return [(path, structure)]
+
+
+# Step 3: functional call -> (module class, where its parameters are in the call, its input)
+_MODULE_FORMS: dict[Any, tuple[type, dict[str, int]]] = {
+    F.linear: (torch.nn.Linear, {"weight": 1, "bias": 2}),
+    F.embedding: (torch.nn.Embedding, {"weight": 1}),
+    F.layer_norm: (torch.nn.LayerNorm, {"weight": 2, "bias": 3}),
+    F.rms_norm: (torch.nn.RMSNorm, {"weight": 2}),
+}
+
+
+def _reform_modules(graph: torch.fx.Graph, model: torch.nn.Module) -> None:
+    """Step 3: a functional call that is a torch.nn leaf module's call becomes `call_module`."""
+    for node in list(graph.nodes):
+        form = _MODULE_FORMS.get(node.target) if node.op == "call_function" else None
+        stack = node.meta.get("nn_module_stack") or {}
+        if form is None or not stack:
+            continue
+        name = str(list(stack.values())[-1][0])
+        module = model.get_submodule(name) if name else None
+        if module is None or not isinstance(module, form[0]):
+            continue
+        if not (_own_params(node, name, module, form[1]) and _same_options(node, module)):
+            continue
+        with graph.inserting_before(node):
+            call = graph.call_module(name, (node.args[0],))
+        call.meta = dict(node.meta)
+        node.replace_all_uses_with(call)
+        graph.erase_node(node)
+
+
+def _own_params(
+    node: torch.fx.Node, name: str, module: torch.nn.Module, where: dict[str, int]
+) -> bool:
+    for param, index in where.items():
+        value = node.args[index] if len(node.args) > index else None
+        own = getattr(module, param, None)
+        if own is None:
+            if value is not None:
+                return False
+        elif not (isinstance(value, torch.fx.Node) and value.target == f"{name}.{param}"):
+            return False
+    return True
+
+
+def _same_options(node: torch.fx.Node, module: torch.nn.Module) -> bool:
+    """The call's other arguments are the module's own (eps, padding_idx, ...)."""
+    if isinstance(module, torch.nn.Embedding):
+        from .passes.lower_modules import embedding_options
+
+        return bool(tuple(node.args[2:7]) == embedding_options(module))
+    if isinstance(module, torch.nn.LayerNorm | torch.nn.RMSNorm):
+        shape, eps = node.args[1], node.args[-1]
+        assert isinstance(shape, tuple | list)
+        same_eps = module.eps is None or eps == module.eps
+        return tuple(shape) == tuple(module.normalized_shape) and bool(same_eps)
+    return True

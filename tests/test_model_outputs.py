@@ -1,0 +1,79 @@
+"""Forward's output: which one parc trains on (compiler/model_output.py).
+
+A dict, a tuple or a ModelOutput is reduced to one tensor from its structure:
+the loss the model computes when sample_batch passes it the targets and the file
+has no loss_fn, else the logits; the report says which, and what it leaves out.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from parc.cli import main
+from parc.compiler.frontend import analyse
+from parc.compiler.model_output import choose_output, eager_choice, targets_given
+from parc.errors import ModelError
+
+MODELS = Path(__file__).parent / "models"
+DP2 = "mesh dp=2\n"
+
+
+@pytest.mark.parametrize(
+    ("found", "own", "path", "is_loss"),
+    [
+        ([(("loss",), 0, True), (("logits",), 3, True)], True, ("loss",), True),
+        ([(("loss",), 0, True), (("logits",), 3, True)], False, ("logits",), False),
+        ([((0,), 3, True), ((1,), 0, True)], True, (1,), True),  # nanoGPT (logits, loss)
+        ([((0,), 3, True), ((1,), None, False)], True, (0,), False),  # (logits, None)
+        ([((0,), 3, True), ((1,), 0, True)], False, (0,), False),  # (logits, aux loss)
+        ([(("hidden",), 3, True), (("logits",), 3, True)], False, ("logits",), False),
+    ],
+)
+def test_the_choice_follows_the_structure(
+    found: list, own: bool, path: tuple, is_loss: bool
+) -> None:
+    choice = choose_output(found, own, "m.py")
+    assert (choice.path, choice.is_loss) == (path, is_loss)
+
+
+def test_an_output_without_a_tensor_to_train_on_is_a_model_error() -> None:
+    with pytest.raises(ModelError, match="returns no tensor of at least one dim"):
+        choose_output([((0,), 0, True), ((1,), None, False)], False, "m.py")
+
+
+def test_the_eager_choice_is_the_traced_one() -> None:
+    out = {"loss": torch.tensor(1.0), "logits": torch.zeros(2, 3)}
+    assert eager_choice(out, True, "m.py").path == ("loss",)
+    assert eager_choice((torch.zeros(2, 3), None), True, "m.py").path == (0,)
+
+
+def test_targets_given_means_the_same_tensor_or_equal_values() -> None:
+    y = torch.arange(6).view(2, 3)
+    assert targets_given({"input_ids": y * 2, "labels": y}, y)
+    assert targets_given((y * 2, y.clone()), y)
+    assert not targets_given((y * 2,), y)
+
+
+@pytest.mark.parametrize(
+    ("file", "note"),
+    [
+        ("forward_returns_dict.py", "trains on output['logits']"),
+        (
+            "forward_returns_tuple.py",
+            "trains on output[0]; not used: output[1] (define loss_fn(output, targets)",
+        ),
+    ],
+)
+def test_a_structured_output_is_reported_and_trains_as_one_device(
+    file: str, note: str, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    spec = tmp_path / "dp2.par"
+    spec.write_text(DP2)
+    assert note in analyse(spec, MODELS / file).plan.capture
+    code = main(["check", str(spec), str(MODELS / file), "--steps", "2"])
+    out, err = capfd.readouterr()
+    assert code == 0, out + err
+    assert "EQUIVALENT" in out and "NOT EQUIVALENT" not in out

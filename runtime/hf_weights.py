@@ -329,7 +329,9 @@ class _Handles(contextlib.ExitStack):
             safe_open = _safetensors().safe_open
             handle = self.enter_context(safe_open(str(stored.file), framework="pt"))
             self._open[stored.file] = handle
-        return _read(handle.get_slice(stored.key), ranges)
+        # A slice off dim 0 can come back strided; parameters are contiguous (views of
+        # them are taken flat: checkpoints, gradient buckets).
+        return _read(handle.get_slice(stored.key), ranges).contiguous()
 
 
 def _read(stored: Any, ranges: list[list[tuple[int, int]]]) -> torch.Tensor:

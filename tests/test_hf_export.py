@@ -13,16 +13,27 @@ Tolerances: none; exporting and loading copy values, compared bitwise.
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from helpers import GPT
-from test_hf_weights import BATCH, GPT_ENV, SPECS, _compile_dp1, _saved_state, save_dir
+from helpers import GPT, LLAMA
+from procs import PARC, Done, launcher_env
+from test_hf_weights import (
+    BATCH,
+    GPT_ENV,
+    LLAMA_ENV,
+    LLAMA_TP,
+    SPECS,
+    _compile_dp1,
+    _saved_state,
+    save_dir,
+)
 
 from parc.compiler.model import load_model
-from parc.runtime.equivalence import model_env
+from parc.runtime.equivalence import Tolerance, compare_runs, model_env, reference_run
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
@@ -178,3 +189,45 @@ def test_a_save_pretrained_directory_loads_into_the_model_it_was_saved_from(
     load_full(model, tmp_path)
     for key, value in saved_model.state_dict().items():
         assert torch.equal(model.state_dict()[key], value), key
+
+
+LLAMA_PP_TP = "mesh pp=2 tp=2\n" + LLAMA_TP
+LLAMA_PP_TP += (
+    "stage tok, layers[0:1] -> 0\nstage layers[1:2], norm, lm_head -> 1\nmicrobatches 2\n"
+)
+
+
+def _parc(args: list[str], cwd: Path, env: dict[str, str]) -> Done:
+    """`parc ARGS` as a user runs it (torchrun's ranks for `run`), sizes from `env`."""
+    done = subprocess.run(
+        [*PARC, *args], cwd=cwd, env=launcher_env(env), capture_output=True, text=True, timeout=600
+    )
+    return Done(done.returncode, done.stdout, done.stderr)
+
+
+@pytest.mark.multiprocess
+def test_parc_run_from_weights_then_export_hf_trains_as_one_device(tmp_path: Path) -> None:
+    weights = save_dir(tmp_path / "start", _saved_state(LLAMA, LLAMA_ENV), shards=2)
+    spec = tmp_path / "pp2_tp2.par"
+    spec.write_text(LLAMA_PP_TP)
+    run = [
+        "run",
+        str(spec),
+        LLAMA,
+        "--steps",
+        "3",
+        "--batch",
+        str(BATCH),
+        "--weights",
+        str(weights),
+    ]
+    done = _parc([*run, "--checkpoint", "ckpt"], tmp_path, LLAMA_ENV)
+    assert done.code == 0, done
+    done = _parc(["export", "ckpt", LLAMA, "-o", "hf", "--format", "hf"], tmp_path, LLAMA_ENV)
+    assert done.code == 0, done
+    stored = safetensors_torch.load_file(tmp_path / "hf" / "model.safetensors")
+    ref = reference_run(
+        LLAMA, steps=3, batch=BATCH, optimizer="model", env=LLAMA_ENV, weights=str(weights)
+    )
+    comparison = compare_runs(ref, {"losses": ref["losses"], "params": stored}, Tolerance())
+    assert comparison.ok, comparison.describe()

@@ -134,6 +134,8 @@ def load_and_step(spec: str, model: str, env: dict[str, str], weights: str) -> d
         sgd = make_optimizer("sgd")
         program = parc_compile(spec, source, batch=BATCH, optimizer=sgd, weights=weights)
         bad = _mismatches(program, _files_model(source, Path(weights)))
+        params = program.parts.local_params.items()
+        bad += [f"{n} is strided" for n, p in params if not p.is_contiguous()]
         loss = program.step(*source.batch(BATCH, 0))
         state = program.state_dict()
     return {"mismatches": bad, "losses": [loss], "params": state if dist.get_rank() == 0 else {}}

@@ -210,24 +210,18 @@ def test_parc_run_from_weights_then_export_hf_trains_as_one_device(tmp_path: Pat
     weights = save_dir(tmp_path / "start", _saved_state(LLAMA, LLAMA_ENV), shards=2)
     spec = tmp_path / "pp2_tp2.par"
     spec.write_text(LLAMA_PP_TP)
-    run = [
-        "run",
-        str(spec),
-        LLAMA,
-        "--steps",
-        "3",
-        "--batch",
-        str(BATCH),
-        "--weights",
-        str(weights),
-    ]
-    done = _parc([*run, "--checkpoint", "ckpt"], tmp_path, LLAMA_ENV)
+    steps = ["--steps", "3", "--batch", str(BATCH), "--weights", str(weights), "--log", "log"]
+    done = _parc(["run", str(spec), LLAMA, *steps, "--checkpoint", "ckpt"], tmp_path, LLAMA_ENV)
     assert done.code == 0, done
     done = _parc(["export", "ckpt", LLAMA, "-o", "hf", "--format", "hf"], tmp_path, LLAMA_ENV)
     assert done.code == 0, done
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "log").read_text().splitlines()]
     stored = safetensors_torch.load_file(tmp_path / "hf" / "model.safetensors")
+    # The model file's own optimizer (AdamW): its tolerance (runtime/equivalence.py) bounds
+    # parameters loosely, so the losses of every step carry the check.
     ref = reference_run(
         LLAMA, steps=3, batch=BATCH, optimizer="model", env=LLAMA_ENV, weights=str(weights)
     )
-    comparison = compare_runs(ref, {"losses": ref["losses"], "params": stored}, Tolerance())
+    tolerance = Tolerance.for_optimizer("adamw", 3)
+    comparison = compare_runs(ref, {"losses": losses, "params": stored}, tolerance)
     assert comparison.ok, comparison.describe()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import inspect
 import linecache
+import os
 import traceback
 import warnings
 from collections.abc import Mapping, Sequence
@@ -42,6 +43,11 @@ from .trace_asserts import ASSERT_FIX, TracedAssert, assert_site, check_asserts
 __all__ = ["choose_single_output", "module_path", "node_source", "propagate_shapes", "trace_model"]
 
 _CONTROL_FLOW = "cannot be used as inputs to control flow"
+# parc's own folders (compiler/, runtime/, ...): never the user's source line.
+_PARC_DIRS = tuple(
+    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), d) + os.sep
+    for d in ("compiler", "runtime", "parc", "dsl")
+)
 # Frames in these folders are torch's or parc's, never the user's source line.
 
 
@@ -296,7 +302,7 @@ def _user_frame(exc: BaseException) -> str | None:
     """`file:line: code` of the innermost traceback frame outside torch."""
     frames = traceback.extract_tb(exc.__traceback__)
     user = [f for f in frames if "/torch/" not in f.filename and "/parc/" not in f.filename]
-    user = [f for f in user if not f.filename.endswith(("compiler/trace.py",))]
+    user = [f for f in user if not f.filename.startswith(_PARC_DIRS)]
     if not user:
         return None
     last = user[-1]
@@ -321,10 +327,10 @@ def choose_single_output(
     described = [(p, _ndim(v), _floating(v)) for p, v in found]
     choice = choose_output(described, own_loss, file)
     gm.meta["parc_output"] = choice
-    if choice.path == () and len(found) == 1:
-        return
     node = dict(found)[choice.path]
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    if output.args == (node,):
+        return  # it returns the chosen tensor already (export's one tensor is a 1-tuple)
     output.args = (node,)
     gm.graph._codegen = torch.fx.graph.CodeGen()
     gm.graph.eliminate_dead_code()
@@ -363,9 +369,26 @@ def _export_error(
     if fx_error is not None:
         fx_error.message += f" (torch.export could not capture it either: {reason})"
         return fx_error
+    inner = _failing_module(exc)
+    where = f" (in {inner}.forward)" if inner and inner != type(model).__name__ else ""
     return CompileError(
-        f"the model ({type(model).__name__}) cannot be captured with torch.export: {reason}",
+        f"the model ({type(model).__name__}) cannot be captured with torch.export{where}: {reason}",
         source=frame,
-        hint="keep forward free of data-dependent Python (an `if` or `.item()` on a "
-        "tensor's values); shapes and config values are fine",
+        hint="keep forward free of Python that reads tensor values (an `if`, `.item()`, "
+        "`.tolist()` on data): shapes and config values are fine; move the check to "
+        "sample_batch, or use torch.where for a data-dependent choice",
     )
+
+
+def _failing_module(exc: BaseException) -> str | None:
+    """The class of the innermost module whose forward (outside torch and parc) raised."""
+    found = None
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code.co_filename
+        owner = tb.tb_frame.f_locals.get("self")
+        user = "/torch/" not in code and not code.startswith(_PARC_DIRS)
+        if isinstance(owner, torch.nn.Module) and user:
+            found = type(owner).__name__
+        tb = tb.tb_next
+    return found

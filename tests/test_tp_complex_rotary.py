@@ -37,7 +37,8 @@ shard *.feed_forward.w1 col tp
 shard *.feed_forward.w3 col tp
 shard *.feed_forward.w2 row tp
 """
-ROTARY_FORMS = ["fx"]  # tests/models/titan_style.py's forms of the rotary code (TITAN_ROTARY)
+# TITAN_ROTARY: tests/models/titan_style.py's fx-traceable rotary code, or torchtitan's own.
+ROTARY_FORMS = ["fx", "torchtitan"]
 HEADS_DIM = 2  # q and k are [bs, seqlen, heads, head_dim (/ 2 complex)]: sharded by heads
 
 

@@ -23,7 +23,7 @@ from helpers import check_equivalent
 from parc.compiler.cost import node_costs
 from parc.compiler.frontend import Analysis, analyse
 from parc.compiler.node_meta import meta_of
-from parc.compiler.ops.collectives import CommKind
+from parc.compiler.ops.collectives import CommKind, comm_activated
 from parc.compiler.passes.placement import Shard
 from parc.compiler.passes.tensor_parallel import tensor_parallel
 
@@ -95,17 +95,56 @@ def test_head_sharded_complex_rotary_gathers_nothing(
     assert not [n.format_node() for n in analysis.gm.graph.nodes if _gathers_at(n)]
 
 
+class _ShapeComm:
+    """A tp axis of 2 seen from rank 1, for running one rank's program on `meta`: sums
+    are left as they are (values are not checked, shapes are) and nothing may gather."""
+
+    rank, step = 1, None
+
+    def size(self, axis: str) -> int:
+        return 2
+
+    def index(self, axis: str) -> int:
+        return 1
+
+    def all_reduce(self, t: torch.Tensor, axis: str, *, async_op: bool = False) -> None:
+        return None
+
+    def all_gather(self, *args: object, **kwargs: object) -> None:
+        raise AssertionError("the rank program all-gathers")
+
+    reduce_scatter = all_gather
+
+
+class _Shapes(torch.fx.Interpreter):
+    """Runs a graph, recording the shape of every complex view it computes."""
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.shapes: list[tuple[int, ...]] = []
+
+    def run_node(self, n: torch.fx.Node) -> object:
+        out = super().run_node(n)
+        if n.target is torch.view_as_complex:
+            self.shapes.append(tuple(out.shape))
+        return out
+
+
 @pytest.mark.parametrize("rotary", ROTARY_FORMS)
 def test_the_rank_program_rotates_its_own_heads_with_local_sizes(
     monkeypatch: pytest.MonkeyPatch, rotary: str
 ) -> None:
     _env(monkeypatch, rotary=rotary)
     analysis = analyse(f"mesh tp=2\n{MEGATRON}", TITAN, batch=2)
-    rank = tensor_parallel(analysis.gm, analysis.plan, tp_index=1)
-    assert "tp_all_gather" not in rank.code
-    # [bs, seqlen, heads, head_dim / 2] complex: 2 of the 4 q heads on each rank.
-    views = [n for n in rank.graph.nodes if n.target is torch.view_as_complex]
-    assert [tuple(n.meta["tensor_meta"].shape) for n in views[:2]] == [(2, 8, 2, 4), (2, 8, 1, 4)]
+    rank = tensor_parallel(analysis.gm, analysis.plan, tp_index=1).to("meta")
+    tokens = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    run = _Shapes(rank)
+    with comm_activated(_ShapeComm()):
+        logits = run.run(tokens)
+    # Every size argument is local, or a view would fail: q [bs, seqlen, heads,
+    # head_dim / 2] complex with 2 of the 4 q heads on the rank, k with 1 of 2.
+    assert run.shapes == [(2, 8, 2, 4), (2, 8, 1, 4)] * 2
+    assert tuple(logits.shape) == (2, 8, 64)
 
 
 def test_complex_views_cost_no_flops_and_no_kernel(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,7 +17,10 @@ into the torch-level graph the passes read:
    call (`F.linear`, `F.embedding`, `F.layer_norm`, `F.rms_norm`) made inside
    a module of the matching class on that module's own parameters is that
    module's call, as `symbolic_trace` would record it, so `.par` patterns, the
-   tensor-parallel rules and the cost model see the same graph.
+   tensor-parallel rules and the cost model see the same graph. Any other leaf
+   module whose call the graph shows to be `x @ W + b` (Hugging Face GPT-2's
+   `Conv1D`: an (in, out) weight, `addmm`) becomes its `call_module` too, its
+   weight layout kept (`compiler/linear_forms.py`).
 4. Keep forward's output structure: `CapturedOutput.found` lists each leaf
    with its path (`output['logits']`), for `model_output.choose_output`.
 
@@ -42,6 +45,7 @@ import torch.utils._pytree as pytree
 from torch.fx.graph_module import _copy_attr
 
 from .aten_raise import DROPPED, IDENTITY, index_key, raised
+from .linear_forms import reform_linear_maps
 from .model_output import Path, call_kwargs
 
 __all__ = ["CapturedOutput", "capture_model", "export_model", "strip_export_meta"]
@@ -105,6 +109,7 @@ def capture_model(model: torch.nn.Module, inputs: Any) -> CapturedOutput:
     found = tuple((p, outs[i]) for p, i in _index_leaves(structure))
     graph.output(tuple(o for _, o in found))
     _reform_modules(graph, model)
+    reform_linear_maps(graph, model)
     gm = _module_of(graph, model, source)
     gm.graph.eliminate_dead_code()  # needs an owning module (purity of in-place ops)
     gm = _module_of(gm.graph, model, source)

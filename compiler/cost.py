@@ -26,6 +26,8 @@ import torch.fx
 import torch.nn.functional as F
 from torch.fx.passes.shape_prop import TensorMetadata
 
+from .linear_forms import linear_form
+
 __all__ = [
     "CPU_RATES",
     "FLOPS_ONLY",
@@ -164,8 +166,9 @@ def params_of_node(node: torch.fx.Node, gm: torch.fx.GraphModule) -> tuple[str, 
 def _module_flops(node: torch.fx.Node, gm: torch.fx.GraphModule) -> int:
     module = gm.get_submodule(str(node.target))
     out = output_numel(node)
-    if isinstance(module, torch.nn.Linear):
-        return 2 * module.in_features * out
+    form = linear_form(module)
+    if form is not None:
+        return 2 * form.in_features * out
     if isinstance(module, torch.nn.Embedding):
         return 0
     if isinstance(module, torch.nn.LayerNorm | torch.nn.GroupNorm):

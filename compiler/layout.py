@@ -6,6 +6,8 @@ memory and traffic the report predicts are the ones a run has.
 - A parameter sharded over the tp axis keeps one slice along `dim`
   (Linear col: weight and bias dim 0; Linear row: weight dim 1, the bias stays
   whole and is added once after the reduction; Embedding col: weight dim 1).
+  A linear map whose weight is (in, out) (compiler/linear_forms.py, GPT-2's
+  Conv1D) is cut on the other dim of its weight: col dim 1, row dim 0.
 - A parameter used by two stages (a tied embedding and LM head) lives on both.
 - ZeRO units are flat buffers padded to a multiple of dp: one per module (or
   raw parameter) for ZeRO-3, so each is gathered just before its use; for DP
@@ -27,6 +29,7 @@ from parc.errors import PlanError
 
 from .blocks import Blocks
 from .cost import params_of_node
+from .linear_forms import linear_form
 from .plan import Plan
 
 __all__ = [
@@ -94,9 +97,11 @@ def param_slices(plan: Plan, model: torch.nn.Module) -> dict[str, ParamSlice]:
 def _slice_for(kind: ShardKind, leaf: str, module: torch.nn.Module, tp: int) -> ParamSlice | None:
     if isinstance(module, torch.nn.Embedding):
         return ParamSlice(1, tp)
+    form = linear_form(module)
+    assert form is not None, f"resolve shards only linear maps and embeddings: {module}"
     if kind is ShardKind.COL:
-        return ParamSlice(0, tp)
-    return ParamSlice(1, tp) if leaf == "weight" else None
+        return ParamSlice(form.out_dim if leaf == form.weight else 0, tp)
+    return ParamSlice(form.in_dim, tp) if leaf == form.weight else None
 
 
 def _tie_conflict(param: str, first: str, second: str, plan: Plan) -> PlanError:

@@ -4,8 +4,9 @@ Algorithm:
 1. Mesh: every axis has a role (dp, pp, or a tensor-parallel axis named by a
    `shard` statement); at most one tensor-parallel axis.
 2. Shards: each pattern matches at least one module (else did-you-mean); the
-   matched modules are Linear (col/row) or Embedding (col); no module is both
-   col and row; the split dim divides by the axis size.
+   matched modules are linear maps (col/row: an nn.Linear, or a module whose
+   captured call is `x @ W + b`, compiler/linear_forms.py) or Embedding (col);
+   no module is both col and row; the split dim divides by the axis size.
 3. Stages: explicit `stage` lines assign nodes (compiler/stages.py), checked
    against pp; `stage auto` is balanced by cost.
 4. Batch: the global batch divides by dp × grad_accum × microbatches.
@@ -32,6 +33,7 @@ from parc.dsl.ast import (
 from parc.errors import PlanError, clip
 
 from .layout import param_slices
+from .linear_forms import linear_form
 from .match import match_modules
 from .plan import BatchPlan, MeshPlan, ModuleShard, Plan, PlanWarning
 
@@ -166,11 +168,12 @@ def _resolve_shards(
 
 def _check_shardable(spec: Spec, shard: Shard, name: str, module: torch.nn.Module) -> None:
     size = spec.mesh.size(shard.axis)
-    if isinstance(module, torch.nn.Linear):
+    form = linear_form(module)  # nn.Linear, or a module the capture saw compute x @ W + b
+    if form is not None:
         dim, what = (
-            (module.out_features, "out_features")
+            (form.out_features, "out_features")
             if shard.kind is ShardKind.COL
-            else (module.in_features, "in_features")
+            else (form.in_features, "in_features")
         )
     elif isinstance(module, torch.nn.Embedding) and shard.kind is ShardKind.COL:
         dim, what = module.embedding_dim, "embedding_dim"
@@ -187,7 +190,7 @@ def _check_shardable(spec: Spec, shard: Shard, name: str, module: torch.nn.Modul
 
 def _not_shardable(spec: Spec, shard: Shard, name: str, module: torch.nn.Module) -> PlanError:
     allowed = "a Linear or an Embedding" if shard.kind is ShardKind.COL else "a Linear"
-    inside = next((n for n, m in module.named_modules() if isinstance(m, torch.nn.Linear)), None)
+    inside = next((n for n, m in module.named_modules() if linear_form(m) is not None), None)
     if isinstance(module, torch.nn.Embedding):
         hint = f"an Embedding splits its embedding_dim: `shard {name} col {clip(shard.axis)}`"
     elif inside:

@@ -5,7 +5,8 @@
 - `emit_lowered`: a sharded module call written in functional form with its
   parameters as explicit `get_attr` inputs (`F.linear(x, w, b)`,
   `F.embedding(idx, w)`), so the rank's local slices are what it reads; a row
-  Linear adds its bias once, after the all-reduce.
+  Linear adds its bias once, after the all-reduce. A linear map whose weight
+  is (in, out) (compiler/linear_forms.py) reads it as `F.linear(x, w.t(), b)`.
 - `emit_conversion`: one placement change, as its row of the conversion
   table says (compiler/conversions.py): its graph op, named after its input,
   its comment in `ParcMeta.comment` and its costs in `ParcMeta.collectives`
@@ -26,6 +27,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from ..conversions import CONVERSIONS, ConvKind, ConvStep
+from ..linear_forms import LinearForm, as_linear_weight, linear_form
 from ..node_meta import meta_of, set_collectives, set_comment, set_placement
 from .lower_modules import embedding_options
 from .placement import (
@@ -120,7 +122,7 @@ def emit_lowered(
 ) -> torch.fx.Node:
     """The functional form of sharded module call `node` on input `x`, appended to `graph`."""
     before = next(reversed(graph.nodes), None)
-    w, b = _param_nodes(graph, lowering)
+    w, b = _param_nodes(graph, lowering, linear_form(module))
     place, meta = meta_of(node).tp, node.meta.get("tensor_meta")
     # The analysis placed every module call it lowers, and a module call has one output.
     assert place is not None and not isinstance(place, tuple), node.name
@@ -150,12 +152,14 @@ def emit_lowered(
 
 
 def _param_nodes(
-    graph: torch.fx.Graph, lowering: Lowering
+    graph: torch.fx.Graph, lowering: Lowering, form: LinearForm | None
 ) -> tuple[torch.fx.Node, torch.fx.Node | None]:
-    """`get_attr` nodes of the lowered call's weight and bias, placed as their slices."""
+    """`get_attr` nodes of the lowered call's weight and bias, placed as their slices;
+    a linear map's weight as `F.linear` reads it, (out, in)."""
     nodes: list[torch.fx.Node | None] = []
-    for attr in ("weight", "bias"):
-        use = lowering.param(attr)
+    names = (form.weight, form.bias) if form is not None else ("weight", "bias")
+    for attr in names:
+        use = lowering.param(attr) if attr is not None else None
         if use is None:
             nodes.append(None)
             continue
@@ -164,4 +168,11 @@ def _param_nodes(
         nodes.append(got)
     w, b = nodes
     assert w is not None
-    return w, b
+    if form is None:
+        return w, b
+    linear_w = as_linear_weight(graph, w, form)
+    if linear_w is not w:  # an (in, out) weight, read through its transposed view
+        place = meta_of(w).tp
+        turned = Shard(1 - place.dim, place.blocks) if isinstance(place, Shard) else Replicate()
+        set_placement(linear_w, turned)
+    return linear_w, b

@@ -3,8 +3,10 @@
 `call_module(layers.0.ln_1)(x)` becomes `F.layer_norm(x, (C,), w, b, eps)` with
 `w`, `b` as `get_attr` nodes, so a later pass can replace a parameter by a
 slice, a gathered shard or a re-gathered view. The table below lowers the
-common modules to their torch.nn.functional form (readable, no overhead); any
-other module with parameters goes through `torch.func.functional_call`.
+common modules to their torch.nn.functional form (readable, no overhead), and
+a module whose captured call is `x @ W + b` (compiler/linear_forms.py) to
+`F.linear` on its weight as that reads it; any other module with parameters
+goes through `torch.func.functional_call`.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from typing import Any
 import torch
 import torch.fx
 import torch.nn.functional as F
+
+from ..linear_forms import as_linear_weight, linear_form
 
 __all__ = ["LOWERINGS", "embedding_options", "lower_module_calls"]
 
@@ -76,9 +80,14 @@ def lower_module_calls(
         with gm.graph.inserting_before(node):
             params = {name: gm.graph.get_attr(f"{node.target}.{name}") for name in own}
             lowering = LOWERINGS.get(type(module))
+            form = linear_form(module)
             if lowering is not None and not node.kwargs and len(node.args) == 1:
                 fn, args = lowering(module, node.args[0], params)
                 new = gm.graph.call_function(fn, args)
+            elif form is not None and not node.kwargs and len(node.args) == 1:
+                w = as_linear_weight(gm.graph, params[form.weight], form)
+                b = params[form.bias] if form.bias is not None else None
+                new = gm.graph.call_function(F.linear, (node.args[0], w, b))
             else:
                 holder = gm.graph.get_attr(str(node.target))
                 new = gm.graph.call_function(

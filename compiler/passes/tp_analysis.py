@@ -49,6 +49,7 @@ from parc.dsl.ast import ShardKind, Spec
 
 from ..conversions import CONVERSIONS, Conversion, ConvKind, plan_conversion
 from ..layout import canonical_names
+from ..linear_forms import linear_form
 from ..node_meta import Collectives, set_tp_analysis
 from ..ops.collectives import CommKind
 from ..plan import ModuleShard, Plan, PlanWarning
@@ -76,7 +77,7 @@ _LOWER = {
     (torch.nn.Linear, ShardKind.COL): LowerKind.LINEAR_COL,
     (torch.nn.Linear, ShardKind.ROW): LowerKind.LINEAR_ROW,
     (torch.nn.Embedding, ShardKind.COL): LowerKind.EMBEDDING_COL,
-}
+}  # a module with a linear form (compiler/linear_forms.py) is lowered as nn.Linear
 
 
 def analyse_tensor_parallel(
@@ -230,7 +231,10 @@ class _Walk:
         if node.op != "call_module":
             return node.target
         kind = shard.kind if shard else None
-        for cls in type(self.gm.get_submodule(str(node.target))).__mro__:
+        module = self.gm.get_submodule(str(node.target))
+        if linear_form(module) is not None:  # any x @ W + b follows the Linear rules
+            return (torch.nn.Linear, kind)
+        for cls in type(module).__mro__:
             if (cls, kind) in RULES:
                 return (cls, kind)
         return None
@@ -263,7 +267,8 @@ class _Walk:
         self, node: torch.fx.Node, ins: dict[torch.fx.Node, Any], shard: ModuleShard | None
     ) -> OpContext:
         module = self.gm.get_submodule(str(node.target)) if shard else None
-        bias = getattr(module, "bias", None) is not None
+        form = linear_form(module) if module is not None else None
+        bias = form.bias is not None if form else getattr(module, "bias", None) is not None
         return OpContext(node, ins, self.tp, self.blocks.get(node.name, 1), bias)
 
     def _apply_rule(
@@ -278,7 +283,9 @@ class _Walk:
         except Misaligned as exc:
             x = node.args[0]
             origin = self.origin.get(x) if isinstance(x, torch.fx.Node) else None
-            in_features = self.gm.get_parameter(f"{node.target}.weight").shape[1]
+            form = linear_form(self.gm.get_submodule(str(node.target)))
+            assert form is not None  # only a row linear map raises Misaligned
+            in_features = form.in_features
             span = self._span(str(node.target))
             raise msg.misaligned_error(node, exc, origin, in_features, self.plan, span) from None
 
@@ -343,8 +350,9 @@ class _Walk:
         """The Linear whose output reaches `value` through layout-keeping ops, if any."""
         while value.op != "call_module" and value.target in TRANSPARENT_OPS:
             value = _node(value)
-        linear = value.op == "call_module" and isinstance(
-            self.gm.get_submodule(str(value.target)), torch.nn.Linear
+        linear = (
+            value.op == "call_module"
+            and linear_form(self.gm.get_submodule(str(value.target))) is not None
         )
         return str(value.target) if linear else None
 
@@ -358,9 +366,8 @@ class _Walk:
 
     def _lowering(self, node: torch.fx.Node, shard: ModuleShard) -> Lowering:
         module = self.gm.get_submodule(str(node.target))
-        kind = next(
-            v for (cls, k), v in _LOWER.items() if isinstance(module, cls) and k is shard.kind
-        )
+        cls = torch.nn.Linear if linear_form(module) is not None else type(module)
+        kind = next(v for (c, k), v in _LOWER.items() if issubclass(cls, c) and k is shard.kind)
         uses = []
         for attr, _ in module.named_parameters(recurse=False):
             name = self.canonical[f"{node.target}.{attr}"]

@@ -13,6 +13,7 @@ import torch.fx
 from parc.dsl.ast import Spec
 from parc.errors import CompileError, PlanError, SourceSpan
 
+from ..linear_forms import linear_form
 from ..plan import Plan, PlanWarning
 from ..trace import node_source
 from .placement import Placement
@@ -58,7 +59,7 @@ def _at(node: torch.fx.Node) -> str:
 
 
 def _fix_gather(node: torch.fx.Node, gm: torch.fx.GraphModule, origin: str | None) -> str:
-    if node.op == "call_module" and isinstance(gm.get_submodule(str(node.target)), torch.nn.Linear):
+    if node.op == "call_module" and linear_form(gm.get_submodule(str(node.target))) is not None:
         return f"shard '{node.target}' row so it takes the sharded input as it is"
     pair = f"'{origin}'" if origin else "the col layer"
     return f"shard a Linear after {pair} `row` to consume its output sharded, or unshard {pair}"

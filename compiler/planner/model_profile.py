@@ -42,6 +42,7 @@ from ..blocks import Blocks, find_blocks
 from ..cost import node_costs, output_numel, tensor_metas
 from ..host_memory import HostFacts, host_facts
 from ..layout import ParamSlice, canonical_names, param_slices, zero3_owner
+from ..linear_forms import linear_form
 from ..model import ModelSource, owns_loss
 from ..model_output import input_tensors, targets_given
 from ..node_meta import meta_of
@@ -213,8 +214,8 @@ def _megatron_layout(
     for node in gm.graph.nodes:
         ins = [a for a in node.all_input_nodes if a in feeds]
         reaching = frozenset().union(*(feeds[a] for a in ins)) if ins else frozenset()
-        linear = node.op == "call_module" and isinstance(
-            gm.get_submodule(str(node.target)), torch.nn.Linear
+        linear = (
+            node.op == "call_module" and linear_form(gm.get_submodule(str(node.target))) is not None
         )
         if node.op == "placeholder":
             feeds[node] = frozenset({None})

@@ -29,7 +29,12 @@ from .estimate import Estimate, estimate
 from .memory_model import memory_model_of
 from .model import ModelSource, load_model, owns_loss
 from .model_output import ModelLoss, input_tensors, targets_given
-from .model_state import batch_statistics_warnings, buffer_versions, untraced_writes
+from .model_state import (
+    batch_statistics_warnings,
+    buffer_versions,
+    check_all_used,
+    untraced_writes,
+)
 from .optimizers import optimizer_warnings
 from .passes.pipeline_split import annotate_stages
 from .plan import Plan
@@ -126,6 +131,7 @@ def _analyse(
     if gm.meta["parc_output"].is_loss:
         source = dataclasses.replace(source, loss_fn=ModelLoss(source.path))
     untraced_writes(built, versions, source.path)
+    check_all_used(gm, built, source.path)
     saved = profile_forward(gm, input_tensors(inputs))
     plan = resolve(spec, built, gm, batch=batch)
     plan = dataclasses.replace(plan, capture=_capture_note(gm))

@@ -170,3 +170,23 @@ def batch_statistics_warnings(model: torch.nn.Module, plan: Plan, spec: Spec) ->
             spec.locate(spec.mesh.span),
         )
     ]
+
+
+def check_all_used(gm: torch.fx.GraphModule, model: torch.nn.Module, file: str) -> None:
+    """Every parameter must be read by forward: one it never reads gets no gradient, and
+    parc places a parameter on the stages and ranks whose nodes read it."""
+    from .cost import params_of_node
+
+    canonical = canonical_names(model)
+    used = {canonical.get(n, n) for node in gm.graph.nodes for n in params_of_node(node, gm)}
+    unused = [n for n in dict.fromkeys(canonical.values()) if n not in used]
+    if unused:
+        shown = ", ".join(repr(n) for n in unused[:4]) + (" ..." if len(unused) > 4 else "")
+        raise ModelError(
+            f"forward never reads parameter{'s' if len(unused) > 1 else ''} {shown} "
+            f"({len(unused)} of {len(set(canonical.values()))}): parc places each parameter "
+            "where forward reads it, and one it never reads would get no gradient",
+            file=file,
+            hint="remove the unused module or parameter from build_model(), or register "
+            "it as a buffer if it is not trained",
+        )

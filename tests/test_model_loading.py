@@ -53,6 +53,12 @@ class Broken:
 
 BROKEN = [
     Broken(
+        "unused_param.py",
+        ModelError,
+        ("forward never reads parameters 'spare.weight', 'spare.bias' (2 of 4)",),
+        "remove the unused module or parameter from build_model()",
+    ),
+    Broken(
         "no_build_model.py",
         ModelError,
         ("defines no `build_model`",),

@@ -32,6 +32,8 @@ from procs import PARC, Done, launcher_env
 from test_hf_weights import (
     BATCH,
     GPT_ENV,
+    HF_MODEL,
+    HF_TP,
     SPECS,
     _compile_dp1,
     _saved_state,
@@ -206,44 +208,6 @@ def _parc(args: list[str], cwd: Path, env: dict[str, str]) -> Done:
     return Done(done.returncode, done.stdout, done.stderr)
 
 
-HF_MODEL = '''"""A tiny random Hugging Face LlamaForCausalLM (GQA), unchanged, trained with SGD."""
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-
-VOCAB, SEQ = 128, 8
-
-
-def build_model():
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(config)
-
-
-def sample_batch(batch_size, step):
-    g = torch.Generator().manual_seed(4000 + step)
-    tokens = torch.randint(0, VOCAB, (batch_size, SEQ + 1), generator=g)
-    return {"input_ids": tokens[:, :-1]}, tokens[:, 1:]
-
-
-def configure_optimizer(params):
-    return torch.optim.SGD(params, lr=0.1)
-'''
-# Megatron's plan in the model's own module names; stage auto finds the cut.
-HF_PP_TP = "mesh pp=2 tp=2\n"
-HF_PP_TP += "".join(f"shard *.self_attn.{m}_proj col tp\n" for m in "qkv")
-HF_PP_TP += "shard *.self_attn.o_proj row tp\nshard *.mlp.gate_proj col tp\n"
-HF_PP_TP += "shard *.mlp.up_proj col tp\nshard *.mlp.down_proj row tp\n"
-HF_PP_TP += "stage auto\nmicrobatches 2\n"
-
-
 @pytest.mark.multiprocess
 def test_hf_llama_from_save_pretrained_trains_under_pp2_tp2_and_from_pretrained_loads_it(
     tmp_path: Path,
@@ -251,7 +215,7 @@ def test_hf_llama_from_save_pretrained_trains_under_pp2_tp2_and_from_pretrained_
     transformers = pytest.importorskip("transformers")
     model_file, spec = tmp_path / "hf_llama.py", tmp_path / "pp2_tp2.par"
     model_file.write_text(HF_MODEL)
-    spec.write_text(HF_PP_TP)
+    spec.write_text("mesh pp=2 tp=2\n" + HF_TP + "stage auto\nmicrobatches 2\n")
     source = load_model(model_file)
     torch.manual_seed(1)  # not parc's seed 0: the run must start from the files
     source.build_model().save_pretrained(tmp_path / "start", max_shard_size="100KB")

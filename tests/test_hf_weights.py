@@ -64,6 +64,43 @@ SPECS = {
 }
 MODELS = {"gpt": (GPT, GPT_ENV), "llama": (LLAMA, LLAMA_ENV)}
 
+HF_MODEL = '''"""A tiny random Hugging Face LlamaForCausalLM (GQA), unchanged, trained with SGD."""
+import os
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+VOCAB, SEQ = 128, 8
+
+
+def build_model():
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        tie_word_embeddings=os.environ.get("HF_TIE") == "1",
+    )
+    return LlamaForCausalLM(config)
+
+
+def sample_batch(batch_size, step):
+    g = torch.Generator().manual_seed(4000 + step)
+    tokens = torch.randint(0, VOCAB, (batch_size, SEQ + 1), generator=g)
+    return {"input_ids": tokens[:, :-1]}, tokens[:, 1:]
+
+
+def configure_optimizer(params):
+    return torch.optim.SGD(params, lr=0.1)
+'''
+# Megatron's plan in the model's own module names.
+HF_TP = "".join(f"shard *.self_attn.{m}_proj col tp\n" for m in "qkv")
+HF_TP += "shard *.self_attn.o_proj row tp\nshard *.mlp.gate_proj col tp\n"
+HF_TP += "shard *.mlp.up_proj col tp\nshard *.mlp.down_proj row tp\n"
+
 
 def _saved_state(model: str, env: dict[str, str]) -> dict[str, torch.Tensor]:
     """The model's state dict, seeded 11 plus noise, each tied tensor once (first name)."""
@@ -157,6 +194,28 @@ def test_each_rank_holds_the_slices_of_the_saved_tensors_and_steps_as_one_device
     # The loaded values, not the seeded initialisation, are what trained.
     seeded = reference_run(file, steps=1, batch=BATCH, optimizer="sgd", env=env)
     assert abs(seeded["losses"][0] - ref["losses"][0]) > 1e-4
+
+
+@pytest.mark.multiprocess
+def test_a_tied_hf_llama_saved_by_save_pretrained_loads_under_dp2_tp2_zero3(
+    tmp_path: Path, gloo_pool: Any
+) -> None:
+    pytest.importorskip("transformers")
+    model_file, env = tmp_path / "hf_llama.py", {"HF_TIE": "1"}
+    model_file.write_text(HF_MODEL)
+    with model_env(env):
+        torch.manual_seed(1)  # not parc's seed 0
+        load_model(model_file).build_model().save_pretrained(tmp_path / "w")
+    stored = safetensors_torch.load_file(tmp_path / "w" / "model.safetensors")
+    assert "lm_head.weight" not in stored  # tied: save_pretrained keeps the embedding only
+    spec = "mesh dp=2 tp=2\nzero 3\n" + HF_TP
+    results = gloo_pool(4).run(load_and_step, spec, str(model_file), env, str(tmp_path / "w"))
+    assert [r["mismatches"] for r in results] == [[]] * 4  # bitwise the files' slices
+    ref = reference_run(
+        str(model_file), steps=1, batch=BATCH, optimizer="sgd", env=env, weights=str(tmp_path / "w")
+    )
+    comparison = compare_runs(ref, results[0], Tolerance())
+    assert comparison.ok, comparison.describe()
 
 
 @pytest.mark.multiprocess

@@ -39,6 +39,7 @@ from test_hf_weights import (
     _saved_state,
     save_dir,
 )
+from test_state_stream import HostBytes
 
 from parc.compiler.model import load_model
 from parc.runtime.equivalence import Tolerance, compare_runs, model_env, reference_run
@@ -127,6 +128,23 @@ def test_parc_export_format_hf_shards_a_checkpoint_above_max_shard_size(
     with model_env(GPT_ENV):
         assert main(["export", *args]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+
+
+def test_export_hf_from_a_checkpoint_holds_one_tensor_at_a_time(
+    saved: dict[str, Path], tmp_path: Path
+) -> None:
+    from parc.runtime.checkpoint.store import save_checkpoint
+
+    save_checkpoint(_compile_dp1(saved["gpt"]), tmp_path / "ckpt", 1)
+    state = _saved_state(GPT, GPT_ENV)
+    sizes = [t.numel() * t.element_size() for t in state.values()]
+    # As the torch format (tests/test_state_stream.py): the tensor DCP fills and one
+    # saved piece it reads into it, for the largest tensor; the writer keeps nothing,
+    # not even the one file all of it goes to.
+    with model_env(GPT_ENV), HostBytes(start=()) as live:
+        export_state_dict(tmp_path / "ckpt", GPT, tmp_path / "hf", format="hf")
+    assert live.peak <= 2 * max(sizes) < sum(sizes), (live.peak, max(sizes), sum(sizes))
+    assert [p.name for p in (tmp_path / "hf").iterdir()] == ["model.safetensors"]
 
 
 def test_parc_export_format_hf_refuses_a_file_as_its_directory(

@@ -374,6 +374,24 @@ def test_a_path_that_is_no_checkpoint_directory_is_a_model_error(tmp_path: Path)
         _compile_dp1(shards)
 
 
+def test_a_build_that_cannot_be_deferred_is_built_whole_then_given_the_files(
+    tmp_path: Path,
+) -> None:
+    from test_compile_memory import _READS_ITEM
+
+    from parc.api import CannotDeferWarning
+    from parc.api import compile as parc_compile
+
+    model = tmp_path / "reads_item.py"
+    model.write_text(_READS_ITEM)
+    state = {"lin.weight": torch.randn(4, 4), "lin.bias": torch.randn(4)}
+    directory = save_dir(tmp_path / "w", state)
+    with pytest.warns(CannotDeferWarning):
+        program = parc_compile("mesh dp=1\n", str(model), batch=4, weights=directory)
+    got = program.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in state.items())
+
+
 def test_shards_without_an_index_are_read_together(tmp_path: Path) -> None:
     state = _saved_state(LLAMA, LLAMA_ENV)
     directory = save_dir(tmp_path / "noindex", state, shards=2, index=False)

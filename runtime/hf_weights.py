@@ -88,22 +88,29 @@ class WeightFiles:
 
     @staticmethod
     def open(root: str | Path) -> WeightFiles:
-        safe_open = _safetensors().safe_open
+        safetensors = _safetensors()
         root = Path(root)
-        files = _weight_files(root)
         tensors: dict[str, Stored] = {}
-        for file in files:
-            with safe_open(str(file), framework="pt") as handle:
-                for key in handle.keys():  # noqa: SIM118 (safe_open is no dict)
-                    if key in tensors:
-                        raise ModelError(
-                            f"tensor '{key}' is stored twice: in {tensors[key].file.name} "
-                            f"and in {file.name}",
-                            file=str(root),
-                            hint=f"keep one copy, and list it in {INDEX}",
-                        )
-                    shape = tuple(handle.get_slice(key).get_shape())
-                    tensors[key] = Stored(file, key, shape)
+        for file in _weight_files(root):
+            try:
+                with safetensors.safe_open(str(file), framework="pt") as handle:
+                    shapes = {k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()}  # noqa: SIM118
+            except (OSError, safetensors.SafetensorError) as exc:
+                raise ModelError(
+                    f"{file.name} is not a readable safetensors file: {exc}",
+                    file=str(root),
+                    hint="save it again (save_pretrained, safetensors.torch.save_file or "
+                    "parc export --format hf)",
+                ) from None
+            for key, shape in shapes.items():
+                if key in tensors:
+                    raise ModelError(
+                        f"tensor '{key}' is stored twice: in {tensors[key].file.name} "
+                        f"and in {file.name}",
+                        file=str(root),
+                        hint=f"keep one copy, and list it in {INDEX}",
+                    )
+                tensors[key] = Stored(file, key, shape)
         return WeightFiles(root, tensors)
 
     def match(

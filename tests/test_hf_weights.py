@@ -368,6 +368,10 @@ def test_a_path_that_is_no_checkpoint_directory_is_a_model_error(tmp_path: Path)
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelError, match=r"holds no \.safetensors file"):
         _compile_dp1(tmp_path / "empty")
+    (tmp_path / "garbled").mkdir()
+    (tmp_path / "garbled" / "model.safetensors").write_bytes(b"not a header")
+    with pytest.raises(ModelError, match=r"model\.safetensors is not a readable safetensors"):
+        _compile_dp1(tmp_path / "garbled")
     shards = save_dir(tmp_path / "lost", _saved_state(GPT, GPT_ENV), shards=2)
     (shards / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(ModelError, match=r"lists model-00002-of-00002\.safetensors, which the"):

@@ -94,7 +94,8 @@ class WeightFiles:
         for file in _weight_files(root):
             try:
                 with safetensors.safe_open(str(file), framework="pt") as handle:
-                    shapes = {k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()}  # noqa: SIM118
+                    keys = list(handle.keys())
+                    shapes = {k: tuple(handle.get_slice(k).get_shape()) for k in keys}
             except (OSError, safetensors.SafetensorError) as exc:
                 raise ModelError(
                     f"{file.name} is not a readable safetensors file: {exc}",

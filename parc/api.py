@@ -79,9 +79,13 @@ def compile(
     device = device or device_for_rank()
     options = {"batch": batch, "seed": seed, "strict": strict, "schedule": schedule}
     try:
-        comm, program = _deferred(as_spec(spec), source, options, bucket_elems, device, weights)
+        comm, program, source = _deferred(
+            as_spec(spec), source, options, bucket_elems, device, weights
+        )
     except CannotDefer as why:
-        comm, program = _built_whole(as_spec(spec), source, options, bucket_elems, why, weights)
+        comm, program, source = _built_whole(
+            as_spec(spec), source, options, bucket_elems, why, weights
+        )
     parts = assemble(
         program,
         comm,
@@ -100,15 +104,16 @@ def _deferred(
     bucket_elems: int,
     device: torch.device,
     weights: str | Path | None,
-) -> tuple[Comm, RankProgram]:
-    """Steps 1-3: built on meta, compiled on meta, then only the rank's tensors made."""
+) -> tuple[Comm, RankProgram, ModelSource]:
+    """Steps 1-3: built on meta, compiled on meta, then only the rank's tensors made; the
+    source as analysed (its loss_fn the model's own loss when that is what is trained)."""
     analysis = analyse(spec, source, deferred=True, **options)
     assert analysis.deferred is not None
     comm = build_comm(analysis.plan.mesh)
     program = compile_rank(analysis, comm.coords, bucket_elems=bucket_elems)
     # The same outcome on every rank.
     materialise(program, analysis.deferred, source, device, weights)
-    return comm, program
+    return comm, program, analysis.source
 
 
 def _built_whole(
@@ -118,7 +123,7 @@ def _built_whole(
     bucket_elems: int,
     why: CannotDefer,
     weights: str | Path | None,
-) -> tuple[Comm, RankProgram]:
+) -> tuple[Comm, RankProgram, ModelSource]:
     """The fallback: built on the CPU from the seed, as a single-device run builds it
     (then the whole checkpoint `weights` read into it)."""
     analysis = analyse(spec, source, device="cpu", **options)
@@ -128,7 +133,7 @@ def _built_whole(
         load_full(analysis.model, weights)
     comm = build_comm(analysis.plan.mesh)
     warnings.warn(_fallback_words(analysis, why), CannotDeferWarning, stacklevel=3)
-    return comm, compile_rank(analysis, comm.coords, bucket_elems=bucket_elems)
+    return comm, compile_rank(analysis, comm.coords, bucket_elems=bucket_elems), analysis.source
 
 
 def _fallback_words(analysis: Analysis, why: CannotDefer) -> str:

@@ -4,7 +4,8 @@
 
 `GPT.forward(idx, targets=None)` computes its own loss when given targets and
 returns `(logits, loss)`; sample_batch gives `(idx, targets)` as the model's
-inputs, so the loss parc trains on is the one the model computes. Without
+inputs and the file defines no `loss_fn`, so parc trains on the loss the
+model computes (`output[1]`). Without
 targets (tests/models/nanogpt_style_gpt_idx.py) it returns the logits of the
 last position only and `loss=None`, as nanoGPT does when sampling.
 
@@ -185,7 +186,3 @@ def sample_batch(
     idx, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     return (idx, targets), targets
 
-
-def loss_fn(output: tuple[torch.Tensor, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
-    """The loss the model computed from the targets it was given."""
-    return output[1]

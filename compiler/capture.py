@@ -42,6 +42,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
+from torch.export.graph_signature import ExportGraphSignature, InputKind, OutputKind
 from torch.fx.graph_module import _copy_attr
 
 from .aten_raise import DROPPED, IDENTITY, index_key, raised
@@ -95,24 +96,21 @@ def _meta_twin(model: torch.nn.Module) -> torch.nn.Module:
 def capture_model(model: torch.nn.Module, inputs: Any) -> CapturedOutput:
     """Export `model` at `inputs` and raise its graph (steps 1-4)."""
     exported = export_model(model, inputs)
-    source = exported.module()
-    copier = _Copier(torch.device("meta"))
+    # The exported graph itself, its lifted inputs read back as attributes: what
+    # `exported.module()` gives, without its deep copy of the graph and two more
+    # compiles of its code (a tenth of a 70B capture).
+    copier = _Copier(torch.device("meta"), exported.graph_signature)
     graph = copier.graph
-    leaves: list[Any] = []
-    for node in source.graph.nodes:
-        if node.op == "output":
-            leaves = list(node.args[0])
-        else:
-            copier.copy(node)
-    outs = [copier.env.get(n) if isinstance(n, torch.fx.Node) else n for n in leaves]
+    for node in exported.graph.nodes:
+        copier.copy(node)
+    outs = copier.user_outputs
     structure = pytree.tree_unflatten(list(range(len(outs))), _plain(exported.call_spec.out_spec))
     found = tuple((p, outs[i]) for p, i in _index_leaves(structure))
     graph.output(tuple(o for _, o in found))
     _reform_modules(graph, model)
     reform_linear_maps(graph, model)
-    gm = _module_of(graph, model, source)
-    gm.graph.eliminate_dead_code()  # needs an owning module (purity of in-place ops)
-    gm = _module_of(gm.graph, model, source)
+    graph.eliminate_dead_code(is_impure_node=lambda n: _impure(n, model))
+    gm = _module_of(graph, model, _constants(exported))
     outputs = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
     return CapturedOutput(gm, tuple((p, o) for (p, _), o in zip(found, outputs, strict=True)))
 
@@ -128,6 +126,28 @@ def _module_of(
             owner = model if _has(model, str(node.target)) else source
             _copy_attr(owner, root, str(node.target))
     return torch.fx.GraphModule(root, graph, type(model).__name__)
+
+
+def _constants(exported: torch.export.ExportedProgram) -> torch.nn.Module:
+    """A module holding export's lifted constants under their names (as `module()` does)."""
+    root = torch.nn.Module()
+    for name, value in exported.constants.items():
+        owner = root
+        *path, leaf = name.split(".")
+        for part in path:
+            if not hasattr(owner, part):
+                owner.add_module(part, torch.nn.Module())
+            owner = getattr(owner, part)
+        setattr(owner, leaf, value)
+    return root
+
+
+def _impure(node: torch.fx.Node, model: torch.nn.Module) -> bool:
+    """`Node.is_impure`, reading a module call's purity from `model` (the graph has no
+    owning module yet)."""
+    if node.op == "call_module":
+        return bool(getattr(model.get_submodule(str(node.target)), "_is_impure", False))
+    return node.is_impure()
 
 
 _KEPT_META = ("nn_module_stack", "stack_trace")
@@ -153,19 +173,41 @@ def _has(module: torch.nn.Module, target: str) -> bool:
     return hasattr(owner, target.rpartition(".")[2])
 
 
+_LIFTED = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ)
+_MUTATION = (
+    OutputKind.BUFFER_MUTATION,
+    OutputKind.USER_INPUT_MUTATION,
+    OutputKind.PARAMETER_MUTATION,
+)
+
+
 class _Copier:
     """Step 2: copies an exported graph's nodes, raising aten ops on the way."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, signature: ExportGraphSignature) -> None:
         self.graph = torch.fx.Graph()
         self.env: dict[torch.fx.Node, Any] = {}
         self.device = device
         self.first_input: torch.fx.Node | None = None
         self.device_node: torch.fx.Node | None = None
+        # placeholder name -> the attribute it lifts (parameter, buffer, constant)
+        self.lifted = {
+            s.arg.name: s.target for s in signature.input_specs if s.kind in _LIFTED and s.target
+        }
+        # per output: the buffer or input it writes back, or None for a user output
+        self.mutated = [s.target if s.kind in _MUTATION else None for s in signature.output_specs]
+        self.inputs: dict[str, torch.fx.Node] = {}  # user inputs and lifted attributes
+        self.user_outputs: list[Any] = []
 
     def copy(self, node: torch.fx.Node) -> None:
-        if node.op == "placeholder":
+        if node.op == "placeholder" and node.name in self.lifted:
+            new = self.graph.get_attr(self.lifted[node.name])
+            new.meta = dict(node.meta)
+            self.env[node] = self.inputs[self.lifted[node.name]] = new
+        elif node.op == "placeholder":
             self._placeholder(node)
+        elif node.op == "output":
+            self._output(node)
         elif node.op == "call_module" or node.target in DROPPED:
             return  # export's guards function and metadata asserts
         elif node.op == "call_function" and node.target in IDENTITY:
@@ -182,7 +224,20 @@ class _Copier:
         new = self.graph.placeholder(node.name)
         new.meta = dict(node.meta)
         self.first_input = self.first_input or new
-        self.env[node] = new
+        self.env[node] = self.inputs[node.name] = new
+
+    def _output(self, node: torch.fx.Node) -> None:
+        """Written-back buffers and inputs become `copy_` into them (as `module()`
+        unlifts them); the rest are forward's outputs."""
+        copies: dict[Any, torch.fx.Node] = {}
+        for value, target in zip(node.args[0], self.mutated, strict=True):
+            new = self._arg(value)
+            if target is None:
+                self.user_outputs.append(new)
+                continue
+            into = self.inputs.get(target) or self.graph.get_attr(target)
+            copies[new] = self.graph.call_function(torch.ops.aten.copy_.default, (into, new))
+        self.user_outputs = [copies.get(o, o) for o in self.user_outputs]
 
     def _call(self, node: torch.fx.Node) -> None:
         args, kwargs = pytree.tree_map(self._arg, (node.args, node.kwargs))

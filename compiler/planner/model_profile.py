@@ -291,6 +291,8 @@ class _Base:
             for p, readers in param_readers(gm, canonical).items()
         }
         self.acts = activation_nodes(gm)
+        # ZeRO-3 units whose parameters autograd saves (gathered again in backward)
+        self.saved_owners = {zero3_owner(canonical.get(p, p), blocks) for p in saved.params}
 
     def at(
         self, tp: int, lines: tuple[str, ...], warnings: int, slices: dict[str, ParamSlice]
@@ -316,9 +318,6 @@ class _Base:
     ) -> UnitCost:
         mine = self.members[i]
         owners: dict[str, int] = {}
-        saved_owners = {
-            zero3_owner(self.canonical.get(p, p), self.blocks) for p in self.saved.params
-        }
         for p, homes in self.homes.items():
             if i in homes:
                 owner = zero3_owner(p, self.blocks)
@@ -337,7 +336,7 @@ class _Base:
             tp_forward_calls=sum(len(forward.get(n.name, ())) for n in mine),
             tp_largest=max((e for _, e in comms), default=0),
             modules=len(owners),
-            regathered=sum(n for o, n in owners.items() if o in saved_owners),
+            regathered=sum(n for o, n in owners.items() if o in self.saved_owners),
         )
 
     def _saved_bytes(self, i: int, tp: int, sharded: set[str]) -> int:

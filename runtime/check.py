@@ -60,6 +60,7 @@ class CheckResult:
     warnings: tuple[str, ...] = ()  # the plan's (e.g. BatchNorm under dp): likely causes
     optimizer_class: str = ""  # what `optimizer` made, e.g. "AdamW"
     twin_loss_diff: float | None = None  # set when the twin itself moved step 0's loss
+    weights: str | None = None  # the checkpoint directory both runs started from
 
     @property
     def ok(self) -> bool:
@@ -122,6 +123,7 @@ def run_check(
         tuple(str(w) for w in plan.warnings),
         opt_class,
         twin_diff,
+        weights,
     )
 
 
@@ -186,7 +188,8 @@ def format_check(result: CheckResult) -> str:
     c = result.comparison
     lines = [
         f"parc check {result.spec} {result.model}: {result.steps} steps, batch {result.batch}, "
-        f"{_describe_optimizer(result)}",
+        f"{_describe_optimizer(result)}"
+        + (f", both from the weights in {result.weights}" if result.weights else ""),
         "",
         f"  {'step':>4}  {'reference loss':>16}  {'parallel loss':>16}  {'rel. diff':>10}",
     ]
@@ -244,6 +247,7 @@ def check_json(result: CheckResult) -> dict[str, Any]:
         "batch": result.batch,
         "optimizer": result.optimizer,
         "optimizer_class": result.optimizer_class,
+        "weights": result.weights,
         "equivalent": result.ok,
         "rows": [
             {"step": s, "reference_loss": a, "parallel_loss": b, "relative_difference": r}

@@ -451,3 +451,12 @@ def test_the_cli_refuses_bad_weights_before_any_process_starts(
     assert code == 2, err
     assert "tensor 'wte.weight' has shape (47, 16) in model.safetensors" in err, err
     assert "Traceback" not in out + err
+
+
+def test_parc_check_says_which_weights_both_runs_started_from() -> None:
+    from parc.runtime.check import CheckResult, check_json, format_check
+    from parc.runtime.equivalence import Comparison
+
+    result = CheckResult("s.par", "m.py", 3, 8, "sgd", Tolerance(), Comparison(True), weights="w/")
+    assert "both from the weights in w/" in format_check(result).splitlines()[0]
+    assert check_json(result)["weights"] == "w/"

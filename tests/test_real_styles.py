@@ -105,6 +105,13 @@ def test_stage_auto_cuts_between_blocks_with_balanced_stages(style: Style) -> No
     assert max(per_stage) / min(per_stage) < 1 + max(per_block.values()) / min(per_stage)
 
 
+def test_nanogpt_megatron_plan_shards_the_fused_qkv_by_heads_without_gathers() -> None:
+    a = analyse(f"mesh tp=2\n{NANOGPT.tp}", NANOGPT.file)
+    # `c_attn(x).split(n_embd, dim=2)` of a col-sharded fused q/k/v: each rank's third
+    # of every part, then its heads; no op falls back to an all-gather (a warning).
+    assert not a.plan.warnings, a.plan.warnings
+
+
 def test_explicit_stage_lines_give_the_stages_stage_auto_finds() -> None:
     auto = analyse(AUTO, NANOGPT.file)
     explicit = analyse(

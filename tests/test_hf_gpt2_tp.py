@@ -61,11 +61,69 @@ def test_every_conv1d_call_is_captured_as_a_linear_map_with_an_in_out_weight() -
     assert not [n for n in gm.graph.nodes if n.target is torch.ops.aten.addmm.default]
     c_attn = gm.get_submodule("transformer.h.0.attn.c_attn")
     assert linear_form(c_attn) == LinearForm(C, 3 * C, WeightLayout.IN_OUT)
-    assert linear_form(c_attn).out_dim == 1  # type: ignore[union-attr]
+    assert linear_form(c_attn).out_dim == 1
     # The planner's Megatron pairs read the same forms: c_attn, c_fc col; c_proj row.
     assert linear_form(gm.get_submodule("transformer.h.1.mlp.c_proj")) == LinearForm(
         4 * C, C, WeightLayout.IN_OUT
     )
+
+
+class _InOut(torch.nn.Module):
+    """A leaf module with an (in, out) weight; `form` picks what its forward computes."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+        self.w = torch.nn.Parameter(torch.randn(8, 12))
+        self.b = torch.nn.Parameter(torch.randn(12))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.form == "addmm":  # GPT-2's Conv1D, under other names
+            rows = torch.addmm(self.b, x.view(-1, x.size(-1)), self.w)
+            return rows.view(*x.shape[:-1], 12)
+        if self.form == "matmul":
+            return torch.matmul(x, self.w) + self.b
+        if self.form == "scaled":
+            return torch.matmul(x, self.w) * 2 + self.b  # not x @ W + b
+        return torch.matmul(x.transpose(0, 1), self.w) + self.b  # rows mixed: not row-wise
+
+
+class _Net(torch.nn.Module):
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.proj = _InOut(form)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x).relu()
+
+
+@pytest.mark.parametrize(
+    ("form", "linear"),
+    [("addmm", True), ("matmul", True), ("scaled", False), ("transposed", False)],
+)
+def test_a_linear_map_is_read_from_the_graph_not_from_a_class(form: str, linear: bool) -> None:
+    from parc.compiler.capture import capture_model
+
+    net = _Net(form)
+    x = torch.randn(4, 4, 8)
+    gm = capture_model(net, (x,)).gm
+    calls = [n.target for n in gm.graph.nodes if n.op == "call_module"]
+    assert calls == (["proj"] if linear else [])
+    want = LinearForm(8, 12, WeightLayout.IN_OUT, weight="w", bias="b") if linear else None
+    assert linear_form(net.proj) == want
+
+
+def test_the_planner_pairs_gpt2s_conv1d_layers_as_megatron_does() -> None:
+    from parc.compiler.model import load_model
+    from parc.compiler.planner.model_profile import profile_model
+
+    profile = profile_model(load_model(GPT2), gpus_per_node=2)
+    tp2 = dict(profile.tp)[2]
+    assert tp2.shard_lines == tuple(
+        f"shard transformer.h[*].{m} {k} tp"
+        for m, k in zip(SHARDED, ("col", "row", "col", "row"), strict=True)
+    )
+    assert tp2.warnings == 0
 
 
 def test_the_zero3_lowering_of_a_conv1d_computes_its_call() -> None:

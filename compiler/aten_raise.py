@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["DROPPED", "IDENTITY", "RAISES", "Raise", "index_key", "raised"]
+__all__ = ["DROPPED", "IDENTITY", "RAISES", "Raise", "histc", "index_key", "raised"]
 
 aten = torch.ops.aten
 _END = (1 << 63) - 1  # aten.slice's "to the end"
@@ -94,6 +94,17 @@ def _gelu(args: Args, kwargs: Kwargs) -> tuple[Args, Kwargs]:
     return args[:1], ({"approximate": approximate} if approximate != "none" else {})
 
 
+def histc(x: torch.Tensor, bins: int = 100, low: float = 0, high: float = 0) -> torch.Tensor:
+    """`torch.histc` of any tensor: integer values are counted as floats.
+
+    A model captured on `meta` takes the branches written for an accelerator
+    (transformers' MoE routing counts expert ids with `histc` of int32, which
+    CUDA needs), but the CPU has no integer kernel; the counts of integers
+    below 2**24 are the same as floats.
+    """
+    return torch.histc(x if x.is_floating_point() else x.float(), bins, low, high)
+
+
 class _KeepAten(Exception):
     """This call's arguments have no torch-level form: it stays an aten call."""
 
@@ -140,6 +151,7 @@ RAISES: dict[Any, Raise] = {
     aten.mean.dim: _method("mean"),
     aten.sum.dim_IntList: _method("sum"),
     aten.cumsum.default: _method("cumsum"),
+    aten.histc.default: _function(histc),
     # elementwise
     **{
         getattr(aten, name).Tensor: _function(fn, _binary)

@@ -42,6 +42,10 @@ __all__ = [
 
 _MATMULS = {torch.matmul, torch.bmm, torch.mm, operator.matmul, "matmul", "bmm", "mm"}
 _SDPA = {F.scaled_dot_product_attention}
+# Grouped matmuls, by operator name (transformers' need not be importable): row i of
+# the (S, K) input times one expert's (K, N) matrix of the (G, K, N) weight; what an
+# MoE layer's experts run (transformers' fallback loops over the groups).
+_GROUPED_MATMULS = {"aten::_grouped_mm", "transformers::grouped_mm_fallback"}
 # Ops that only reinterpret or select memory: no arithmetic.
 _FREE = {
     "view",
@@ -188,12 +192,21 @@ def _function_flops(node: torch.fx.Node) -> int:
         w = _shape(node.args[1])
         if w:
             return 2 * output_numel(node) * w[-1]
+    if _op_name(target) in _GROUPED_MATMULS:
+        x = _shape(node.args[0])
+        if x:
+            return 2 * output_numel(node) * x[-1]
     if target in _SDPA:
         q, k = _shape(node.args[0]), _shape(node.args[1])
         if q and k:
             # QKᵀ and (softmax)·V, each 2·T·S·D per head.
             return 4 * math.prod(q[:-1]) * k[-2] * q[-1]
     return output_numel(node)
+
+
+def _op_name(target: object) -> str | None:
+    """`namespace::name` of a torch operator (`torch.ops.aten._grouped_mm.default`)."""
+    return target.name() if isinstance(target, torch._ops.OpOverload) else None
 
 
 def _traffic(node: torch.fx.Node, gm: torch.fx.GraphModule) -> tuple[int, int]:

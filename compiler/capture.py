@@ -230,7 +230,9 @@ class _Copier:
         """Written-back buffers and inputs become `copy_` into them (as `module()`
         unlifts them); the rest are forward's outputs."""
         copies: dict[Any, torch.fx.Node] = {}
-        for value, target in zip(node.args[0], self.mutated, strict=True):
+        flat = node.args[0]
+        assert isinstance(flat, tuple | list)  # export's outputs are flat
+        for value, target in zip(flat, self.mutated, strict=True):
             new = self._arg(value)
             if target is None:
                 self.user_outputs.append(new)

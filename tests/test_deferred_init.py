@@ -80,6 +80,20 @@ def test_every_example_model_replays_bitwise(example: str, monkeypatch: pytest.M
             rope_base=source.module.CONFIG.rope_base,
         )
         monkeypatch.setattr(source.module, "CONFIG", small)
+    if example == "hf_llama70b.py":
+        # The same: its build_model() on a tiny config of the same kind (GQA, its rope).
+        transformers = pytest.importorskip("transformers")
+        tiny = transformers.LlamaConfig(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            intermediate_size=160,
+            vocab_size=256,
+            rope_parameters=source.module.config().rope_parameters,
+            tie_word_embeddings=False,
+        )
+        monkeypatch.setattr(source.module, "config", lambda: tiny)
     for env in VARIANTS.get(example, [{}]):
         for key, value in env.items():
             monkeypatch.setenv(key, value)

@@ -16,9 +16,11 @@ pp, dp, ZeRO-3, a Megatron TP plan written with its own module names, and 3D.
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
 
 import pytest
+import torch
 from helpers import ROOT, check_equivalent
 
 from parc.compiler.cost import CPU_RATES, node_costs
@@ -103,6 +105,35 @@ def test_stage_auto_cuts_between_blocks_with_balanced_stages(style: Style) -> No
     # so the stages differ by at most one block's cost (the cost model's own figures).
     assert abs(per_stage[0] - per_stage[1]) <= max(per_block.values()), (per_stage, per_block)
     assert max(per_stage) / min(per_stage) < 1 + max(per_block.values()) / min(per_stage)
+
+
+class _ScaledHead(torch.nn.Module):
+    """A learned output scale computed at the top of forward, from its parameter alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log_scale = torch.nn.Parameter(torch.zeros(()))
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self.log_scale.exp()  # traced first, used only at the end
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return self.head(x) * scale
+
+
+def test_a_value_computed_from_parameters_alone_goes_to_its_user_stage() -> None:
+    model = types.ModuleType("scaled_head")
+    model.build_model = _ScaledHead  # type: ignore[attr-defined]
+    model.sample_batch = lambda b, step: (torch.randn(b, 8), torch.randint(0, 4, (b,)))  # type: ignore[attr-defined]
+    a = analyse(AUTO, model)
+    # Where the trace put `exp` (first), it would cross every cut between layers.
+    first, last = a.plan.stage_modules
+    assert any(m.startswith("layers.") for m in first), a.plan.stage_modules
+    assert any(m.startswith("layers.") for m in last), a.plan.stage_modules
+    exp = next(n for n in a.gm.graph.nodes if n.target == "exp")
+    assert a.plan.stage_of()[exp.name] == 1
 
 
 def test_nanogpt_megatron_plan_shards_the_fused_qkv_by_heads_without_gathers() -> None:

@@ -185,4 +185,3 @@ def sample_batch(
     # predict the next token; contiguous, as nanoGPT's get_batch stacks them (`view` needs it)
     idx, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     return (idx, targets), targets
-

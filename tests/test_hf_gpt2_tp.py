@@ -180,6 +180,20 @@ def test_a_megatron_plan_in_gpt2s_names_trains_as_one_device(gloo_pool: Any, mes
     assert comparison.ok, comparison.describe()
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "spec",
+    ["mesh dp=2\nzero 3\n", f"mesh dp=2 tp=2\nzero 3\n{MEGATRON}"],
+    ids=["dp2-zero3", "dp2-tp2-zero3"],
+)
+def test_conv1d_weights_gathered_by_zero3_train_as_one_device(gloo_pool: Any, spec: str) -> None:
+    # dp2-zero3: each Conv1D lowered to F.linear(x, w.t(), b) on its gathered (in, out)
+    # weight; dp2-tp2-zero3: the tp rank's slices are the flat shards' parameters.
+    comparison, _ = check_equivalent(gloo_pool, spec, GPT2, env={})
+    assert comparison.ok, comparison.describe()
+
+
 def _expected_local(name: str, full: torch.Tensor, rank: int) -> torch.Tensor:
     """What tp rank `rank` of the Megatron plan holds of GPT-2 parameter `name`, cut here
     without parc: c_attn columns per q/k/v block, c_fc columns, c_proj rows."""

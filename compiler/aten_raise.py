@@ -168,6 +168,8 @@ RAISES: dict[Any, Raise] = {
     aten.relu.default: _function(F.relu),
     aten.gelu.default: _function(F.gelu, _gelu),
     aten.softmax.int: _function(F.softmax, _softmax),
+    aten.masked_fill.Scalar: _method("masked_fill"),
+    aten.masked_fill.Tensor: _method("masked_fill"),
     aten.dropout.default: _function(F.dropout, _dropout),
     # contractions, joins, complex numbers
     aten.linear.default: _function(F.linear),

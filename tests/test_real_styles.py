@@ -136,10 +136,13 @@ def test_a_value_computed_from_parameters_alone_goes_to_its_user_stage() -> None
     assert a.plan.stage_of()[exp.name] == 1
 
 
-def test_nanogpt_megatron_plan_shards_the_fused_qkv_by_heads_without_gathers() -> None:
-    a = analyse(f"mesh tp=2\n{NANOGPT.tp}", NANOGPT.file)
-    # `c_attn(x).split(n_embd, dim=2)` of a col-sharded fused q/k/v: each rank's third
-    # of every part, then its heads; no op falls back to an all-gather (a warning).
+@pytest.mark.parametrize("style", [NANOGPT, XTRANSFORMERS], ids=str)
+def test_megatron_plan_in_the_models_names_needs_no_gathers(style: Style) -> None:
+    a = analyse(f"mesh tp=2\n{style.tp}", style.file)
+    # nanoGPT: `c_attn(x).split(n_embd, dim=2)` of a col-sharded fused q/k/v is each
+    # rank's third of every part, then its heads. x-transformers: the padding and causal
+    # masks fill head-sharded scores (`masked_fill`, captured as aten). No op falls
+    # back to an all-gather (which would be a warning).
     assert not a.plan.warnings, a.plan.warnings
 
 

@@ -199,10 +199,25 @@ def _not_shardable(spec: Spec, shard: Shard, name: str, module: torch.nn.Module)
     else:
         hint = f"leave '{name}' replicated: remove it from this shard statement"
     return PlanError(
-        f"`{shard.kind}` applies to {allowed}; '{name}' is {_a(type(module).__name__)}",
+        f"`{shard.kind}` applies to {allowed}; '{name}' is {_a(type(module).__name__)}"
+        + _stacked_weights(module),
         spec.locate(shard.pattern.span),
         hint=hint,
         names=(name,),
+    )
+
+
+def _stacked_weights(module: torch.nn.Module) -> str:
+    """Why a module whose own parameters have more than 2 dims (an MoE layer's stacked
+    experts, a convolution) is not a Linear."""
+    stacked = [
+        f"{n} {tuple(p.shape)}" for n, p in module.named_parameters(recurse=False) if p.dim() > 2
+    ]
+    if not stacked:
+        return ""
+    return (
+        f" whose parameters have more than 2 dims ({', '.join(stacked)}; e.g. an MoE layer's"
+        " experts, one matrix per expert), which tensor parallelism does not shard yet"
     )
 
 

@@ -136,6 +136,8 @@ def test_sharding_mixtrals_experts_or_router_is_refused_naming_the_reason(patter
     assert "`col` applies to a Linear or an Embedding" in message, message
     assert "'model.layers.0.mlp" in message and "Mixtral" in message, message
     assert "leave 'model.layers.0.mlp" in message, message  # the fix
+    if pattern == "*.mlp.experts":  # why: one matrix per expert, stacked
+        assert "more than 2 dims (gate_up_proj (4, 128, 64), down_proj (4, 64, 64);" in message
 
 
 def _grouped(node: torch.fx.Node) -> bool:

@@ -43,6 +43,7 @@ import torch.fx
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch.export.graph_signature import ExportGraphSignature, InputKind, OutputKind
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.graph_module import _copy_attr
 
 from .aten_raise import DROPPED, IDENTITY, index_key, raised
@@ -76,7 +77,9 @@ def export_model(model: torch.nn.Module, inputs: Any) -> torch.export.ExportedPr
     # parc raises says it better.
     logging.disable(logging.CRITICAL)
     try:
-        with contextlib.redirect_stderr(io.StringIO()):
+        # Lazy: the graph modules export builds on the way compile their Python code
+        # only if they are called; parc reads the graph (a tenth of a 70B export).
+        with contextlib.redirect_stderr(io.StringIO()), _use_lazy_graph_module(True):
             return torch.export.export(twin, tuple(args), kwargs, strict=False)
     finally:
         logging.disable(logging.NOTSET)

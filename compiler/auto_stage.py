@@ -31,11 +31,13 @@ activation the stage the cuts put it in.
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch.fx
 from torch.fx.passes.shape_prop import TensorMetadata
 
 from .cost import CPU_RATES, DeviceRates, NodeCost
+from .node_info import module_path
 
 __all__ = ["balanced_cuts", "cut_stages", "legal_cuts", "placed_order"]
 
@@ -111,6 +113,17 @@ def cut_stages(gm: torch.fx.GraphModule, activations: set[str], cuts: list[str])
     return out
 
 
+def _inside_module(
+    order: list[str], activations: set[str], gm: torch.fx.GraphModule, cuts: list[str]
+) -> list[bool]:
+    """Per cut: whether the next activation sits in the cut node's innermost module, so
+    the cut splits that module (stage lines could not name it)."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    after = dict(itertools.pairwise(name for name in order if name in activations))
+    innermost = {name: module_path(nodes[name])[-1:] for name in (*cuts, *after.values())}
+    return [c in after and bool(innermost[c]) and innermost[c] == innermost[after[c]] for c in cuts]
+
+
 def balanced_cuts(
     gm: torch.fx.GraphModule,
     activations: set[str],
@@ -131,6 +144,7 @@ def balanced_cuts(
     # Boundary k: cost of everything up to and including cut k; boundaries -1 and end.
     bounds = [0] + [prefix[position[c] + 1] for c in cuts] + [prefix[-1]]
     n_cuts = len(cuts)
+    inside = _inside_module(order, activations, gm, cuts)
 
     @functools.cache
     def best(start: int, stages_left: int) -> tuple[float, tuple[int, ...]]:
@@ -142,11 +156,13 @@ def balanced_cuts(
             head = bounds[k] - bounds[start]
             tail, rest = best(k, stages_left - 1)
             options.append((max(head, tail), (k, *rest)))
-        # Equal slowest stages: take the latest cuts, so a cheap trailing op (an
-        # activation after its Linear) stays with the layer before it.
+        # Equal slowest stages: the fewest cuts inside one module (a free cast that
+        # opens the next block's norm), then the latest cuts, so a cheap trailing op
+        # (an activation after its Linear) stays with the layer before it.
         slowest = min(cost for cost, _ in options)
         tie = slowest * (1 + 1e-9)  # sums of the same seconds in another order
-        return slowest, max(ks for cost, ks in options if cost <= tie)
+        tied = [ks for cost, ks in options if cost <= tie]
+        return slowest, max(tied, key=lambda ks: (-sum(inside[k - 1] for k in ks), ks))
 
     _, chosen = best(0, pp)
     return [cuts[k - 1] for k in chosen]

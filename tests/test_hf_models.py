@@ -140,6 +140,21 @@ def test_sharding_mixtrals_experts_or_router_is_refused_naming_the_reason(patter
         assert "more than 2 dims (gate_up_proj (4, 128, 64), down_proj (4, 64, 64);" in message
 
 
+def test_stage_auto_splits_llama_as_the_stage_lines_it_prints() -> None:
+    # RMSNorm opens with `.to(float32)`, free on an fp32 input: a cut after it costs
+    # the same as one before, but would split the next layer's norm across stages, and
+    # the stage lines the report prints (each stage's whole modules) would pin another
+    # split.
+    auto = analyse(AUTO, LLAMA.file)
+    lines = "".join(
+        f"stage {', '.join(modules)} -> {stage}\n"
+        for stage, modules in enumerate(auto.plan.stage_modules)
+    )
+    assert "model.layers.1 " in lines or "model.layers.1," in lines, lines
+    pinned = analyse(f"mesh pp=2\n{lines}microbatches 2\n", LLAMA.file)
+    assert pinned.plan.stage_of() == auto.plan.stage_of()
+
+
 def _grouped(node: torch.fx.Node) -> bool:
     name = getattr(node.target, "name", None)
     return callable(name) and name() == "transformers::grouped_mm_fallback"

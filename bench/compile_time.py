@@ -18,6 +18,9 @@ Every measurement runs in fresh processes, RUNS times; the median is reported:
    The same `parc.cli.main` timed inside a process splits off the start and
    exit of the interpreter (tearing down what the front end left behind).
 3. The import floor: a process that only imports what the CLI imports.
+4. The torch.export capture (bench/_capture_time.py): the same GPT with torch.fx
+   refused, a Hugging Face LlamaForCausalLM of its size through the front end,
+   and `parc plan` of LLaMA 3 70B's config (target < 30 s), each cold.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import _capture_time as capture_time
 from _common import PYTHON, ROOT, VENV_BIN, md_table, median
 
 SPEC = ROOT / "bench" / "gpt48_tp_pp.par"
@@ -269,6 +273,7 @@ def _phase_table(runs: dict[str, Any]) -> str:
 def main() -> str:
     """Run the measurements; return the markdown section for bench/RESULTS.md."""
     runs = _measure()
+    captures = capture_time.measure(RUNS)
     size = " ".join(f"{k}={v}" for k, v in GPT_ENV.items())
     return "\n\n".join(
         [
@@ -285,6 +290,25 @@ def main() -> str:
             f"Reproduce: `{size} time .venv/bin/parc compile bench/gpt48_tp_pp.par "
             "examples/gpt.py`; `python bench/compile_time.py --profile` prints a cProfile "
             "of the cold call.",
+            "### The torch.export capture",
+            "A model torch.fx cannot trace (every Hugging Face model) is captured with "
+            "`torch.export` (non-strict, on a meta twin) and raised to the torch-level graph "
+            "(compiler/capture.py). The rows: the same 48-layer GPT and spec with torch.fx "
+            "refused, so that its front end goes through the export capture; a Hugging Face "
+            "`LlamaForCausalLM` of its size (`bench/_hf_llama48.py`: 48 layers, hidden 1024, "
+            "16 heads, intermediate 2816, the GPT's vocabulary and sequence) with "
+            "`bench/hf_llama48_tp_pp.par` (the GPT's spec in the HF module names); and "
+            "`parc plan examples/hf_llama70b.py --cluster 'nodes=8 preset=h100' --precision "
+            f"bf16` (LLaMA 3 70B's config, 80 layers, on meta). {RUNS} fresh processes per "
+            "row, cold; the front-end rows time `analyse` + `format_report` as above, the plan "
+            "row the whole process. Export costs more than symbolic_trace: it runs every aten "
+            "op through FakeTensor and proxy dispatch (a shape for every node), records a "
+            "stack trace per node and runs its own passes over the graph, where symbolic_trace "
+            "records the Python calls only; the example models still trace with torch.fx "
+            "(export is the fallback), so their front end is the table above.",
+            capture_time.section(captures),
+            "Reproduce: `OMP_NUM_THREADS=1 CAPTURE_RUNS=1 .venv/bin/python "
+            "bench/_capture_time.py` prints these tables alone.",
         ]
     )
 

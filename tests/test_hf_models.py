@@ -28,6 +28,7 @@ import pytest
 import torch
 from helpers import ROOT, check_equivalent
 
+from parc.compiler.aten_raise import RAISES, histc
 from parc.compiler.cost import node_costs
 from parc.compiler.frontend import analyse
 from parc.compiler.model import load_model
@@ -153,6 +154,18 @@ def test_stage_auto_splits_llama_as_the_stage_lines_it_prints() -> None:
     assert "model.layers.1 " in lines or "model.layers.1," in lines, lines
     pinned = analyse(f"mesh pp=2\n{lines}microbatches 2\n", LLAMA.file)
     assert pinned.plan.stage_of() == auto.plan.stage_of()
+
+
+def test_the_raised_histc_counts_integer_expert_ids_as_torch_counts_floats() -> None:
+    # A meta capture takes transformers' accelerator branch, histc of int32 expert ids,
+    # which has no CPU kernel; the raised call counts them as floats.
+    ids = torch.tensor([3, 0, 1, 1, 3, 3], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="not implemented"):
+        torch.histc(ids, bins=4, min=0, max=3)
+    counts = histc(ids, 4, 0, 3)
+    assert torch.equal(counts, torch.histc(ids.float(), bins=4, min=0, max=3))
+    assert counts.tolist() == [1, 2, 0, 3]
+    assert RAISES[torch.ops.aten.histc.default].target is histc
 
 
 def _grouped(node: torch.fx.Node) -> bool:

@@ -109,7 +109,9 @@ def reform_linear_maps(graph: torch.fx.Graph, model: torch.nn.Module) -> list[st
     for nodes in calls.values():
         name = str(list(nodes[0].meta["nn_module_stack"].values())[-1][0])
         module = model.get_submodule(name) if name else None
-        if module is None or linear_form(module) is not None:
+        # An nn.Linear was re-formed already; a module a previous capture gave a form
+        # is matched again (its graph is new).
+        if module is None or isinstance(module, torch.nn.Linear):
             continue
         match = _linear_call(nodes, name, module)
         if match is None:

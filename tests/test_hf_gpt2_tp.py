@@ -26,11 +26,13 @@ from helpers import check_equivalent
 
 from parc.compiler.frontend import analyse
 from parc.compiler.linear_forms import LinearForm, WeightLayout, linear_form
+from parc.compiler.model import load_model
 from parc.compiler.node_meta import meta_of
 from parc.compiler.ops.collectives import CommKind
 from parc.compiler.passes.lower_modules import lower_module_calls
 from parc.compiler.passes.placement import Shard
 from parc.compiler.passes.tensor_parallel import tensor_parallel
+from parc.compiler.trace import trace_model
 
 Conv1D = pytest.importorskip("transformers.pytorch_utils").Conv1D
 
@@ -66,6 +68,16 @@ def test_every_conv1d_call_is_captured_as_a_linear_map_with_an_in_out_weight() -
     assert linear_form(gm.get_submodule("transformer.h.1.mlp.c_proj")) == LinearForm(
         4 * C, C, WeightLayout.IN_OUT
     )
+
+
+def test_a_second_capture_of_the_same_model_reforms_its_conv1d_calls_too() -> None:
+    # The first capture keeps the form on the module; the second must still match.
+    source = load_model(GPT2)
+    model = source.build(device="meta")
+    batch, _ = source.batch(2, 0)
+    for _ in range(2):
+        gm = trace_model(model, batch)
+        assert not [n for n in gm.graph.nodes if n.target is torch.ops.aten.addmm.default]
 
 
 class _InOut(torch.nn.Module):

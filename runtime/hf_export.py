@@ -43,7 +43,7 @@ import torch
 from parc.errors import ParcError
 
 from .hf_weights import INDEX, SINGLE
-from .state_file import TensorLayout
+from .state_file import TensorLayout, laid_out_bytes
 
 __all__ = ["DEFAULT_MAX_SHARD_SIZE", "HFWriter", "stored_names"]
 
@@ -128,15 +128,8 @@ class HFWriter:
 
     def write(self, canonical: str, tensor: torch.Tensor) -> None:
         """Step 3: `tensor`'s bytes at its range (shape and dtype as laid out)."""
-        shape, dtype = self._layout[canonical]
-        if canonical not in self._left:
-            raise AssertionError(f"{canonical} written twice or not in the checkpoint")
-        if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
-            raise AssertionError(
-                f"{canonical}: {tuple(tensor.shape)} {tensor.dtype}, laid out as {shape} {dtype}"
-            )
+        data = laid_out_bytes(self._layout, self._left, canonical, tensor, "the checkpoint")
         place = self._places[canonical]
-        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data
         handle = self._handles[place.file]
         handle.seek(self._data_start[place.file] + place.start)
         handle.write(data)

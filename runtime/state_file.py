@@ -41,7 +41,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from parc.errors import ParcError
 
-__all__ = ["StateFileWriter", "TensorLayout"]
+__all__ = ["StateFileWriter", "TensorLayout", "laid_out_bytes"]
 
 TensorLayout = dict[str, tuple[tuple[int, ...], torch.dtype]]  # canonical -> (shape, dtype)
 
@@ -77,15 +77,8 @@ class StateFileWriter:
 
     def write(self, canonical: str, tensor: torch.Tensor) -> None:
         """Step 3: `tensor`'s bytes into its record (shape and dtype as laid out)."""
-        shape, dtype = self._layout[canonical]
-        if canonical not in self._left:
-            raise AssertionError(f"{canonical} written twice or not in the state file")
-        if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
-            raise AssertionError(
-                f"{canonical}: {tuple(tensor.shape)} {tensor.dtype}, laid out as {shape} {dtype}"
-            )
+        data = laid_out_bytes(self._layout, self._left, canonical, tensor, "the state file")
         record = self._records[canonical]
-        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data
         self._file.seek(record.start)
         self._file.write(data)
         crc = struct.pack("<I", zlib.crc32(data))
@@ -113,6 +106,20 @@ class StateFileWriter:
         else:  # the error in the body is what the caller needs, not the missing tensors
             self._file.close()
             self._partial.unlink(missing_ok=True)
+
+
+def laid_out_bytes(
+    layout: TensorLayout, left: set[str], canonical: str, tensor: torch.Tensor, where: str
+) -> memoryview:
+    """`tensor`'s bytes, once it is checked to be one not yet written of its layout."""
+    shape, dtype = layout[canonical]
+    if canonical not in left:
+        raise AssertionError(f"{canonical} written twice or not in {where}")
+    if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+        raise AssertionError(
+            f"{canonical}: {tuple(tensor.shape)} {tensor.dtype}, laid out as {shape} {dtype}"
+        )
+    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data
 
 
 def _lay_out(path: Path, layout: TensorLayout, names: dict[str, str], order: list[str]) -> None:

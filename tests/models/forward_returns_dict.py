@@ -1,4 +1,6 @@
-"""Forward returns a dict {"logits": ...} and the file defines no loss_fn: parc trains on the logits."""
+"""Forward returns a dict {"logits": ...} and the file defines no loss_fn.
+
+parc trains on the logits."""
 
 import torch
 import torch.nn as nn

@@ -58,12 +58,13 @@ def test_a_pattern_resolves_to_the_outermost_modules() -> None:
 
 
 class _WithSpare(torch.nn.Module):
-    """A model with a module its forward never calls (`spare`)."""
+    """A model with a module its forward never calls (`spare`; without parameters: an
+    unused parameter is a ModelError of its own, tests/test_model_loading.py)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.used = torch.nn.Linear(4, 4)
-        self.spare = torch.nn.Linear(4, 4)
+        self.spare = torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Tanh())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.used(x)

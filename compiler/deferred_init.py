@@ -64,6 +64,7 @@ from .deferred_record import (
     recording,
     ref_of,
 )
+from .init_tables import loaded_tables
 
 __all__ = ["CannotDefer", "DeferredModel", "Keep", "record_build", "replay"]
 
@@ -168,14 +169,23 @@ class DeferredModel:
         return tuple(done)
 
 
+def _recorded(build: Callable[[], nn.Module], seed: int, file: str) -> tuple[Any, Recorder]:
+    torch.manual_seed(seed)
+    recorder = Recorder(functools.partial(replay, file=file))
+    with torch.device("meta"), recording(recorder):
+        return build(), recorder
+
+
 def record_build(build: Callable[[], nn.Module], seed: int) -> DeferredModel:
     """Step 1: run `build()` on meta from `torch.manual_seed(seed)`, recording its ops."""
     file = _source_file(build)
-    torch.manual_seed(seed)
-    recorder = Recorder(functools.partial(replay, file=file))
     try:
-        with torch.device("meta"), recording(recorder):
-            model = build()
+        tables = loaded_tables()
+        model, recorder = _recorded(build, seed, file)
+        if loaded_tables() != tables:
+            # The build imported a library's initialiser table or device probe, which
+            # were not patched while it ran: again, now that they are loaded.
+            model, recorder = _recorded(build, seed, file)
     except Unreplayable as exc:
         raise _unreplayable(exc, file) from exc
     except ParcError:

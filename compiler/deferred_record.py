@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from parc.errors import clip
 
 from .freed_memory import release_freed
-from .init_tables import probes_answer_cpu, replaced_everywhere
+from .init_tables import import_library_tables, probes_answer_cpu, replaced_everywhere
 
 __all__ = [
     "Const",
@@ -413,6 +413,7 @@ def _initialisers_recorded(recorder: Recorder) -> Iterator[None]:
 @contextlib.contextmanager
 def recording(recorder: Recorder) -> Iterator[None]:
     """Every hook of the module docstring, for a build under `torch.device("meta")`."""
+    import_library_tables()
     hooks = (probes_answer_cpu(), _initialisers_recorded(recorder), _DataConstructors(recorder))
     with hooks[0], hooks[1], hooks[2], recorder:
         yield

@@ -16,7 +16,14 @@ import gc
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-__all__ = ["DEVICE_PROBES", "probes_answer_cpu", "replaced_everywhere"]
+__all__ = [
+    "DEVICE_PROBES",
+    "LIBRARY_TABLES",
+    "import_library_tables",
+    "loaded_tables",
+    "probes_answer_cpu",
+    "replaced_everywhere",
+]
 
 
 @contextlib.contextmanager
@@ -36,6 +43,18 @@ def replaced_everywhere(replacements: Mapping[Callable[..., Any], Any]) -> Itera
     finally:
         for holder, key, value in reversed(patched):
             holder[key] = value
+        _restore_copies(replacements)
+
+
+def _restore_copies(replacements: Mapping[Callable[..., Any], Any]) -> None:
+    """A dict made inside the block (a module imported there) may hold a replacement:
+    it gets the original back, so nothing keeps the replacement (and its recording)."""
+    originals = {id(new): fn for fn, new in replacements.items()}
+    for holder in gc.get_referrers(*replacements.values()):
+        if isinstance(holder, dict):
+            for key, value in list(holder.items()):
+                if id(value) in originals:
+                    holder[key] = originals[id(value)]
 
 
 # Functions libraries call to ask whether the model is being built on `meta`, to
@@ -45,6 +64,31 @@ def replaced_everywhere(replacements: Mapping[Callable[..., Any], Any]) -> Itera
 DEVICE_PROBES: tuple[tuple[str, str, Any], ...] = (
     ("transformers.modeling_utils", "get_torch_context_manager_or_global_device", None),
 )
+
+
+# Modules of a library that hold such a table or probe, imported before a recording
+# when their library is: imported lazily during the build (transformers imports its
+# model code on the first `from_config`), a table would keep the recording's wrappers
+# for good and a probe would be missed.
+LIBRARY_TABLES: tuple[str, ...] = ("transformers.initialization", "transformers.modeling_utils")
+
+
+def loaded_tables() -> frozenset[str]:
+    """The `LIBRARY_TABLES` imported so far."""
+    import sys
+
+    return frozenset(name for name in LIBRARY_TABLES if name in sys.modules)
+
+
+def import_library_tables() -> None:
+    """Import the `LIBRARY_TABLES` of every library already imported."""
+    import importlib
+    import sys
+
+    for name in LIBRARY_TABLES:
+        if name.partition(".")[0] in sys.modules and name not in sys.modules:
+            with contextlib.suppress(ImportError):
+                importlib.import_module(name)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,75 @@
+"""A Hugging Face model built by `AutoModelForCausalLM.from_config` on meta initialises
+as its CPU build does, also when transformers imports its model code lazily, during
+the build (compiler/init_tables.py).
+
+In a fresh interpreter: the model file imports only `AutoConfig` and
+`AutoModelForCausalLM`, so `transformers.modeling_utils` and
+`transformers.initialization` would first be imported inside the recording.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).parent.parent
+
+SCRIPT = """
+import sys, torch
+from transformers import AutoConfig, AutoModelForCausalLM
+assert "transformers.modeling_utils" not in sys.modules  # imported lazily, by the build
+cfg = AutoConfig.for_model("llama", vocab_size=96, hidden_size=32, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)
+build = lambda: AutoModelForCausalLM.from_config(cfg)
+from parc.compiler.deferred_init import record_build
+deferred = record_build(build, 0)
+deferred.check()
+torch.manual_seed(0)
+reference = build()
+differ = [n for n, p in reference.named_parameters() if not torch.equal(deferred.value(n), p)]
+import transformers.initialization as hf_init
+kept = [n for n, f in hf_init.TORCH_INIT_FUNCTIONS.items() if f is not getattr(torch.nn.init, n)]
+print("differ", differ, "kept", kept)
+"""
+
+
+def test_from_config_on_meta_replays_the_cpu_build_bitwise() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    # Nothing differs, and transformers' table of initialisers holds torch's own again.
+    assert "differ [] kept []" in done.stdout, done.stdout
+
+
+INSIDE = """
+import sys, torch
+def build():
+    from transformers import AutoConfig, AutoModelForCausalLM  # only inside the build
+    cfg = AutoConfig.for_model("llama", vocab_size=96, hidden_size=32, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)
+    return AutoModelForCausalLM.from_config(cfg)
+from parc.compiler.deferred_init import record_build
+deferred = record_build(build, 0)
+deferred.check()
+torch.manual_seed(0)
+reference = build()
+differ = [n for n, p in reference.named_parameters() if not torch.equal(deferred.value(n), p)]
+import transformers.initialization as hf_init
+kept = [n for n, f in hf_init.TORCH_INIT_FUNCTIONS.items() if f is not getattr(torch.nn.init, n)]
+print("differ", differ, "kept", kept)
+"""
+
+
+def test_a_library_first_imported_inside_build_model_is_recorded_too() -> None:
+    # The first build imports the tables unpatched; record_build builds once more.
+    done = subprocess.run(
+        [sys.executable, "-c", INSIDE], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert "differ [] kept []" in done.stdout, done.stdout

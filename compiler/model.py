@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from parc.errors import ModelError
 
 from .default_loss import DefaultLoss
+from .init_tables import import_library_tables, replaced_everywhere
 
 __all__ = ["ModelSource", "default_loss", "load_model", "off_batch", "owns_loss"]
 
@@ -163,18 +164,20 @@ def _no_init() -> Iterator[None]:
     """On the meta device there are no values to initialise: make torch.nn.init's
     in-place initialisers no-ops (on meta they still cost ~1 s, importing dynamo)."""
     names = [n for n in dir(torch.nn.init) if n.endswith("_") and not n.startswith("_")]
-    saved = {n: getattr(torch.nn.init, n) for n in names}
-    try:
-        for name in names:
-            setattr(torch.nn.init, name, _keep)
+    # Everywhere they are held, as deferred init records them (compiler/init_tables.py):
+    # a table a library fills during the build must not keep a no-op for good.
+    import_library_tables()
+    with replaced_everywhere({getattr(torch.nn.init, n): _keeper() for n in names}):
         yield
-    finally:
-        for name, fn in saved.items():
-            setattr(torch.nn.init, name, fn)
 
 
-def _keep(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    return tensor
+def _keeper() -> Callable[..., torch.Tensor]:
+    """A no-op initialiser (one object per initialiser: each is put back by identity)."""
+
+    def keep(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return tensor
+
+    return keep
 
 
 def _tensors_of(inputs: Any) -> tuple[Any, ...]:

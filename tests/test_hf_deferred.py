@@ -73,3 +73,48 @@ def test_a_library_first_imported_inside_build_model_is_recorded_too() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "differ [] kept []" in done.stdout, done.stdout
+
+
+META_FIRST = """
+import torch
+from parc.compiler.model import load_model
+source = load_model("tests/models/hf/auto_llama.py")
+source.build(device="meta")  # the front end's build: initialisers are no-ops meanwhile
+torch.manual_seed(0)
+after = source.build()
+import transformers.initialization as hf_init
+kept = [n for n, f in hf_init.TORCH_INIT_FUNCTIONS.items() if f is not getattr(torch.nn.init, n)]
+torch.save({n: p.detach() for n, p in after.named_parameters()}, "{out}")
+print("kept", kept)
+"""
+
+CPU_ONLY = """
+import torch
+from parc.compiler.model import load_model
+torch.manual_seed(0)
+model = load_model("tests/models/hf/auto_llama.py").build()
+torch.save({n: p.detach() for n, p in model.named_parameters()}, "{out}")
+"""
+
+
+def test_a_meta_build_leaves_the_next_cpu_build_initialised(tmp_path: Path) -> None:
+    # parc check builds on meta (the report) and then the reference on the CPU, in one
+    # process: transformers' table, filled during the meta build, kept the no-ops and
+    # the reference trained from torch's default init instead of the model's.
+    import torch
+
+    outs = []
+    for i, script in enumerate((META_FIRST, CPU_ONLY)):
+        out = tmp_path / f"{i}.pt"
+        done = subprocess.run(
+            [sys.executable, "-c", script.replace("{out}", str(out))],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr
+        outs.append(torch.load(out))
+        if script is META_FIRST:
+            assert "kept []" in done.stdout, done.stdout  # torch's own initialisers again
+    assert all(torch.equal(outs[0][n], outs[1][n]) for n in outs[1]), "the CPU builds differ"

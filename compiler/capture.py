@@ -168,12 +168,13 @@ def strip_export_meta(gm: torch.fx.GraphModule) -> None:
 
 
 def _has(module: torch.nn.Module, target: str) -> bool:
+    """Whether `target` (a dotted attribute path) names something of `module`."""
+    owner_name, _, attr = target.rpartition(".")
     try:
-        module.get_submodule(target.rpartition(".")[0])
+        owner = module.get_submodule(owner_name)  # "" is the module itself
     except AttributeError:
         return False
-    owner = module.get_submodule(target.rpartition(".")[0]) if "." in target else module
-    return hasattr(owner, target.rpartition(".")[2])
+    return hasattr(owner, attr)
 
 
 _LIFTED = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ)

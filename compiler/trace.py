@@ -133,8 +133,7 @@ def _exported(
         raise _export_error(exc, model, fx_error) from exc
     gm = captured.gm
     gm.meta["parc_capture"] = "export"
-    found = [(path, node) for path, node in captured.found]
-    choose_single_output(gm, found, own_loss, file)
+    choose_single_output(gm, captured.found, own_loss, file)
     strip_export_meta(gm)
     return gm
 
@@ -324,7 +323,7 @@ def choose_single_output(
     gm: torch.fx.GraphModule, found: Sequence[tuple[Path, Any]], own_loss: bool, file: str
 ) -> None:
     """Make the graph's output the one `choose_output` picks; record the choice."""
-    described = [(p, _ndim(v), _floating(v)) for p, v in found]
+    described = [(p, *_described(v)) for p, v in found]
     choice = choose_output(described, own_loss, file)
     gm.meta["parc_output"] = choice
     node = dict(found)[choice.path]
@@ -337,22 +336,16 @@ def choose_single_output(
     gm.recompile()
 
 
-def _ndim(value: Any) -> int | None:
-    if not isinstance(value, torch.fx.Node):
-        return None
-    meta = value.meta.get("val", value.meta.get("tensor_meta"))
-    shape = getattr(meta, "shape", None)
-    return None if shape is None else len(shape)
-
-
-def _floating(value: Any) -> bool:
+def _described(value: Any) -> tuple[int | None, bool]:
+    """(ndim, floating) of an output leaf from its recorded shape; ndim None: no tensor."""
     meta = (
         value.meta.get("val", value.meta.get("tensor_meta"))
         if isinstance(value, torch.fx.Node)
         else None
     )
-    dtype = getattr(meta, "dtype", None)
-    return dtype is not None and dtype.is_floating_point
+    shape, dtype = getattr(meta, "shape", None), getattr(meta, "dtype", None)
+    ndim = None if shape is None else len(shape)
+    return ndim, dtype is not None and dtype.is_floating_point
 
 
 def _export_error(

@@ -28,7 +28,7 @@ from .dropout import dropout_warnings
 from .estimate import Estimate, estimate
 from .memory_model import memory_model_of
 from .model import ModelSource, load_model, owns_loss
-from .model_output import ModelLoss, input_tensors, targets_given
+from .model_output import ModelLoss, input_tensors
 from .model_state import (
     batch_statistics_warnings,
     buffer_versions,
@@ -126,7 +126,7 @@ def _analyse(
     versions = buffer_versions(built)
     sample, targets = source.batch(batch_plan.micro, 0)
     inputs = sample if isinstance(sample, dict) else input_tensors(sample)
-    own = owns_loss(source) and targets_given(sample, targets)
+    own = owns_loss(source, sample, targets)
     gm = trace_model(built, inputs, own_loss=own, file=source.path)
     if gm.meta["parc_output"].is_loss:
         source = dataclasses.replace(source, loss_fn=ModelLoss(source.path))

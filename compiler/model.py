@@ -31,6 +31,7 @@ from parc.errors import ModelError
 
 from .default_loss import DefaultLoss
 from .init_tables import import_library_tables, replaced_everywhere
+from .model_output import targets_given
 
 __all__ = ["ModelSource", "default_loss", "load_model", "off_batch", "owns_loss"]
 
@@ -189,9 +190,10 @@ def _tensors_of(inputs: Any) -> tuple[Any, ...]:
     return tuple(inputs) if isinstance(inputs, tuple | list) else (inputs,)
 
 
-def owns_loss(source: ModelSource) -> bool:
-    """Whether a loss the model computes itself is the training loss: no loss_fn given."""
-    return isinstance(source.loss_fn, DefaultLoss)
+def owns_loss(source: ModelSource, inputs: Any, targets: Any) -> bool:
+    """Whether the loss the model computes is the training loss (compiler/model_output.py):
+    the file defines no loss_fn and sample_batch passes the targets to forward too."""
+    return isinstance(source.loss_fn, DefaultLoss) and targets_given(inputs, targets)
 
 
 def _describe(value: object) -> str:

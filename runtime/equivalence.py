@@ -45,7 +45,6 @@ from parc.compiler.model_output import (
     eager_choice,
     input_tensors,
     take,
-    targets_given,
 )
 from parc.errors import RuntimeFault
 from parc.runtime.pipeline.executor import checked_loss, checked_optimizer
@@ -173,7 +172,7 @@ def _reference(
         dtypes = functools.partial(input_dtype_hint, input_tensors(inputs), model)
         with user_code(path, f"the model's forward {ref}", step=step, hint=dtypes):
             output = call_model(model, inputs)
-        choice = eager_choice(output, owns_loss(source) and targets_given(inputs, targets), path)
+        choice = eager_choice(output, owns_loss(source, inputs, targets), path)
         output = take(output, choice.path)
         loss_fn = ModelLoss(path) if choice.is_loss else source.loss_fn
         with user_code(path, f"loss_fn {ref}", step=step):

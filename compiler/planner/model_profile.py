@@ -44,7 +44,7 @@ from ..host_memory import HostFacts, host_facts
 from ..layout import ParamSlice, canonical_names, param_slices, zero3_owner
 from ..linear_forms import linear_form
 from ..model import ModelSource, owns_loss
-from ..model_output import input_tensors, targets_given
+from ..model_output import input_tensors
 from ..node_meta import meta_of
 from ..ops.collectives import CommKind
 from ..passes.placement import Partial, Shard
@@ -167,7 +167,7 @@ def _sample(source: ModelSource, seq: int | None) -> tuple[Any, bool]:
     """The inputs of one sample (sequences cut to `seq`), and whether the model's own
     loss is trained on (model_output.py)."""
     inputs, targets = source.batch(1, 0)
-    own = owns_loss(source) and targets_given(inputs, targets)
+    own = owns_loss(source, inputs, targets)
     if seq is None:
         return inputs, own
     xs = input_tensors(inputs)

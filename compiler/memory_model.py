@@ -16,19 +16,12 @@ The number of optimizer states comes from the model file's own optimizer:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 
 import torch
 
+from parc.dsl.ast import Precision
+
 __all__ = ["ADAMW", "MemoryModel", "Precision", "memory_model_of", "states_of"]
-
-
-class Precision(str, Enum):
-    FP32 = "fp32"  # what parc runs: everything 4 bytes
-    BF16 = "bf16"  # mixed: bf16 params/grads/activations, fp32 master weights and states
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True, slots=True)

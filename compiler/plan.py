@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from parc.dsl.ast import AXIS_DP, AXIS_PP, ScheduleKind, ShardKind
+from parc.dsl.ast import AXIS_DP, AXIS_PP, Precision, ScheduleKind, ShardKind
 from parc.errors import SourceSpan
 
 from .schedule_actions import Action
@@ -136,6 +136,15 @@ class Plan:
     capture: str = ""
     """How the model was captured and which output it trains on (the report's `Model` line)."""
     hand_schedule: tuple[tuple[Action, ...], ...] | None = None
+    precision: Precision = Precision.FP32
+    """`precision`: FP32, or BF16 (bf16 compute copies and activations, fp32 master)."""
+    reduce: Precision = Precision.FP32
+    """The format gradients are accumulated and reduced in (`reduce`; BF16 only under BF16)."""
+
+    @property
+    def mixed(self) -> bool:
+        """A mixed-precision run: fp32 master weights behind bf16 compute copies."""
+        return self.precision is Precision.BF16
 
     @property
     def dp(self) -> int:
@@ -201,6 +210,8 @@ class Plan:
             "tp_axis": self.tp_axis,
             "warnings": [str(w) for w in self.warnings],
             "capture": self.capture,
+            "precision": str(self.precision),
+            "reduce": str(self.reduce),
             **(
                 {"hand_schedule": [[str(a) for a in actions] for actions in self.hand_schedule]}
                 if self.hand_schedule
@@ -216,6 +227,11 @@ class Plan:
         lines.append(f"batch     {self.batch}")
         schedule = "hand-written" if self.hand_schedule else str(self.schedule)
         lines.append(f"zero      {self.zero}    schedule {schedule}")
+        if self.mixed:
+            lines.append(
+                f"precision {self.precision} (fp32 master weights), gradients reduced in "
+                f"{self.reduce}"
+            )
         for shard in self.shards:
             lines.append(
                 f"shard     {shard.module:<28} {shard.kind!s:<4} {shard.axis:<4} "

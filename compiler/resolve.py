@@ -10,7 +10,8 @@ Algorithm:
 3. Stages: explicit `stage` lines assign nodes (compiler/stages.py), checked
    against pp; `stage auto` is balanced by cost.
 4. Batch: the global batch divides by dp × grad_accum × microbatches.
-5. zero, schedule, recompute; warnings for valid-but-odd choices.
+5. zero, schedule, recompute, precision (fp32 or bf16; fp16 refused, `reduce bf16`
+   only under bf16); warnings for valid-but-odd choices.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from parc.dsl.ast import (
     AXIS_PP,
     GradAccum,
     Microbatches,
+    Precision,
+    PrecisionStmt,
+    Reduce,
     Schedule,
     Shard,
     ShardKind,
@@ -61,6 +65,7 @@ def resolve(spec: Spec, model: torch.nn.Module, gm: torch.fx.GraphModule, *, bat
     _check_zero(spec, warnings)
     _check_schedule(spec, warnings)
     recompute = _resolve_recompute(spec, modules, gm, warnings)
+    precision, reduce = resolve_precision(spec)
     plan = Plan(
         mesh=mesh,
         shards=shards,
@@ -73,6 +78,8 @@ def resolve(spec: Spec, model: torch.nn.Module, gm: torch.fx.GraphModule, *, bat
         tp_axis=tp_axis,
         stage_auto=spec.stage_auto is not None,
         warnings=tuple(warnings),
+        precision=precision,
+        reduce=reduce,
     )
     _check_ties(spec, plan, model)
     return plan
@@ -243,6 +250,33 @@ def check_batch(spec: Spec, batch: int) -> BatchPlan:
         hint=f"use a batch that is a multiple of {split} (e.g. --batch "
         f"{split * max(1, -(-batch // split))})",
     )
+
+
+def resolve_precision(spec: Spec) -> tuple[Precision, Precision]:
+    """Step 5: the run's precision and its gradients' reduction format (default: the
+    precision's own: bf16 gradients under bf16, fp32 under fp32)."""
+    precision, reduce = spec.precision, spec.reduce
+    if precision is Precision.FP16:
+        node = spec.statement(PrecisionStmt)
+        raise PlanError(
+            "`precision fp16` is not supported: fp16's narrow range needs dynamic loss "
+            "scaling, which parc does not implement",
+            spec.locate(node.kind_span) if isinstance(node, PrecisionStmt) else None,
+            hint="use `precision bf16` (the range of fp32, no loss scaling needed)",
+        )
+    if reduce is None:
+        return precision, precision
+    if reduce is not Precision.FP32 and reduce is not precision:
+        node = spec.statement(Reduce)
+        raise PlanError(
+            f"`reduce {reduce}` under `precision {precision}`: gradients can be reduced in "
+            f"fp32 or in the precision's own format ({precision}), not in {reduce}",
+            spec.locate(node.kind_span) if isinstance(node, Reduce) else None,
+            hint="write `reduce fp32`, or `precision bf16` to train with bf16 gradients"
+            if precision is Precision.FP32
+            else "write `reduce fp32` or `reduce bf16`",
+        )
+    return precision, reduce
 
 
 def _check_zero(spec: Spec, warnings: list[PlanWarning]) -> None:

@@ -76,6 +76,17 @@ class ScheduleKind(str, Enum):
         return self.value
 
 
+class Precision(str, Enum):
+    """Number formats of a training run (`precision`) and of its gradient reduction (`reduce`)."""
+
+    FP32 = "fp32"  # everything 4 bytes: the default
+    BF16 = "bf16"  # mixed: bf16 compute copies and activations, fp32 master weights and states
+    FP16 = "fp16"  # parses; refused by the compiler (it needs loss scaling)
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass(frozen=True, slots=True)
 class Span:
     """1-based line and column of a node in its file; `end_column` is exclusive."""
@@ -282,8 +293,42 @@ class Recompute:
         return f"recompute {self.pattern}"
 
 
+@dataclass(frozen=True, slots=True)
+class PrecisionStmt:
+    """`precision fp32|bf16`: the number format parameters compute and activations use."""
+
+    kind: Precision
+    span: Span = _span()
+    kind_span: Span = _span()
+
+    def __str__(self) -> str:
+        return f"precision {self.kind}"
+
+
+@dataclass(frozen=True, slots=True)
+class Reduce:
+    """`reduce fp32|bf16`: the format gradients are accumulated and reduced in."""
+
+    kind: Precision
+    span: Span = _span()
+    kind_span: Span = _span()
+
+    def __str__(self) -> str:
+        return f"reduce {self.kind}"
+
+
 Statement: TypeAlias = (
-    Mesh | Shard | Stage | StageAuto | Microbatches | Schedule | Zero | GradAccum | Recompute
+    Mesh
+    | Shard
+    | Stage
+    | StageAuto
+    | Microbatches
+    | Schedule
+    | Zero
+    | GradAccum
+    | Recompute
+    | PrecisionStmt
+    | Reduce
 )
 
 
@@ -351,6 +396,17 @@ class Spec:
     def grad_accum(self) -> int:
         found: GradAccum | None = self._one(GradAccum)
         return found.steps if found else 1
+
+    @property
+    def precision(self) -> Precision:
+        found: PrecisionStmt | None = self._one(PrecisionStmt)
+        return found.kind if found else Precision.FP32
+
+    @property
+    def reduce(self) -> Precision | None:
+        """The `reduce` format written, if any (the plan's default is the precision's)."""
+        found: Reduce | None = self._one(Reduce)
+        return found.kind if found else None
 
     def statement(self, kind: type) -> Statement | None:
         """The first statement of `kind`, for error locations."""

@@ -34,7 +34,10 @@ from parc.dsl.ast import (
     Microbatches,
     Name,
     Pattern,
+    Precision,
+    PrecisionStmt,
     Recompute,
+    Reduce,
     Schedule,
     ScheduleKind,
     Segment,
@@ -60,7 +63,7 @@ from parc.errors import SpecError, clip
 __all__ = ["STATEMENT_KEYWORDS", "load_spec", "parse_spec"]
 
 # Statements that may appear once; a second one is an error naming the first.
-_SINGLETONS = (Mesh, Microbatches, Schedule, Zero, GradAccum, StageAuto)
+_SINGLETONS = (Mesh, Microbatches, Schedule, Zero, GradAccum, StageAuto, PrecisionStmt, Reduce)
 _MAX_DIGITS = 18  # int() refuses very long digit strings; no real spec needs more
 # Parsing and resolving take ~0.5 ms a line; a real spec has a few dozen lines
 # (`parc plan` writes ~1 KiB), so 256 KiB (~10,000 lines, a few seconds) is plenty.
@@ -272,6 +275,14 @@ class _Builder(Transformer[Token, Any]):
 
     def recompute(self, meta: Meta, children: list[Any]) -> Recompute:
         return Recompute(children[1], _meta_span(meta))
+
+    def precision(self, meta: Meta, children: list[Token]) -> PrecisionStmt:
+        kind = self._choice(children[1], Precision, "a precision")
+        return PrecisionStmt(kind, _meta_span(meta), kind_span=token_span(children[1]))
+
+    def reduce(self, meta: Meta, children: list[Token]) -> Reduce:
+        kind = self._choice(children[1], Precision, "a reduction format")
+        return Reduce(kind, _meta_span(meta), kind_span=token_span(children[1]))
 
     # Segments return tuples because `name[i]` is sugar for two segments.
     def pattern(self, meta: Meta, children: list[Any]) -> Pattern:

@@ -35,6 +35,8 @@ STATEMENT_KEYWORDS = (
     "zero",
     "grad_accum",
     "recompute",
+    "precision",
+    "reduce",
 )
 
 

@@ -15,7 +15,10 @@ from parc.dsl import (
     Microbatches,
     Name,
     Pattern,
+    Precision,
+    PrecisionStmt,
     Recompute,
+    Reduce,
     Schedule,
     ScheduleKind,
     Shard,
@@ -188,6 +191,9 @@ def test_stage_auto() -> None:
         ("zero 3", Zero(3)),
         ("grad_accum 4", GradAccum(4)),
         ("recompute layers[*]", Recompute(P(IndexAll("layers")))),
+        ("precision bf16", PrecisionStmt(Precision.BF16)),
+        ("precision fp32", PrecisionStmt(Precision.FP32)),
+        ("reduce fp32", Reduce(Precision.FP32)),
     ],
 )
 def test_single_value_statements(text: str, expected: object) -> None:
@@ -209,6 +215,29 @@ def test_defaults_when_statements_are_absent() -> None:
     assert (spec.microbatches, spec.zero, spec.grad_accum) == (1, 0, 1)
     assert spec.schedule is ScheduleKind.ONE_F_ONE_B
     assert spec.stage_auto is None
+    assert (spec.precision, spec.reduce) == (Precision.FP32, None)
+
+
+def test_precision_statements_print_as_written_and_read_back() -> None:
+    spec = parse_spec("mesh dp=2\nprecision bf16\nreduce fp32\n")
+    assert (spec.precision, spec.reduce) == (Precision.BF16, Precision.FP32)
+    assert parse_spec(str(spec)) == spec
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("precision bf61", ("'bf61' is not a precision", "did you mean 'bf16'")),
+        ("reduce f32", ("'f32' is not a reduction format",)),
+        ("precision bf16\nprecision fp32", ("'precision' is given twice",)),
+        ("precison bf16", ("precision",)),
+    ],
+)
+def test_precision_statement_errors(text: str, words: tuple[str, ...]) -> None:
+    with pytest.raises(SpecError) as err:
+        parse_spec(text)
+    for word in words:
+        assert word in str(err.value)
 
 
 # ---------------------------------------------------------------- patterns

@@ -433,6 +433,25 @@ BAD_SPECS = [
         "2:11",
         ("`vocab` sharding", "not supported by the compiler yet"),
     ),
+    BadSpec(
+        "fp16_is_not_supported",
+        "gpt",
+        """
+        precision fp16
+        """,
+        "1:11",
+        ("`precision fp16` is not supported", "loss scaling", "`precision bf16`"),
+    ),
+    BadSpec(
+        "bf16_reduction_of_fp32_gradients",
+        "gpt",
+        """
+        mesh dp=2
+        reduce bf16
+        """,
+        "2:8",
+        ("`reduce bf16` under `precision fp32`", "`reduce fp32`"),
+    ),
     # --- patterns that match nothing, with a did-you-mean
     BadSpec(
         "shard_pattern_matches_nothing",

@@ -37,7 +37,8 @@ from parc.compiler.model import ModelSource, load_model
 from parc.compiler.optimizer_factory import OptimizerFactory
 from parc.compiler.plan_schedule import HandSchedule
 from parc.compiler.rank_program import RankProgram, compile_rank
-from parc.dsl.ast import AXIS_DP, AXIS_PP, Spec
+from parc.dsl.ast import AXIS_DP, AXIS_PP, Precision, Spec
+from parc.precision import override_precision
 from parc.runtime.assemble import assemble
 from parc.runtime.collectives import Comm
 from parc.runtime.materialise import materialise
@@ -63,6 +64,7 @@ def compile(
     device: torch.device | None = None,
     schedule: HandSchedule | None = None,
     weights: str | Path | None = None,
+    precision: Precision | str | None = None,
 ) -> Program:
     """This rank's program for `spec` on `model` (a model file, module or ModelSource).
 
@@ -74,18 +76,17 @@ def compile(
     (a `ScheduleError` with the grid otherwise). `weights`: a checkpoint directory
     (`config.json` + `model.safetensors`, or shards and their index) to start from
     instead of the seeded initial values; buffers it does not store keep theirs.
+    `precision` (fp32 or bf16) overrides the spec's `precision` statement
+    (parc/precision.py: a `reduce bf16` is dropped under fp32).
     """
     source = model if isinstance(model, ModelSource) else load_model(model)
+    spec = override_precision(as_spec(spec), precision).spec
     device = device or device_for_rank()
     options = {"batch": batch, "seed": seed, "strict": strict, "schedule": schedule}
     try:
-        comm, program, source = _deferred(
-            as_spec(spec), source, options, bucket_elems, device, weights
-        )
+        comm, program, source = _deferred(spec, source, options, bucket_elems, device, weights)
     except CannotDefer as why:
-        comm, program, source = _built_whole(
-            as_spec(spec), source, options, bucket_elems, why, weights
-        )
+        comm, program, source = _built_whole(spec, source, options, bucket_elems, why, weights)
     parts = assemble(
         program,
         comm,

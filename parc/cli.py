@@ -92,6 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--strict", action="store_true", help="make fallback warnings errors")
     p.add_argument("--timeline", metavar="FILE.svg", help="draw the pipeline schedule as SVG")
     p.add_argument("--cluster", help="add the step time on this cluster (see `parc plan -h`)")
+    _add_precision(p)
     p.set_defaults(run=commands.cmd_compile)
     _add_plan(sub)
     _add_check(sub)
@@ -150,7 +151,8 @@ def _add_plan(sub: Any) -> None:
         "--precision",
         choices=["fp32", "bf16"],
         default="fp32",
-        help="fp32 (what parc runs) or bf16 (mixed: bf16 weights/activations, fp32 master)",
+        help="fp32 (the default) or bf16 (mixed: bf16 compute copies and activations, fp32 "
+        "master weights and optimizer state)",
     )
     p.add_argument(
         "--host-mem",
@@ -161,6 +163,16 @@ def _add_plan(sub: Any) -> None:
     p.add_argument("-o", "--output", metavar="FILE.par", help="write the best spec here")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(run=commands.cmd_plan)
+
+
+def _add_precision(p: argparse.ArgumentParser) -> None:
+    """`--precision` of the commands that take a spec (parc/precision.py)."""
+    p.add_argument(
+        "--precision",
+        choices=["fp32", "bf16"],
+        help="train in fp32 or bf16 (fp32 master weights behind bf16 compute), overriding the "
+        "spec's `precision` statement (default: the spec's)",
+    )
 
 
 def _add_check(sub: Any) -> None:
@@ -184,6 +196,7 @@ def _add_check(sub: Any) -> None:
         "save_pretrained writes it) instead of the model's initialisation",
     )
     p.add_argument("--timeout", type=_seconds, default=300.0, help="seconds per collective")
+    _add_precision(p)
     p.add_argument("--inject-fault", help=argparse.SUPPRESS)
     p.set_defaults(run=commands.cmd_check)
 
@@ -235,6 +248,7 @@ def _add_run(sub: Any) -> None:
         help="skip the update of a step whose loss or gradients are NaN/inf (on every rank) "
         "instead of stopping",
     )
+    _add_precision(p)
     p.add_argument("--inject-fault", help=argparse.SUPPRESS)
     p.set_defaults(run=_run)
 

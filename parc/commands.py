@@ -6,10 +6,14 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from parc import blame
 from parc.errors import ParcError, RuntimeFault
 from parc.schedule_views import schedule_grid, write_timeline
+
+if TYPE_CHECKING:
+    from parc.dsl.ast import Spec
 
 __all__ = ["EXIT_ERROR", "EXIT_FAIL", "EXIT_OK", "cmd_check", "cmd_compile", "cmd_plan", "cmd_run"]
 
@@ -22,7 +26,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from parc.compiler.report import format_report, report_json
 
     cluster = _cluster(args.cluster)
-    analysis = analyse(args.spec, args.model, batch=args.batch, strict=args.strict)
+    spec = _spec(args, quiet=False)
+    analysis = analyse(spec, args.model, batch=args.batch, strict=args.strict)
     if args.output:
         write_outputs(analysis, Path(args.output))
         _write_rank_code(analysis, Path(args.output))
@@ -51,6 +56,18 @@ def cmd_compile(args: argparse.Namespace) -> int:
     if args.timeline:
         print(f"wrote {args.timeline}")
     return EXIT_OK
+
+
+def _spec(args: argparse.Namespace, *, quiet: bool) -> Spec:
+    """The spec a command compiles: its file with `--precision` applied (parc/precision.py),
+    each note on what that changed printed to stderr unless `quiet`."""
+    from parc.compiler.frontend import as_spec
+    from parc.precision import override_precision
+
+    done = override_precision(as_spec(args.spec), args.precision)
+    for note in () if quiet else done.notes:
+        print(note, file=sys.stderr)
+    return done.spec
 
 
 def _cluster(text: str | None) -> object:
@@ -123,6 +140,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         fault=args.inject_fault,
         timeout=args.timeout,
         weights=args.weights,
+        precision=args.precision,
     )
     if args.json:
         print(json.dumps(check_json(result), indent=2))
@@ -134,8 +152,9 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from parc.runtime.launch import RunOptions, exit_hard, launch, under_torchrun
 
+    ranked = under_torchrun()
     opts = RunOptions(
-        spec=args.spec,
+        spec=_spec_to_run(args, ranked),
         model=args.model,
         steps=args.steps,
         batch=args.batch,
@@ -149,7 +168,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         fault=args.inject_fault,
         weights=args.weights,
     )
-    if under_torchrun():
+    if ranked:
         exit_hard(_train_rank(opts, args.debug))
     from parc.compiler.frontend import analyse
     from parc.testing.faults import parse_faults
@@ -157,7 +176,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     parse_faults(args.inject_fault or "")  # a typo fails here, not on every rank
 
     # Every spec and model error surfaces here, once, before any process starts.
-    analysis = analyse(args.spec, args.model, batch=args.batch)
+    analysis = analyse(_spec(args, quiet=True), args.model, batch=args.batch)
     if args.weights:
         from parc.runtime.hf_weights import check_weights
 
@@ -171,6 +190,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         max_restarts=args.max_restarts,
         timeout=args.timeout,
     )
+
+
+def _spec_to_run(args: argparse.Namespace, ranked: bool) -> str:
+    """What every rank compiles: the spec file, or with `--precision` the text of the spec
+    it makes (checked by the launcher first, which also prints the notes, once)."""
+    if args.precision is None:
+        return str(args.spec)
+    return str(_spec(args, quiet=ranked))
 
 
 def _train_rank(opts: object, debug: bool) -> int:

@@ -61,18 +61,26 @@ class CapturedOutput:
     found: tuple[tuple[Path, torch.fx.Node | None], ...]
 
 
-def export_model(model: torch.nn.Module, inputs: Any) -> torch.export.ExportedProgram:
+def export_model(
+    model: torch.nn.Module, inputs: Any, compute: torch.dtype | None = None
+) -> torch.export.ExportedProgram:
     """Step 1: `torch.export.export(..., strict=False)` of the model's twin on `meta`.
 
     Export keeps weak references to the tensors it sees (its fake-tensor
     converter), and `torch.utils.swap_tensors`, how ranks later materialise
     their shards, refuses a tensor with one: so it sees a twin of the model
     whose parameters and buffers are fresh meta tensors (nothing allocated).
+
+    Export records dtypes as constants (Hugging Face's RMSNorm casts back to
+    its `input_dtype`, rotary embeddings to `x.dtype`), so with `compute` (bf16
+    under `precision bf16`) the twin's floating parameters have that dtype, as
+    the compute copies a mixed-precision run reads, and the graph's casts are
+    the ones the eager bf16 model makes. Buffers keep theirs.
     """
     args, kwargs = call_kwargs(model, inputs)
     meta = lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t  # noqa: E731
     args, kwargs = pytree.tree_map(meta, (args, kwargs))
-    twin = _meta_twin(model)
+    twin = _meta_twin(model, compute)
     # A failed export prints its partial graph to stderr and logs: the CompileError
     # parc raises says it better.
     logging.disable(logging.CRITICAL)
@@ -85,20 +93,26 @@ def export_model(model: torch.nn.Module, inputs: Any) -> torch.export.ExportedPr
         logging.disable(logging.NOTSET)
 
 
-def _meta_twin(model: torch.nn.Module) -> torch.nn.Module:
-    """A deep copy of `model` whose tensors are new meta tensors of the same kind."""
+def _meta_twin(model: torch.nn.Module, compute: torch.dtype | None = None) -> torch.nn.Module:
+    """A deep copy of `model` whose tensors are new meta tensors of the same kind
+    (floating parameters of dtype `compute` when given)."""
     memo: dict[int, Any] = {}
     for tensor in (*model.parameters(), *model.buffers()):
         twin = torch.empty_like(tensor, device="meta")
         if isinstance(tensor, torch.nn.Parameter):
+            if compute is not None and tensor.dtype.is_floating_point:
+                twin = twin.to(compute)
             twin = torch.nn.Parameter(twin, requires_grad=tensor.requires_grad)
         memo[id(tensor)] = twin
     return copy.deepcopy(model, memo)
 
 
-def capture_model(model: torch.nn.Module, inputs: Any) -> CapturedOutput:
-    """Export `model` at `inputs` and raise its graph (steps 1-4)."""
-    exported = export_model(model, inputs)
+def capture_model(
+    model: torch.nn.Module, inputs: Any, compute: torch.dtype | None = None
+) -> CapturedOutput:
+    """Export `model` at `inputs` (its floating parameters as `compute` when given)
+    and raise its graph (steps 1-4)."""
+    exported = export_model(model, inputs, compute)
     # The exported graph itself, its lifted inputs read back as attributes: what
     # `exported.module()` gives, without its deep copy of the graph and two more
     # compiles of its code (a tenth of a 70B capture).

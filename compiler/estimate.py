@@ -142,6 +142,7 @@ def estimate(
     readers = param_readers(gm, canonical) if plan.zero in (1, 2, 3) else {}
     forward_tp = forward_tp_collectives(gm) if regions and plan.tp > 1 else {}
     saved_params = frozenset(canonical.get(n, n) for n in saved.params)
+    scale = memory.profile_conversion(saved.precision)  # 1: the profile ran at this precision
     split = _split_nodes(plan, gm)
     stages, per_stage_memory, comms, all_units = [], [], [], []
     in_flight = plan_in_flight(plan)
@@ -155,8 +156,10 @@ def estimate(
         summed = _tied_across_ranks(plan, per_stage, tied)
         traffic = StageTraffic(s, units, summed, saved_params, regions, readers, forward_tp)
         comms.append((s, stage_collectives(plan, gm, traffic)))
-        walked = _walk_backward(plan, gm, stage_of, s, units, act, readers, tied, memory)
-        mem = _rank_memory(plan, n_local, units, act, in_flight[s], memory, comms[-1][1], walked)
+        walked = _walk_backward(plan, gm, stage_of, s, units, act, readers, tied, memory, scale)
+        mem = _rank_memory(
+            plan, n_local, units, act, in_flight[s], memory, comms[-1][1], walked, scale
+        )
         per_stage_memory.append(mem)
     # Every rank of a pp index holds the same: one record per pp index (rank_memories.py).
     ranks = tuple(
@@ -309,6 +312,7 @@ def _walk_backward(
     readers: dict[str, set[str]],
     tied: frozenset[str],
     memory: MemoryModel,
+    scale: float,
 ) -> int | None:
     """ZeRO-1/2 buffer bytes above the activations at the peak of a step of one
     micro-step (compiler/grad_buffers.py); None where the formulas apply instead
@@ -317,7 +321,6 @@ def _walk_backward(
     if plan.dp == 1 or plan.zero not in (1, 2) or not one_micro_step or act.regions:
         return None
     order = [n.name for n in gm.graph.nodes if stage_of.get(n.name) == s]
-    scale = memory.activation_scale
     freed = {node: int(b * scale) for node, b in act.freed_at}
     return backward_buffers(plan.zero, units, order, freed, readers, tied, memory.grad_bytes)
 
@@ -330,7 +333,8 @@ def _rank_memory(
     in_flight: int,
     memory: MemoryModel,
     comms: tuple[Collective, ...],
-    walked: int | None = None,
+    walked: int | None,
+    scale: float,
 ) -> _MemoryParts:
     padded = sum(u.padded for u in units)
     shard = sum(u.shard for u in units)
@@ -347,11 +351,11 @@ def _rank_memory(
     )
     per_call = [c.elements // c.count for c in comms if c.axis == plan.tp_axis and c.count]
     message = max(per_call, default=0) * 4  # fp32 activations: a tensor-parallel result
-    activations = int(act.held(in_flight) * memory.activation_scale)
+    activations = int(act.held(in_flight) * scale)
     early = tp * memory.param_bytes + tg * memory.grad_bytes
-    early += int(message * memory.activation_scale)
+    early += int(message * scale)
     if walked is not None:  # the backward walked: the buckets' bytes at the peak
-        buffers = walked + int(message * memory.activation_scale)
+        buffers = walked + int(message * scale)
     else:  # once backward has freed the activations: what the last buckets hold instead
         buffers = max(early, late_elements(zero, units) * memory.grad_bytes - activations)
     return (

@@ -40,7 +40,7 @@ from .passes.pipeline_split import annotate_stages
 from .plan import Plan
 from .plan_schedule import HandSchedule, with_schedule
 from .resolve import check_batch, resolve
-from .saved import SavedTensors, profile_forward
+from .saved import SavedTensors, compute_dtype, profile_forward
 from .trace import trace_model
 
 __all__ = ["Analysis", "analyse", "as_spec", "default_batch"]
@@ -127,12 +127,14 @@ def _analyse(
     sample, targets = source.batch(batch_plan.micro, 0)
     inputs = sample if isinstance(sample, dict) else input_tensors(sample)
     own = owns_loss(source, sample, targets)
-    gm = trace_model(built, inputs, own_loss=own, file=source.path)
+    # The capture and the fake forward at the run's compute dtype (resolve refuses fp16).
+    compute = compute_dtype(spec.precision)
+    gm = trace_model(built, inputs, own_loss=own, file=source.path, compute=compute)
     if gm.meta["parc_output"].is_loss:
         source = dataclasses.replace(source, loss_fn=ModelLoss(source.path))
     untraced_writes(built, versions, source.path)
     check_all_used(gm, built, source.path)
-    saved = profile_forward(gm, input_tensors(inputs))
+    saved = profile_forward(gm, input_tensors(inputs), spec.precision)
     plan = resolve(spec, built, gm, batch=batch)
     plan = dataclasses.replace(plan, capture=_capture_note(gm))
     if schedule is not None:

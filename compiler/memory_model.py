@@ -24,6 +24,10 @@ from parc.dsl.ast import Precision
 __all__ = ["ADAMW", "MemoryModel", "Precision", "memory_model_of", "states_of"]
 
 
+# Bytes per element of a floating tensor at each precision.
+_WIDTH = {Precision.FP32: 4, Precision.BF16: 2, Precision.FP16: 2}
+
+
 @dataclass(frozen=True, slots=True)
 class MemoryModel:
     """How many bytes each parameter element costs, by what holds it."""
@@ -47,10 +51,14 @@ class MemoryModel:
         master = 4 if self.precision is Precision.BF16 else 0
         return 4 * self.states + master
 
-    @property
-    def activation_scale(self) -> float:
-        """Activation bytes relative to the fp32 profile."""
-        return 0.5 if self.precision is Precision.BF16 else 1.0
+    def profile_conversion(self, profiled: Precision) -> float:
+        """Activation bytes at this model's precision per byte of a profile run at
+        `profiled`: 1 when the fake forward ran at this precision (its bytes are
+        exact); bf16 priced from an fp32 profile takes every activation as bf16
+        (0.5, an approximation) and fp32 from a bf16 profile as fp32 (2)."""
+        if profiled is self.precision:
+            return 1.0
+        return _WIDTH[self.precision] / _WIDTH[profiled]
 
     def describe(self) -> str:
         plural = "s" if self.states != 1 else ""

@@ -16,6 +16,15 @@ region keeps (its inputs).
 
 Parameters, buffers and tensor attributes are replaced by fake CPU tensors of
 their shape, so a model built on the `meta` device works the same as a real one.
+
+Under `precision=Precision.BF16` the forward is the one a mixed-precision run
+computes: the floating parameters are bf16 fakes (the compute copies; buffers
+and constants keep their dtype) and the graph runs inside
+`torch.autocast("cpu", dtype=torch.bfloat16)`, so every `tensor_meta` dtype
+(pipeline boundaries, receive buffers) and every saved tensor's bytes are those
+of the bf16 run. The fakes are CPU tensors, so autocast's CPU op lists apply
+(layer_norm and softmax in their input's dtype; CUDA runs them in fp32, see
+docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -34,12 +43,21 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.node import map_aggregate
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
+from parc.dsl.ast import Precision
 from parc.errors import CompileError
 
 from .layout import canonical_names
 from .node_info import node_source
 
-__all__ = ["SavedTensor", "SavedTensors", "evaluate_nodes", "profile_forward", "saved_tensors"]
+__all__ = [
+    "SavedTensor",
+    "SavedTensors",
+    "compute_dtype",
+    "evaluate_nodes",
+    "forward_context",
+    "profile_forward",
+    "saved_tensors",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +79,7 @@ class SavedTensors:
     tensors: tuple[SavedTensor, ...] = ()
     # node name -> (storage index, bytes) of each tensor it outputs (parameters left out)
     outputs: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
+    precision: Precision = Precision.FP32  # what the forward ran at (its bytes are that run's)
 
     @property
     def activation_bytes(self) -> int:
@@ -199,14 +218,31 @@ def _node_error(n: torch.fx.Node, exc: Exception) -> CompileError:
     )
 
 
-def _fake_state(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
-    """Fake CPU tensors for every parameter and buffer; tied names share one tensor."""
+def compute_dtype(precision: Precision) -> torch.dtype | None:
+    """The dtype floating parameters compute in under `precision`; None: their own."""
+    return torch.bfloat16 if precision is Precision.BF16 else None
+
+
+def forward_context(precision: Precision) -> contextlib.AbstractContextManager[Any]:
+    """What the fake forward runs inside: CPU autocast to bf16 under BF16, else nothing."""
+    if precision is Precision.BF16:
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _fake_state(
+    gm: torch.fx.GraphModule, precision: Precision = Precision.FP32
+) -> dict[str, torch.Tensor]:
+    """Fake CPU tensors for every parameter and buffer; tied names share one tensor.
+    Floating parameters take the compute dtype of `precision`; buffers keep theirs."""
     state: dict[str, torch.Tensor] = {}
     canonical = canonical_names(gm)
+    compute = compute_dtype(precision)
     for name, p in gm.named_parameters(remove_duplicate=False):
         key = canonical[name]
         if key not in state:
-            state[key] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="cpu"))
+            dtype = compute if compute is not None and p.dtype.is_floating_point else p.dtype
+            state[key] = torch.nn.Parameter(torch.empty(p.shape, dtype=dtype, device="cpu"))
         state[name] = state[key]
     for name, b in gm.named_buffers(remove_duplicate=False):
         state[name] = torch.empty(b.shape, dtype=b.dtype, device="cpu")
@@ -259,21 +295,25 @@ def evaluate_nodes(
     return {node: runner.env[node] for node in wanted}
 
 
-def profile_forward(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> SavedTensors:
-    """Record every node's `tensor_meta` and the saved tensors of one fake forward."""
+def profile_forward(
+    gm: torch.fx.GraphModule, inputs: Sequence[Any], precision: Precision = Precision.FP32
+) -> SavedTensors:
+    """Record every node's `tensor_meta` and the saved tensors of one fake forward,
+    as a run at `precision` computes it (see the module docstring)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
-        state = _fake_state(gm)
+        state = _fake_state(gm, precision)
         fake_inputs = _fake_inputs(inputs)
     recorder = _Recorder(gm, state, mode)
     hooks = torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t)
-    with _quiet_fake_tensor_log(), mode, hooks:
+    with _quiet_fake_tensor_log(), mode, hooks, forward_context(precision):
         recorder.run(*fake_inputs)
     result = SavedTensors(
         frozenset(recorder.saved_params),
         dict(recorder.node_bytes),
         tuple(recorder.tensors.values()),
         dict(recorder.outputs),
+        precision,
     )
     # The fake autograd graph keeps the pack hook (and so the recorder) alive from
     # C++, where Python's collector cannot free it: drop what the recorder holds.

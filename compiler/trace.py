@@ -95,24 +95,27 @@ def trace_model(
     *,
     own_loss: bool = False,
     file: str = "",
+    compute: torch.dtype | None = None,
 ) -> torch.fx.GraphModule:
     """Capture `model` as an fx graph whose one output is what parc trains on.
 
-    `torch.fx.symbolic_trace` first (a torch-level graph, batch sizes dynamic);
-    a model it cannot trace is captured with `torch.export` instead
-    (`compiler/capture.py`). A forward that returns several outputs has one
+    `torch.fx.symbolic_trace` first (a torch-level graph, batch sizes dynamic,
+    dtypes read at run time); a model it cannot trace is captured with
+    `torch.export` instead (`compiler/capture.py`), whose casts are constants:
+    with `compute` (bf16 under `precision bf16`) it captures the model as its
+    floating parameters at that dtype run it. A forward that returns several outputs has one
     chosen (`compiler/model_output.py`; `own_loss`: the model file has no
     loss_fn, so a loss the model computes is taken). `gm.meta["parc_output"]`
     is the `OutputChoice`, `gm.meta["parc_capture"]` "fx" or "export".
     """
     if isinstance(inputs, Mapping):
-        return _exported(model, inputs, own_loss, file, None)
+        return _exported(model, inputs, own_loss, file, None, compute)
     try:
         gm = _symbolic(model, inputs)
     except CompileError as fx_error:
         if inputs is None:
             raise
-        return _exported(model, inputs, own_loss, file, fx_error)
+        return _exported(model, inputs, own_loss, file, fx_error, compute)
     gm.meta["parc_capture"] = "fx"
     choose_single_output(gm, _fx_leaves(gm, inputs), own_loss, file)
     return gm
@@ -124,11 +127,12 @@ def _exported(
     own_loss: bool,
     file: str,
     fx_error: CompileError | None,
+    compute: torch.dtype | None,
 ) -> torch.fx.GraphModule:
     from .capture import capture_model, strip_export_meta
 
     try:
-        captured = capture_model(model, inputs)
+        captured = capture_model(model, inputs, compute)
     except Exception as exc:
         raise _export_error(exc, model, fx_error) from exc
     gm = captured.gm

@@ -98,7 +98,8 @@ def plan_model(
     budget = None if host_mem is None else host_budget(host_mem, machines)
     batch = batch if batch is not None else 4 * machines.world
     started = time.perf_counter()
-    profile = profile_model(source, gpus_per_node=min(machines.gpus, machines.world), seq=seq)
+    gpus = min(machines.gpus, machines.world)
+    profile = profile_model(source, gpus_per_node=gpus, seq=seq, precision=precision)
     profiled = time.perf_counter()
     memory = memory_model_of(source.configure_optimizer, precision)
     # Step 2

@@ -135,10 +135,14 @@ def evaluate(
     micro = batch // (cand.dp * cand.microbatches * cand.grad_accum)
     links = {a: axis_bandwidth(cluster, cand.mesh, a) for a in ("tp", "pp", "dp")}
     steps = cand.microbatches * cand.grad_accum
-    memory = [_stage_memory(cand, ss, s, micro, mem, schedule) for s, ss in enumerate(st.stages)]
+    # The profile's bytes are exact at its own precision; another is converted.
+    scale = mem.profile_conversion(profile.precision)
+    memory = [
+        _stage_memory(cand, ss, s, micro, mem, schedule, scale) for s, ss in enumerate(st.stages)
+    ]
     seconds, dp_time, traffic = [], 0.0, {"tp": 0.0, "pp": 0.0, "dp": 0.0}
     for s, ss in enumerate(st.stages):
-        took, sent = _stage_seconds(cand, ss, s, micro, mem, links, cluster)
+        took, sent = _stage_seconds(cand, ss, s, micro, mem, links, cluster, scale)
         seconds.append(took)
         dp_seconds, dp_bytes = _stage_dp(cand, ss, mem, links["dp"], BACKWARD_SHARE * took.compute)
         dp_time = max(dp_time, dp_seconds)
@@ -180,9 +184,11 @@ def _stage_seconds(
     mem: MemoryModel,
     links: dict[str, tuple[float, bool]],
     cluster: Cluster,
+    scale: float,
 ) -> tuple[StageSeconds, tuple[float, float]]:
-    """One microbatch on stage `s`, and the (tp, pp) bytes it sends."""
-    width = 4 * mem.activation_scale  # bytes per activation element
+    """One microbatch on stage `s`, and the (tp, pp) bytes it sends (`scale`: see
+    `MemoryModel.profile_conversion`)."""
+    width = 4 * scale  # bytes per activation element (the profile counts elements at fp32)
     tp_bytes = wire_bytes(CommKind.ALL_REDUCE, cand.tp, ss.tp_reduce * micro * width)
     tp_bytes += wire_bytes(CommKind.ALL_GATHER, cand.tp, ss.tp_gather * micro * width)
     pp_bytes = ss.sent * micro * width if cand.pp > 1 else 0.0
@@ -219,7 +225,13 @@ def _stage_dp(
 
 
 def _stage_memory(
-    cand: Candidate, ss: _StageSum, s: int, micro: int, mem: MemoryModel, schedule: ScheduleKind
+    cand: Candidate,
+    ss: _StageSum,
+    s: int,
+    micro: int,
+    mem: MemoryModel,
+    schedule: ScheduleKind,
+    scale: float,
 ) -> Memory:
     """Peak bytes on a rank of stage `s` (compiler/estimate.py's formulas, padding aside)."""
     n = ss.params
@@ -231,8 +243,8 @@ def _stage_memory(
     if cand.pp > 1:
         gpipe = schedule is ScheduleKind.GPIPE
         flight = cand.microbatches if gpipe else min(cand.pp - s, cand.microbatches)
-    acts = (ss.stored * flight + ss.again) * micro * mem.activation_scale
-    message = ss.tp_largest * micro * 4 * mem.activation_scale
+    acts = (ss.stored * flight + ss.again) * micro * scale
+    message = ss.tp_largest * micro * 4 * scale
     return Memory(
         p * mem.param_bytes,
         g * mem.grad_bytes,

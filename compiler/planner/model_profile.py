@@ -35,7 +35,7 @@ import torch
 import torch.fx
 
 from parc.dsl import parse_spec
-from parc.dsl.ast import ShardKind
+from parc.dsl.ast import Precision, ShardKind
 from parc.errors import ParcError
 
 from ..blocks import Blocks, find_blocks
@@ -52,7 +52,7 @@ from ..passes.tp_analysis import analyse_tensor_parallel
 from ..plan import Plan
 from ..recompute_cost import forward_tp_collectives, param_readers
 from ..resolve import resolve
-from ..saved import SavedTensors, profile_forward
+from ..saved import SavedTensors, compute_dtype, profile_forward
 from ..stages import activation_nodes
 from ..trace import module_path, trace_model
 
@@ -106,28 +106,38 @@ class ModelProfile:
     tp: dict[int, TPProfile]
     rejected_tp: dict[int, str]
     host: HostFacts  # for the host memory of compiling (compiler/host_memory.py)
+    precision: Precision = Precision.FP32
+    """The precision the fake forward ran at: saved bytes and message dtypes are its."""
 
 
 def profile_model(
-    source: ModelSource, *, gpus_per_node: int = 8, seq: int | None = None
+    source: ModelSource,
+    *,
+    gpus_per_node: int = 8,
+    seq: int | None = None,
+    precision: Precision = Precision.FP32,
 ) -> ModelProfile:
-    """Steps 1-5 (see the module docstring)."""
+    """Steps 1-5 (see the module docstring); shapes, dtypes and saved bytes are those
+    of a run at `precision` (compiler/saved.py)."""
     enabled = gc.isenabled()
     gc.disable()  # many long-lived fx objects: see compiler/frontend.py
     try:
-        return _profile(source, gpus_per_node, seq)
+        return _profile(source, gpus_per_node, seq, precision)
     finally:
         if enabled:
             gc.enable()
 
 
-def _profile(source: ModelSource, gpus_per_node: int, seq: int | None) -> ModelProfile:
+def _profile(
+    source: ModelSource, gpus_per_node: int, seq: int | None, precision: Precision
+) -> ModelProfile:
     # Step 1
     torch.manual_seed(0)
     model = source.build(device="meta")
     inputs, own = _sample(source, seq)
-    gm = trace_model(model, inputs, own_loss=own, file=source.path)
-    saved = profile_forward(gm, input_tensors(inputs))
+    compute = compute_dtype(precision)
+    gm = trace_model(model, inputs, own_loss=own, file=source.path, compute=compute)
+    saved = profile_forward(gm, input_tensors(inputs), precision)
     # Step 2
     found = find_blocks(model)
     unit_of, units = _units(gm, found)
@@ -160,6 +170,7 @@ def _profile(source: ModelSource, gpus_per_node: int, seq: int | None) -> ModelP
         tp=profiles,
         rejected_tp=rejected,
         host=host_facts(model, gm, base.unit),
+        precision=precision,
     )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from parc.dsl.ast import AXIS_DP, AXIS_PP
+from parc.dsl.ast import AXIS_DP, AXIS_PP, Precision
 
 from ..frontend import Analysis
 from ..ops.collectives import CommKind
@@ -88,7 +88,7 @@ def step_time_lines(analysis: Any, cluster: Any) -> list[str]:
 def _traffic(analysis: Analysis) -> dict[str, float]:
     """Bytes one rank sends per step over each axis (the busiest stage's rank)."""
     plan, est = analysis.plan, analysis.estimate
-    width = 4 * est.memory_model.activation_scale
+    width = 4 * est.memory_model.profile_conversion(Precision.FP32)
     out: dict[str, float] = {}
     for _, comms in est.collectives:
         sent: dict[str, float] = {}

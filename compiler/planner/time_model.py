@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from parc.dsl.ast import AXIS_DP, AXIS_PP
+from parc.dsl.ast import AXIS_DP, AXIS_PP, Precision
 
 from ..estimate import Estimate
 from ..ops.collectives import CommKind
@@ -140,7 +140,7 @@ def estimate_step_time(plan: Plan, est: Estimate, cluster: Cluster) -> StepTime:
     """The step time of a compiled plan (its Estimate) on `cluster` (for `parc compile`)."""
     micro_steps = plan.microbatches * plan.grad_accum
     rate = cluster.rate(est.memory_model.precision).tflops * 1e12
-    width = 4 * est.memory_model.activation_scale  # bytes per activation element
+    width = 4 * est.memory_model.profile_conversion(Precision.FP32)  # bytes per activation element
     stages, dp = [], 0.0
     for cost, (_, comms) in zip(est.stages, est.collectives):
         tp = pp = reduce = gather = 0.0

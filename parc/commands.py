@@ -131,6 +131,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     from parc.testing.faults import parse_faults
 
     parse_faults(args.inject_fault or "")  # a typo fails here, not as a traceback per rank
+    _spec(args, quiet=False)  # what --precision changes, said before the runs start
     result = run_check(
         args.spec,
         args.model,

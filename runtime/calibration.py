@@ -58,13 +58,17 @@ from typing import Any
 
 import torch
 
+from parc.dsl.ast import Precision
+
 from .equivalence import LOSS_RTOL, Comparison, Tolerance, compare_runs
 from .probes import GradientProbe, nudge_outputs
 
 __all__ = [
+    "CALIBRATIONS",
     "FP32_EPS",
     "NOISE_MULT",
     "TWIN_GATE",
+    "Calibration",
     "GradientProbe",
     "TensorBound",
     "calibrated_compare",
@@ -74,10 +78,31 @@ __all__ = [
 
 NOISE_MULT = 16.0
 FP32_EPS = 2.0**-23
+BF16_EPS = 2.0**-7  # torch.finfo(torch.bfloat16).eps: 8 significant bits
 FLOOR_ULPS = 4.0
 # A reordered sum moves an fp32 loss by ~1e-7; dropout or an order-dependent
 # model moves it by its own effect (>1e-3 for p=0.1). LOSS_RTOL sits between.
 TWIN_GATE = LOSS_RTOL
+
+
+@dataclass(frozen=True, slots=True)
+class Calibration:
+    """The constants of one precision's bounds (the module docstring has their reasons)."""
+
+    precision: Precision
+    eps: float  # the machine epsilon of the format the compared tensors were rounded in
+    twin_gate: float  # the twin's step-0 relative loss difference above which nothing holds
+    noise_mult: float = NOISE_MULT
+
+    def floor(self, steps: int) -> float:
+        """The relative floor after `steps` updates."""
+        return FLOOR_ULPS * self.eps * (steps + 1)
+
+
+CALIBRATIONS = {
+    Precision.FP32: Calibration(Precision.FP32, FP32_EPS, TWIN_GATE),
+    Precision.BF16: Calibration(Precision.BF16, BF16_EPS, TWIN_GATE),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,9 +118,9 @@ class TensorBound:
         return self.diff / self.bound if self.bound > 0 else (0.0 if self.diff == 0 else 1e30)
 
 
-def floor(steps: int) -> float:
+def floor(steps: int, precision: Precision = Precision.FP32) -> float:
     """The relative floor after `steps` updates (the module docstring)."""
-    return FLOOR_ULPS * FP32_EPS * (steps + 1)
+    return CALIBRATIONS[precision].floor(steps)
 
 
 def tensor_bounds(
@@ -103,14 +128,16 @@ def tensor_bounds(
     twin: dict[str, torch.Tensor],
     par: dict[str, torch.Tensor],
     steps: int,
+    precision: Precision = Precision.FP32,
 ) -> list[TensorBound]:
     """Every reference tensor's distance and bound; a tensor missing from `par` gets inf."""
+    cal = CALIBRATIONS[precision]
     out = []
     for name, expected in ref.items():
         got = par.get(name)
         scale = float(expected.norm())
         noise = float((twin[name] - expected).norm())
-        bound = NOISE_MULT * noise + floor(steps) * scale
+        bound = cal.noise_mult * noise + cal.floor(steps) * scale
         if got is None or got.shape != expected.shape:
             out.append(TensorBound(name, float("inf"), bound))
         else:
@@ -118,15 +145,21 @@ def tensor_bounds(
     return out
 
 
-def twin_unstable(ref: dict[str, Any], twin: dict[str, Any]) -> float | None:
-    """The twin's relative loss difference at step 0 when above TWIN_GATE, else None."""
+def twin_unstable(
+    ref: dict[str, Any], twin: dict[str, Any], precision: Precision = Precision.FP32
+) -> float | None:
+    """The twin's relative loss difference at step 0 when above its gate, else None."""
     a, b = ref["losses"][0], twin["losses"][0]
     rel = abs(a - b) / max(abs(a), 1e-12)
-    return rel if rel > TWIN_GATE else None
+    return rel if rel > CALIBRATIONS[precision].twin_gate else None
 
 
 def calibrated_compare(
-    ref: dict[str, Any], twin: dict[str, Any], par: dict[str, Any], par_grads: dict[str, Any]
+    ref: dict[str, Any],
+    twin: dict[str, Any],
+    par: dict[str, Any],
+    par_grads: dict[str, Any],
+    precision: Precision = Precision.FP32,
 ) -> Comparison:
     """Compare a parallel run with the reference at the twin's noise (module docstring).
 
@@ -134,19 +167,19 @@ def calibrated_compare(
     `parallel_case` result, `par_grads` the parameters of a one-step
     `GradientProbe` parallel run. Buffers are compared as `compare_runs` does.
     """
-    steps = len(ref["losses"])
+    steps, mult = len(ref["losses"]), CALIBRATIONS[precision].noise_mult
     base = compare_runs(ref, par, Tolerance())  # losses are redone below; buffers kept
     rows, first_bad = [], None
     for step, (a, b, t) in enumerate(
         zip(ref["losses"], par["losses"], twin["losses"], strict=True)
     ):
         rel = abs(a - b) / max(abs(a), 1e-12)
-        allowed = LOSS_RTOL + NOISE_MULT * abs(a - t) / max(abs(a), 1e-12)
+        allowed = LOSS_RTOL + mult * abs(a - t) / max(abs(a), 1e-12)
         rows.append((step, a, b, rel))
         if rel > allowed and first_bad is None:
             first_bad = step
-    params = tensor_bounds(ref["params"], twin["params"], par["params"], steps)
-    grads = tensor_bounds(ref["grads"], twin["grads"], par_grads, 0)
+    params = tensor_bounds(ref["params"], twin["params"], par["params"], steps, precision)
+    grads = tensor_bounds(ref["grads"], twin["grads"], par_grads, 0, precision)
     worst_p = max(params, key=lambda t: t.ratio, default=TensorBound("", 0.0, 1.0))
     worst_g = max(grads, key=lambda t: t.ratio, default=TensorBound("", 0.0, 1.0))
     bad_param = next((t.name for t in params if t.ratio > 1), None)

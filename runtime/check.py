@@ -11,6 +11,13 @@ seed, on the same batches, with the same optimizer: the model file's
 pool runs the program twice: one `GradientProbe` step (step 0's gradients,
 gathered whole), then the training steps.
 
+Under `precision bf16` (the spec's, or `--precision bf16`) both references
+run the same mixed-precision recipe on one device (fp32 master, bf16 compute:
+`reference_run(..., precision=...)`), so the comparison measures parallelism,
+not precision, with bf16's calibration (runtime/calibration.py). The fp32
+reference runs as well, from the same seed on the same batches: how far bf16
+is from fp32 on one device (`PrecisionGap`) is reported, never judged.
+
 Before any process starts: every spec and model error, and an optimizer the
 layout cannot run unchanged (compiler/optimizers.py) is refused.
 """
@@ -25,8 +32,10 @@ import torch
 
 from parc.compiler.frontend import as_spec
 from parc.compiler.model import ModelSource, load_model
+from parc.dsl.ast import Precision
+from parc.precision import override_precision
 
-from .calibration import NOISE_MULT, calibrated_compare, floor, twin_unstable
+from .calibration import CALIBRATIONS, calibrated_compare, twin_unstable
 from .equivalence import (
     Comparison,
     Tolerance,
@@ -38,6 +47,7 @@ from .equivalence import (
 __all__ = [
     "OPTIMIZERS",
     "CheckResult",
+    "PrecisionGap",
     "check_json",
     "compare_in_pool",
     "format_check",
@@ -46,6 +56,15 @@ __all__ = [
 
 # `--optimizer`: the model file's own, or one of equivalence.py's (an override).
 OPTIMIZERS = ("model", "sgd", "adamw")
+
+
+@dataclass(frozen=True, slots=True)
+class PrecisionGap:
+    """How far one device's bf16 training is from its fp32 training (informative only)."""
+
+    steps: int
+    loss: float  # relative difference of the last step's loss
+    params: float  # ‖bf16 − fp32‖ / ‖fp32‖ over every parameter after the last step
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +80,10 @@ class CheckResult:
     optimizer_class: str = ""  # what `optimizer` made, e.g. "AdamW"
     twin_loss_diff: float | None = None  # set when the twin itself moved step 0's loss
     weights: str | None = None  # the checkpoint directory both runs started from
+    precision: Precision = Precision.FP32  # the plan's: what both sides trained in
+    reduce: Precision = Precision.FP32  # the format the parallel run reduced gradients in
+    gap: PrecisionGap | None = None  # under bf16: one device's bf16 against its fp32
+    notes: tuple[str, ...] = ()  # what --precision changed in the spec
 
     @property
     def ok(self) -> bool:
@@ -78,14 +101,17 @@ def run_check(
     fault: str | None = None,
     timeout: float = 300.0,
     weights: str | None = None,
+    precision: Precision | str | None = None,
 ) -> CheckResult:
     """Run both sides and compare; raises ParcError for a bad spec, model or optimizer.
-    With `weights` (a checkpoint directory) both start from its tensors."""
+    With `weights` (a checkpoint directory) both start from its tensors; `precision`
+    overrides the spec's (parc/precision.py)."""
     from parc.compiler.frontend import analyse, default_batch
     from parc.runtime.mesh import check_local_ranks, local_backend
     from parc.testing.pool import WorkerPool
 
-    spec = as_spec(spec_path)
+    overridden = override_precision(as_spec(spec_path), precision)
+    spec = overridden.spec
     world = spec.mesh.world_size
     # One process per rank, on this machine: one GPU each under NCCL, else CPU processes
     # (the pool takes the same backend: NCCL only when there is a GPU for every rank).
@@ -100,18 +126,13 @@ def run_check(
 
         check_weights(weights, analysis.model)
     opt_class = _check_optimizer(source, optimizer, plan)
+    runs = _Runs(steps, batch, seed, optimizer, weights, plan.precision)
     with WorkerPool(world, timeout=timeout) as pool:
-        comparison, twin_diff = compare_in_pool(
-            pool,
-            str(spec),
-            source.path,
-            steps=steps,
-            batch=batch,
-            seed=seed,
-            optimizer=optimizer,
-            fault=fault,
-            weights=weights,
-        )
+        measured = _measure(pool, str(spec), source.path, runs, fault=fault)
+    gap = None
+    if plan.precision is not Precision.FP32:
+        fp32 = reference_run(source.path, **runs.kwargs())
+        gap = precision_gap(measured.reference, fp32)
     return CheckResult(
         spec_path,
         model_file,
@@ -119,12 +140,63 @@ def run_check(
         batch,
         optimizer,
         Tolerance(),
-        comparison,
+        measured.comparison,
         tuple(str(w) for w in plan.warnings),
         opt_class,
-        twin_diff,
+        measured.twin_loss_diff,
         weights,
+        plan.precision,
+        plan.reduce,
+        gap,
+        overridden.notes,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class _Runs:
+    """What both sides train: steps, global batch, seed, optimizer, weights, precision."""
+
+    steps: int
+    batch: int
+    seed: int = 0
+    optimizer: str = "model"
+    weights: str | None = None
+    precision: Precision = Precision.FP32
+    env: dict[str, str] | None = None
+
+    def kwargs(self, **changed: Any) -> dict[str, Any]:
+        """The keywords of `reference_run` and `parallel_case` (fp32: no precision)."""
+        out = {
+            "steps": self.steps,
+            "batch": self.batch,
+            "seed": self.seed,
+            "optimizer": self.optimizer,
+            "env": self.env,
+            "weights": self.weights,
+        }
+        return {**out, **changed}
+
+
+@dataclass(frozen=True, slots=True)
+class _Measured:
+    comparison: Comparison
+    twin_loss_diff: float | None
+    reference: dict[str, Any]  # the reference run's result (the precision's recipe)
+
+
+def _measure(
+    pool: Any, spec_text: str, model_file: str, runs: _Runs, *, fault: str | None
+) -> _Measured:
+    """The reference and its noise twin here (in the run's precision), the program twice
+    on `pool` (a gradient probe step, then the training steps), compared."""
+    mixed = {"precision": runs.precision} if runs.precision is not Precision.FP32 else {}
+    ref = reference_run(model_file, **runs.kwargs(**mixed))
+    twin = reference_run(model_file, **runs.kwargs(**mixed), twin=True)
+    case = (parallel_case, spec_text, model_file)
+    probe = pool.run(*case, **runs.kwargs(steps=1, optimizer="gradient"), fault=fault)
+    results = pool.run(*case, **runs.kwargs(), fault=fault)
+    comparison = calibrated_compare(ref, twin, results[0], probe[0]["params"], runs.precision)
+    return _Measured(comparison, twin_unstable(ref, twin, runs.precision), ref)
 
 
 def compare_in_pool(
@@ -139,25 +211,29 @@ def compare_in_pool(
     fault: str | None = None,
     env: dict[str, str] | None = None,
     weights: str | None = None,
+    precision: Precision = Precision.FP32,
 ) -> tuple[Comparison, float | None]:
     """The reference and its noise twin here, the program twice on `pool` (a gradient
     probe step, then `steps` training steps); the calibrated comparison and, when the
     twin moved step 0's loss beyond rounding, by how much (then nothing can be trusted).
+    `precision` must be the one `spec_text` trains in (the reference's recipe).
     """
-    runs: dict[str, Any] = {
-        "steps": steps,
-        "batch": batch,
-        "seed": seed,
-        "optimizer": optimizer,
-        "env": env,
-        "weights": weights,
-    }
-    ref = reference_run(model_file, **runs)
-    twin = reference_run(model_file, **runs, twin=True)
-    case = (parallel_case, spec_text, model_file)
-    probe = pool.run(*case, **{**runs, "steps": 1, "optimizer": "gradient"}, fault=fault)
-    results = pool.run(*case, **runs, fault=fault)
-    return calibrated_compare(ref, twin, results[0], probe[0]["params"]), twin_unstable(ref, twin)
+    runs = _Runs(steps, batch, seed, optimizer, weights, precision, env)
+    measured = _measure(pool, spec_text, model_file, runs, fault=fault)
+    return measured.comparison, measured.twin_loss_diff
+
+
+def precision_gap(mixed: dict[str, Any], fp32: dict[str, Any]) -> PrecisionGap:
+    """One device's mixed-precision run (`reference_run` results) against its fp32 run."""
+    a, b = mixed["losses"][-1], fp32["losses"][-1]
+    names = list(fp32["params"])
+    diff = torch.cat([(mixed["params"][n].float() - fp32["params"][n]).flatten() for n in names])
+    scale = torch.cat([fp32["params"][n].flatten() for n in names])
+    return PrecisionGap(
+        len(fp32["losses"]),
+        abs(a - b) / max(abs(b), 1e-12),
+        float(diff.norm()) / max(float(scale.norm()), 1e-30),
+    )
 
 
 def _check_optimizer(source: ModelSource, name: str, plan: Any) -> str:
@@ -184,12 +260,44 @@ def _describe_optimizer(result: CheckResult) -> str:
     return f"{result.optimizer} (--optimizer)"
 
 
+def _describe_precision(result: CheckResult) -> str:
+    """The header's words on precision: none under fp32 (its output is unchanged)."""
+    if result.precision is Precision.FP32:
+        return ""
+    return (
+        f", precision {result.precision} (fp32 master weights, gradients reduced in "
+        f"{result.reduce})"
+    )
+
+
+def _precision_lines(result: CheckResult) -> list[str]:
+    """Under bf16: where the tolerances come from, and bf16 against fp32 on one device."""
+    if result.precision is Precision.FP32:
+        return []
+    cal = CALIBRATIONS[result.precision]
+    lines = [
+        f"  tolerances: {result.precision}'s calibration (runtime/calibration.py): the reference "
+        f"is the same {result.precision} recipe on one device, the floor from "
+        f"{result.precision}'s epsilon {cal.eps:.3g}",
+    ]
+    if result.gap is not None:
+        g = result.gap
+        lines.append(
+            f"  {result.precision} vs fp32 (one device): loss after {g.steps} steps differs by "
+            f"{g.loss:.2e} (relative), parameters by {g.params:.2e} (relative norm); "
+            "informative, not judged"
+        )
+    return lines
+
+
 def format_check(result: CheckResult) -> str:
     c = result.comparison
+    cal = CALIBRATIONS[result.precision]
     lines = [
         f"parc check {result.spec} {result.model}: {result.steps} steps, batch {result.batch}, "
         f"{_describe_optimizer(result)}"
-        + (f", both from the weights in {result.weights}" if result.weights else ""),
+        + (f", both from the weights in {result.weights}" if result.weights else "")
+        + _describe_precision(result),
         "",
         f"  {'step':>4}  {'reference loss':>16}  {'parallel loss':>16}  {'rel. diff':>10}",
     ]
@@ -203,11 +311,12 @@ def format_check(result: CheckResult) -> str:
         f"(|diff| {c.max_grad_diff:.3e}, {c.grad_margin:.2g} of the bound)",
         f"  parameters after step {result.steps - 1}: closest to its bound {c.worst_param or '-'} "
         f"(|diff| {c.max_param_diff:.3e}, {c.param_margin:.2g} of the bound)",
-        f"  bounds: per tensor |parallel - reference| <= {NOISE_MULT:g} x |twin - reference| + "
-        f"{floor(result.steps):.1e} x |reference|; losses: rel. diff <= {t.loss_rtol:g} + "
-        f"{NOISE_MULT:g} x the twin's",
+        f"  bounds: per tensor |parallel - reference| <= {cal.noise_mult:g} x |twin - reference| "
+        f"+ {cal.floor(result.steps):.1e} x |reference|; losses: rel. diff <= {t.loss_rtol:g} + "
+        f"{cal.noise_mult:g} x the twin's",
         "  (twin: the reference again, each batch in reverse sample order and every module "
         "output moved by one ulp)",
+        *_precision_lines(result),
     ]
     if result.ok:
         lines.append("  EQUIVALENT: the parallel run trains the same model as one device")
@@ -239,7 +348,7 @@ def _where(result: CheckResult) -> list[str]:
 
 
 def check_json(result: CheckResult) -> dict[str, Any]:
-    c = result.comparison
+    c, g, cal = result.comparison, result.gap, CALIBRATIONS[result.precision]
     return {
         "spec": result.spec,
         "model": result.model,
@@ -267,9 +376,17 @@ def check_json(result: CheckResult) -> dict[str, Any]:
         "warnings": list(result.warnings),
         "tolerance": {
             "loss_rtol": result.tolerance.loss_rtol,
-            "noise_multiple": NOISE_MULT,
-            "floor": floor(result.steps),
+            "noise_multiple": cal.noise_mult,
+            "floor": cal.floor(result.steps),
+            "epsilon": cal.eps,
+            "calibration": str(result.precision),
         },
+        "precision": str(result.precision),
+        "reduce": str(result.reduce),
+        "notes": list(result.notes),
+        "bf16_vs_fp32": None
+        if g is None
+        else {"steps": g.steps, "loss": g.loss, "params": g.params},
     }
 
 

@@ -18,6 +18,13 @@ How a rank's storage maps to boxes of the full tensors:
 4. A box of a tensor-parallel slice moves into the full tensor along the slice
    dim: rank i's slice of block b starts at b × full_block + i × local_block
    (a box crossing a block boundary is cut there).
+
+What a rank stores is what its optimizer steps (`sync.optimizer_params()`, in
+the order the sync lists them): under `precision fp32` the parameters (zero 0)
+or the flat shards (zero 1/2/3) themselves; under `precision bf16` their fp32
+masters, with the same geometry (runtime/master_weights.py). So `model.<param>`
+is always the fp32 value training keeps, and the bf16 compute copies, derived
+from the masters, are never stored.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ __all__ = [
     "model_pieces",
     "rank_layout",
     "shard_units",
+    "stepped_params",
 ]
 
 MODEL = "model."  # + parameter name: the full parameter
@@ -70,7 +78,9 @@ class ShardUnit:
 
     spec: FlatUnit
     offsets: dict[str, int]  # parameter -> its first element in the flat unit
-    shard: torch.nn.Parameter  # elements [start, start + spec.shard) of the unit
+    # Elements [start, start + spec.shard) of the unit, as the optimizer steps them:
+    # the shard itself, or its fp32 master under precision bf16.
+    shard: torch.nn.Parameter
     start: int
 
 
@@ -177,44 +187,60 @@ def rank_layout(parts: ProgramParts) -> RankLayout:
 
 
 def shard_units(parts: ProgramParts) -> list[ShardUnit]:
-    """The ZeRO flat units of this rank (empty under zero 0)."""
+    """The ZeRO flat units of this rank, each with the shard its optimizer steps (empty
+    under zero 0)."""
     sync = parts.sync
     if isinstance(sync, Zero3):
         return [
             ShardUnit(
-                spec,
-                {n: sync.offsets[n][1] for n in spec.params},
-                shard,
-                sync.index * spec.shard,
+                spec, {n: sync.offsets[n][1] for n in spec.params}, master, sync.index * spec.shard
             )
-            for spec, shard in zip(sync.units, sync.shards)
+            for spec, master in zip(sync.units, _stepped(sync, len(sync.units)))
         ]
     if isinstance(sync, GradSync) and sync.zero >= 1:
+        units = [u for u in sync.units if u.shard is not None]
         return [
             ShardUnit(
-                u.spec, dict(zip(u.spec.params, u.offsets)), u.shard, sync.index * u.spec.shard
+                u.spec, dict(zip(u.spec.params, u.offsets)), master, sync.index * u.spec.shard
             )
-            for u in sync.units
-            if u.shard is not None
+            for u, master in zip(units, _stepped(sync, len(units)))
         ]
     return []
 
 
-def model_pieces(parts: ProgramParts, layout: RankLayout, *, loading: bool) -> list[Piece]:
-    """The parameters this rank writes (its ZeRO shards, or its whole tp-local values) or reads.
+def stepped_params(parts: ProgramParts) -> list[tuple[str, torch.nn.Parameter]]:
+    """Zero 0: (canonical name, the tensor the optimizer steps for it: the parameter, or
+    its fp32 master under precision bf16), in the sync's order; empty under ZeRO."""
+    sync = parts.sync
+    if not isinstance(sync, GradSync) or sync.zero != 0:
+        return []
+    names = [name for unit in sync.units for name in unit.spec.params]
+    return list(zip(names, _stepped(sync, len(names))))
 
-    Loading under zero 1/2 reads whole parameters: every dp rank keeps them whole
-    (the flat buffer its shard aliases), so no all-gather is needed afterwards.
+
+def _stepped(sync: GradSync | Zero3, count: int) -> list[torch.nn.Parameter]:
+    """`sync.optimizer_params()`, one per parameter (zero 0) or unit (ZeRO), checked."""
+    stepped = sync.optimizer_params()
+    if len(stepped) != count:
+        raise AssertionError(f"the optimizer steps {len(stepped)} tensors; the layout has {count}")
+    return stepped
+
+
+def model_pieces(parts: ProgramParts, layout: RankLayout, *, loading: bool) -> list[Piece]:
+    """The parameters this rank writes or reads: what its optimizer steps (its ZeRO shards,
+    or its whole tp-local values; under precision bf16 their fp32 masters).
+
+    Loading fp32 under zero 1/2 reads whole parameters: every dp rank keeps them whole
+    (the flat buffer its shard aliases), so no all-gather is needed afterwards. Under
+    bf16 only the masters are read; the compute copies are written from them after.
     """
     keys = {name: f"{MODEL}{name}" for name in parts.full_shapes}
-    if parts.plan.zero == 3 or (parts.plan.zero >= 1 and not loading):
+    plan = parts.plan
+    if plan.zero == 3 or (plan.zero >= 1 and (plan.mixed or not loading)):
         return [
             piece
             for unit in shard_units(parts)
             for piece in layout.sharded(unit, unit.shard.detach(), keys)
         ]
-    return [
-        piece
-        for name, param in parts.local_params.items()
-        for piece in layout.whole(keys[name], name, param)
-    ]
+    whole = stepped_params(parts) if plan.mixed else parts.local_params.items()
+    return [piece for name, param in whole for piece in layout.whole(keys[name], name, param)]

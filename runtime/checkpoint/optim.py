@@ -5,8 +5,12 @@
 scalar state (Adam's `step`) is a 0-d tensor. `optim.param_groups` holds the
 hyperparameters of each parameter group.
 
+The optimizer's own tensors are what layout.py stores as `model.<param>`: the
+parameters or shards, or under precision bf16 their fp32 masters (same shapes),
+whose state is fp32.
+
 - zero 0: the optimizer keeps state per (tensor-parallel-local) parameter, whose
-  pieces are the parameter's own (checkpoint_layout.py, step 1).
+  pieces are the parameter's own (layout.py, step 1).
 - zero 1/2/3: the optimizer keeps state per flat shard. A per-element state
   covers the same elements as the shard and splits into per-parameter pieces
   exactly as the shard does (step 2). A scalar state is one value for the
@@ -28,7 +32,7 @@ import torch
 
 from parc.errors import ParcError
 
-from .layout import OPTIM, Piece, RankLayout, shard_units
+from .layout import OPTIM, Piece, RankLayout, shard_units, stepped_params
 
 if TYPE_CHECKING:
     from parc.runtime.parts import ProgramParts
@@ -60,7 +64,7 @@ def optimizer_pieces(parts: ProgramParts, layout: RankLayout) -> list[Piece]:
     state = parts.optimizer.state
     pieces: list[Piece] = []
     if parts.plan.zero == 0:
-        for name, param in _named_params(parts):
+        for name, param in stepped_params(parts):
             for kind, value in state.get(param, {}).items():
                 value = _tensor(kind, value)
                 key = state_key(kind, name)
@@ -94,7 +98,9 @@ class OptimizerLoad:
         self._scalars: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         index = {id(p): i for i, p in enumerate(_optimizer_params(self.optimizer))}
         if parts.plan.zero == 0:
-            for name, param in _named_params(parts):
+            for name, param in stepped_params(parts):
+                if id(param) not in index:  # a parameter the factory's optimizer leaves out
+                    continue
                 entry = self._state.setdefault(index[id(param)], {})
                 for spec in states:
                     key = state_key(spec.name, name)
@@ -146,12 +152,6 @@ class OptimizerLoad:
 
 def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
-
-
-def _named_params(parts: ProgramParts) -> list[tuple[str, torch.Tensor]]:
-    """The optimizer's parameters (zero 0: the local parameters) with their canonical names."""
-    names = {id(p): n for n, p in parts.local_params.items()}
-    return [(names[id(p)], p) for p in _optimizer_params(parts.optimizer)]
 
 
 def _zeros(like: torch.Tensor, shape: torch.Size, spec: StateSpec) -> torch.Tensor:

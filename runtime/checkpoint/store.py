@@ -157,6 +157,9 @@ def save_checkpoint(program: Program, directory: str | Path, step: int) -> Path:
             "optimizer": type(parts.optimizer).__name__,
             "mesh": str(parts.plan.mesh),
             "zero": parts.plan.zero,
+            # For the reader: any precision loads it (model.<param> is fp32 under bf16 too).
+            "precision": str(parts.plan.precision),
+            "reduce": str(parts.plan.reduce),
             "files": files,
         }
         write_manifest(tmp, info)  # sealed: an edit of parc.json is refused at load

@@ -33,8 +33,10 @@ __all__ = [
     "mib",
     "ms",
     "peak_rss_bytes",
+    "reset_rss_high_water",
     "resident_bytes",
     "rss_bytes",
+    "rss_high_water_bytes",
     "slowest_rank",
     "spread",
     "tensors_in",
@@ -155,6 +157,30 @@ def rss_bytes() -> int:
     """This process's resident set size now."""
     pages = int(Path("/proc/self/statm").read_text().split()[1])
     return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def reset_rss_high_water() -> int:
+    """Hand freed heap memory back to the OS (glibc `malloc_trim`), then reset this
+    process's RSS high-water mark to its RSS now (Linux `clear_refs` 5); that RSS.
+
+    With it, `rss_high_water_bytes()` afterwards is the peak of what follows alone,
+    in a process that already ran other things (`ru_maxrss` cannot be reset).
+    """
+    import ctypes
+    import gc
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    Path("/proc/self/clear_refs").write_text("5")
+    return rss_bytes()
+
+
+def rss_high_water_bytes() -> int:
+    """This process's RSS high-water mark (`VmHWM`) since it started or was last reset."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024  # kB
+    raise OSError("/proc/self/status has no VmHWM line")
 
 
 # --------------------------------------------------------------- resident tensor bytes

@@ -169,15 +169,16 @@ class _Parc:
         return float(self.program.step(x, y))
 
 
-def _stage_module(model: Any, stage: int) -> Any:
-    """The model's modules of `stage`, running the lines of GPT.forward that belong to it."""
+def _stage_module(model: Any, stage: int, split: int = SPLIT) -> Any:
+    """The model's modules of `stage` (blocks [0, split) on stage 0, the rest on 1),
+    running the lines of GPT.forward that belong to it."""
     import torch
 
     class FirstStage(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.wte, self.wpe = model.wte, model.wpe
-            self.layers = torch.nn.ModuleList(model.layers[:SPLIT])
+            self.layers = torch.nn.ModuleList(model.layers[:split])
 
         def forward(self, idx: torch.Tensor) -> torch.Tensor:
             _B, T = idx.size()
@@ -190,7 +191,7 @@ def _stage_module(model: Any, stage: int) -> Any:
     class LastStage(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.layers = torch.nn.ModuleList(model.layers[SPLIT:])
+            self.layers = torch.nn.ModuleList(model.layers[split:])
             self.ln_f, self.lm_head = model.ln_f, model.lm_head
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -129,10 +129,6 @@ def run_check(
     runs = _Runs(steps, batch, seed, optimizer, weights, plan.precision)
     with WorkerPool(world, timeout=timeout) as pool:
         measured = _measure(pool, str(spec), source.path, runs, fault=fault)
-    gap = None
-    if plan.precision is not Precision.FP32:
-        fp32 = reference_run(source.path, **runs.kwargs())
-        gap = precision_gap(measured.reference, fp32)
     return CheckResult(
         spec_path,
         model_file,
@@ -147,7 +143,7 @@ def run_check(
         weights,
         plan.precision,
         plan.reduce,
-        gap,
+        measured.gap,
         overridden.notes,
     )
 
@@ -181,22 +177,27 @@ class _Runs:
 class _Measured:
     comparison: Comparison
     twin_loss_diff: float | None
-    reference: dict[str, Any]  # the reference run's result (the precision's recipe)
+    gap: PrecisionGap | None  # under a mixed precision: one device's against its fp32
 
 
 def _measure(
     pool: Any, spec_text: str, model_file: str, runs: _Runs, *, fault: str | None
 ) -> _Measured:
-    """The reference and its noise twin here (in the run's precision), the program twice
-    on `pool` (a gradient probe step, then the training steps), compared."""
-    mixed = {"precision": runs.precision} if runs.precision is not Precision.FP32 else {}
-    ref = reference_run(model_file, **runs.kwargs(**mixed))
-    twin = reference_run(model_file, **runs.kwargs(**mixed), twin=True)
+    """The fp32 reference and its noise twin here (the twin gate's pair), under bf16 the
+    bf16 reference and twin too; the program twice on `pool` (a gradient probe step,
+    then the training steps), compared with the pair of its precision."""
+    ref = fp32 = reference_run(model_file, **runs.kwargs())
+    twin = fp32_twin = reference_run(model_file, **runs.kwargs(), twin=True)
+    gap = None
+    if runs.precision is not Precision.FP32:
+        ref = reference_run(model_file, **runs.kwargs(precision=runs.precision))
+        twin = reference_run(model_file, **runs.kwargs(precision=runs.precision), twin=True)
+        gap = precision_gap(ref, fp32)
     case = (parallel_case, spec_text, model_file)
     probe = pool.run(*case, **runs.kwargs(steps=1, optimizer="gradient"), fault=fault)
     results = pool.run(*case, **runs.kwargs(), fault=fault)
     comparison = calibrated_compare(ref, twin, results[0], probe[0]["params"], runs.precision)
-    return _Measured(comparison, twin_unstable(ref, twin, runs.precision), ref)
+    return _Measured(comparison, twin_unstable(fp32, fp32_twin), gap)
 
 
 def compare_in_pool(
@@ -278,7 +279,8 @@ def _precision_lines(result: CheckResult) -> list[str]:
     lines = [
         f"  tolerances: {result.precision}'s calibration (runtime/calibration.py): the reference "
         f"is the same {result.precision} recipe on one device, the floor from "
-        f"{result.precision}'s epsilon {cal.eps:.3g}",
+        f"{result.precision}'s epsilon {cal.grad_eps:.3g} for the gradients (rounded in "
+        f"{result.precision}) and fp32's {cal.param_eps:.3g} for the parameters (fp32 masters)",
     ]
     if result.gap is not None:
         g = result.gap
@@ -288,6 +290,15 @@ def _precision_lines(result: CheckResult) -> list[str]:
             "informative, not judged"
         )
     return lines
+
+
+def _floors(result: CheckResult) -> str:
+    """The floors as the bounds line prints them: one number when they are the same."""
+    cal = CALIBRATIONS[result.precision]
+    grads, params = cal.grad_floor(), cal.param_floor(result.steps)
+    if cal.grad_eps == cal.param_eps:
+        return f"{params:.1e}"
+    return f"({grads:.1e} for gradients, {params:.1e} for parameters)"
 
 
 def format_check(result: CheckResult) -> str:
@@ -312,7 +323,7 @@ def format_check(result: CheckResult) -> str:
         f"  parameters after step {result.steps - 1}: closest to its bound {c.worst_param or '-'} "
         f"(|diff| {c.max_param_diff:.3e}, {c.param_margin:.2g} of the bound)",
         f"  bounds: per tensor |parallel - reference| <= {cal.noise_mult:g} x |twin - reference| "
-        f"+ {cal.floor(result.steps):.1e} x |reference|; losses: rel. diff <= {t.loss_rtol:g} + "
+        f"+ {_floors(result)} x |reference|; losses: rel. diff <= {t.loss_rtol:g} + "
         f"{cal.noise_mult:g} x the twin's",
         "  (twin: the reference again, each batch in reverse sample order and every module "
         "output moved by one ulp)",
@@ -377,8 +388,8 @@ def check_json(result: CheckResult) -> dict[str, Any]:
         "tolerance": {
             "loss_rtol": result.tolerance.loss_rtol,
             "noise_multiple": cal.noise_mult,
-            "floor": cal.floor(result.steps),
-            "epsilon": cal.eps,
+            "floor": cal.param_floor(result.steps),
+            "gradient_floor": cal.grad_floor(),
             "calibration": str(result.precision),
         },
         "precision": str(result.precision),

@@ -128,6 +128,13 @@ def _add_export(sub: Any) -> None:
         metavar="SIZE",
         help="with --format hf, split the weights into files of at most SIZE (default 5GB)",
     )
+    p.add_argument(
+        "--dtype",
+        choices=["fp32", "bf16"],
+        default=None,
+        help="write every floating-point tensor as fp32 or bf16 (default: as the model builds "
+        "it; for an fp32 model the fp32 weights, which a precision bf16 run keeps as masters)",
+    )
     p.set_defaults(run=commands.cmd_export)
 
 

@@ -243,7 +243,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     fmt = ExportFormat(args.format)
     shard = parse_size(args.max_shard_size, "--max-shard-size")
     path = export_state_dict(
-        args.checkpoint, args.model, args.output, format=fmt, max_shard_size=shard
+        args.checkpoint, args.model, args.output, format=fmt, max_shard_size=shard, dtype=args.dtype
     )
     if fmt is ExportFormat.HF:
         print(f"wrote {path}: load it with from_pretrained(path) (transformers) or --weights")

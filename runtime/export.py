@@ -29,13 +29,21 @@ same function as `Program.state_dict()` (`compiler.model_state.state_names`).
 (runtime/hf_export.py: safetensors files `from_pretrained` loads, tied weights
 stored once, config.json from the model's transformers config), streamed the
 same way.
+
+Dtypes: by default every tensor is written as the model builds it; for a model
+built in fp32 that is the fp32 value training keeps, under `precision bf16`
+too (a checkpoint's `model.<param>` and `Program.state_dict()` are the fp32
+masters). `dtype=ExportDtype.BF16` (`parc export --dtype bf16`) writes every
+floating-point tensor cast to bf16 (round to nearest even, as `Tensor.to`),
+integer buffers unchanged: the state dict of `model.to(torch.bfloat16)`; the
+HF config.json then records `dtype: bfloat16`.
 """
 
 from __future__ import annotations
 
 import enum
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -59,7 +67,7 @@ from .state_file import StateFileWriter, TensorLayout
 if TYPE_CHECKING:
     from .program import Program
 
-__all__ = ["ExportFormat", "export_program", "export_state_dict"]
+__all__ = ["ExportDtype", "ExportFormat", "export_program", "export_state_dict"]
 
 
 class ExportFormat(enum.Enum):
@@ -69,17 +77,53 @@ class ExportFormat(enum.Enum):
     HF = "hf"  # a Hugging Face checkpoint directory (runtime/hf_export.py)
 
 
-def _writer(
-    format: ExportFormat | str,
-    out: Path,
-    layout: TensorLayout,
-    names: dict[str, str],
-    model: torch.nn.Module | None,
-    max_shard_size: int,
-) -> StateFileWriter | HFWriter:
-    if ExportFormat(format) is ExportFormat.HF:
-        return HFWriter(out, layout, names, model=model, max_shard_size=max_shard_size)
-    return StateFileWriter(out, layout, names)
+class ExportDtype(enum.Enum):
+    """What `parc export --dtype` writes every floating-point tensor as."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return torch.float32 if self is ExportDtype.FP32 else torch.bfloat16
+
+
+class _Cast:
+    """A writer that casts each floating-point tensor to `dtype` (None: as it comes)."""
+
+    def __init__(
+        self,
+        format: ExportFormat | str,
+        out: Path,
+        layout: TensorLayout,
+        names: dict[str, str],
+        *,
+        dtype: ExportDtype | str | None,
+        model: torch.nn.Module | None,
+        max_shard_size: int,
+    ) -> None:
+        target = None if dtype is None else ExportDtype(dtype).torch_dtype
+        self.layout = {
+            name: (shape, target if target is not None and d.is_floating_point else d)
+            for name, (shape, d) in layout.items()
+        }
+        self._writer: StateFileWriter | HFWriter
+        if ExportFormat(format) is ExportFormat.HF:
+            self._writer = HFWriter(
+                out, self.layout, names, model=model, max_shard_size=max_shard_size, dtype=target
+            )
+        else:
+            self._writer = StateFileWriter(out, self.layout, names)
+
+    def write(self, canonical: str, tensor: torch.Tensor) -> None:
+        self._writer.write(canonical, tensor.to(self.layout[canonical][1]))
+
+    def __enter__(self) -> _Cast:
+        self._writer.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._writer.__exit__(*exc)
 
 
 def export_state_dict(
@@ -89,11 +133,13 @@ def export_state_dict(
     *,
     format: ExportFormat | str = ExportFormat.TORCH,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    dtype: ExportDtype | str | None = None,
 ) -> Path:
     """Write the model's full `state_dict` from the latest checkpoint of `checkpoint_dir`
     (or that checkpoint directory itself) to `out_path`, a file `torch.load` reads (or,
     with `ExportFormat.HF`, a directory `from_pretrained` reads, in files of at most
-    `max_shard_size` bytes but for a larger tensor); returns `out_path`."""
+    `max_shard_size` bytes but for a larger tensor); returns `out_path`. `dtype`: the
+    floating-point tensors cast to it (module docstring), else as the model builds them."""
     path = checkpoint_path(checkpoint_dir)
     source = model_file if isinstance(model_file, ModelSource) else load_model(model_file)
     with torch.random.fork_rng(devices=[]):  # a build that seeds leaves the caller's RNG
@@ -112,7 +158,9 @@ def export_state_dict(
     names = state_names(model)
     layout: TensorLayout = {n: (tuple(t.shape), t.dtype) for n, (_, t) in stored.items()}
     out = Path(out_path)
-    writer = _writer(format, out, layout, names, model, max_shard_size)  # Step 2
+    writer = _Cast(  # Step 2
+        format, out, layout, names, dtype=dtype, model=model, max_shard_size=max_shard_size
+    )
     with writer, quiet_single_process(), reading(path):
         for canonical in dict.fromkeys(names.values()):  # Step 3
             key, like = stored[canonical]
@@ -129,11 +177,13 @@ def export_program(
     format: ExportFormat | str = ExportFormat.TORCH,
     model: str | Path | ModelSource | None = None,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    dtype: ExportDtype | str | None = None,
 ) -> Path | None:
     """Write `program`'s full `state_dict` to `out_path` (call on every rank): rank 0
     writes each tensor as `Program.iter_state` gathers it and returns `out_path`; the
     other ranks take part in the gathering and return None. With `ExportFormat.HF`,
-    `model` (its model file) gives config.json and the names of tied weights."""
+    `model` (its model file) gives config.json and the names of tied weights. `dtype`
+    as for `export_state_dict` (by default the fp32 masters under precision bf16)."""
     parts = program.parts
     names = state_keys(parts)
     layout: TensorLayout = {n: (s, parts.dtypes[n]) for n, s in parts.full_shapes.items()}
@@ -146,7 +196,9 @@ def export_program(
     out = Path(out_path)
     written: set[str] = set()
     built = None if model is None else _on_meta(model)
-    with _writer(format, out, layout, names, built, max_shard_size) as writer:
+    with _Cast(
+        format, out, layout, names, dtype=dtype, model=built, max_shard_size=max_shard_size
+    ) as writer:
         for key, tensor in program.iter_state():
             if names[key] not in written:  # an alias follows its tensor, already written
                 writer.write(names[key], tensor)

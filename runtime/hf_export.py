@@ -96,7 +96,8 @@ class HFWriter:
 
     `layout`: every canonical tensor's shape and dtype; `names`: every state_dict key,
     in order -> its canonical tensor; `model`: the model (on meta is enough) whose
-    `config` becomes config.json and whose `_tied_weights_keys` choose the names.
+    `config` becomes config.json and whose `_tied_weights_keys` choose the names;
+    `dtype`: the dtype config.json records, when the tensors were cast to one.
     """
 
     def __init__(
@@ -107,9 +108,10 @@ class HFWriter:
         *,
         model: Any = None,
         max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+        dtype: torch.dtype | None = None,
     ) -> None:
         self.out = Path(out_dir)
-        self._layout, self._model = layout, model
+        self._layout, self._model, self._dtype = layout, model, dtype
         self._keys = stored_names(names, model)
         for canonical, (_, dtype) in layout.items():
             if canonical in self._keys and dtype not in _DTYPES:
@@ -192,6 +194,8 @@ class HFWriter:
         config = copy.deepcopy(config)
         if not getattr(config, "architectures", None):  # what from_pretrained's Auto class reads
             config.architectures = [type(self._model).__name__]
+        if self._dtype is not None:  # what from_pretrained(dtype="auto") loads the weights as
+            config.dtype = self._dtype
         config.save_pretrained(str(self.out))
 
     def _discard(self) -> None:

@@ -164,7 +164,10 @@ class _DataParallel:
 
     def step(self, x: Any, y: Any) -> float:
         per = x.shape[0] // self.world
-        x, y = x[self.rank * per : (self.rank + 1) * per], y[self.rank * per : (self.rank + 1) * per]
+        x, y = (
+            x[self.rank * per : (self.rank + 1) * per],
+            y[self.rank * per : (self.rank + 1) * per],
+        )
         self.opt.zero_grad()
         with _autocast(self.autocast):
             logits = self.model(x)

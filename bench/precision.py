@@ -39,9 +39,11 @@ Method:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -70,7 +72,7 @@ SIZE = Size(
     split=2,
     microbatches=4,
     warmup=2,
-    steps=8,
+    steps=12,
 )
 QUICK = Size(
     env={**_GPT, "GPT_LAYERS": "2", "GPT_DIM": "64", "GPT_SEQ": "16"},
@@ -158,15 +160,11 @@ class _Parc:
         spec = parc_spec(case, mode, size)
         src = native.source(size)
         self.program = parc.compile(spec, src, batch=size.batch, seed=0, optimizer=_adamw)
-        self.optimizer = self.program.optimizer
         if mode.bf16 and not _holds_bf16(tensors_in(self.program.parts, depth=6)):
             raise RuntimeError(f"parc ran {spec!r} without a bf16 parameter: not bf16 compute")
 
     def step(self, x: Any, y: Any) -> float:
         return float(self.program.step(x, y))
-
-    def held(self) -> list[Any]:
-        return tensors_in(self.program.parts, depth=6)
 
 
 def _adamw(params: Any) -> Any:
@@ -182,26 +180,28 @@ def _holds_bf16(tensors: list[Any]) -> bool:
 
 
 def _state_bytes(impl: Any) -> dict[str, int]:
-    """The storages `impl` holds by category and dtype ("params bf16", ...): optimizer
+    """The storages `impl` holds by category and dtype ("params bfloat16", ...): optimizer
     state, gradients, parameters (the optimizer's and the module's), then the rest."""
     import torch
 
-    opt = getattr(impl, "opt", None) or impl.optimizer
-    inner = getattr(opt, "optim", opt)
-    masters = [p for group in inner.param_groups for p in group["params"]]
-    held = impl.held() if hasattr(impl, "held") else tensors_in(impl.model)
+    if isinstance(impl, _Parc):
+        opt, held = impl.program.optimizer, tensors_in(impl.program.parts, depth=6)
+    else:
+        opt, held = impl.opt, tensors_in(impl.model)
+    masters = [p for group in opt.param_groups for p in group["params"]]
     params = [t for t in held if isinstance(t, torch.nn.Parameter)] + masters
     groups = [
-        ("optimizer", tensors_in(inner.state)),
+        ("optimizer", tensors_in(opt.state)),
         ("grads", [t.grad for t in held + masters]),
         ("params", params),
         ("other", held),
     ]
-    split = [
-        (f"{name} {str(dtype).removeprefix('torch.')}", [t for t in ts if t is not None and t.dtype == dtype])
-        for name, ts in groups
-        for dtype in (torch.bfloat16, torch.float32)
-    ]
+    split = []  # each category once per dtype, in the same order
+    for name, tensors in groups:
+        present = [t for t in tensors if t is not None]
+        for dtype in sorted({t.dtype for t in present}, key=str):
+            label = f"{name} {str(dtype).removeprefix('torch.')}"
+            split.append((label, [t for t in present if t.dtype == dtype]))
     return {k: v for k, v in resident_bytes(split).items() if v}
 
 
@@ -326,31 +326,34 @@ def _kinds(state: dict[str, int], name: str) -> str:
     return " + ".join(parts) or "0"
 
 
+def _held(rec: dict[str, Any]) -> int:
+    return sum(rec["state"].values())
+
+
+def _label(bench: Bench, side: str, mode: Mode) -> str:
+    return f"{bench.case.value}, {mode.value}: {'parc' if side == 'parc' else bench.native[mode]}"
+
+
 def _memory(results: list[list[dict[Any, Any]]]) -> str:
     rows = []
     for bench, ranks in zip(BENCHES, results):
-        for mode in bench.modes:
-            peaks = {}
-            for side in SIDES:
-                recs = [r[side, mode] for r in ranks]
-                worst = max(recs, key=lambda r: sum(r["state"].values()))
-                total = max(sum(r["state"].values()) for r in recs)
-                rise = max(r["rise"] for r in recs)
-                peaks[side] = max(sum(r["state"].values()) + r["rise"] for r in recs)
-                name = "parc" if side == "parc" else bench.native[mode]
-                rows.append(
-                    [
-                        f"{bench.case.value}, {mode.value}: {name}",
-                        *(_kinds(worst["state"], k) for k in ("params", "grads", "optimizer")),
-                        _kinds(worst["state"], "other"),
-                        mib(total),
-                        mib(rise),
-                        mib(peaks[side]),
-                        f"{ranks[0]['params'] and total / ranks[0]['params']:.1f}",
-                    ]
-                )
-            rows[-2].append(f"{peaks['parc'] / peaks['native']:.2f}")
-            rows[-1].append("")
+        keys = [(side, mode) for mode in bench.modes for side in SIDES]
+        peak = {key: max(_held(r[key]) + r[key]["rise"] for r in ranks) for key in keys}
+        for side, mode in keys:
+            recs = [r[side, mode] for r in ranks]
+            worst = max(recs, key=_held)  # the rank holding the most
+            rows.append(
+                [
+                    _label(bench, side, mode),
+                    *(_kinds(worst["state"], k) for k in ("params", "grads", "optimizer", "other")),
+                    mib(_held(worst)),
+                    f"{_held(worst) / ranks[0]['params']:.1f}",
+                    mib(max(r["rise"] for r in recs)),
+                    mib(peak[side, mode]),
+                    f"{peak[side, mode] / peak['native', mode]:.2f}" if side == "parc" else "",
+                    f"{peak[side, mode] / peak[side, Mode.FP32]:.2f}" if mode.bf16 else "",
+                ]
+            )
     header = [
         "implementation",
         "params",
@@ -358,12 +361,26 @@ def _memory(results: list[list[dict[Any, Any]]]) -> str:
         "optimizer state",
         "other held",
         "state",
+        "state bytes ÷ model parameters",
         "step rise",
         "peak",
-        "state bytes / parameter",
         "peak: parc/native",
+        "peak: bf16/fp32",
     ]
     return md_table(header, rows)
+
+
+def _cpu_bf16() -> str:
+    """What this CPU offers bf16 matmuls, from its /proc/cpuinfo flags."""
+    flags: set[str] = set()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    have = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
+    amx = "" if "amx_bf16" in flags else " (no AMX tiles)"
+    return f"CPU bf16 instructions: {', '.join(have) or 'none'}{amx}"
 
 
 def _measure(size: Size) -> list[list[dict[Any, Any]]]:
@@ -398,8 +415,7 @@ def main(size: Size = SIZE) -> str:
             "time is its slowest rank's. *parc/native* divides median wall times, *paired* is "
             "the median of per-step ratios, *CPU* divides median CPU seconds per rank-step. "
             f"1-minute load average before the run: {load:.2f} on {os.cpu_count()} cores. "
-            "This CPU has AVX512-BF16 but no AMX: bf16 matmuls run in oneDNN's AVX512 kernels, "
-            "while every other op pays a cast.",
+            f"{_cpu_bf16()}.",
             "Same format, parc vs native (lower is better):",
             _versus_native(results, size),
             "bf16 vs fp32, each implementation against itself (below 1.0: bf16 is faster):",

@@ -12,16 +12,23 @@ Algorithm:
 3. Tied weights held by several ranks: every rank creates every listed group, in
    order, and keeps the ones it belongs to.
 4. Gradient synchronisation (DP / ZeRO-1/2) over the flat units, or ZeRO-3 over
-   the program's shards, and the forward contexts it needs.
+   the program's shards, and the forward contexts it needs. Under `precision
+   bf16` (`plan.mixed`) the syncs make the parameters (ZeRO-3: the shards) bf16
+   compute copies behind fp32 masters (runtime/master_weights.py), and every
+   stage forward runs under `torch.autocast(device.type, dtype=torch.bfloat16)`.
 5. The optimizer: the model's `configure_optimizer`, refused where the layout
    would change what it computes (compiler/optimizers.py), rebuilt over the
    flat shards under ZeRO (one parameter group required). Under ZeRO-3 the
-   factory sees stand-ins of the whole parameters (no rank holds them).
+   factory sees stand-ins of the whole parameters (no rank holds them). Under
+   bf16 it steps the fp32 masters: at zero 0 the factory is given them (its
+   parameter groups kept), under ZeRO fp32 stand-ins, rebuilt over the master
+   shards (`sync.optimizer_params()`).
 6. Pack everything, with the program's lowered actions, into `ProgramParts`.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from typing import Any
 
@@ -34,18 +41,21 @@ from parc.compiler.optimizer_factory import OptimizerFactory
 from parc.compiler.optimizers import check_optimizer, factory_origin
 from parc.compiler.plan import Plan
 from parc.compiler.rank_program import RankProgram, TiedGroup
-from parc.dsl.ast import AXIS_DP
+from parc.dsl.ast import AXIS_DP, Precision
 from parc.errors import ParcError
 from parc.runtime.pipeline.executor import ForwardContext, checked_optimizer
 
 from .buffers import rank_buffers
 from .collectives import Comm
 from .grad_sync import GradSync
+from .master_weights import COMPUTE_DTYPE, MASTER_DTYPE, MixedPrecision
 from .parts import ProgramParts
 from .sync_protocol import GradientSync
 from .zero3 import Zero3
 
 __all__ = ["assemble"]
+
+_DTYPES = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16}
 
 
 def assemble(
@@ -68,9 +78,9 @@ def assemble(
     # Step 3
     tied = _tied_groups(program.tied_groups, comm, program.tied)
     # Step 4
-    sync, forward_contexts = _gradient_sync(program, comm)
+    sync, forward_contexts = _gradient_sync(program, comm, device)
     # Step 5
-    local = _factory_params(program, device)
+    local = _factory_params(program, device, sync)
     opt = _optimizer(optimizer, source, plan, local, sync.optimizer_params())
     # Step 6
     return ProgramParts(
@@ -112,20 +122,25 @@ def _to_device(
         )
 
 
-def _factory_params(program: RankProgram, device: torch.device) -> list[torch.nn.Parameter]:
-    """What the optimizer factory is given: the rank's Parameters, or under ZeRO-3 (which
-    keeps only shards; the whole ones stay on meta) stand-ins with their tp-local shape,
-    dtype and the rank's device that hold no memory (one zero, expanded): the factory's
+def _factory_params(
+    program: RankProgram, device: torch.device, sync: GradientSync
+) -> list[torch.nn.Parameter]:
+    """What the optimizer factory is given: the rank's Parameters (under bf16 their fp32
+    masters), or under ZeRO-3 (which keeps only shards; the whole ones stay on meta) and
+    under bf16 with ZeRO stand-ins with their tp-local shape, the dtype the optimizer steps
+    and the rank's device that hold no memory (one zero, expanded): the factory's
     optimizer is read for its type and hyperparameters only, then rebuilt over the shards."""
-    params = list(program.params.values())
-    if program.plan.zero < 3:
+    plan, params = program.plan, list(program.params.values())
+    if plan.mixed and isinstance(sync, GradSync) and plan.zero == 0:
+        return [sync.master(name) for name in program.params]
+    if plan.zero == 0 or (plan.zero < 3 and not plan.mixed):
         return params
-    return [
-        torch.nn.Parameter(
-            torch.zeros((), dtype=p.dtype, device=device).expand(p.shape), p.requires_grad
-        )
-        for p in params
-    ]
+    stand_ins = []
+    for p in params:
+        dtype = MASTER_DTYPE if plan.mixed else p.dtype
+        one_zero = torch.zeros((), dtype=dtype, device=device).expand(p.shape)
+        stand_ins.append(torch.nn.Parameter(one_zero, p.requires_grad))
+    return stand_ins
 
 
 def _tied_groups(
@@ -146,17 +161,35 @@ def _tied_groups(
     return mine
 
 
-def _gradient_sync(program: RankProgram, comm: Comm) -> tuple[GradientSync, list[ForwardContext]]:
+def _gradient_sync(
+    program: RankProgram, comm: Comm, device: torch.device
+) -> tuple[GradientSync, list[ForwardContext]]:
     """DP / ZeRO-1/2 gradient sync, or ZeRO-3 over the program's shards, and the forward
-    contexts it needs (ZeRO-3 gathers inside its own)."""
-    zero = program.plan.zero
-    if zero < 3:
-        return GradSync(
-            program.params, program.units, comm, zero=zero, axis=AXIS_DP, tied=program.tied
-        ), []
-    assert program.zero3 is not None, "a ZeRO-3 program carries its layout"
-    sync = Zero3(program.zero3, program.zero3_shards, comm, axis=AXIS_DP, tied=program.tied)
-    return sync, [sync.forward_context]
+    contexts it needs (ZeRO-3 gathers inside its own; bf16 runs under autocast)."""
+    plan = program.plan
+    mixed = MixedPrecision(reduce=_DTYPES[plan.reduce]) if plan.mixed else None
+    contexts: list[ForwardContext] = []
+    sync: GradientSync
+    if plan.zero < 3:
+        sync = GradSync(
+            program.params,
+            program.units,
+            comm,
+            zero=plan.zero,
+            axis=AXIS_DP,
+            tied=program.tied,
+            mixed=mixed,
+        )
+    else:
+        assert program.zero3 is not None, "a ZeRO-3 program carries its layout"
+        zero3 = Zero3(
+            program.zero3, program.zero3_shards, comm, axis=AXIS_DP, tied=program.tied, mixed=mixed
+        )
+        sync = zero3
+        contexts.append(zero3.forward_context)
+    if plan.mixed:
+        contexts.append(functools.partial(torch.autocast, device.type, dtype=COMPUTE_DTYPE))
+    return sync, contexts
 
 
 def _optimizer(

@@ -1,7 +1,7 @@
 """Every collective parc issues goes through here, and is counted.
 
 `Comm`: the process groups of one rank by mesh axis, plus a `CommStats`
-counter of calls and elements per (kind, axis). The runtime's own collectives
+counter of calls, elements and bytes per (kind, axis). The runtime's own collectives
 (gradient buckets, ZeRO, pipeline send/recv) call its methods; the graph ops
 that compiler passes insert (`tp_all_reduce`, ... in compiler/ops/collectives.py,
 re-exported here) call the Comm made active with `with comm.active():` around
@@ -44,22 +44,32 @@ __all__ = [
 
 @dataclass
 class CommStats:
-    """Calls and elements per (kind, axis); `metrics` traffic (loss reporting) kept apart."""
+    """Calls, elements and bytes per (kind, axis); `metrics` traffic (loss reporting) kept
+    apart."""
 
     calls: dict[tuple[CommKind, str], int] = field(default_factory=dict)
     elements: dict[tuple[CommKind, str], int] = field(default_factory=dict)
+    nbytes: dict[tuple[CommKind, str], int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def add(self, kind: CommKind, axis: str, numel: int) -> None:
-        key = (kind, axis)
+    def add(self, kind: CommKind, axis: str, t: torch.Tensor) -> None:
+        """Count one collective over `t`, the tensor whose size defines it (as sent)."""
+        key, numel = (kind, axis), t.numel()
         with self._lock:
             self.calls[key] = self.calls.get(key, 0) + 1
             self.elements[key] = self.elements.get(key, 0) + numel
+            self.nbytes[key] = self.nbytes.get(key, 0) + numel * t.element_size()
 
     def reset(self) -> None:
         with self._lock:
             self.calls.clear()
             self.elements.clear()
+            self.nbytes.clear()
+
+    def bytes_snapshot(self) -> dict[tuple[CommKind, str], int]:
+        """(kind, axis) -> bytes."""
+        with self._lock:
+            return {k: self.nbytes[k] for k in sorted(self.nbytes)}
 
     def snapshot(self) -> dict[tuple[CommKind, str], tuple[int, int]]:
         """(kind, axis) -> (calls, elements)."""
@@ -122,7 +132,7 @@ class Comm:
         """In-place sum over `axis`."""
         if self.size(axis) == 1 or axis in self.unsummed_axes:
             return _DONE
-        self.stats.add(CommKind.ALL_REDUCE, axis, t.numel())
+        self.stats.add(CommKind.ALL_REDUCE, axis, t)
         return dist.all_reduce(t, group=self._group(axis), async_op=async_op)
 
     def all_gather(
@@ -132,7 +142,7 @@ class Comm:
         if self.size(axis) == 1:
             out.copy_(inp.reshape(out.shape))
             return _DONE
-        self.stats.add(CommKind.ALL_GATHER, axis, out.numel())
+        self.stats.add(CommKind.ALL_GATHER, axis, out)
         return all_gather_flat(out, inp, group=self._group(axis), async_op=async_op)
 
     def reduce_scatter(
@@ -146,7 +156,7 @@ class Comm:
             n, i = out.numel(), self.index(axis)
             out.copy_(inp.reshape(-1)[i * n : (i + 1) * n].view_as(out))
             return _DONE
-        self.stats.add(CommKind.REDUCE_SCATTER, axis, inp.numel())
+        self.stats.add(CommKind.REDUCE_SCATTER, axis, inp)
         return reduce_scatter_flat(out, inp, group=self._group(axis), async_op=async_op)
 
     def post_p2p(self, ops: list[tuple[CommKind, torch.Tensor, int]], axis: str) -> list[Any]:
@@ -155,7 +165,7 @@ class Comm:
         received tensor may be read, and a sent one changed, only after every wait."""
         p2p_ops = []
         for kind, tensor, peer in ops:
-            self.stats.add(kind, axis, tensor.numel())
+            self.stats.add(kind, axis, tensor)
             fn = dist.isend if kind is CommKind.SEND else dist.irecv
             p2p_ops.append(dist.P2POp(fn, tensor, peer))
         return list(dist.batch_isend_irecv(p2p_ops))

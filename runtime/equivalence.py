@@ -46,9 +46,11 @@ from parc.compiler.model_output import (
     input_tensors,
     take,
 )
+from parc.dsl.ast import Precision
 from parc.errors import RuntimeFault
 from parc.runtime.pipeline.executor import checked_loss, checked_optimizer
 
+from .master_weights import Recipe
 from .probes import GradientProbe, nudge_outputs
 
 __all__ = [
@@ -120,6 +122,7 @@ def reference_run(
     env: dict[str, str] | None = None,
     twin: bool = False,
     weights: str | None = None,
+    precision: Precision = Precision.FP32,
 ) -> dict[str, Any]:
     """Train the unmodified model on one process; losses per step, final parameters and
     buffers, and the gradients of step 0 ("grads", by parameter name).
@@ -128,10 +131,12 @@ def reference_run(
     training, rounded differently (every batch in reverse sample order, every
     module's output moved by one ulp). `weights`: a checkpoint directory to start
     from (runtime/hf_weights.py), as `parc.compile(weights=...)` does.
+    `precision` bf16: the mixed-precision recipe (runtime/master_weights.py `Recipe`);
+    parameters and gradients are then the fp32 masters'.
     """
     with model_env(env):
         source = load_model(model_file)
-        return _reference(source, steps, batch, seed, optimizer, twin, weights)
+        return _reference(source, steps, batch, seed, optimizer, twin, weights, precision)
 
 
 def _flipped(inputs: Any) -> Any:
@@ -149,6 +154,7 @@ def _reference(
     optimizer: str,
     twin: bool = False,
     weights: str | None = None,
+    precision: Precision = Precision.FP32,
 ) -> dict[str, Any]:
     torch.manual_seed(seed)
     model = source.build()
@@ -158,22 +164,25 @@ def _reference(
         load_full(model, weights)
     if twin:
         nudge_outputs(model)
+    recipe = Recipe.of(model, precision)
     # Everything below is the user's code on plain PyTorch: its errors are the model
     # file's, named by function and line (parc/blame.py).
     ref, path = "in the single-device reference run", source.path
     with user_code(path, f"creating the optimizer {ref}"):
-        opt = checked_optimizer(_optimizer_for(source, optimizer)(model.parameters()), path)
+        opt = checked_optimizer(_optimizer_for(source, optimizer)(recipe.stepped()), path)
     losses, grads = [], {}
     for step in range(steps):
         inputs, targets = source.batch(batch, step)
         if twin:
             inputs, targets = _flipped(inputs), targets.flip(0)
         opt.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)  # under bf16 the compute copies' (opt: masters')
         dtypes = functools.partial(input_dtype_hint, input_tensors(inputs), model)
-        with user_code(path, f"the model's forward {ref}", step=step, hint=dtypes):
+        forward = user_code(path, f"the model's forward {ref}", step=step, hint=dtypes)
+        with forward, recipe.forward():
             output = call_model(model, inputs)
         choice = eager_choice(output, owns_loss(source, inputs, targets), path)
-        output = take(output, choice.path)
+        output = recipe.for_loss(take(output, choice.path))
         loss_fn = ModelLoss(path) if choice.is_loss else source.loss_fn
         with user_code(path, f"loss_fn {ref}", step=step):
             loss = checked_loss(loss_fn(output, targets), loss_fn)
@@ -186,17 +195,32 @@ def _reference(
             )
         with user_code(path, f"the backward of the loss {ref}", step=step):
             loss.backward()
+        recipe.load_grads()
         if step == 0:
             grads = {
                 n: torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
-                for n, p in model.named_parameters()
+                for n, p in recipe.named_stepped()
             }
         with user_code(path, f"the optimizer step {ref}", step=step):
             opt.step()
+        recipe.write_back()
         losses.append(float(loss.detach()))
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    buffers = {n: v.detach().clone() for n, v in model.state_dict().items() if n not in params}
-    return {"losses": losses, "params": params, "buffers": buffers, "grads": grads}
+    params = {n: p.detach().clone() for n, p in recipe.named_stepped()}
+    return {"losses": losses, "params": params, "buffers": _buffers(model, recipe), "grads": grads}
+
+
+def _buffers(model: torch.nn.Module, recipe: Recipe) -> dict[str, torch.Tensor]:
+    """The state_dict entries that are not a parameter's first name: persistent buffers, and
+    tied aliases (their parameter's stepped value: under bf16 the master's, not the bf16
+    copy's)."""
+    stepped = dict(recipe.named_stepped())
+    first = {id(p): stepped[n] for n, p in model.named_parameters()}
+    aliases = {n: first[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
+    return {
+        n: aliases.get(n, v).detach().clone()
+        for n, v in model.state_dict().items()
+        if n not in stepped
+    }
 
 
 def parallel_case(

@@ -10,7 +10,9 @@ NCCL's watchdog do, never makes memory pile up):
 
 1. Parameter: on the pp rank of its first stage (its holder), the tp-local
    value, assembled from the ZeRO-3 shards that cover it (`full_local`: one
-   broadcast per covering shard, never the whole flat unit), is joined over
+   broadcast per covering shard, never the whole flat unit; under `precision
+   bf16` the fp32 master's value at every ZeRO level, in the dtype the model
+   built the parameter in, never the bf16 compute copy), is joined over
    tp (one broadcast per tp rank, each slice copied into place block by
    block); the holder then broadcasts the full tensor over pp.
 2. Persistent buffer (runtime/buffers.py): its holder broadcasts it over pp,
@@ -115,7 +117,7 @@ class _Staging:
         def buffer(nbytes: int) -> torch.Tensor:
             return torch.empty(nbytes, dtype=torch.uint8, device=parts.device)
 
-        local = piece if parts.plan.zero == 3 else 0  # only ZeRO-3 assembles a slice
+        local = piece if _assembles(parts) else 0
         return _Staging(buffer(max(sizes, default=0)), buffer(piece), buffer(local))
 
     @staticmethod
@@ -135,11 +137,13 @@ def _parameter(parts: ProgramParts, name: str, staging: _Staging) -> torch.Tenso
     full = staging.view(staging.full, shape, dtype)
     if parts.comm.index(AXIS_PP) == holder:
         sliced = _sliced(parts, name)
-        # ZeRO-3 assembles the tp-local value into a buffer; other layouts hold it whole.
+        # ZeRO-3 and bf16 masters assemble the tp-local value into a buffer; other layouts
+        # hold it whole.
         out: torch.Tensor | None = full
         if sliced:
-            zero3 = parts.plan.zero == 3
-            out = staging.view(staging.local, _local_shape(parts, name), dtype) if zero3 else None
+            assembles = _assembles(parts)
+            local_shape = _local_shape(parts, name)
+            out = staging.view(staging.local, local_shape, dtype) if assembles else None
         local = parts.sync.full_local(name, out=out)
         if local is None:
             local = parts.local_params[name].detach()
@@ -171,6 +175,12 @@ def _broadcast_from(parts: ProgramParts, tensor: torch.Tensor, axis: str, index:
         return
     src = comm.rank_of({**comm.coords, axis: index})
     dist.broadcast(tensor, src=src, group=comm.groups[axis])
+
+
+def _assembles(parts: ProgramParts) -> bool:
+    """Whether `full_local` writes a tp-local value into a buffer (ZeRO-3's shards, or the
+    fp32 masters of `precision bf16`) rather than the layout holding it whole."""
+    return parts.plan.zero == 3 or parts.plan.mixed
 
 
 def _sliced(parts: ProgramParts, name: str) -> bool:

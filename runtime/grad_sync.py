@@ -32,6 +32,18 @@ Hooks only communicate when `arm(True)` was called: the runtime arms them for
 the last micro-step of a step, so `grad_accum` micro-steps move no data. A
 unit holding a weight tied across pipeline stages waits for `finish`, where
 its full gradient is first summed over the stages that hold it.
+
+Under `precision bf16` (`mixed`, runtime/master_weights.py) the parameters
+are bf16 compute copies and the optimizer steps fp32 masters (`masters`):
+zero 0 one per parameter; zero 1/2 one per unit, this rank's shard, and then
+`_Unit.shard` is that fp32 master and `_Unit.compute` this rank's bf16 slice
+of the unit's bf16 `flat_param`. The gradient buffers are bf16 (`reduce
+bf16`: `.grad` views into them as above) or fp32 (`reduce fp32`: a hook adds
+each bf16 `.grad` into its fp32 slice and drops it). No division happens on
+the reduced buffers: `finish` sets each master's `.grad` (the fp32 cast, or a
+view of an fp32 result) and divides it by dp in fp32; `after_step` writes
+the compute copies from the masters, drops the masters' gradients and
+(zero 1/2) all-gathers the bf16 flat parameters.
 """
 
 from __future__ import annotations
@@ -46,20 +58,26 @@ import torch
 from parc.compiler.layout import FlatUnit
 
 from .collectives import Comm
+from .master_weights import COMPUTE_DTYPE, MasterWeights, MixedPrecision, assemble_from_shards
 from .sync_protocol import TiedReduce
 
 __all__ = ["GradSync"]
 
 
-@dataclass
+@dataclass(eq=False)
 class _Unit:
     spec: FlatUnit
     params: list[torch.nn.Parameter]
     offsets: list[int]
     deferred: bool
+    order: int  # its index among the rank's units (zero 1/2 masters)
+    first: int  # the index of its first parameter in the rank's parameters (zero 0 masters)
     grad: torch.Tensor | None = None
     flat_param: torch.Tensor | None = None
+    # What the optimizer steps for this unit (zero 1/2): this rank's slice of
+    # `flat_param` (an alias) under fp32, its fp32 master under bf16.
     shard: torch.nn.Parameter | None = None
+    compute: torch.Tensor | None = None  # bf16: this rank's slice of the bf16 flat_param
     ready: int = 0
     work: Any = None
     reduced: torch.Tensor | None = None
@@ -82,41 +100,69 @@ class GradSync:
         zero: int,
         axis: str,
         tied: frozenset[str] = frozenset(),
+        mixed: MixedPrecision | None = None,
     ) -> None:
+        """`mixed`: `precision bf16` (the parameters become bf16, fp32 masters are made)."""
         assert zero in (0, 1, 2)
-        self.comm, self.zero, self.axis = comm, zero, axis
+        self.comm, self.zero, self.axis, self.mixed = comm, zero, axis, mixed
         self.dp, self.index = comm.size(axis), comm.index(axis)
         self.armed = False
         self.units: list[_Unit] = []
+        self.masters: MasterWeights | None = None  # under bf16: what the optimizer steps
+        self._names: dict[str, tuple[int, int]] = {}  # parameter -> (unit, position in it)
+        first = 0
         for spec in units:
             params = [named[n] for n in spec.params]
             offsets, off = [], 0
             for p in params:
                 offsets.append(off)
                 off += p.numel()
-            unit = _Unit(spec, params, offsets, deferred=any(n in tied for n in spec.params))
+            deferred = any(n in tied for n in spec.params)
+            unit = _Unit(spec, params, offsets, deferred, len(self.units), first)
             unit.tied = [n for n in spec.params if n in tied]
+            first += len(params)
             self.units.append(unit)
-            for p in params:
+            for j, (n, p) in enumerate(zip(spec.params, params)):
+                self._names[n] = (len(self.units) - 1, j)
                 ref, index = weakref.ref(self), len(self.units) - 1
-                if zero == 2:  # before AccumulateGrad reads `.grad`: allocate lazily
+                if zero == 2 and not self._main_grad:  # before AccumulateGrad reads `.grad`
                     p.register_hook(_pre_hook(ref, index))
-                p.register_post_accumulate_grad_hook(_hook(ref, index))
+                p.register_post_accumulate_grad_hook(_hook(ref, index, j))
+        if mixed is not None:
+            self.masters = MasterWeights()
+            if zero == 0:
+                self.masters = MasterWeights.take(p for u in self.units for p in u.params)
         if zero >= 1:
             for unit in self.units:
                 self._flatten_params(unit)
 
+    @property
+    def _main_grad(self) -> bool:
+        """`reduce fp32` under bf16: gradients accumulate in fp32 buffers, added by a hook."""
+        return self.mixed is not None and self.mixed.main_grad
+
+    def _grad_dtype(self, unit: _Unit) -> torch.dtype:
+        return unit.params[0].dtype if self.mixed is None else self.mixed.reduce
+
     def _flatten_params(self, unit: _Unit) -> None:
-        """Make the unit's parameters views of one padded flat buffer; cut this rank's shard."""
+        """Make the unit's parameters views of one padded flat buffer; cut this rank's shard
+        (under bf16: the flat buffer is bf16, the shard an fp32 master of the fp32 values)."""
         p0 = unit.params[0]
         flat = torch.zeros(unit.spec.padded, dtype=p0.dtype, device=p0.device)
         for p, off in zip(unit.params, unit.offsets):
             flat[off : off + p.numel()].copy_(p.detach().reshape(-1))
+        if self.masters is not None:
+            master = torch.nn.Parameter(self._my_slice(flat, unit).clone())
+            flat = flat.to(COMPUTE_DTYPE)
+            unit.shard, unit.compute = master, self._my_slice(flat, unit)
+            self.masters.add(master, unit.compute)
+        else:
+            # The optimizer's parameter aliases this rank's slice of the flat buffer, so
+            # stepping it updates the parameters in place; no second copy is kept.
+            unit.shard = torch.nn.Parameter(self._my_slice(flat, unit))
+        for p, off in zip(unit.params, unit.offsets):
             p.data = flat[off : off + p.numel()].view_as(p)
         unit.flat_param = flat
-        # The optimizer's parameter aliases this rank's slice of the flat buffer, so
-        # stepping it updates the parameters in place; no second copy is kept.
-        unit.shard = torch.nn.Parameter(self._my_slice(flat, unit))
 
     def _my_slice(self, flat: torch.Tensor, unit: _Unit) -> torch.Tensor:
         n = unit.spec.shard
@@ -126,8 +172,11 @@ class GradSync:
         """Before a step: zero the gradient buffers and point every `.grad` into them.
 
         Zero 0 and 1 keep their buffers between steps; zero 2 allocates a unit's
-        buffer only when its first gradient arrives (`_allocate`).
+        buffer only when its first gradient arrives (`_allocate`). Under `reduce
+        fp32` no `.grad` points into them: a hook adds each one in (`_on_grad`).
         """
+        if self.masters is not None:
+            self.masters.release_grads()  # a skipped step's (nonfinite.py) are stale
         for unit in self.units:
             unit.ready, unit.work, unit.launched = 0, None, False
             if self.zero == 2:
@@ -140,22 +189,26 @@ class GradSync:
             if unit.grad is None:
                 size = unit.spec.padded if self.zero >= 1 else unit.spec.numel
                 p0 = unit.params[0]
-                unit.grad = torch.zeros(size, dtype=p0.dtype, device=p0.device)
+                unit.grad = torch.zeros(size, dtype=self._grad_dtype(unit), device=p0.device)
             else:
                 unit.grad.zero_()
             self._point_grads(unit)
 
     def _point_grads(self, unit: _Unit) -> None:
+        """Every `.grad` of the unit a view of its buffer (none under `reduce fp32`: the
+        buffer is fp32, the bf16 `.grad` is added into it by `_on_grad`)."""
         assert unit.grad is not None
         for p, off in zip(unit.params, unit.offsets):
-            p.grad = unit.grad[off : off + p.numel()].view_as(p)
+            p.grad = None if self._main_grad else unit.grad[off : off + p.numel()].view_as(p)
 
     def _allocate(self, unit: _Unit) -> None:
         """Zero 2: the unit's zeroed full buffer, made when its first gradient arrives."""
         if unit.grad is None:
             p0 = unit.params[0]
-            unit.grad = torch.zeros(unit.spec.padded, dtype=p0.dtype, device=p0.device)
-            self._point_grads(unit)
+            dtype = self._grad_dtype(unit)
+            unit.grad = torch.zeros(unit.spec.padded, dtype=dtype, device=p0.device)
+            if not self._main_grad:  # a hook is adding a `.grad` that is not pointed
+                self._point_grads(unit)
 
     def arm(self, on: bool) -> None:
         """Communicate as units become ready (the last micro-step) or not (accumulation).
@@ -168,8 +221,15 @@ class GradSync:
             for unit in self.units:
                 unit.ready = 0
 
-    def _on_grad(self, index: int) -> None:
+    def _on_grad(self, index: int, position: int) -> None:
         unit = self.units[index]
+        if self._main_grad:  # `reduce fp32`: the bf16 `.grad` is added into the fp32 buffer
+            self._allocate(unit)
+            assert unit.grad is not None
+            p, off = unit.params[position], unit.offsets[position]
+            assert p.grad is not None
+            unit.grad[off : off + p.numel()].add_(p.grad.reshape(-1))
+            p.grad = None
         unit.ready += 1
         if self.armed and unit.ready >= len(unit.params) and not unit.deferred:
             self._launch(unit)
@@ -180,6 +240,7 @@ class GradSync:
         unit.launched = True
         if self.zero == 0:
             assert unit.grad is not None
+            # Partial -> Replicate over dp: all-reduce of the unit's gradient.
             unit.work = self.comm.all_reduce(unit.grad, self.axis, async_op=True)
             return
         assert unit.shard is not None
@@ -192,8 +253,9 @@ class GradSync:
             self._allocate(unit)
         # Zero 1 keeps the full buffer, so the reduced shard lands in a transient tensor
         # and is copied into the buffer's own slice in `_complete`; zero 2 keeps it.
-        unit.reduced = torch.empty_like(unit.shard.detach())
         assert unit.grad is not None
+        unit.reduced = unit.grad.new_empty(unit.spec.shard)
+        # Partial -> Shard over dp: reduce-scatter of the unit's gradient.
         unit.work = self.comm.reduce_scatter(unit.reduced, unit.grad, self.axis, async_op=True)
 
     def _complete(self, unit: _Unit) -> None:
@@ -202,15 +264,23 @@ class GradSync:
         unit.work = None  # a finished gloo Work still holds its tensors
         assert unit.grad is not None
         if self.zero == 0:
-            unit.grad.div_(self.dp)
+            if self.masters is None:
+                unit.grad.div_(self.dp)
+            else:
+                for j, (p, off) in enumerate(zip(unit.params, unit.offsets)):
+                    grad = unit.grad[off : off + p.numel()]
+                    self.masters.load_grad(unit.first + j, grad, self.dp)
             return
         assert unit.shard is not None and unit.reduced is not None
-        unit.reduced.div_(self.dp)
-        if self.zero == 1:
-            unit.shard.grad = self._my_slice(unit.grad, unit)
-            unit.shard.grad.copy_(unit.reduced)
+        reduced = unit.reduced
+        if self.zero == 1 and reduced.dtype == unit.shard.dtype:
+            # The shard's gradient lives in the full buffer's own slice (no second copy).
+            reduced = self._my_slice(unit.grad, unit).copy_(reduced)
+        if self.masters is None:
+            unit.shard.grad = reduced.div_(self.dp)
         else:
-            unit.shard.grad = unit.reduced
+            self.masters.load_grad(unit.order, reduced, self.dp)
+        if self.zero == 2:
             for p in unit.params:
                 p.grad = None
             unit.grad = None
@@ -230,34 +300,64 @@ class GradSync:
             if unit.work is not None:
                 self._complete(unit)
 
+    def master(self, name: str) -> torch.nn.Parameter:
+        """Under bf16 at zero 0: parameter `name`'s fp32 master (what the optimizer steps)."""
+        assert self.masters is not None and self.zero == 0, "zero 0 under bf16 only"
+        unit, position = self._names[name]
+        return self.masters.masters[self.units[unit].first + position]
+
     def full_local(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Parameters stay whole on this rank at levels 0-2: the caller reads them directly."""
-        return None
+        """Under fp32 None: parameters stay whole on this rank at levels 0-2 (the caller
+        reads them). Under bf16 the fp32 master value (in `out` when given): zero 0 the
+        master itself; zero 1/2 assembled from the master shards that cover it (one
+        broadcast each, uncounted)."""
+        if self.masters is None:
+            return None
+        i, position = self._names[name]
+        unit = self.units[i]
+        p = unit.params[position]
+        if self.zero == 0:
+            value = self.master(name).detach()
+            return value if out is None else out.copy_(value)
+        assert unit.shard is not None
+        if out is None:
+            out = torch.empty(p.shape, dtype=unit.shard.dtype, device=p.device)
+        offset = unit.offsets[position]
+        return assemble_from_shards(unit.shard.detach(), out, offset, self.comm, self.axis)
 
     def optimizer_params(self) -> list[torch.nn.Parameter]:
-        """What the optimizer steps: the parameters (zero 0) or this rank's flat shards."""
+        """What the optimizer steps: the parameters (zero 0) or this rank's flat shards;
+        under bf16 their fp32 masters."""
+        if self.masters is not None:
+            return list(self.masters.masters)
         if self.zero == 0:
             return [p for unit in self.units for p in unit.params]
         return [u.shard for u in self.units if u.shard is not None]
 
     def after_step(self) -> None:
-        """ZeRO-1/2: all-gather the updated shards into the flat parameters."""
+        """Under bf16 the compute copies are written from the masters (their gradients
+        dropped); ZeRO-1/2: all-gather the updated shards into the flat parameters."""
+        if self.masters is not None:
+            self.masters.write_back()
+            self.masters.release_grads()
         if self.zero == 0:
             return
         for unit in self.units:
             assert unit.flat_param is not None and unit.shard is not None
             # A transient copy: the shard aliases the gather's output buffer.
-            self.comm.all_gather(unit.flat_param, unit.shard.detach().clone(), self.axis)
+            mine = unit.shard if unit.compute is None else unit.compute
+            # Shard -> Replicate over dp: all-gather of the flat parameter (bf16 under bf16).
+            self.comm.all_gather(unit.flat_param, mine.detach().clone(), self.axis)
 
 
-def _hook(sync: weakref.ref[GradSync], index: int) -> Callable[[torch.Tensor], None]:
+def _hook(sync: weakref.ref[GradSync], index: int, position: int) -> Callable[[torch.Tensor], None]:
     """A parameter's hook holds its GradSync weakly: torch keeps hooks where Python's
     garbage collector cannot see them, so a strong reference would never be freed."""
 
     def on_grad(_: torch.Tensor) -> None:
         owner = sync()
         if owner is not None:
-            owner._on_grad(index)
+            owner._on_grad(index, position)
 
     return on_grad
 

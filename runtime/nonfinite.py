@@ -44,7 +44,7 @@ __all__ = ["first_nonfinite_param", "grad_views", "grads_flag", "nonfinite_fault
 def grads_flag(sync: GradientSync, device: torch.device) -> torch.Tensor:
     """1.0 when a gradient this rank's optimizer is about to use may not be finite, else
     0.0: a float64 scalar on `device`, computed with no host sync (step 1)."""
-    if isinstance(sync, GradSync) and sync.zero == 0:
+    if isinstance(sync, GradSync) and sync.zero == 0 and sync.masters is None:
         buffers = [u.grad for u in sync.units if u.grad is not None]
     else:
         buffers = [p.grad for p in sync.optimizer_params() if p.grad is not None]
@@ -64,7 +64,9 @@ def grad_views(parts: ProgramParts) -> Iterator[tuple[str, torch.Tensor]]:
 
     Under zero 0 the part is the parameter's whole (tensor-parallel local)
     gradient; under ZeRO it is the intersection of the parameter with this
-    rank's shard of its flat unit (possibly empty, then not yielded).
+    rank's shard of its flat unit (possibly empty, then not yielded). Under
+    `precision bf16` these are the fp32 masters' gradients (what the optimizer
+    reads).
     """
     sync = parts.sync
     if isinstance(sync, GradSync):
@@ -82,8 +84,9 @@ def _grad_sync_views(sync: GradSync) -> Iterator[tuple[str, torch.Tensor]]:
     for unit in sync.units:
         for name, p, off in zip(unit.spec.params, unit.params, unit.offsets):
             if sync.zero == 0:
-                if p.grad is not None:
-                    yield name, p.grad.view(-1)
+                grad = p.grad if sync.masters is None else sync.master(name).grad
+                if grad is not None:
+                    yield name, grad.view(-1)
                 continue
             if unit.shard is None or unit.shard.grad is None:
                 continue
@@ -94,8 +97,9 @@ def _grad_sync_views(sync: GradSync) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _zero3_views(sync: Zero3) -> Iterator[tuple[str, torch.Tensor]]:
+    stepped = sync.optimizer_params()
     for i, unit in enumerate(sync.units):
-        grad = sync.shards[i].grad
+        grad = stepped[i].grad
         if grad is None:
             continue
         for name in unit.params:

@@ -32,6 +32,7 @@ from parc.runtime.pipeline.executor import StageExecutor, checked_loss
 
 from .collectives import CommKind
 from .gather import gather_full_state, iter_full_state
+from .master_weights import upcast
 from .nonfinite import first_nonfinite_param, grad_views, grads_flag, nonfinite_fault
 from .parts import ProgramParts
 from .step_hooks import StepHooks
@@ -54,6 +55,7 @@ class Program:
         self.skipped: list[tuple[int, str]] = []  # (step, what was not finite)
         self._unchecked_targets: torch.Tensor | None = None  # this step's, on the host
         self._stats: dict[tuple[CommKind, str], tuple[int, int]] = {}
+        self._bytes: dict[tuple[CommKind, str], int] = {}
         # Where a step is watched or changed (step_hooks.py); nothing replaces a method.
         self.hooks = StepHooks()
         self.executor = StageExecutor(
@@ -114,12 +116,19 @@ class Program:
         else:
             self.optimizer.step()
             self.parts.sync.after_step()
-        self._stats = comm.stats.snapshot()
+        self._stats, self._bytes = comm.stats.snapshot(), comm.stats.bytes_snapshot()
         self.steps_done += 1
         return loss
 
     def _loss(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
-        """The model's loss (checked: its error names the model's loss_fn), then the hooks'."""
+        """The model's loss (checked: its error names the model's loss_fn), then the hooks'.
+
+        Under `precision bf16` the loss is computed in fp32 (outside autocast: the executor
+        calls this after the stage's forward): a lower-precision floating output (the
+        logits, or the model's own loss) is upcast first, as torchtitan and Megatron do.
+        """
+        if self.plan.mixed:
+            output = upcast(output)
         loss_fn = self.parts.loss_fn
         if isinstance(loss_fn, DefaultLoss):
             if self._unchecked_targets is not None and isinstance(output, torch.Tensor):
@@ -168,7 +177,7 @@ class Program:
     def _tied_reduce(self, name: str, grad: torch.Tensor) -> None:
         group = self.parts.tied.get(name)
         if group is not None:
-            self.comm.stats.add(CommKind.ALL_REDUCE, AXIS_PP, grad.numel())
+            self.comm.stats.add(CommKind.ALL_REDUCE, AXIS_PP, grad)
             dist.all_reduce(grad, group=group)
 
     def _global_loss(self, losses: list[torch.Tensor], flag: torch.Tensor) -> tuple[float, int]:
@@ -203,6 +212,11 @@ class Program:
     def comm_stats(self) -> dict[tuple[CommKind, str], tuple[int, int]]:
         """(kind, axis) -> (calls, elements) this rank issued during the last step."""
         return dict(self._stats)
+
+    def comm_bytes(self) -> dict[tuple[CommKind, str], int]:
+        """(kind, axis) -> bytes this rank issued during the last step (each tensor's
+        elements × its element size, as sent: bf16 messages count 2 bytes an element)."""
+        return dict(self._bytes)
 
     def state_dict(
         self, *, rank0_only: bool = True, cpu_offload: bool = True

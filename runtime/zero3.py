@@ -15,24 +15,32 @@ reads every parameter as a view of the gathered flat buffer. Here:
   backward: the copy is cached until that unit's reduce-scatter runs).
 - `Zero3.finish` averages the shard gradients over dp (after summing the
   gradients of weights tied across pipeline stages, whose units are solo).
+
+Under `precision bf16` (`mixed`, runtime/master_weights.py) `shards` are the
+bf16 compute shards the graphs read and gather (so the gathers carry half
+the bytes) and `masters` their fp32 masters, what the optimizer steps. Under
+`reduce bf16` the bf16 shard gradient accumulates as under fp32 and `finish`
+sets each master's `.grad` to its fp32 cast / dp; under `reduce fp32`
+`scatter_grad` casts the full gradient to fp32, reduce-scatters it in fp32,
+adds it into the master's fp32 `.grad` and gives the bf16 shard none.
+`after_step` writes the bf16 shards from the masters.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from parc.compiler.ops.zero3 import current_zero3, zero3_activated
 from parc.compiler.rank_zero3 import Zero3Layout
 
 from .collectives import Comm
+from .master_weights import MasterWeights, MixedPrecision, assemble_from_shards
 
 __all__ = ["Zero3", "active_runtime"]
 
@@ -58,15 +66,20 @@ class Zero3:
         *,
         axis: str,
         tied: frozenset[str] = frozenset(),
+        mixed: MixedPrecision | None = None,
     ) -> None:
         """`layout` and `shards` as `compile_rank` made them (compiler/rank_zero3.py):
-        the shards are the Parameters the rank's stage graphs read, on its device."""
+        the shards are the Parameters the rank's stage graphs read, on its device.
+        `mixed`: `precision bf16` (the shards become bf16, fp32 masters are made)."""
         if len(shards) != len(layout.units):
             raise AssertionError(f"{len(shards)} shards for {len(layout.units)} ZeRO-3 units")
         self.comm, self.axis, self.units = comm, axis, layout.units
         self.dp, self.index = comm.size(axis), comm.index(axis)
         self.layout, self.shapes, self.offsets = layout, layout.shapes, layout.offsets
         self.shards: list[torch.nn.Parameter] = list(shards)
+        self.mixed = mixed
+        # Under bf16: the shards' fp32 masters, what the optimizer steps.
+        self.masters = None if mixed is None else MasterWeights.take(self.shards)
         units = layout.units
         self.tied_units = [i for i, u in enumerate(units) if any(n in tied for n in u.params)]
         self.tied_names = {i: [n for n in units[i].params if n in tied] for i in self.tied_units}
@@ -105,13 +118,25 @@ class Zero3:
         work = self.comm.all_gather(full, shard.detach(), self.axis, async_op=async_op)
         return full, work
 
-    def scatter_grad(self, unit: int, grad: torch.Tensor) -> torch.Tensor:
+    def scatter_grad(self, unit: int, grad: torch.Tensor) -> torch.Tensor | None:
         """This rank's shard of the reduce-scattered flat gradient of `unit` (counted);
-        the unit's re-gathered copy is no longer needed."""
+        the unit's re-gathered copy is no longer needed. Under `reduce fp32` the gradient
+        is reduced in fp32 and added into the master's `.grad`: the bf16 shard gets none."""
+        mixed = self.mixed
+        main_grad = mixed is not None and mixed.main_grad
+        if mixed is not None and main_grad:
+            grad = grad.to(mixed.reduce)
         out = torch.empty(self.units[unit].shard, dtype=grad.dtype, device=grad.device)
+        # Partial -> Shard over dp: reduce-scatter of the unit's flat gradient.
         self.comm.reduce_scatter(out, grad.contiguous(), self.axis)
         self.release(unit)
-        return out
+        if not main_grad:
+            return out
+        assert self.masters is not None
+        master = self.masters.masters[unit]
+        assert master.grad is not None, "prepare() makes the masters' fp32 gradients"
+        master.grad.add_(out)
+        return None
 
     def release(self, unit: int) -> None:
         self._cache.pop(unit, None)
@@ -156,6 +181,15 @@ class Zero3:
         """Gradients are reduce-scattered every backward; nothing to arm."""
 
     def prepare(self) -> None:
+        """The gradients the backward accumulates into, zeroed: the shards' (kept between
+        steps), or under `reduce fp32` the masters' fp32 ones (made here, freed after the
+        step)."""
+        if self.masters is not None and self.mixed is not None and self.mixed.main_grad:
+            for master in self.masters.masters:
+                master.grad = torch.zeros_like(master)
+            return
+        if self.masters is not None:
+            self.masters.release_grads()  # a skipped step's (nonfinite.py) are stale
         for shard in self.shards:
             if shard.grad is None:
                 shard.grad = torch.zeros_like(shard)
@@ -163,42 +197,53 @@ class Zero3:
                 shard.grad.zero_()
 
     def finish(self, tied_reduce: Callable[[str, torch.Tensor], None] | None = None) -> None:
+        """Sum tied gradients over the stages holding them; average over dp (under bf16
+        into the masters' fp32 `.grad`, divided in fp32)."""
         self._cache.clear()
+        reduced = self._reduced_grads()
         for i in self.tied_units:
-            grad = self.shards[i].grad
+            grad = reduced[i]
             if tied_reduce is not None and grad is not None:
                 for name in self.tied_names[i]:
                     tied_reduce(name, grad)
-        if self.dp > 1:
-            for shard in self.shards:
-                if shard.grad is not None:
-                    shard.grad.div_(self.dp)
+        if self.masters is not None:
+            for i, grad in enumerate(reduced):
+                if grad is not None:
+                    self.masters.load_grad(i, grad, self.dp)
+        elif self.dp > 1:
+            for grad in reduced:
+                if grad is not None:
+                    grad.div_(self.dp)
+
+    def _reduced_grads(self) -> list[torch.Tensor | None]:
+        """Each unit's gradient shard as reduced over dp: the shards' `.grad`, or under
+        `reduce fp32` the masters' (their own `.grad` is then replaced by the average)."""
+        if self.masters is not None and self.mixed is not None and self.mixed.main_grad:
+            return [m.grad for m in self.masters.masters]
+        return [s.grad for s in self.shards]
 
     def after_step(self) -> None:
-        """Parameters are gathered on use: nothing to do after the optimizer step."""
+        """Parameters are gathered on use; under bf16 the bf16 shards are written from the
+        updated masters (and the masters' gradients dropped)."""
+        if self.masters is not None:
+            self.masters.write_back()
+            self.masters.release_grads()
 
     def optimizer_params(self) -> list[torch.nn.Parameter]:
-        return list(self.shards)
+        """What the optimizer steps: the shards, or under bf16 their fp32 masters."""
+        return list(self.shards if self.masters is None else self.masters.masters)
 
     def full_local(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's whole (tensor-parallel local) value of parameter `name`, uncounted,
         in `out` (contiguous, its shape and dtype) or a fresh tensor: assembled from the
-        shards that cover it (one broadcast each), never gathering its whole unit."""
+        shards that cover it (one broadcast each), never gathering its whole unit. Under
+        bf16 from the fp32 masters."""
         unit, off = self.offsets[name]
-        shard = self.shards[unit].detach()
-        n, size = math.prod(self.shapes[name]), shard.numel()
+        held = self.shards if self.masters is None else self.masters.masters
+        shard = held[unit].detach()
         if out is None:
             out = torch.empty(self.shapes[name], dtype=shard.dtype, device=shard.device)
-        full = out.view(-1)
-        for owner in range(off // size, (off + n - 1) // size + 1):
-            lo, hi = max(off, owner * size), min(off + n, (owner + 1) * size)
-            part = full[lo - off : hi - off]
-            if owner == self.index:
-                part.copy_(shard[lo - owner * size : hi - owner * size])
-            if self.dp > 1:
-                src = self.comm.rank_of({**self.comm.coords, self.axis: owner})
-                dist.broadcast(part, src=src, group=self.comm.groups[self.axis])
-        return out
+        return assemble_from_shards(shard, out, off, self.comm, self.axis)
 
 
 def active_runtime() -> Zero3 | None:

@@ -34,8 +34,9 @@ class ActiveZero3(Protocol):
         """The unit's whole flat parameters, gathered over the data-parallel axis."""
         ...
 
-    def scatter_grad(self, unit: int, grad: torch.Tensor) -> torch.Tensor:
-        """This rank's shard of the reduce-scattered flat gradient `grad` of `unit`."""
+    def scatter_grad(self, unit: int, grad: torch.Tensor) -> torch.Tensor | None:
+        """This rank's shard of the reduce-scattered flat gradient `grad` of `unit`, or None
+        when the runtime accumulated it elsewhere (`reduce fp32`: the fp32 master's `.grad`)."""
         ...
 
 
@@ -67,7 +68,7 @@ class _Gather(torch.autograd.Function):
         return runtime.gather(unit, shard)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None]:
         runtime: ActiveZero3 = ctx.runtime
         return runtime.scatter_grad(ctx.unit, grad), None
 

@@ -229,6 +229,8 @@ def time_case(index: int, size: Size) -> dict[Any, Any]:
             out[key]["cpu"].append(cpu)
             out[key]["losses"].append(loss)
     for key, impl in impls.items():
+        if isinstance(impl, _Parc):
+            out[key]["comm"] = impl.program.comm_bytes()  # of its last timed step
         out[key]["rise"] = _step_rise(impl, batches[-1])
         out[key]["state"] = _state_bytes(impl)
     model = src.build(device="meta")
@@ -318,6 +320,23 @@ def _versus_fp32(results: list[list[dict[Any, Any]]], size: Size) -> str:
         "paired",
         f"loss after {size.warmup + size.steps} steps: bf16 / fp32 (gap)",
     ]
+    return md_table(header, rows)
+
+
+def _traffic(results: list[list[dict[Any, Any]]]) -> str:
+    rows = []
+    for bench, ranks in zip(BENCHES, results):
+        comm = {mode: ranks[0]["parc", mode]["comm"] for mode in bench.modes}
+        cells = [
+            ", ".join(f"{kind} {axis} {mib(n)}" for (kind, axis), n in sorted(comm[m].items()) if n)
+            if m in comm
+            else "–"
+            for m in _ALL
+        ]
+        fp32 = sum(comm[Mode.FP32].values())
+        ratios = [f"{sum(comm[m].values()) / fp32:.2f}" for m in bench.modes[1:]]
+        rows.append([bench.case.value, *cells, " / ".join(ratios)])
+    header = ["case", *(m.value for m in _ALL), "bytes ÷ fp32's: bf16 / bf16, reduce fp32"]
     return md_table(header, rows)
 
 
@@ -420,6 +439,10 @@ def main(size: Size = SIZE) -> str:
             _versus_native(results, size),
             "bf16 vs fp32, each implementation against itself (below 1.0: bf16 is faster):",
             _versus_fp32(results, size),
+            "parc's collective bytes per step on rank 0, by kind and mesh axis "
+            "(`Program.comm_bytes()` of the last timed step: each tensor's elements × its "
+            "element size as sent; the loss's metric all-reduce not counted):",
+            _traffic(results),
             "Memory per rank, the largest over the ranks. *state*: the storages of parameters, "
             "gradients and optimizer state walked on the live objects after a step, each "
             "counted once, by dtype (parc's bf16 params are its compute copies and fp32 "

@@ -71,13 +71,20 @@ class StageCost:
 class RankMemory:
     """Bytes resident on one rank after a step (activations at their peak).
 
-    `peak` is the most the rank holds at once during a step: parameters,
-    optimizer state, the gradients alive at the activation peak (`peak_grads`:
-    ZeRO-2 drops its shards before backward, so none), activations and
-    `buffers`, the transient collective buffers alive then (ZeRO-2's first
-    gradient bucket, or all its full buckets under accumulation; a gathered
-    ZeRO-3 unit and its gradient; the largest tensor-parallel message), or,
-    where more, what the end of backward holds once activations are freed.
+    `params` are what the graphs read (bf16 compute copies under `precision
+    bf16`), `grads` the gradient buffers (in the reduce format), `optimizer`
+    the optimizer's states and `master` the fp32 master weights it steps under
+    bf16 (on the optimizer's geometry, like the states).
+
+    `peak` is the most the rank holds at once during a step: the activation
+    peak (parameters, optimizer state and masters, the gradients alive then:
+    `peak_grads`, ZeRO-2 drops its shards before backward, so none;
+    activations and `buffers`, the transient collective buffers alive then:
+    ZeRO-2's first gradient bucket, or all its full buckets under accumulation;
+    a gathered ZeRO-3 unit and its gradient; the largest tensor-parallel
+    message; or, where more, what the end of backward holds once activations
+    are freed), or the optimizer step's (`step_peak`: everything resident and
+    `step`, the master's fp32 gradient cast from a bf16 reduction), whichever is more.
     """
 
     rank: int
@@ -87,15 +94,30 @@ class RankMemory:
     activations: int
     buffers: int = 0
     peak_grads: int | None = None  # gradient bytes at the peak, when not `grads`
+    master: int = 0  # fp32 master weights (precision bf16)
+    step: int = 0  # the optimizer step's transient fp32 gradient (precision bf16, reduce bf16)
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations
+        return self.params + self.grads + self.optimizer + self.master + self.activations
+
+    @property
+    def activation_peak(self) -> int:
+        grads = self.grads if self.peak_grads is None else self.peak_grads
+        held = self.params + grads + self.optimizer + self.master
+        return held + self.activations + self.buffers
+
+    @property
+    def step_peak(self) -> int:
+        """At the optimizer step: everything resident but activations, and `step`
+        (0 when the step holds nothing of its own)."""
+        if not self.step:
+            return 0
+        return self.params + self.grads + self.optimizer + self.master + self.step
 
     @property
     def peak(self) -> int:
-        grads = self.grads if self.peak_grads is None else self.peak_grads
-        return self.params + grads + self.optimizer + self.activations + self.buffers
+        return max(self.activation_peak, self.step_peak)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,11 +145,14 @@ def estimate(
 
     Bytes held per rank, with N the rank's local parameter elements, P = Σ
     units padded to a multiple of dp, and p, g, o the bytes per element of
-    parameters, gradients and optimizer memory (fp32 AdamW: 4, 4, 8):
+    parameters, gradients and optimizer memory (compiler/memory_model.py; fp32
+    AdamW: 4, 4, 8; bf16 AdamW: 2, 2 (4 with `reduce fp32`), 8 + a 4-byte master):
         zero 0: params N·p, grads N·g, optimizer N·o
         zero 1: params P·p (flat buffer), grads P·g, optimizer P·o/dp
         zero 2: params P·p, grads P·g/dp, optimizer P·o/dp
         zero 3: params P·p/dp, grads P·g/dp, optimizer P·o/dp
+    The master weights and the step's fp32 gradient (bf16, reduce bf16) lie on
+    the optimizer's elements (N, or P/dp).
 
     Host bytes per rank while compiling (`Estimate.host`, compiler/host_memory.py):
         its parameter slices (zero 3: unit shards) and buffers in their dtypes
@@ -154,7 +179,17 @@ def estimate(
             _stage_cost(costs, act, stage_of, regions, split, s, per_stage[s], model, plan)
         )
         summed = _tied_across_ranks(plan, per_stage, tied)
-        traffic = StageTraffic(s, units, summed, saved_params, regions, readers, forward_tp)
+        traffic = StageTraffic(
+            s,
+            units,
+            summed,
+            saved_params,
+            regions,
+            readers,
+            forward_tp,
+            memory.param_bytes,
+            memory.grad_bytes,
+        )
         comms.append((s, stage_collectives(plan, gm, traffic)))
         walked = _walk_backward(plan, gm, stage_of, s, units, act, readers, tied, memory, scale)
         mem = _rank_memory(
@@ -172,7 +207,8 @@ def estimate(
     return Estimate(tuple(stages), by_rank, tuple(comms), bubble, in_flight, memory, host)
 
 
-_MemoryParts = tuple[int, int, int, int, int, int | None]
+# params, grads, optimizer, activations, buffers, peak_grads, master, step (RankMemory's order)
+_MemoryParts = tuple[int, int, int, int, int, int | None, int, int]
 
 
 def _tied_across_ranks(
@@ -203,6 +239,8 @@ def _add_stages(per_stage: list[_MemoryParts], plan: Plan, pp_index: int) -> _Me
         sum(m[3] for m in mine),
         max(m[4] for m in mine),
         None if peak_grads == grads else peak_grads,
+        sum(m[6] for m in mine),
+        sum(m[7] for m in mine),
     )
 
 
@@ -349,24 +387,30 @@ def _rank_memory(
         first_bucket=units[0].padded if units else 0,
         accumulating=plan.microbatches * plan.grad_accum > 1,
     )
-    per_call = [c.elements // c.count for c in comms if c.axis == plan.tp_axis and c.count]
-    message = max(per_call, default=0) * 4  # fp32 activations: a tensor-parallel result
+    # The largest tensor-parallel result, at the dtype it is sent in.
+    per_call = [
+        c.elements // c.count * c.bytes // c.elements
+        for c in comms
+        if c.axis == plan.tp_axis and c.count and c.elements
+    ]
+    message = int(max(per_call, default=0) * scale)
     activations = int(act.held(in_flight) * scale)
-    early = tp * memory.param_bytes + tg * memory.grad_bytes
-    early += int(message * scale)
+    early = tp * memory.param_bytes + tg * memory.grad_bytes + message
     if walked is not None:  # the backward walked: the buckets' bytes at the peak
-        buffers = walked + int(message * scale)
+        buffers = walked + message
     else:  # once backward has freed the activations: what the last buckets hold instead
         buffers = max(early, late_elements(zero, units) * memory.grad_bytes - activations)
     return (
         p * memory.param_bytes,
         g * memory.grad_bytes,
-        o * memory.optimizer_bytes,
+        o * memory.state_bytes,
         activations,
         buffers,
         # Zero 2 drops last step's shards before backward: at its peak no gradient is
         # alive but the buckets counted in `early` (its new shards are in `late`).
         0 if zero == 2 else None,
+        o * memory.master_bytes,
+        o * memory.step_bytes,
     )
 
 

@@ -154,7 +154,7 @@ def _analyse(
         + tuple(dropout_warnings(gm, plan, spec))
         + tuple(optimizer_warnings(source.configure_optimizer, plan, spec)),
     )
-    memory = memory_model_of(source.configure_optimizer)
+    memory = memory_model_of(source.configure_optimizer, plan.precision, plan.reduce)
     costs = estimate(plan, gm, built, saved, memory=memory)
     return Analysis(spec, source, built, gm, plan, costs, saved, deferred)
 

@@ -1,9 +1,15 @@
-"""Bytes per parameter element: the precision of the weights and the optimizer's state.
+"""Bytes per parameter element: the precision of the weights, gradients and optimizer state.
 
-parc trains in fp32 today: parameters, gradients and the optimizer's states are
-4 bytes each. `Precision.BF16` is what the planner assumes for a mixed-precision
-run (bf16 parameters, gradients and activations, plus fp32 master weights and
-optimizer states: the ZeRO paper's 2 + 2 + 12 bytes per parameter with Adam).
+Under `precision fp32` parameters, gradients and the optimizer's states are 4
+bytes each. Under `precision bf16` (docs/architecture.md, Compiler front end)
+each parameter element costs, with Adam (the ZeRO paper's 16Ψ):
+
+    bf16 compute copy 2 + bf16 gradient 2 + fp32 master 4 + fp32 states 4 + 4
+
+and `reduce fp32` makes the gradient 4 (18Ψ). Under `reduce bf16` the
+optimizer step also holds the master's fp32 gradient, the cast of the reduced
+bf16 one (`step_bytes`, 4 per optimizer element): made after the reduction,
+freed after the step.
 
 The number of optimizer states comes from the model file's own optimizer:
 
@@ -23,9 +29,8 @@ from parc.dsl.ast import Precision
 
 __all__ = ["ADAMW", "MemoryModel", "Precision", "memory_model_of", "states_of"]
 
-
 # Bytes per element of a floating tensor at each precision.
-_WIDTH = {Precision.FP32: 4, Precision.BF16: 2, Precision.FP16: 2}
+WIDTH = {Precision.FP32: 4, Precision.BF16: 2, Precision.FP16: 2}
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,21 +40,49 @@ class MemoryModel:
     optimizer: str = "AdamW"  # its name, for the report
     states: int = 2  # optimizer state tensors per parameter (AdamW: exp_avg, exp_avg_sq)
     precision: Precision = Precision.FP32
+    reduce: Precision | None = None
+    """The gradients' format (`Plan.reduce`); None: the precision's own."""
+
+    @property
+    def mixed(self) -> bool:
+        """fp32 master weights behind bf16 compute copies."""
+        return self.precision is Precision.BF16
+
+    @property
+    def reduce_format(self) -> Precision:
+        return self.reduce if self.reduce is not None else self.precision
 
     @property
     def param_bytes(self) -> int:
-        return 2 if self.precision is Precision.BF16 else 4
+        """The parameters the graphs read (bf16 compute copies under bf16)."""
+        return WIDTH[self.precision]
 
     @property
     def grad_bytes(self) -> int:
-        return self.param_bytes
+        """Gradient buffers, accumulated and reduced in the reduce format."""
+        return WIDTH[self.reduce_format]
+
+    @property
+    def master_bytes(self) -> int:
+        """The fp32 master copy the optimizer steps (none without mixed precision)."""
+        return 4 if self.mixed else 0
+
+    @property
+    def state_bytes(self) -> int:
+        """The optimizer's fp32 states."""
+        return 4 * self.states
 
     @property
     def optimizer_bytes(self) -> int:
         """Per parameter element of optimizer memory: fp32 states, and the fp32 master
         copy of a mixed-precision run (sharded together under ZeRO-1)."""
-        master = 4 if self.precision is Precision.BF16 else 0
-        return 4 * self.states + master
+        return self.state_bytes + self.master_bytes
+
+    @property
+    def step_bytes(self) -> int:
+        """Per optimizer element, the step's transient: the master's fp32 gradient cast
+        from a bf16 reduction (under `reduce fp32` it is a view of the fp32 result)."""
+        return 4 if self.mixed and self.reduce_format is not Precision.FP32 else 0
 
     def profile_conversion(self, profiled: Precision) -> float:
         """Activation bytes at this model's precision per byte of a profile run at
@@ -58,14 +91,25 @@ class MemoryModel:
         (0.5, an approximation) and fp32 from a bf16 profile as fp32 (2)."""
         if profiled is self.precision:
             return 1.0
-        return _WIDTH[self.precision] / _WIDTH[profiled]
+        return WIDTH[self.precision] / WIDTH[profiled]
 
     def describe(self) -> str:
         plural = "s" if self.states != 1 else ""
-        master = ", fp32 master weights" if self.precision is Precision.BF16 else ""
+        master = ", fp32 master weights" if self.mixed else ""
         return (
             f"{self.precision}; optimizer {self.optimizer}: {self.states} state{plural} "
             f"per parameter{master}"
+        )
+
+    def precision_line(self) -> str:
+        """What is bf16 and what fp32 (the report's `Precision` line)."""
+        if not self.mixed:
+            return f"{self.precision}: parameters, gradients, optimizer state and activations"
+        return (
+            f"{self.precision} compute copies of the parameters, activations and "
+            f"tensor/pipeline messages (autocast); gradients accumulated and reduced in "
+            f"{self.reduce_format}; fp32 master weights and optimizer states"
+            + ("; the step casts the gradients to fp32" if self.step_bytes else "")
         )
 
 
@@ -87,14 +131,16 @@ def states_of(opt: torch.optim.Optimizer) -> int:
 
 
 def memory_model_of(
-    optimizer_factory: object, precision: Precision = Precision.FP32
+    optimizer_factory: object,
+    precision: Precision = Precision.FP32,
+    reduce: Precision | None = None,
 ) -> MemoryModel:
     """The memory model of a model file's `configure_optimizer`, built on one tiny parameter."""
     probe = torch.nn.Parameter(torch.zeros(1))
     try:
         opt = optimizer_factory([probe])  # type: ignore[operator]
     except Exception:
-        return MemoryModel(precision=precision)  # its own error surfaces when it runs
+        return MemoryModel(precision=precision, reduce=reduce)  # its error surfaces at run
     if not isinstance(opt, torch.optim.Optimizer):
-        return MemoryModel(precision=precision)
-    return MemoryModel(type(opt).__name__, states_of(opt), precision)
+        return MemoryModel(precision=precision, reduce=reduce)
+    return MemoryModel(type(opt).__name__, states_of(opt), precision, reduce)

@@ -11,9 +11,17 @@ from typing import Any
 
 from .estimate import Estimate, RankMemory
 from .host_memory import HostMemory
+from .ops.collectives import CommKind
 from .plan import Plan, compress_names
 
-__all__ = ["format_report", "human_bytes", "human_count", "report_json", "stage_lines"]
+__all__ = [
+    "bytes_by_axis",
+    "format_report",
+    "human_bytes",
+    "human_count",
+    "report_json",
+    "stage_lines",
+]
 
 
 def human_count(n: float) -> str:
@@ -188,7 +196,7 @@ def _memory_lines(est: Estimate) -> list[str]:
     """A row per rank, or per pipeline stage when the mesh has more than MAX_RANK_ROWS."""
     memory = est.memory
     if len(memory) <= MAX_RANK_ROWS:
-        rows, first = [[str(m.rank), *_byte_cells(m)] for m in memory], "rank"
+        records, labels, first = list(memory), [str(m.rank) for m in memory], "rank"
     else:
         each = f"{memory.ranks_per_stage:,} ranks"
         # One record per pp index: a stage, or with virtual stages a pp rank's stages.
@@ -196,34 +204,64 @@ def _memory_lines(est: Estimate) -> list[str]:
         labels = [f"{what} {s} ({each})" for s in range(len(memory.by_stage))]
         if len(memory.by_stage) == 1:
             labels = [f"all {each}"]
-        rows = [[label, *_byte_cells(m)] for label, m in zip(labels, memory.by_stage, strict=True)]
-        first = "ranks"
-    header = [first, "params", "grads", "optimizer", "activations", "total"]
+        records, first = list(memory.by_stage), "ranks"
+    columns = _memory_columns(est)
+    rows = [
+        [label, *(human_bytes(getattr(m, field)) for _, field in columns)]
+        for label, m in zip(labels, records, strict=True)
+    ]
     return [
         f"Memory per rank ({est.memory_model.describe()})",
-        *_table(header, rows),
+        *_table([first, *(header for header, _ in columns)], rows),
     ]
 
 
-def _byte_cells(m: RankMemory) -> list[str]:
-    return [human_bytes(b) for b in (m.params, m.grads, m.optimizer, m.activations, m.total)]
+def _memory_columns(est: Estimate) -> list[tuple[str, str]]:
+    """(header, RankMemory field) of the memory table: the master weights under bf16, and
+    the optimizer step's transient fp32 gradient when it has one."""
+    mixed = est.memory_model.mixed
+    steps = any(m.step for m in est.memory.by_stage)
+    return [
+        ("params", "params"),
+        ("grads", "grads"),
+        ("optimizer", "optimizer"),
+        *([("master", "master")] if mixed else []),
+        ("activations", "activations"),
+        ("total", "total"),
+        *([("step transient", "step")] if steps else []),
+    ]
 
 
 def _buffer_lines(est: Estimate) -> list[str]:
-    """Transient collective buffers, when there are any: the peak a rank must fit."""
+    """Transient buffers, when there are any: the peak a rank must fit."""
     stages = est.memory.by_stage  # every rank of a stage holds the same
-    if not any(m.buffers for m in stages):
+    if not any(m.buffers or m.step for m in stages):
         return []
     low = min(stages, key=lambda m: m.peak)
     high = max(stages, key=lambda m: m.peak)
     span = human_bytes(high.peak)
     if low.peak != high.peak:
         span = f"{human_bytes(low.peak)} (rank {low.rank}) to {span} (rank {high.rank})"
-    return [
-        f"Peak per rank with transient collective buffers: {span}",
+    lines = [
+        f"Peak per rank with transient buffers: {span}",
         "  (ZeRO gradients before their reduce-scatter, a gathered ZeRO-3 unit and its gradient,",
         "  the largest tensor-parallel message)",
     ]
+    if any(m.step for m in stages):
+        at_step = max(stages, key=lambda m: m.step_peak)
+        lines.append(
+            f"  or at the optimizer step, {human_bytes(at_step.step_peak)} (rank {at_step.rank}): "
+            "everything resident and the fp32 gradient cast from the bf16 reduction"
+        )
+    return lines
+
+
+def _precision_lines(est: Estimate) -> list[str]:
+    """What is bf16 and what fp32 (mixed precision only: fp32 is everything 4 bytes)."""
+    mm = est.memory_model
+    if not mm.mixed:
+        return []
+    return [f"Precision  {mm.precision_line()}"]
 
 
 def _host_lines(plan: Plan, est: Estimate) -> list[str]:
@@ -259,7 +297,26 @@ def _collective_lines(plan: Plan, est: Estimate) -> list[str]:
     if not rows:
         return [*lines, "  none: a single device"]
     header = ["stage", "kind", "axis", "count", "elements", "purpose"]
-    return [*lines, *_table(header, rows)]
+    by_axis = ", ".join(f"{axis} {human_bytes(b)}" for axis, b in bytes_by_axis(est).items())
+    return [
+        *lines,
+        *_table(header, rows),
+        f"  bytes per step by axis (the busiest stage): {by_axis}",
+    ]
+
+
+def bytes_by_axis(est: Estimate) -> dict[str, int]:
+    """Bytes of the collectives per step over each axis, at the dtypes the runtime sends
+    (a send and its matching receive counted once: the sends), on the stage with the most."""
+    out: dict[str, int] = {}
+    for _, comms in est.collectives:
+        mine: dict[str, int] = {}
+        for c in comms:
+            if c.kind is not CommKind.RECV:
+                mine[c.axis] = mine.get(c.axis, 0) + c.bytes
+        for axis, b in mine.items():
+            out[axis] = max(out.get(axis, 0), b)
+    return out
 
 
 def _pipeline_lines(plan: Plan, est: Estimate, grid: str | None) -> list[str]:
@@ -295,6 +352,7 @@ def format_report(
         [title],
         _mesh_lines(plan),
         [f"Batch  {plan.batch}"],
+        _precision_lines(est),
         [f"Model  {plan.capture}"] if plan.capture else [],
         _placement_lines(plan),
         _stage_lines(plan, est),
@@ -348,11 +406,14 @@ def report_json(plan: Plan, est: Estimate) -> dict[str, Any]:
                 "axis": c.axis,
                 "count": c.count,
                 "elements": c.elements,
+                "bytes": c.bytes,
                 "purpose": c.purpose,
             }
             for stage, comms in est.collectives
             for c in comms
         ],
+        "bytes_by_axis": bytes_by_axis(est),
+        "precision": _precision_json(est),
         "bubble": est.bubble,
         # Host bytes per rank while compiling, one entry per pp index (host_memory.py).
         "host_memory": [
@@ -376,8 +437,25 @@ def _memory_json(m: RankMemory) -> dict[str, int]:
         "params": m.params,
         "grads": m.grads,
         "optimizer": m.optimizer,
+        "master": m.master,
         "activations": m.activations,
         "total": m.total,
         "buffers": m.buffers,
+        "step": m.step,
         "peak": m.peak,
+    }
+
+
+def _precision_json(est: Estimate) -> dict[str, Any]:
+    """Bytes per parameter element of what each part is held in."""
+    mm = est.memory_model
+    return {
+        "precision": str(mm.precision),
+        "reduce": str(mm.reduce_format),
+        "param_bytes": mm.param_bytes,
+        "grad_bytes": mm.grad_bytes,
+        "master_bytes": mm.master_bytes,
+        "state_bytes": mm.state_bytes,
+        "step_bytes": mm.step_bytes,
+        "text": mm.precision_line(),
     }

@@ -12,10 +12,20 @@ issues, so tests compare them with the counted collectives exactly:
   forward ones of recomputed regions once more.
 - pp: activations sent forward and gradients sent back across each boundary;
   one all-reduce per weight tied across stages.
+
+Each `Collective` also has its `bytes`, the elements times the element size of
+what the runtime sends: parameters (ZeRO-3 gathers, ZeRO-1/2's all-gather of
+updated parameters) at the compute dtype (`param_bytes`: 2 under `precision
+bf16`), gradient reductions at the reduce format (`grad_bytes`: 2 or 4), a
+tensor-parallel conversion at the dtype of the value it converts (its
+`tensor_meta`: the profile's dtypes, compiler/saved.py; a gradient has its
+value's dtype), a pipeline message at the dtype of the activation it carries.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -23,14 +33,14 @@ import torch.fx
 
 from parc.dsl.ast import AXIS_DP, AXIS_PP
 
-from .cost import output_numel
+from .cost import output_numel, tensor_metas
 from .layout import FlatUnit
 from .node_meta import meta_of
 from .ops.collectives import CommKind
 from .plan import Plan
 from .stages import activation_nodes
 
-__all__ = ["Collective", "StageTraffic", "stage_collectives"]
+__all__ = ["Collective", "StageTraffic", "stage_collectives", "with_bytes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +52,7 @@ class Collective:
     count: int
     elements: int
     purpose: str
+    bytes: int = 0  # elements × the element size of what is sent (module docstring)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +66,8 @@ class StageTraffic:
     regions: dict[str, str]  # node name -> recomputed region
     readers: dict[str, set[str]]  # canonical parameter -> nodes computing with it
     forward_tp: dict[str, list[tuple[CommKind, int]]]  # node -> its forward tp collectives
+    param_bytes: int = 4  # per element of a parameter the runtime gathers (compute dtype)
+    grad_bytes: int = 4  # per element of a gradient it reduces (the reduce format)
 
 
 def stage_collectives(
@@ -67,8 +80,9 @@ def stage_collectives(
     micro_steps = plan.microbatches * plan.grad_accum
     if plan.dp > 1 and units:
         out.extend(_dp_collectives(plan, traffic, micro_steps))
+    by_name = {n.name: n for n in gm.graph.nodes}
     out.extend(_tp_collectives(plan, gm, stage_of, s, micro_steps))
-    out.extend(_recomputed_tp(plan, stage_of, traffic, micro_steps))
+    out.extend(_recomputed_tp(plan, stage_of, traffic, micro_steps, by_name))
     out.extend(_pp_collectives(plan, gm, stage_of, s, micro_steps))
     tied = [u for u in units if any(p in traffic.tied for p in u.params)]
     if tied:
@@ -82,6 +96,7 @@ def stage_collectives(
                 len(tied),
                 size,
                 "gradients of weights tied across stages",
+                size * traffic.grad_bytes,
             )
         )
     return tuple(out)
@@ -92,25 +107,27 @@ def _dp_collectives(plan: Plan, traffic: StageTraffic, micro_steps: int) -> list
     numel = sum(u.numel for u in units)
     padded = sum(u.padded for u in units)
     n = len(units)
+    p, g = traffic.param_bytes, traffic.grad_bytes
     if plan.zero == 0:
-        return [Collective(CommKind.ALL_REDUCE, AXIS_DP, n, numel, "gradient average")]
+        return [Collective(CommKind.ALL_REDUCE, AXIS_DP, n, numel, "gradient average", numel * g)]
     if plan.zero in (1, 2):
         return [
-            Collective(CommKind.REDUCE_SCATTER, AXIS_DP, n, padded, "gradient shards"),
-            Collective(CommKind.ALL_GATHER, AXIS_DP, n, padded, "updated parameters"),
+            Collective(CommKind.REDUCE_SCATTER, AXIS_DP, n, padded, "gradient shards", padded * g),
+            Collective(CommKind.ALL_GATHER, AXIS_DP, n, padded, "updated parameters", padded * p),
         ]
     again = [u for u in units if _gathered_again(u, traffic)]
     gathers = (n + len(again)) * micro_steps
     gathered = (padded + sum(u.padded for u in again)) * micro_steps
     purpose = "parameters: forward, and again in backward"
     return [
-        Collective(CommKind.ALL_GATHER, AXIS_DP, gathers, gathered, purpose),
+        Collective(CommKind.ALL_GATHER, AXIS_DP, gathers, gathered, purpose, gathered * p),
         Collective(
             CommKind.REDUCE_SCATTER,
             AXIS_DP,
             n * micro_steps,
             padded * micro_steps,
             "gradient shards",
+            padded * micro_steps * g,
         ),
     ]
 
@@ -134,23 +151,31 @@ def _tp_collectives(
     for node in gm.graph.nodes:
         if stage_of.get(node.name) != s:
             continue
-        for kind, numel in meta_of(node).collectives:
-            entry = totals.setdefault(kind, [0, 0])
-            entry[0] += 1
-            entry[1] += numel
+        _add(totals, with_bytes(node, meta_of(node).collectives))
     purpose = {
         CommKind.ALL_REDUCE: "tensor-parallel partial sums, forward + backward",
         CommKind.ALL_GATHER: "tensor-parallel gathers (fallbacks and local slices' backward)",
         CommKind.REDUCE_SCATTER: "tensor-parallel partial sums to shards",
     }
     return [
-        Collective(kind, plan.tp_axis, n * micro_steps, e * micro_steps, purpose.get(kind, ""))
-        for kind, (n, e) in sorted(totals.items())
+        Collective(
+            kind,
+            plan.tp_axis,
+            n * micro_steps,
+            e * micro_steps,
+            purpose.get(kind, ""),
+            b * micro_steps,
+        )
+        for kind, (n, e, b) in sorted(totals.items())
     ]
 
 
 def _recomputed_tp(
-    plan: Plan, stage_of: dict[str, int], traffic: StageTraffic, micro_steps: int
+    plan: Plan,
+    stage_of: dict[str, int],
+    traffic: StageTraffic,
+    micro_steps: int,
+    by_name: dict[str, torch.fx.Node],
 ) -> list[Collective]:
     """Forward tensor-parallel collectives of recomputed regions, run again in backward."""
     if plan.tp_axis is None or plan.tp == 1:
@@ -158,10 +183,7 @@ def _recomputed_tp(
     totals: dict[CommKind, list[int]] = {}
     for name, found in traffic.forward_tp.items():
         if name in traffic.regions and stage_of.get(name) == traffic.stage:
-            for kind, numel in found:
-                entry = totals.setdefault(kind, [0, 0])
-                entry[0] += 1
-                entry[1] += numel
+            _add(totals, with_bytes(by_name[name], found))
     return [
         Collective(
             kind,
@@ -169,9 +191,41 @@ def _recomputed_tp(
             n * micro_steps,
             e * micro_steps,
             "forward again in recomputed regions",
+            b * micro_steps,
         )
-        for kind, (n, e) in sorted(totals.items())
+        for kind, (n, e, b) in sorted(totals.items())
     ]
+
+
+def _add(totals: dict[CommKind, list[int]], found: list[tuple[CommKind, int, int]]) -> None:
+    for kind, numel, size in found:
+        entry = totals.setdefault(kind, [0, 0, 0])
+        entry[0] += 1
+        entry[1] += numel
+        entry[2] += size
+
+
+def with_bytes(
+    node: torch.fx.Node, found: Iterable[tuple[CommKind, int]]
+) -> list[tuple[CommKind, int, int]]:
+    """(kind, elements, bytes) of the tensor-parallel collectives `found` recorded at `node`.
+
+    The tensor-parallel analysis records (kind, elements) at the node that consumes a
+    converted value (each value its `tp_rewrite` converts, and its gradient, of the same
+    dtype), and a row Linear's all-reduce at the node itself: a collective moves one of
+    those tensors, the one of its element count (the node's own first, then the
+    converted values in order), at that tensor's dtype.
+    """
+    rewrite = meta_of(node).tp_rewrite
+    names = [name for name, _ in rewrite.converts] if rewrite is not None else []
+    inputs = {a.name: a for a in node.all_input_nodes}
+    sizes: dict[int, int] = {}
+    for value in [node, *(inputs[n] for n in names if n in inputs)]:
+        meta = next(tensor_metas(value), None)
+        if meta is not None:
+            sizes.setdefault(math.prod(meta.shape), meta.dtype.itemsize)
+    default = next(iter(sizes.values()), 4)
+    return [(kind, numel, numel * sizes.get(numel, default)) for kind, numel in found]
 
 
 def _pp_collectives(
@@ -181,12 +235,12 @@ def _pp_collectives(
         return []
     acts = activation_nodes(gm)
     sent = {
-        n.name: output_numel(n)
+        n.name: _numel_bytes(n)
         for n in gm.graph.nodes
         if n.name in acts and stage_of[n.name] == s and any(stage_of[u.name] > s for u in n.users)
     }
     received = {
-        a.name: output_numel(a)
+        a.name: _numel_bytes(a)
         for n in gm.graph.nodes
         if stage_of[n.name] == s
         for a in n.all_input_nodes
@@ -199,7 +253,15 @@ def _pp_collectives(
         (received, (RECV, "activations forward"), (SEND, "gradients backward")),
     ):
         if values:
-            count, elements = len(values) * micro_steps, sum(values.values()) * micro_steps
-            out.append(Collective(forward[0], AXIS_PP, count, elements, forward[1]))
-            out.append(Collective(backward[0], AXIS_PP, count, elements, backward[1]))
+            count = len(values) * micro_steps
+            elements = sum(e for e, _ in values.values()) * micro_steps
+            size = sum(b for _, b in values.values()) * micro_steps
+            out.append(Collective(forward[0], AXIS_PP, count, elements, forward[1], size))
+            out.append(Collective(backward[0], AXIS_PP, count, elements, backward[1], size))
     return out
+
+
+def _numel_bytes(node: torch.fx.Node) -> tuple[int, int]:
+    """(elements, bytes) of a node's output, at the dtypes of its `tensor_meta`."""
+    metas = list(tensor_metas(node))
+    return output_numel(node), sum(math.prod(m.shape) * m.dtype.itemsize for m in metas)

@@ -68,16 +68,20 @@ class Memory:
 
     params: int
     grads: int
-    optimizer: int
+    optimizer: int  # states and, under bf16, the fp32 master weights
     activations: int
     buffers: int
+    step: int = 0  # the optimizer step's fp32 gradient (bf16, reduce bf16)
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+        """The more of the activation peak and the optimizer step's peak."""
+        held = self.params + self.grads + self.optimizer
+        return max(held + self.activations + self.buffers, held + self.step)
 
     def describe(self) -> str:
-        parts = ("params", "grads", "optimizer", "activations", "buffers")
+        parts: tuple[str, ...] = ("params", "grads", "optimizer", "activations", "buffers")
+        parts += ("step",) if self.step else ()
         return ", ".join(f"{p} {human_bytes(getattr(self, p))}" for p in parts)
 
 

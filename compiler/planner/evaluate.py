@@ -49,11 +49,11 @@ class _StageSum:
     flops: int  # forward + backward (+ the recomputed forward)
     stored: int  # activation bytes kept per microbatch
     again: int  # held while one block recomputes
-    tp_reduce: int  # all-reduce elements, recomputed forward ones included
-    tp_gather: int
-    tp_largest: int
+    tp_reduce: int  # all-reduce bytes, recomputed forward ones included
+    tp_gather: int  # all-gather and reduce-scatter bytes
+    tp_largest: int  # bytes
     tp_calls: int
-    sent: int  # elements sent forward plus gradients sent back
+    sent: int  # bytes sent forward plus gradients sent back
     modules: int  # ZeRO-3 units
     regathered: int  # ZeRO-3 elements gathered again in backward (their units save params)
 
@@ -188,10 +188,9 @@ def _stage_seconds(
 ) -> tuple[StageSeconds, tuple[float, float]]:
     """One microbatch on stage `s`, and the (tp, pp) bytes it sends (`scale`: see
     `MemoryModel.profile_conversion`)."""
-    width = 4 * scale  # bytes per activation element (the profile counts elements at fp32)
-    tp_bytes = wire_bytes(CommKind.ALL_REDUCE, cand.tp, ss.tp_reduce * micro * width)
-    tp_bytes += wire_bytes(CommKind.ALL_GATHER, cand.tp, ss.tp_gather * micro * width)
-    pp_bytes = ss.sent * micro * width if cand.pp > 1 else 0.0
+    tp_bytes = wire_bytes(CommKind.ALL_REDUCE, cand.tp, ss.tp_reduce * micro * scale)
+    tp_bytes += wire_bytes(CommKind.ALL_GATHER, cand.tp, ss.tp_gather * micro * scale)
+    pp_bytes = ss.sent * micro * scale if cand.pp > 1 else 0.0
     # A middle stage sends forward and back, on both sides; an end stage on one.
     pp_calls = (2 - (s in (0, cand.pp - 1))) * 2 if cand.pp > 1 else 0
     took = StageSeconds(
@@ -244,13 +243,14 @@ def _stage_memory(
         gpipe = schedule is ScheduleKind.GPIPE
         flight = cand.microbatches if gpipe else min(cand.pp - s, cand.microbatches)
     acts = (ss.stored * flight + ss.again) * micro * scale
-    message = ss.tp_largest * micro * 4 * scale
+    message = ss.tp_largest * micro * scale
     return Memory(
         p * mem.param_bytes,
         g * mem.grad_bytes,
         o * mem.optimizer_bytes,
         int(acts),
         int(tp_ * mem.param_bytes + tg * mem.grad_bytes + message),
+        o * mem.step_bytes,
     )
 
 

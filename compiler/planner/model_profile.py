@@ -22,12 +22,13 @@ Algorithm:
    ParcError is why that size cannot work. Per unit at one rank: local
    parameter elements, forward FLOPs, saved bytes, the bytes a recomputed
    block keeps (its inputs), collectives.
-5. The elements a pipeline cut after each unit sends forward.
+5. The bytes a pipeline cut after each unit sends forward (at the profile's dtypes).
 """
 
 from __future__ import annotations
 
 import gc
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +40,7 @@ from parc.dsl.ast import Precision, ShardKind
 from parc.errors import ParcError
 
 from ..blocks import Blocks, find_blocks
-from ..cost import node_costs, output_numel, tensor_metas
+from ..cost import node_costs, tensor_metas
 from ..host_memory import HostFacts, host_facts
 from ..layout import ParamSlice, canonical_names, param_slices, zero3_owner
 from ..linear_forms import linear_form
@@ -55,6 +56,7 @@ from ..resolve import resolve
 from ..saved import SavedTensors, compute_dtype, profile_forward
 from ..stages import activation_nodes
 from ..trace import module_path, trace_model
+from ..traffic import with_bytes
 
 __all__ = ["ModelProfile", "TPProfile", "UnitCost", "profile_model"]
 
@@ -71,12 +73,13 @@ class UnitCost:
     flops: int  # forward FLOPs
     saved: int  # bytes saved for backward
     kept: int  # bytes a recomputed block keeps instead (its inputs)
-    tp_reduce: int  # tensor-parallel all-reduce elements, forward + backward
-    tp_gather: int  # tensor-parallel all-gather + reduce-scatter elements, forward + backward
-    tp_forward: int  # of those, forward elements (they run again when recomputed)
+    # Tensor-parallel traffic in bytes, at the dtypes of the profile (compiler/traffic.py)
+    tp_reduce: int  # all-reduce bytes, forward + backward
+    tp_gather: int  # all-gather + reduce-scatter bytes, forward + backward
+    tp_forward: int  # of those, forward bytes (they run again when recomputed)
     tp_calls: int  # tensor-parallel collectives
     tp_forward_calls: int  # of those, forward ones
-    tp_largest: int  # the largest single tensor-parallel message, elements
+    tp_largest: int  # the largest single tensor-parallel message, bytes
     modules: int  # ZeRO-3 units owning parameters here (one gather per unit)
     regathered: int  # local elements of ZeRO-3 units gathered again in backward (saved)
 
@@ -87,7 +90,7 @@ class TPProfile:
 
     tp: int
     units: tuple[UnitCost, ...]
-    sent: tuple[int, ...]  # elements per sample a cut after unit i sends (one rank)
+    sent: tuple[int, ...]  # bytes per sample a cut after unit i sends (one rank)
     tied: tuple[tuple[int, tuple[int, ...]], ...]  # (local elements, units using it)
     shard_lines: tuple[str, ...]
     warnings: int  # fallback all-gathers the analysis warned about
@@ -333,19 +336,20 @@ class _Base:
             if i in homes:
                 owner = zero3_owner(p, self.blocks)
                 owners[owner] = owners.get(owner, 0) + local[p]
-        comms = [c for n in mine for c in meta_of(n).collectives] if tp > 1 else []
+        comms = [c for n in mine for c in with_bytes(n, meta_of(n).collectives)] if tp > 1 else []
+        again = [c for n in mine for c in with_bytes(n, forward.get(n.name, ()))]
         return UnitCost(
             params=sum(owners.values()),
             largest=max(owners.values(), default=0),
             flops=sum(self.costs[n.name].flops // (tp if n.name in split else 1) for n in mine),
             saved=self._saved_bytes(i, tp, sharded),
             kept=self._kept_bytes(mine, tp, sharded),
-            tp_reduce=sum(e for k, e in comms if k is CommKind.ALL_REDUCE),
-            tp_gather=sum(e for k, e in comms if k in _GATHER_WIRE),
-            tp_forward=sum(e for n in mine for _, e in forward.get(n.name, ())),
+            tp_reduce=sum(b for k, _, b in comms if k is CommKind.ALL_REDUCE),
+            tp_gather=sum(b for k, _, b in comms if k in _GATHER_WIRE),
+            tp_forward=sum(b for _, _, b in again),
             tp_calls=len(comms),
-            tp_forward_calls=sum(len(forward.get(n.name, ())) for n in mine),
-            tp_largest=max((e for _, e in comms), default=0),
+            tp_forward_calls=len(again),
+            tp_largest=max((b for _, _, b in comms), default=0),
             modules=len(owners),
             regathered=sum(n for o, n in owners.items() if o in self.saved_owners),
         )
@@ -375,14 +379,18 @@ class _Base:
             first = self.unit[node.name]
             last = max(self.unit.get(u.name, first) for u in node.users)
             if last > first:
-                numel = output_numel(node) // (tp if node.name in sharded else 1)
-                delta[first] += numel
-                delta[last] -= numel
+                size = _output_bytes(node) // (tp if node.name in sharded else 1)
+                delta[first] += size
+                delta[last] -= size
         out, running = [], 0
         for i in range(self.n):
             running += delta[i]
             out.append(running)
         return tuple(out)
+
+
+def _output_bytes(node: torch.fx.Node) -> int:
+    return sum(math.prod(m.shape) * m.dtype.itemsize for m in tensor_metas(node))
 
 
 def _share(nbytes: int, node: str, tp: int, sharded: set[str]) -> int:

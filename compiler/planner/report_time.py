@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from parc.dsl.ast import AXIS_DP, AXIS_PP, Precision
+from parc.dsl.ast import AXIS_PP
 
 from ..frontend import Analysis
 from ..ops.collectives import CommKind
@@ -88,14 +88,13 @@ def step_time_lines(analysis: Any, cluster: Any) -> list[str]:
 def _traffic(analysis: Analysis) -> dict[str, float]:
     """Bytes one rank sends per step over each axis (the busiest stage's rank)."""
     plan, est = analysis.plan, analysis.estimate
-    width = 4 * est.memory_model.profile_conversion(Precision.FP32)
     out: dict[str, float] = {}
     for _, comms in est.collectives:
         sent: dict[str, float] = {}
         for c in comms:
             if c.kind is CommKind.RECV:
                 continue
-            size = c.elements * (est.memory_model.grad_bytes if c.axis == AXIS_DP else width)
+            size = c.bytes  # at the dtype the runtime sends (compiler/traffic.py)
             tied = c.kind is CommKind.ALL_REDUCE and c.axis == AXIS_PP  # tied weights, as a pair
             n = 2 if tied else plan.mesh.size(c.axis)
             sent[c.axis] = sent.get(c.axis, 0.0) + wire_bytes(c.kind, n, size)

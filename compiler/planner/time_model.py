@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from parc.dsl.ast import AXIS_DP, AXIS_PP, Precision
+from parc.dsl.ast import AXIS_DP, AXIS_PP
 
 from ..estimate import Estimate
 from ..ops.collectives import CommKind
@@ -140,26 +140,23 @@ def estimate_step_time(plan: Plan, est: Estimate, cluster: Cluster) -> StepTime:
     """The step time of a compiled plan (its Estimate) on `cluster` (for `parc compile`)."""
     micro_steps = plan.microbatches * plan.grad_accum
     rate = cluster.rate(est.memory_model.precision).tflops * 1e12
-    width = 4 * est.memory_model.profile_conversion(Precision.FP32)  # bytes per activation element
     stages, dp = [], 0.0
     for cost, (_, comms) in zip(est.stages, est.collectives):
         tp = pp = reduce = gather = 0.0
         for c in comms:
             if c.axis == AXIS_DP:
-                took = transfer_seconds(cluster, plan.mesh, c.axis, c.kind, c.elements * 4, c.count)
+                took = transfer_seconds(cluster, plan.mesh, c.axis, c.kind, c.bytes, c.count)
                 if c.kind is CommKind.ALL_GATHER:
                     gather += took
                 else:
                     reduce += took
             elif c.axis == AXIS_PP and c.kind is CommKind.ALL_REDUCE:  # weights tied across stages
-                reduce += transfer_seconds(cluster, plan.mesh, c.axis, c.kind, c.elements * 4, 1)
+                reduce += transfer_seconds(cluster, plan.mesh, c.axis, c.kind, c.bytes, 1)
             elif c.axis == AXIS_PP:
                 if c.kind is CommKind.SEND:
-                    size = c.elements * width
-                    pp += transfer_seconds(cluster, plan.mesh, c.axis, c.kind, size, c.count)
+                    pp += transfer_seconds(cluster, plan.mesh, c.axis, c.kind, c.bytes, c.count)
             else:
-                size = c.elements * width
-                tp += transfer_seconds(cluster, plan.mesh, c.axis, c.kind, size, c.count)
+                tp += transfer_seconds(cluster, plan.mesh, c.axis, c.kind, c.bytes, c.count)
         compute = cost.rank_flops_per_sample * plan.batch.micro / rate
         stages.append(StageSeconds(compute, tp / micro_steps, pp / micro_steps))
         dp = max(dp, exposed_dp(plan.zero, reduce, gather, BACKWARD_SHARE * compute))

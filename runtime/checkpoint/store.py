@@ -48,6 +48,13 @@ is read into the program. `parc.json` itself is sealed and its entries checked
 (checkpoint_find.py) never leaves the directory nor falls back to an older
 checkpoint when the newest is unusable.
 
+Precision: `model.<param>` and the optimizer state are what the optimizer
+steps (checkpoint_layout.py): under `precision bf16` the fp32 masters and their
+fp32 state; the bf16 compute copies are not stored but written from the masters
+after a load. So a checkpoint of either precision loads under the other (an
+fp32 checkpoint's values become a bf16 run's masters), and `parc.json` records
+the precision it was saved under only for the reader.
+
 Loading never fills a tensor the checkpoint lacks: a missing parameter, buffer or
 optimizer state, a parameter the model does not have, a different shape, or
 another optimizer class is a `ParcError` on every rank, before anything is read.
@@ -200,6 +207,11 @@ def load_checkpoint(program: Program, directory: str | Path) -> int:
             no_dist=not _distributed(),
         )
     optimizer.install(state.get(GROUPS), str(path))
+    if parts.plan.mixed:
+        # The bf16 compute copies from the fp32 masters just read, as after an optimizer
+        # step (zero 1/2 then all-gather the bf16 flat parameters): bitwise what the saved
+        # run computed with, so it continues exactly.
+        parts.sync.after_step()
     program.steps_done = int(info["step"])
     return program.steps_done
 

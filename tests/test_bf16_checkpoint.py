@@ -1,0 +1,245 @@
+"""Checkpoints under `precision bf16` keep the fp32 masters and their fp32 optimizer state:
+a resumed run continues exactly, a checkpoint reshards into any spec of either precision,
+and `parc export` writes fp32 (or bf16 with `--dtype bf16`).
+
+Tolerances: none. A resumed run is the same program on the same data with the
+same fp32 masters, fp32 optimizer state and bf16 compute copies (the masters
+rounded), so its losses and final masters are bitwise the uninterrupted run's.
+Loading under another spec reads the same fp32 values into other boxes, so the
+loaded program's `state_dict()` (its fp32 masters, or an fp32 run's parameters)
+is bitwise the saved one. A bf16 export is the masters cast by `Tensor.to`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import GPT, MLP, world_size
+
+from parc.compiler.model import ModelSource, load_model
+from parc.runtime.checkpoint.store import load_checkpoint, save_checkpoint
+from parc.runtime.equivalence import make_optimizer, model_env
+from parc.runtime.export import export_program, export_state_dict
+
+pytestmark = pytest.mark.multiprocess
+
+GPT_ENV = {"GPT_LAYERS": "2", "GPT_DIM": "16", "GPT_HEADS": "2", "GPT_VOCAB": "33", "GPT_SEQ": "8"}
+MLP_ENV = {"MLP_LAYERS": "2", "MLP_DIM": "8", "MLP_OUT": "3"}
+BATCH = 8
+STEPS, HALF = 6, 3
+BF16 = "precision bf16\n"
+TP_SHARDS = (  # Megatron's cut
+    "shard *.attn.qkv col tp\n"
+    "shard *.attn.proj row tp\n"
+    "shard *.mlp.fc1 col tp\n"
+    "shard *.mlp.fc2 row tp\n"
+)
+PP2 = "stage auto\nmicrobatches 2\n"
+LAYOUTS = {
+    "single": "mesh dp=1\n",
+    "dp2": "mesh dp=2\n",
+    "dp2-zero1": "mesh dp=2\nzero 1\n",
+    "dp2-zero2": "mesh dp=2\nzero 2\n",
+    "dp2-zero3": "mesh dp=2\nzero 3\n",
+    "pp2": "mesh pp=2\n" + PP2,  # GPT's lm_head is tied to wte: it lives on both stages
+    "tp2": "mesh tp=2\n" + TP_SHARDS,
+    "dp2-tp2-zero3": "mesh dp=2 tp=2\nzero 3\n" + TP_SHARDS,
+}
+
+
+# ------------------------------------------------------------ on every rank
+
+
+def _compile(spec: str, source: ModelSource, optimizer: str) -> Any:
+    from parc.api import compile as parc_compile
+
+    return parc_compile(spec, source, batch=BATCH, optimizer=make_optimizer(optimizer))
+
+
+def _train(program: Any, source: ModelSource, steps: range) -> list[float]:
+    return [program.step(*source.batch(BATCH, step)) for step in steps]
+
+
+def _rank0(value: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    import torch.distributed as dist
+
+    return value if dist.get_rank() == 0 else {}
+
+
+def straight_and_resumed(spec: str, optimizer: str, directory: str) -> dict[str, Any]:
+    """6 steps straight; then 3 steps, save, a freshly compiled program, load, 3 steps."""
+    with model_env(GPT_ENV):
+        source = load_model(GPT)
+        straight = _compile(spec, source, optimizer)
+        losses = _train(straight, source, range(STEPS))
+        first = _compile(spec, source, optimizer)
+        resumed = _train(first, source, range(HALF))
+        save_checkpoint(first, directory, HALF)
+        second = _compile(spec, source, optimizer)
+        start = load_checkpoint(second, directory)
+        resumed += _train(second, source, range(start, STEPS))
+        return {
+            "start": start,
+            "straight": losses,
+            "resumed": resumed,
+            "straight_params": _rank0(straight.state_dict()),
+            "resumed_params": _rank0(second.state_dict()),
+        }
+
+
+def train_and_save(spec: str, optimizer: str, directory: str) -> dict[str, Any]:
+    """3 steps from the initial weights, then a checkpoint; the full model as saved."""
+    with model_env(GPT_ENV):
+        source = load_model(GPT)
+        program = _compile(spec, source, optimizer)
+        _train(program, source, range(HALF))
+        save_checkpoint(program, directory, HALF)
+        return _rank0(program.state_dict())
+
+
+def load_only(spec: str, optimizer: str, directory: str) -> dict[str, Any]:
+    """A fresh program loads the checkpoint: its full model as loaded, and whether every
+    compute tensor its graphs read is its master rounded to bf16 (under bf16)."""
+    with model_env(GPT_ENV):
+        program = _compile(spec, load_model(GPT), optimizer)
+        load_checkpoint(program, directory)
+        return {"params": _rank0(program.state_dict()), "rounded": _computes_rounded(program)}
+
+
+def _computes_rounded(program: Any) -> bool:
+    """Under bf16: each parameter the graphs read (zero 0-2; ZeRO-3: each bf16 shard) equals
+    its fp32 master (`full_local`, collective over dp) cast to bf16."""
+    parts = program.parts
+    if not parts.plan.mixed:
+        return True
+    pairs: list[tuple[torch.Tensor, torch.Tensor]]
+    if parts.plan.zero == 3:
+        pairs = list(zip(parts.sync.shards, parts.sync.optimizer_params()))
+    else:
+        pairs = [(p, parts.sync.full_local(n)) for n, p in parts.local_params.items()]
+    return all(
+        compute.dtype == torch.bfloat16 and torch.equal(compute, master.to(torch.bfloat16))
+        for compute, master in pairs
+    )
+
+
+def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    assert set(got) == set(want), what
+    for name, value in want.items():
+        assert got[name].dtype == value.dtype == torch.float32, f"{what}: {name} {value.dtype}"
+        assert torch.equal(got[name], value), f"{what}: {name} differs"
+
+
+# ------------------------------------------------------------ resume
+
+
+@pytest.mark.parametrize(
+    ("layout", "optimizer", "reduce"),
+    [
+        ("dp2-zero1", "adamw", ""),  # the masters are dp shards; refreshed by an all-gather
+        ("dp2-zero2", "sgd", "reduce fp32\n"),
+        ("dp2-tp2-zero3", "adamw", ""),  # ZeRO-3 master shards of blocked tp slices
+        ("pp2", "adamw", ""),  # a tied weight's master on both stages
+        ("tp2", "sgd", ""),  # zero 0: one master per tp-local parameter
+    ],
+)
+def test_a_bf16_run_resumes_exactly(
+    gloo_pool: Any, tmp_path: Path, layout: str, optimizer: str, reduce: str
+) -> None:
+    spec = LAYOUTS[layout] + BF16 + reduce
+    result = gloo_pool(world_size(spec)).run(straight_and_resumed, spec, optimizer, str(tmp_path))
+    result = result[0]
+    assert result["start"] == HALF
+    assert result["resumed"] == result["straight"], "losses after resuming differ"
+    _assert_equal(result["resumed_params"], result["straight_params"], "final masters")
+    info = json.loads((tmp_path / f"step-{HALF}" / "parc.json").read_text())
+    assert (info["precision"], info["reduce"]) == ("bf16", "fp32" if reduce else "bf16")
+
+
+# ------------------------------------------------------------ resharding
+
+
+@pytest.mark.parametrize(
+    ("saved_as", "loaded_as"),
+    [
+        (("dp2-zero1", BF16), ("dp2-zero3", "")),  # bf16 -> fp32
+        (("dp2-zero1", BF16), ("tp2", BF16)),
+        (("dp2-tp2-zero3", BF16), ("pp2", BF16)),
+        (("pp2", BF16), ("dp2", "")),
+        (("dp2-zero2", ""), ("dp2-zero1", BF16)),  # fp32 -> bf16: the masters take its values
+    ],
+    ids=[
+        "dp2-zero1-bf16>dp2-zero3",
+        "dp2-zero1-bf16>tp2-bf16",
+        "dp2-tp2-zero3-bf16>pp2-bf16",
+        "pp2-bf16>dp2",
+        "dp2-zero2>dp2-zero1-bf16",
+    ],
+)
+def test_a_checkpoint_loads_its_fp32_values_under_any_spec(
+    gloo_pool: Any, tmp_path: Path, saved_as: tuple[str, str], loaded_as: tuple[str, str]
+) -> None:
+    save_spec, load_spec = (LAYOUTS[layout] + bf16 for layout, bf16 in (saved_as, loaded_as))
+    optimizer = "adamw"
+    saved = gloo_pool(world_size(save_spec)).run(
+        train_and_save, save_spec, optimizer, str(tmp_path)
+    )
+    loaded = gloo_pool(world_size(load_spec)).run(load_only, load_spec, optimizer, str(tmp_path))
+    _assert_equal(loaded[0]["params"], saved[0], f"{saved_as} -> {loaded_as}")
+    assert all(r["rounded"] for r in loaded), "the bf16 compute copies are not the masters'"
+
+
+# ------------------------------------------------------------ export
+
+
+def _mlp_bf16(tmp_path: Path) -> tuple[Any, dict[str, torch.Tensor]]:
+    """A single-process bf16 program after 2 AdamW steps, checkpointed; its masters."""
+    with model_env(MLP_ENV):
+        source = load_model(MLP)
+        program = _compile(LAYOUTS["single"] + BF16, source, "adamw")
+        _train(program, source, range(2))
+        save_checkpoint(program, tmp_path / "ckpt", 2)
+    masters = program.state_dict()
+    assert all(t.dtype == torch.float32 for t in masters.values())
+    return program, masters
+
+
+def test_export_writes_the_fp32_masters_or_with_dtype_bf16_their_cast(tmp_path: Path) -> None:
+    program, masters = _mlp_bf16(tmp_path)
+    with model_env(MLP_ENV):
+        fp32 = torch.load(export_state_dict(tmp_path / "ckpt", MLP, tmp_path / "a.pt"))
+        bf16 = torch.load(
+            export_state_dict(tmp_path / "ckpt", MLP, tmp_path / "b.pt", dtype="bf16")
+        )
+        live = export_program(program, tmp_path / "c.pt", dtype="bf16")
+    assert live is not None
+    _assert_equal(fp32, masters, "export")
+    for exported in (bf16, torch.load(live)):
+        assert set(exported) == set(masters)
+        for name, master in masters.items():
+            assert exported[name].dtype == torch.bfloat16, name
+            assert torch.equal(exported[name], master.to(torch.bfloat16)), name
+
+
+def test_parc_export_dtype_bf16_writes_bf16_safetensors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from safetensors import safe_open
+
+    _, masters = _mlp_bf16(tmp_path)
+    from parc.cli import main
+
+    out = tmp_path / "hf"
+    args = ["export", str(tmp_path / "ckpt"), MLP, "-o", str(out), "--format", "hf"]
+    with model_env(MLP_ENV):
+        assert main([*args, "--dtype", "bf16"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        for name, master in masters.items():
+            stored = f.get_tensor(name)
+            assert stored.dtype == torch.bfloat16, name
+            assert torch.equal(stored, master.to(torch.bfloat16)), name

@@ -402,7 +402,7 @@ def _rank_memory(
         buffers = max(early, late_elements(zero, units) * memory.grad_bytes - activations)
     return (
         p * memory.param_bytes,
-        g * memory.grad_bytes,
+        g * memory.held_grad_bytes(plan.zero),
         o * memory.state_bytes,
         activations,
         buffers,

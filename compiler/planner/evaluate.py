@@ -246,7 +246,7 @@ def _stage_memory(
     message = ss.tp_largest * micro * scale
     return Memory(
         p * mem.param_bytes,
-        g * mem.grad_bytes,
+        g * mem.held_grad_bytes(zero),
         o * mem.optimizer_bytes,
         int(acts),
         int(tp_ * mem.param_bytes + tg * mem.grad_bytes + message),

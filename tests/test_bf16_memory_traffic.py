@@ -1,0 +1,165 @@
+"""Under `precision bf16`, what a rank of a compiled program holds and sends equals the report.
+
+Each rank trains one step (so the optimizer's states exist), then, in the second
+step's `after_sync` hook (gradients reduced, the masters' fp32 gradients made,
+the optimizer not yet stepped), walks the distinct storages it holds:
+
+- params: what the stage graphs read (the bf16 compute copies, ZeRO-1/2's bf16
+  flat parameters, ZeRO-3's bf16 shards);
+- master: what the optimizer steps (`sync.optimizer_params()`: fp32 masters);
+- optimizer: the optimizer's state tensors;
+- grads: the compute parameters' gradients and the gradient sync's buffers, and
+  under `reduce fp32` the masters' gradients (views of, or the same as, the fp32
+  reduction's result);
+- step: under `reduce bf16` the masters' fp32 gradients, the casts of the bf16
+  reduction (the optimizer step's transient).
+
+Each is the report's byte count exactly, for ZeRO 0-3 and both reduce formats;
+and the bytes the runtime counts per (kind, axis) (`Program.comm_bytes`) are the
+estimate's, for ZeRO-3, TP, PP and a 3D mesh under bf16 and fp32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+from helpers import GPT, world_size
+
+from parc.compiler.estimate import Estimate
+from parc.compiler.frontend import analyse
+from parc.runtime.equivalence import model_env
+
+pytestmark = pytest.mark.multiprocess
+
+GPT_ENV = {"GPT_LAYERS": "2", "GPT_DIM": "32", "GPT_HEADS": "4", "GPT_VOCAB": "61", "GPT_SEQ": "16"}
+BATCH = 8
+GPT_TP = "".join(
+    f"shard *.{m} {k} tp\n"
+    for m, k in [("attn.qkv", "col"), ("attn.proj", "row"), ("mlp.fc1", "col"), ("mlp.fc2", "row")]
+)
+
+
+def _storages(tensors: Sequence[torch.Tensor | None]) -> dict[int, int]:
+    """data_ptr -> bytes of the distinct storages of `tensors` (None skipped)."""
+    found = {}
+    for t in tensors:
+        if t is not None and t.untyped_storage().nbytes():
+            found[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return found
+
+
+def _held(program: Any, reduce_fp32: bool) -> dict[str, int]:
+    """Bytes by part (the module docstring), each storage counted once, in the order
+    params, master, optimizer, grads, step."""
+    sync = program.parts.sync
+    params = [p for s in program.parts.stages.values() for p in s.gm.parameters()]
+    masters = list(sync.optimizer_params())
+    states = [
+        t
+        for state in program.optimizer.state.values()
+        for t in state.values()
+        if isinstance(t, torch.Tensor) and t.dim() > 0  # per-tensor step counters aside
+    ]
+    buffers = [getattr(u, "grad", None) for u in getattr(sync, "units", ())]
+    master_grads = [m.grad for m in masters]
+    grads = [p.grad for p in params] + buffers + (master_grads if reduce_fp32 else [])
+    parts = {
+        "params": _storages(params),
+        "master": _storages(masters),
+        "optimizer": _storages(states),
+        "grads": _storages(grads),
+        "step": _storages([] if reduce_fp32 else master_grads),
+    }
+    seen: set[int] = set()
+    out = {}
+    for name, found in parts.items():  # an fp32 optimizer steps the parameters themselves
+        out[name] = sum(b for ptr, b in found.items() if ptr not in seen)
+        seen |= found.keys()
+    return out
+
+
+def held_and_sent(spec_text: str, model: str, env: dict[str, str], batch: int) -> dict[str, Any]:
+    """One rank: the bytes it holds at the second step's optimizer step, and what it sent."""
+    import torch.distributed as dist
+
+    from parc.api import compile as parc_compile
+    from parc.compiler.model import load_model
+
+    with model_env(env):
+        source = load_model(model)
+        program = parc_compile(spec_text, source, batch=batch)
+        program.step(*source.batch(batch, 0))
+        reduce_fp32 = program.parts.plan.reduce.value == "fp32"
+        held: dict[str, int] = {}
+        program.hooks.after_sync.append(lambda step: held.update(_held(program, reduce_fp32)))
+        program.step(*source.batch(batch, 1))
+    return {"rank": dist.get_rank(), **held, "bytes": program.comm_bytes()}
+
+
+def _analysed(spec: str) -> Estimate:
+    with model_env(GPT_ENV):
+        return analyse(spec, GPT, batch=BATCH).estimate
+
+
+MEMORY = {
+    f"zero{zero} reduce {reduce}": f"mesh dp=2\nzero {zero}\nprecision bf16\nreduce {reduce}\n"
+    for zero in (0, 1, 2, 3)
+    for reduce in ("bf16", "fp32")
+}
+
+
+@pytest.mark.parametrize("case", list(MEMORY))
+def test_resident_bytes_under_bf16_are_the_reported_ones(gloo_pool: Any, case: str) -> None:
+    spec = MEMORY[case]
+    est = _analysed(spec)
+    for got in gloo_pool(world_size(spec)).run(held_and_sent, spec, GPT, GPT_ENV, BATCH):
+        mem = est.memory[got["rank"]]
+        want = {
+            "params": mem.params,
+            "master": mem.master,
+            "optimizer": mem.optimizer,
+            "grads": mem.grads,
+            "step": mem.step,
+        }
+        assert {k: got[k] for k in want} == want, got["rank"]
+        assert mem.master > 0 and (mem.step > 0) == case.endswith("bf16")
+        # A master has its compute tensor's elements at twice the bytes (zero 0 and 3);
+        # zero 1/2's masters are this rank's half of the bf16 flat parameter.
+        assert mem.master == mem.params * (2 if case[4] in "03" else 1)
+
+
+TRAFFIC = {
+    "zero3": "mesh dp=2\nzero 3\n",
+    "zero1": "mesh dp=2\nzero 1\n",
+    "tp": "mesh tp=2\n" + GPT_TP,
+    "pp": "mesh pp=2\nstage auto\nmicrobatches 2\n",
+    "3d": "mesh dp=2 pp=2 tp=2\nstage auto\nmicrobatches 2\nzero 1\n" + GPT_TP,
+}
+FORMATS = {
+    "fp32": "",
+    "bf16": "precision bf16\n",
+    "bf16 reduce fp32": "precision bf16\nreduce fp32\n",
+}
+
+
+def _by_kind(est: Estimate, stage: int) -> dict[tuple[Any, str], int]:
+    """The estimate's bytes of a stage as (kind, axis) -> bytes."""
+    out: dict[tuple[Any, str], int] = {}
+    for c in dict(est.collectives)[stage]:
+        out[(c.kind, c.axis)] = out.get((c.kind, c.axis), 0) + c.bytes
+    return out
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("case", list(TRAFFIC))
+def test_bytes_sent_are_the_estimated_ones(gloo_pool: Any, case: str, fmt: str) -> None:
+    spec = TRAFFIC[case] + FORMATS[fmt]
+    est = _analysed(spec)
+    with model_env(GPT_ENV):
+        plan = analyse(spec, GPT, batch=BATCH).plan
+    for got in gloo_pool(world_size(spec)).run(held_and_sent, spec, GPT, GPT_ENV, BATCH):
+        stage = plan.mesh.coords(got["rank"]).get("pp", 0)
+        assert got["bytes"] == _by_kind(est, stage), got["rank"]

@@ -21,7 +21,7 @@ import torch
 from helpers import GPT, MLP, world_size
 
 from parc.compiler.model import ModelSource, load_model
-from parc.runtime.checkpoint.store import load_checkpoint, save_checkpoint
+from parc.runtime.checkpoint.store import load_checkpoint, quiet_single_process, save_checkpoint
 from parc.runtime.equivalence import make_optimizer, model_env
 from parc.runtime.export import export_program, export_state_dict
 
@@ -107,6 +107,7 @@ def load_only(spec: str, optimizer: str, directory: str) -> dict[str, Any]:
     with model_env(GPT_ENV):
         program = _compile(spec, load_model(GPT), optimizer)
         load_checkpoint(program, directory)
+        save_checkpoint(program, Path(directory) / "again", HALF)  # as this spec holds it
         return {"params": _rank0(program.state_dict()), "rounded": _computes_rounded(program)}
 
 
@@ -125,6 +126,23 @@ def _computes_rounded(program: Any) -> bool:
         compute.dtype == torch.bfloat16 and torch.equal(compute, master.to(torch.bfloat16))
         for compute, master in pairs
     )
+
+
+def _contents(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint, whole (one process): parameters, optimizer state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(path)
+    entries = reader.read_metadata().state_dict_metadata.items()
+    out = {
+        key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+        for key, entry in entries
+        if isinstance(entry, TensorStorageMetadata)
+    }
+    with quiet_single_process():
+        dcp.load(out, storage_reader=reader, no_dist=True)
+    return out
 
 
 def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
@@ -189,8 +207,17 @@ def test_a_checkpoint_loads_its_fp32_values_under_any_spec(
         train_and_save, save_spec, optimizer, str(tmp_path)
     )
     loaded = gloo_pool(world_size(load_spec)).run(load_only, load_spec, optimizer, str(tmp_path))
-    _assert_equal(loaded[0]["params"], saved[0], f"{saved_as} -> {loaded_as}")
+    what = f"{saved_as} -> {loaded_as}"
+    _assert_equal(loaded[0]["params"], saved[0], what)
     assert all(r["rounded"] for r in loaded), "the bf16 compute copies are not the masters'"
+    # Saved again under the new spec: the same fp32 masters and optimizer state, bitwise.
+    again = _contents(tmp_path / "again" / f"step-{HALF}")
+    first = _contents(tmp_path / f"step-{HALF}")
+    assert sorted(again) == sorted(first), what
+    assert any(key.startswith("optim.exp_avg_sq.") for key in first), "AdamW's state is saved"
+    for key, value in first.items():
+        assert again[key].dtype == value.dtype == torch.float32, f"{what}: {key} {value.dtype}"
+        assert torch.equal(again[key], value), f"{what}: {key} differs"
 
 
 # ------------------------------------------------------------ export

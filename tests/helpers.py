@@ -8,6 +8,7 @@ from typing import Any
 
 from hypothesis import settings
 
+from parc.dsl.ast import Precision
 from parc.runtime.equivalence import (
     Comparison,
     Tolerance,
@@ -48,6 +49,12 @@ def world_size(spec_text: str) -> int:
     return parse_spec(spec_text).mesh.world_size
 
 
+def spec_precision(spec_text: str) -> Precision:
+    from parc.dsl import parse_spec
+
+    return parse_spec(spec_text).precision
+
+
 def check_equivalent(
     pool_factory: Any,
     spec_text: str,
@@ -61,8 +68,19 @@ def check_equivalent(
     schedule: dict[int, list[str]] | None = None,
 ) -> tuple[Comparison, dict[str, Any]]:
     """`spec_text` on a pool against the reference here (docs/architecture.md, Equivalence);
-    `schedule`: a hand-written pipeline schedule to run instead of the spec's."""
-    ref = reference_run(model, steps=steps, batch=batch, seed=seed, optimizer=optimizer, env=env)
+    `schedule`: a hand-written pipeline schedule to run instead of the spec's. The reference
+    trains in the spec's precision (`precision bf16`: the mixed-precision recipe), compared
+    with that precision's tolerance."""
+    precision = spec_precision(spec_text)
+    ref = reference_run(
+        model,
+        steps=steps,
+        batch=batch,
+        seed=seed,
+        optimizer=optimizer,
+        env=env,
+        precision=precision,
+    )
     pool = pool_factory(world_size(spec_text))
     results = pool.run(
         parallel_case,
@@ -78,5 +96,6 @@ def check_equivalent(
     losses = {tuple(r["losses"]) for r in results}
     # Every rank reports the same global loss.
     assert len(losses) == 1, f"ranks disagree on the loss: {losses}"
-    comparison = compare_runs(ref, results[0], Tolerance.for_optimizer(optimizer, steps))
+    tolerance = Tolerance.for_optimizer(optimizer, steps, precision)
+    comparison = compare_runs(ref, results[0], tolerance)
     return comparison, results[0]

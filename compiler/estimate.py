@@ -4,8 +4,9 @@ Reads a shape-propagated graph traced at the micro-batch size (so activation
 bytes are per microbatch) and the parameter layout of compiler/layout.py, which
 the runtime follows too. Activation bytes come from compiler/activations.py
 (tensor-parallel slices, recomputed regions), traffic from compiler/traffic.py,
-bytes per parameter from compiler/memory_model.py (the model file's optimizer),
-host memory during compile from compiler/host_memory.py.
+bytes per parameter from compiler/memory_model.py (the model file's optimizer and
+the plan's precision), the per-rank record and ZeRO's element formulas from
+compiler/rank_memory.py, host memory during compile from compiler/host_memory.py.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from .passes.placement import Partial, Shard
 from .plan import Plan
 from .plan_schedule import plan_bubble, plan_in_flight
 from .rank_memories import RankMemories
+from .rank_memory import RankMemory, late_elements, resident_elements, transient_elements
 from .recompute_cost import forward_tp_collectives, param_readers
 from .saved import SavedTensors
 from .traffic import Collective, StageTraffic, stage_collectives
@@ -65,59 +67,6 @@ class StageCost:
     activation_bytes: int  # stored per microbatch, at one rank (tensor-parallel slices counted)
     recompute_bytes: int = 0  # held at once while the largest recomputed region runs again
     rank_flops_per_sample: int = 0  # at one rank: tensor-parallel ops do 1/tp of the work
-
-
-@dataclass(frozen=True, slots=True)
-class RankMemory:
-    """Bytes resident on one rank after a step (activations at their peak).
-
-    `params` are what the graphs read (bf16 compute copies under `precision
-    bf16`), `grads` the gradient buffers (in the reduce format), `optimizer`
-    the optimizer's states and `master` the fp32 master weights it steps under
-    bf16 (on the optimizer's geometry, like the states).
-
-    `peak` is the most the rank holds at once during a step: the activation
-    peak (parameters, optimizer state and masters, the gradients alive then:
-    `peak_grads`, ZeRO-2 drops its shards before backward, so none;
-    activations and `buffers`, the transient collective buffers alive then:
-    ZeRO-2's first gradient bucket, or all its full buckets under accumulation;
-    a gathered ZeRO-3 unit and its gradient; the largest tensor-parallel
-    message; or, where more, what the end of backward holds once activations
-    are freed), or the optimizer step's (`step_peak`: everything resident and
-    `step`, the master's fp32 gradient cast from a bf16 reduction), whichever is more.
-    """
-
-    rank: int
-    params: int
-    grads: int
-    optimizer: int
-    activations: int
-    buffers: int = 0
-    peak_grads: int | None = None  # gradient bytes at the peak, when not `grads`
-    master: int = 0  # fp32 master weights (precision bf16)
-    step: int = 0  # the optimizer step's transient fp32 gradient (precision bf16, reduce bf16)
-
-    @property
-    def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.master + self.activations
-
-    @property
-    def activation_peak(self) -> int:
-        grads = self.grads if self.peak_grads is None else self.peak_grads
-        held = self.params + grads + self.optimizer + self.master
-        return held + self.activations + self.buffers
-
-    @property
-    def step_peak(self) -> int:
-        """At the optimizer step: everything resident but activations, and `step`
-        (0 when the step holds nothing of its own)."""
-        if not self.step:
-            return 0
-        return self.params + self.grads + self.optimizer + self.master + self.step
-
-    @property
-    def peak(self) -> int:
-        return max(self.activation_peak, self.step_peak)
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,62 +231,6 @@ def stage_units(
         local, zero=plan.zero, dp=plan.dp, bucket_elems=bucket_elems, solo=tied, dtypes=dtypes
     )
     return units, sum(n for _, n, _ in local), tied
-
-
-def resident_elements(zero: int, n_local: int, padded: int, shard: int) -> tuple[int, int, int]:
-    """Elements of parameters, gradients and optimizer memory one rank holds between steps."""
-    if zero == 0:
-        return n_local, n_local, n_local
-    if zero == 1:
-        return padded, padded, shard
-    if zero == 2:
-        return padded, shard, shard
-    return shard, shard, shard
-
-
-def transient_elements(
-    zero: int,
-    padded: int,
-    shard: int,
-    largest_unit: int,
-    *,
-    first_bucket: int | None = None,
-    accumulating: bool = True,
-) -> tuple[int, int]:
-    """(parameter, gradient) elements of transient dp buffers at the activation peak.
-
-    The peak of activations is the start of backward (runtime/grad_sync.py):
-    zero 1: nothing yet (a reduce-scattered shard is made once its bucket is
-    ready, as backward frees activations); zero 2: the first bucket (`units[0]`,
-    whose gradients arrive first) is allocated while nearly every activation is
-    alive; under accumulation (`accumulating`: several micro-steps or
-    microbatches per step) every full bucket lives from the first micro-step
-    to the last one's reduce-scatter. Without the layout (`first_bucket` None,
-    the planner) zero 2 is costed as accumulating. zero 3: one gathered unit and
-    its full gradient before the reduce-scatter (in forward: the gathered unit
-    and the next one, prefetched; the same bytes when parameters and gradients
-    share a dtype).
-    """
-    if zero == 2:
-        return 0, padded if accumulating or first_bucket is None else first_bucket
-    if zero == 3:
-        return largest_unit, largest_unit
-    return 0, 0
-
-
-def late_elements(zero: int, units: tuple[FlatUnit, ...]) -> int:
-    """Gradient elements of dp buffers at the end of backward, once activations are freed.
-
-    One reduce-scatter is in flight while the next bucket starts: zero 1 holds
-    those two buckets' reduced shards, zero 2 their two full buffers and every
-    new shard.
-    """
-    two = sorted(units, key=lambda u: u.padded, reverse=True)[:2]
-    if zero == 1:
-        return sum(u.shard for u in two)
-    if zero == 2:
-        return sum(u.padded for u in two) + sum(u.shard for u in units)
-    return 0
 
 
 def _walk_backward(

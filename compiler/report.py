@@ -6,13 +6,21 @@ JSON-serialisable dict.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
-from .estimate import Estimate, RankMemory
-from .host_memory import HostMemory
+from .estimate import Estimate
 from .ops.collectives import CommKind
 from .plan import Plan, compress_names
+from .report_memory import (
+    buffer_lines,
+    host_json,
+    host_lines,
+    memory_json,
+    memory_lines,
+    precision_json,
+    precision_lines,
+)
+from .report_table import MAX_RANK_ROWS, human_bytes, human_count, table
 
 __all__ = [
     "bytes_by_axis",
@@ -24,46 +32,6 @@ __all__ = [
 ]
 
 
-def human_count(n: float) -> str:
-    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f}{unit}"
-    return f"{n:.0f}"
-
-
-def human_bytes(n: float) -> str:
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"
-
-
-def _table(header: list[str], rows: list[list[str]], indent: str = "  ") -> list[str]:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    fmt = [
-        (lambda c, w: c.ljust(w))
-        if i == 0 or not rows or not _numeric(rows, i)
-        else (lambda c, w: c.rjust(w))
-        for i in range(len(header))
-    ]
-    out = []
-    for row in [header, *rows]:
-        out.append(indent + "  ".join(f(c, w) for f, c, w in zip(fmt, row, widths)).rstrip())
-    return out
-
-
-_NUMBER = re.compile(r"^-?[\d.]+ ?([KMGT]|[KMG]iB|B|%)?$")
-
-
-def _numeric(rows: list[list[str]], i: int) -> bool:
-    return all(_NUMBER.match(r[i]) for r in rows)
-
-
-# Per-rank rows a report lists; a bigger mesh is summarised (a row per pipeline stage
-# for memory, the first ranks for coordinates): `mesh dp=100000000` is a few lines.
-MAX_RANK_ROWS = 64
-
-
 def _mesh_lines(plan: Plan, max_ranks: int = MAX_RANK_ROWS) -> list[str]:
     names = list(plan.mesh.names)
     lines = [f"Mesh  {plan.mesh}  (world size {plan.mesh.world_size}, last axis fastest)"]
@@ -73,7 +41,7 @@ def _mesh_lines(plan: Plan, max_ranks: int = MAX_RANK_ROWS) -> list[str]:
     for rank in range(min(plan.mesh.world_size, max_ranks)):
         coords = plan.mesh.coords(rank)
         rows.append([str(rank), *(str(coords[n]) for n in names)])
-    lines += _table(["rank", *names], rows)
+    lines += table(["rank", *names], rows)
     if plan.mesh.world_size > max_ranks:
         lines.append(f"  ... {plan.mesh.world_size - max_ranks} more ranks")
     return lines
@@ -90,7 +58,7 @@ def _placement_lines(plan: Plan) -> list[str]:
         for (line, kind, axis, mtype), names in groups.items()
     ]
     header = ["modules", "kind", "axis", "type", "spec line"]
-    return ["Placements (everything else replicated)", *_table(header, rows)]
+    return ["Placements (everything else replicated)", *table(header, rows)]
 
 
 def group_names(names: list[str]) -> str:
@@ -139,7 +107,7 @@ def _stage_lines(plan: Plan, est: Estimate) -> list[str]:
         )
     title = "Stages (stage auto)" if plan.stage_auto else "Stages"
     header = ["stage", "params", "FLOPs/sample", "activations/microbatch", "modules"]
-    lines = [title, *_table(header, rows)]
+    lines = [title, *table(header, rows)]
     if plan.num_stages > plan.pp:
         lines.append(f"  virtual stages: {rank_stages_text(plan)}")
     if plan.stage_auto:
@@ -188,102 +156,8 @@ def _recompute_lines(plan: Plan, est: Estimate) -> list[str]:
     return [
         f"Recompute  {group_names(list(plan.recompute))}: each keeps its inputs, and its "
         "forward runs again in backward (FLOPs include it)",
-        *_table(header, rows),
+        *table(header, rows),
     ]
-
-
-def _memory_lines(est: Estimate) -> list[str]:
-    """A row per rank, or per pipeline stage when the mesh has more than MAX_RANK_ROWS."""
-    memory = est.memory
-    if len(memory) <= MAX_RANK_ROWS:
-        records, labels, first = list(memory), [str(m.rank) for m in memory], "rank"
-    else:
-        each = f"{memory.ranks_per_stage:,} ranks"
-        # One record per pp index: a stage, or with virtual stages a pp rank's stages.
-        what = "stage" if len(est.stages) == len(memory.by_stage) else "pp rank"
-        labels = [f"{what} {s} ({each})" for s in range(len(memory.by_stage))]
-        if len(memory.by_stage) == 1:
-            labels = [f"all {each}"]
-        records, first = list(memory.by_stage), "ranks"
-    columns = _memory_columns(est)
-    rows = [
-        [label, *(human_bytes(getattr(m, field)) for _, field in columns)]
-        for label, m in zip(labels, records, strict=True)
-    ]
-    return [
-        f"Memory per rank ({est.memory_model.describe()})",
-        *_table([first, *(header for header, _ in columns)], rows),
-    ]
-
-
-def _memory_columns(est: Estimate) -> list[tuple[str, str]]:
-    """(header, RankMemory field) of the memory table: the master weights under bf16, and
-    the optimizer step's transient fp32 gradient when it has one."""
-    mixed = est.memory_model.mixed
-    steps = any(m.step for m in est.memory.by_stage)
-    return [
-        ("params", "params"),
-        ("grads", "grads"),
-        ("optimizer", "optimizer"),
-        *([("master", "master")] if mixed else []),
-        ("activations", "activations"),
-        ("total", "total"),
-        *([("step transient", "step")] if steps else []),
-    ]
-
-
-def _buffer_lines(est: Estimate) -> list[str]:
-    """Transient buffers, when there are any: the peak a rank must fit."""
-    stages = est.memory.by_stage  # every rank of a stage holds the same
-    if not any(m.buffers or m.step for m in stages):
-        return []
-    low = min(stages, key=lambda m: m.peak)
-    high = max(stages, key=lambda m: m.peak)
-    span = human_bytes(high.peak)
-    if low.peak != high.peak:
-        span = f"{human_bytes(low.peak)} (rank {low.rank}) to {span} (rank {high.rank})"
-    lines = [
-        f"Peak per rank with transient buffers: {span}",
-        "  (ZeRO gradients before their reduce-scatter, a gathered ZeRO-3 unit and its gradient,",
-        "  the largest tensor-parallel message)",
-    ]
-    if any(m.step for m in stages):
-        at_step = max(stages, key=lambda m: m.step_peak)
-        lines.append(
-            f"  or at the optimizer step, {human_bytes(at_step.step_peak)} (rank {at_step.rank}): "
-            "everything resident and the fp32 gradient cast from the bf16 reduction"
-        )
-    return lines
-
-
-def _precision_lines(est: Estimate) -> list[str]:
-    """What is bf16 and what fp32 (mixed precision only: fp32 is everything 4 bytes)."""
-    mm = est.memory_model
-    if not mm.mixed:
-        return []
-    return [f"Precision  {mm.precision_line()}"]
-
-
-def _host_lines(plan: Plan, est: Estimate) -> list[str]:
-    """Host bytes per rank while compiling: a row per pp index (its ranks hold the same)."""
-    if not est.host:
-        return []
-    each = plan.mesh.world_size // plan.pp
-    if plan.pp == 1:
-        labels = [f"all {each:,} rank{'s' if each > 1 else ''}"]
-    else:
-        labels = [f"pp rank {r} ({each:,} ranks)" for r in range(plan.pp)]
-    rows = [[label, *_host_cells(h)] for label, h in zip(labels, est.host, strict=True)]
-    header = ["ranks", "param shards", "buffers", "largest param", "recording", "total"]
-    return [
-        "Host memory per rank while compiling (deferred init: its own shards and buffers, "
-        "one full parameter at a time, the recording and graphs)",
-        *_table(header, rows),
-    ]
-
-
-def _host_cells(h: HostMemory) -> list[str]:
-    return [human_bytes(b) for b in (h.params, h.buffers, h.largest, h.recording, h.total)]
 
 
 def _collective_lines(plan: Plan, est: Estimate) -> list[str]:
@@ -300,7 +174,7 @@ def _collective_lines(plan: Plan, est: Estimate) -> list[str]:
     by_axis = ", ".join(f"{axis} {human_bytes(b)}" for axis, b in bytes_by_axis(est).items())
     return [
         *lines,
-        *_table(header, rows),
+        *table(header, rows),
         f"  bytes per step by axis (the busiest stage): {by_axis}",
     ]
 
@@ -352,14 +226,14 @@ def format_report(
         [title],
         _mesh_lines(plan),
         [f"Batch  {plan.batch}"],
-        _precision_lines(est),
+        precision_lines(est),
         [f"Model  {plan.capture}"] if plan.capture else [],
         _placement_lines(plan),
         _stage_lines(plan, est),
         _recompute_lines(plan, est),
-        _memory_lines(est),
-        _buffer_lines(est),
-        _host_lines(plan, est),
+        memory_lines(est),
+        buffer_lines(est),
+        host_lines(plan, est),
         _collective_lines(plan, est),
         _pipeline_lines(plan, est, grid),
         extra or [],
@@ -389,13 +263,13 @@ def report_json(plan: Plan, est: Estimate) -> dict[str, Any]:
             }
             for c in est.stages
         ],
-        "memory": [{"rank": m.rank, **_memory_json(m)} for m in est.memory[:listed]],
+        "memory": [{"rank": m.rank, **memory_json(m)} for m in est.memory[:listed]],
         "memory_by_stage": [
             {
                 "stage": s,
                 "ranks": est.memory.ranks_per_stage,
                 "first_rank": m.rank,
-                **_memory_json(m),
+                **memory_json(m),
             }
             for s, m in enumerate(est.memory.by_stage)
         ],
@@ -413,49 +287,8 @@ def report_json(plan: Plan, est: Estimate) -> dict[str, Any]:
             for c in comms
         ],
         "bytes_by_axis": bytes_by_axis(est),
-        "precision": _precision_json(est),
+        "precision": precision_json(est),
         "bubble": est.bubble,
         # Host bytes per rank while compiling, one entry per pp index (host_memory.py).
-        "host_memory": [
-            {
-                "pp_rank": r,
-                "first_rank": h.rank,
-                "ranks": plan.mesh.world_size // plan.pp,
-                "params": h.params,
-                "buffers": h.buffers,
-                "largest": h.largest,
-                "recording": h.recording,
-                "total": h.total,
-            }
-            for r, h in enumerate(est.host)
-        ],
-    }
-
-
-def _memory_json(m: RankMemory) -> dict[str, int]:
-    return {
-        "params": m.params,
-        "grads": m.grads,
-        "optimizer": m.optimizer,
-        "master": m.master,
-        "activations": m.activations,
-        "total": m.total,
-        "buffers": m.buffers,
-        "step": m.step,
-        "peak": m.peak,
-    }
-
-
-def _precision_json(est: Estimate) -> dict[str, Any]:
-    """Bytes per parameter element of what each part is held in."""
-    mm = est.memory_model
-    return {
-        "precision": str(mm.precision),
-        "reduce": str(mm.reduce_format),
-        "param_bytes": mm.param_bytes,
-        "grad_bytes": mm.grad_bytes,
-        "master_bytes": mm.master_bytes,
-        "state_bytes": mm.state_bytes,
-        "step_bytes": mm.step_bytes,
-        "text": mm.precision_line(),
+        "host_memory": host_json(plan, est),
     }

@@ -243,8 +243,10 @@ def test_export_writes_the_fp32_masters_or_with_dtype_bf16_their_cast(tmp_path: 
             export_state_dict(tmp_path / "ckpt", MLP, tmp_path / "b.pt", dtype="bf16")
         )
         live = export_program(program, tmp_path / "c.pt", dtype="bf16")
-    assert live is not None
+        live32 = export_program(program, tmp_path / "d.pt")
+    assert live is not None and live32 is not None
     _assert_equal(fp32, masters, "export")
+    _assert_equal(torch.load(live32), masters, "export_program")
     for exported in (bf16, torch.load(live)):
         assert set(exported) == set(masters)
         for name, master in masters.items():

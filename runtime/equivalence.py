@@ -213,13 +213,7 @@ def _reference(
         loss_fn = ModelLoss(path) if choice.is_loss else source.loss_fn
         with user_code(path, f"loss_fn {ref}", step=step):
             loss = checked_loss(loss_fn(output, targets), loss_fn)
-        if not torch.isfinite(loss.detach()).all():
-            raise RuntimeFault(
-                f"the loss is {float(loss.detach())} in the single-device reference run: the "
-                "model or its data produce it, not parallelism",
-                step=step,
-                hint=f"check {source.path}: its initialisation and sample_batch(..., {step})",
-            )
+        _check_finite(loss, step, source.path)
         with user_code(path, f"the backward of the loss {ref}", step=step):
             loss.backward()
         recipe.load_grads()
@@ -234,6 +228,16 @@ def _reference(
         losses.append(float(loss.detach()))
     params = {n: p.detach().clone() for n, p in recipe.named_stepped()}
     return {"losses": losses, "params": params, "buffers": _buffers(model, recipe), "grads": grads}
+
+
+def _check_finite(loss: torch.Tensor, step: int, path: str) -> None:
+    if not torch.isfinite(loss.detach()).all():
+        raise RuntimeFault(
+            f"the loss is {float(loss.detach())} in the single-device reference run: the "
+            "model or its data produce it, not parallelism",
+            step=step,
+            hint=f"check {path}: its initialisation and sample_batch(..., {step})",
+        )
 
 
 def _buffers(model: torch.nn.Module, recipe: Recipe) -> dict[str, torch.Tensor]:

@@ -172,7 +172,8 @@ AUDITED = {
     ("runtime/program.py", "Program._tied_reduce"): "a parameter's gradient: device",
     ("runtime/nonfinite.py", "first_nonfinite_param"): "index made on parts.device",
     ("runtime/gather.py", "_broadcast_from"): "values moved or made on parts.device",
-    ("runtime/zero3.py", "Zero3.full_local"): "views of a shard-device tensor",
+    # Zero3.full_local and GradSync.full_local (bf16 masters): `out` on the shard's device.
+    ("runtime/master_weights.py", "assemble_from_shards"): "views of a shard-device tensor",
     # Object collectives pickle on the current device: build_comm makes it this rank's.
     ("runtime/checkpoint/integrity.py", "record_manifest"): "objects",
     ("runtime/checkpoint/integrity.py", "verify_files"): "objects",

@@ -324,7 +324,7 @@ def format_check(result: CheckResult) -> str:
         f"(|diff| {c.max_param_diff:.3e}, {c.param_margin:.2g} of the bound)",
         f"  bounds: per tensor |parallel - reference| <= {cal.noise_mult:g} x |twin - reference| "
         f"+ {_floors(result)} x |reference|; losses: rel. diff <= {t.loss_rtol:g} + "
-        f"{cal.noise_mult:g} x the twin's",
+        f"{cal.noise_mult:g} x the twin's" + (" largest so far" if cal.loss_running_max else ""),
         "  (twin: the reference again, each batch in reverse sample order and every module "
         "output moved by one ulp)",
         *_precision_lines(result),

@@ -47,7 +47,48 @@ gradient, is at most ε·‖T‖ each (4× for rounding of the update itself).
 If the twin itself moves step 0's loss by more than TWIN_GATE, the model's
 output depends on the order of samples or on random draws (dropout): there is
 no rounding-only distance to calibrate against, and the check says so instead
-of passing anything.
+of passing anything. The gate reads the fp32 pair under every precision:
+order dependence is the model's, and bf16 rounding alone moves a tiny MLP's
+step-0 loss by 2e-3, past dropout's 1e-3.
+
+Under `precision bf16` (`CALIBRATIONS`) the reference and its twin run the
+mixed recipe of the parallel run (fp32 masters, bf16 compute copies, forward
+under autocast), so the bounds measure parallelism, not precision:
+
+- The twin is right for bf16 as it is: autocast makes module outputs bf16,
+  so `nudge_outputs` moves each by one bf16 ulp (measured on examples/gpt.py:
+  a median 2⁻⁷·⁵ of the value at the first module; bf16's rounding, 2⁻⁸ at
+  most, is half an ulp, as fp32's one ulp is twice fp32's rounding).
+- Floors: step 0's gradients are bf16 values (reduced in bf16, or the fp32 sum
+  of each rank's bf16 gradients), so their floor takes bf16's ε = 2⁻⁷ (4·2⁻⁷ =
+  0.031 of ‖T‖: one bf16 ulp per element); the parameters compared are the
+  fp32 masters, whose floor keeps fp32's ε.
+- Sign flips (`excuse_flips`): at bf16 a near-zero gradient element is within
+  rounding of zero far more often, and Adam's first step moves it lr·sign(g):
+  a whole 2·lr apart. Elements whose step-0 gradient has another sign in the
+  twin or the parallel run than in the reference (`same_sign`) are left out
+  of the parameters' distances (the gradients themselves were compared).
+  Without this, correct AdamW runs reached 27× their twin's distance (gpt
+  pp=2 and dp=4 zero 3, one bias): past NOISE_MULT.
+- Losses (`loss_running_max`): each step against the twin's largest relative
+  difference so far. The twin's per-step distance swings 60× between steps
+  (1.1e-6 to 6.9e-5 on gpt dp=2); against the step's own, correct 10-step
+  runs reached 1.64 of the bound (mlp zero 2), 1.35 (gpt zero 3).
+- Buffers: floating ones within the twin's bound too, integer ones equal, and
+  a tied alias (a state_dict entry equal to a reference parameter) must equal
+  its parameter in the parallel run (fp32's allclose failed the tied lm_head).
+
+Measured (bf16, gloo, 2 cores; examples/gpt.py at 4 layers of width 32,
+examples/llama.py at 4 layers, examples/mlp.py at 4 layers of width 16; the
+specs/ files gpt_dp (dp=4, grad_accum 2), gpt_zero3 (dp=4), gpt_tp, gpt_pp,
+gpt_tp_pp, gpt_3d, gpt_recompute (dp×tp, zero 3), llama_tp, llama_tp_dp,
+llama_pp_recompute, mlp_dp (zero 2), mlp_tp, mlp_pp_auto, and dp=2 under zero
+0, zero 1 and reduce fp32; the models' AdamW and SGD; 3 and 10 steps): every
+correct run is at most 0.12 of its bound on gradients, 0.14 on parameters and
+0.25 on losses (and so with `grad-ulp`). `skip-grad-sync` puts step 0's
+gradients 3.6× (llama dp×tp) to 14.5× past their bound and the parameters
+5.3× to 30×; `grad-scale` the gradients 4.5× to 9.6×. NOISE_MULT = 16 stays:
+7× over the worst correct run, 3.6× under the mildest bug.
 """
 
 from __future__ import annotations

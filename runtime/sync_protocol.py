@@ -11,12 +11,15 @@ shards). `ProgramParts.sync` holds one of them; `Program.step` calls, in order:
    averaged over dp, with the gradients of weights tied across pipeline stages
    first summed by `tied_reduce(name, grad)`;
 4. the optimizer steps `optimizer_params()`, then `after_step()` (ZeRO-1/2
-   gather the updated shards back into the whole parameters).
+   gather the updated shards back into the whole parameters; under `precision
+   bf16` the bf16 compute copies are first written from the fp32 masters that
+   `optimizer_params()` returns, runtime/master_weights.py).
 
 `full_local(name, out)` gives `Program.state_dict` (runtime/gather.py) a
 parameter's whole tensor-parallel-local value (written into `out` when given:
 a reused buffer of its shape and dtype), or None when the parameter is held
-whole already.
+whole already (never under bf16: the value is the fp32 master's, not the
+bf16 copy the graphs read).
 
 Where a reader needs a layout's own bookkeeping (the flat units, the shard
 offsets: runtime/nonfinite.py, runtime/checkpoint/layout.py) it narrows to the

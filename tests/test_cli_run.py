@@ -2,9 +2,9 @@
 
 Each test starts the installed `parc` console script in a subprocess (its own
 session, killed with its torchrun workers after a timeout) on the tiny MLP
-(MLP_LAYERS=2, MLP_DIM=8) with OMP_NUM_THREADS=1. Eight `parc` processes in
+(MLP_LAYERS=2, MLP_DIM=8) with OMP_NUM_THREADS=1. Nine `parc` processes in
 all: a 6-step run shared by three tests, a 3 + 3 resumed run, an export, a bad
-spec, and three `parc check`s.
+spec, a run under `--precision bf16`, and three `parc check`s.
 
 Tolerances: a run's losses against the single-device reference at docs/architecture.md,
 Equivalence: rtol 1e-5 and its exported parameters at rtol 1e-4 / atol 1e-6 (fp32
@@ -135,6 +135,18 @@ def test_a_bad_spec_is_a_compiler_error_before_any_process_starts(tmp_path: Path
     assert "Traceback" not in done.out + done.err, done
     # Workers print their errors as `[rank N] ...` and the launcher then says which failed.
     assert "[rank" not in done.err and "parc run: failed" not in done.err, done
+
+
+def test_run_precision_bf16_overrides_the_spec_on_every_rank(tmp_path: Path) -> None:
+    (tmp_path / "fp32.par").write_text("mesh dp=2\nprecision fp32\n")
+    args = ["--steps", 2, "--checkpoint", "ckpt", "--precision", "bf16"]
+    done = parc("run", "fp32.par", MODEL, *args, cwd=tmp_path)
+    assert done.code == 0, done
+    # Said once, by the launcher, at the statement it overrides.
+    assert done.err.count("note: --precision bf16 overrides `precision fp32` (fp32.par:2:1)") == 1
+    # The ranks trained bf16: the checkpoint they saved records the plan's precision.
+    info = json.loads((tmp_path / "ckpt" / "step-2" / "parc.json").read_text())
+    assert info["precision"] == "bf16" and info["reduce"] == "bf16", info
 
 
 # ------------------------------------------------------------------ check

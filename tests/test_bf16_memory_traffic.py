@@ -163,3 +163,30 @@ def test_bytes_sent_are_the_estimated_ones(gloo_pool: Any, case: str, fmt: str) 
     for got in gloo_pool(world_size(spec)).run(held_and_sent, spec, GPT, GPT_ENV, BATCH):
         stage = plan.mesh.coords(got["rank"]).get("pp", 0)
         assert got["bytes"] == _by_kind(est, stage), got["rank"]
+
+
+HF_LLAMA = "tests/models/hf/llama.py"
+HF_TP = "".join(
+    f"shard model.layers[*].{m} {k} tp\n"
+    for m, k in [
+        ("self_attn.q_proj", "col"),
+        ("self_attn.k_proj", "col"),
+        ("self_attn.v_proj", "col"),
+        ("self_attn.o_proj", "row"),
+        ("mlp.gate_proj", "col"),
+        ("mlp.up_proj", "col"),
+        ("mlp.down_proj", "row"),
+    ]
+)
+
+
+def test_an_hf_llama_sends_the_estimated_bytes_across_its_fp32_norm_internals(
+    gloo_pool: Any,
+) -> None:
+    """HF's RMSNorm computes in fp32 between bf16 values (exported at the compute dtype):
+    each tensor-parallel message is priced at the dtype of the value it converts."""
+    spec = "mesh tp=2\n" + HF_TP + "precision bf16\n"
+    est = analyse(spec, HF_LLAMA, batch=4).estimate
+    assert any(c.bytes == 2 * c.elements for _, comms in est.collectives for c in comms)
+    for got in gloo_pool(world_size(spec)).run(held_and_sent, spec, HF_LLAMA, {}, 4):
+        assert got["bytes"] == _by_kind(est, 0), got["rank"]

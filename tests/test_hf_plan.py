@@ -103,7 +103,9 @@ def _unit_elements(unit: str, tp: int) -> int:
 def _expected_stages(ev: Evaluation, units: tuple[str, ...]) -> set[tuple[int, int, int]]:
     """(params, grads, optimizer) bytes of a rank of each stage: bf16 weights and
     gradients (2 B), fp32 master weights and AdamW's two fp32 states (12 B); ZeRO-1
-    shards the optimizer over dp, ZeRO-2 the gradients too, ZeRO-3 everything."""
+    shards the optimizer over dp, ZeRO-2 the gradients too (and keeps none: each
+    reduced bf16 shard becomes its master's fp32 gradient at once, the step's
+    transient), ZeRO-3 everything."""
     c = ev.candidate
     bounds = zip((0, *c.cuts), (*c.cuts, len(units)))
     found = set()
@@ -111,7 +113,7 @@ def _expected_stages(ev: Evaluation, units: tuple[str, ...]) -> set[tuple[int, i
         n = sum(_unit_elements(u, c.tp) for u in units[lo:hi])
         shard = -(-n // c.dp)
         zero = c.zero if c.dp > 1 else 0
-        p, g, o = {0: (n, n, n), 1: (n, n, shard), 2: (n, shard, shard)}.get(
+        p, g, o = {0: (n, n, n), 1: (n, n, shard), 2: (n, 0, shard)}.get(
             zero, (shard, shard, shard)
         )
         found.add((2 * p, 2 * g, 12 * o))

@@ -24,7 +24,6 @@ layout cannot run unchanged (compiler/optimizers.py) is refused.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -161,16 +160,10 @@ class _Runs:
     env: dict[str, str] | None = None
 
     def kwargs(self, **changed: Any) -> dict[str, Any]:
-        """The keywords of `reference_run` and `parallel_case` (fp32: no precision)."""
-        out = {
-            "steps": self.steps,
-            "batch": self.batch,
-            "seed": self.seed,
-            "optimizer": self.optimizer,
-            "env": self.env,
-            "weights": self.weights,
-        }
-        return {**out, **changed}
+        """The keywords `reference_run` and `parallel_case` share (the spec text carries
+        the parallel run's precision; `changed` replaces or adds some)."""
+        names = ("steps", "batch", "seed", "optimizer", "env", "weights")
+        return {**{n: getattr(self, n) for n in names}, **changed}
 
 
 @dataclass(frozen=True, slots=True)
@@ -399,7 +392,3 @@ def check_json(result: CheckResult) -> dict[str, Any]:
         if g is None
         else {"steps": g.steps, "loss": g.loss, "params": g.params},
     }
-
-
-def dumps(result: CheckResult) -> str:
-    return json.dumps(check_json(result), indent=2)

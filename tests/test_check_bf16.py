@@ -162,3 +162,15 @@ def test_parc_check_precision_bf16_passes_and_says_how_far_bf16_is_from_fp32(
     assert json_run.code == 0 and facts["equivalent"] is True
     assert facts["precision"] == "bf16" and facts["reduce"] == "bf16"
     assert facts["bf16_vs_fp32"]["loss"] == pytest.approx(float(gap.group(1)), rel=1e-2)
+
+
+def test_an_error_under_an_overridden_precision_keeps_its_spec_location(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MLP_LAYERS", "2")
+    spec = tmp_path / "r16.par"
+    spec.write_text("mesh dp=2\nreduce fp16\n")
+    assert main(["compile", str(spec), MLP, "--precision", "bf16"]) == 2
+    err = capsys.readouterr().err
+    assert f"{spec}:2:8: error: `reduce fp16` under `precision bf16`" in err, err
+    assert "Traceback" not in err

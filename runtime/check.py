@@ -205,13 +205,13 @@ def compare_in_pool(
     fault: str | None = None,
     env: dict[str, str] | None = None,
     weights: str | None = None,
-    precision: Precision = Precision.FP32,
 ) -> tuple[Comparison, float | None]:
     """The reference and its noise twin here, the program twice on `pool` (a gradient
     probe step, then `steps` training steps); the calibrated comparison and, when the
     twin moved step 0's loss beyond rounding, by how much (then nothing can be trusted).
-    `precision` must be the one `spec_text` trains in (the reference's recipe).
+    The reference trains in the precision `spec_text` says.
     """
+    precision = as_spec(spec_text).precision
     runs = _Runs(steps, batch, seed, optimizer, weights, precision, env)
     measured = _measure(pool, spec_text, model_file, runs, fault=fault)
     return measured.comparison, measured.twin_loss_diff

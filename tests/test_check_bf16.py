@@ -134,9 +134,7 @@ def test_a_tied_alias_must_stay_its_parameter_under_bf16() -> None:
     ("fault", "equivalent"), [("grad-ulp", True), ("skip-grad-sync", False), ("grad-scale", False)]
 )
 def test_gradient_bugs_fail_under_bf16(gloo_pool: Any, fault: str, equivalent: bool) -> None:
-    comparison, twin = compare_in_pool(
-        gloo_pool(2), BF16_DP2, MLP, steps=3, batch=8, fault=fault, precision=Precision.BF16
-    )
+    comparison, twin = compare_in_pool(gloo_pool(2), BF16_DP2, MLP, steps=3, batch=8, fault=fault)
     assert twin is None
     assert comparison.ok is equivalent, comparison.describe()
     if not equivalent:

@@ -62,7 +62,7 @@ class PrecisionGap:
     """How far one device's bf16 training is from its fp32 training (informative only)."""
 
     steps: int
-    loss: float  # relative difference of the last step's loss
+    loss: float  # relative difference of the last step's loss (step `steps - 1`)
     params: float  # ‖bf16 − fp32‖ / ‖fp32‖ over every parameter after the last step
 
 
@@ -278,9 +278,9 @@ def _precision_lines(result: CheckResult) -> list[str]:
     if result.gap is not None:
         g = result.gap
         lines.append(
-            f"  {result.precision} vs fp32 (one device): loss after {g.steps} steps differs by "
-            f"{g.loss:.2e} (relative), parameters by {g.params:.2e} (relative norm); "
-            "informative, not judged"
+            f"  {result.precision} vs fp32 (one device): loss at step {g.steps - 1} differs by "
+            f"{g.loss:.2e} (relative), parameters after {g.steps} steps by {g.params:.2e} "
+            "(relative norm); informative, not judged"
         )
     return lines
 

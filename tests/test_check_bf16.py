@@ -150,8 +150,8 @@ def test_parc_check_precision_bf16_passes_and_says_how_far_bf16_is_from_fp32(
     assert done.code == 0, done
     assert "precision bf16 (fp32 master weights, gradients reduced in bf16)" in done.out
     assert "tolerances: bf16's calibration" in done.out
-    line = r"bf16 vs fp32 \(one device\): loss after 3 steps differs by (\S+) \(relative\), "
-    gap = re.search(line + r"parameters by (\S+) \(relative norm\)", done.out)
+    line = r"bf16 vs fp32 \(one device\): loss at step 2 differs by (\S+) \(relative\), "
+    gap = re.search(line + r"parameters after 3 steps by (\S+) \(relative norm\)", done.out)
     assert gap is not None, done
     assert 0 < float(gap.group(1)) < 0.1 and 0 < float(gap.group(2)) < 0.1
     assert "EQUIVALENT: the parallel run trains the same model as one device" in done.out

@@ -5,8 +5,10 @@
 
 Four cases, each in its number formats, parc and native (bench/_precision_native.py):
 
-    DP      `mesh dp=2`                 DDP; bf16: + torch.autocast (+ bf16_compress_hook
-                                        for parc's default `reduce bf16`)
+    DP      `mesh dp=2`                 DDP; bf16: + torch.autocast (+ a comm hook that
+                                        all-reduces the buckets in bf16, for parc's
+                                        default `reduce bf16`: torch's own
+                                        bf16_compress_hook is refused off NCCL)
     ZeRO-3  `mesh dp=2` `zero 3`        FSDP2; bf16: MixedPrecisionPolicy(param_dtype=bf16,
                                         reduce_dtype=bf16 or fp32)
     TP      `mesh tp=2` + bench/tp.py's GPT shards   DTensor TP; bf16: under autocast
@@ -102,7 +104,7 @@ BENCHES = (
         modes=_ALL,
         native={
             Mode.FP32: "DDP",
-            Mode.BF16: "DDP + autocast + bf16_compress_hook",
+            Mode.BF16: "DDP + autocast + bf16 all-reduce hook",
             Mode.BF16_REDUCE_FP32: "DDP + autocast",
         },
     ),

@@ -9,6 +9,7 @@ how far bf16 is from fp32 on one device without judging it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -24,7 +25,8 @@ from parc.dsl.ast import Precision
 from parc.dsl.parser import parse_spec
 from parc.precision import override_precision
 from parc.runtime.calibration import calibrated_compare
-from parc.runtime.check import compare_in_pool
+from parc.runtime.check import CheckResult, PrecisionGap, check_json, compare_in_pool, format_check
+from parc.runtime.equivalence import Comparison, Tolerance
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -155,11 +157,32 @@ def test_parc_check_precision_bf16_passes_and_says_how_far_bf16_is_from_fp32(
     assert gap is not None, done
     assert 0 < float(gap.group(1)) < 0.1 and 0 < float(gap.group(2)) < 0.1
     assert "EQUIVALENT: the parallel run trains the same model as one device" in done.out
-    json_run = run_parc(["check", "dp2.par", MLP, "--precision", "bf16", "--json"], tmp_path, 120.0)
-    facts = json.loads(json_run.out)
-    assert json_run.code == 0 and facts["equivalent"] is True
-    assert facts["precision"] == "bf16" and facts["reduce"] == "bf16"
-    assert facts["bf16_vs_fp32"]["loss"] == pytest.approx(float(gap.group(1)), rel=1e-2)
+
+
+def test_the_json_names_the_precision_and_the_gap() -> None:
+    gap = PrecisionGap(steps=3, loss=1.5e-4, params=8.7e-6)
+    result = CheckResult(
+        "dp2.par",
+        MLP,
+        3,
+        8,
+        "model",
+        Tolerance(),
+        Comparison(ok=True),
+        precision=Precision.BF16,
+        reduce=Precision.FP32,
+        gap=gap,
+        notes=("note: x",),
+    )
+    facts = check_json(result)
+    assert facts["precision"] == "bf16" and facts["reduce"] == "fp32"
+    assert facts["bf16_vs_fp32"] == {"steps": 3, "loss": 1.5e-4, "params": 8.7e-6}
+    assert facts["notes"] == ["note: x"]
+    assert facts["tolerance"]["gradient_floor"] == 4 * 2.0**-7  # bf16's epsilon
+    text = format_check(result)
+    assert "gradients reduced in fp32" in text and "loss at step 2 differs by 1.50e-04" in text
+    fp32 = check_json(dataclasses.replace(result, precision=Precision.FP32, gap=None))
+    assert fp32["bf16_vs_fp32"] is None and fp32["tolerance"]["gradient_floor"] == 4 * 2.0**-23
 
 
 def test_an_error_under_an_overridden_precision_keeps_its_spec_location(

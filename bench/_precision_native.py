@@ -5,7 +5,7 @@ Not a benchmark itself (run_all.py skips files whose name starts with `_`).
     case    fp32                                bf16 (fp32 parameters stay the masters)
     DP      DDP (gradient_as_bucket_view)       forward under torch.autocast (bf16 matmuls,
                                                 fp32 params and grads); `reduce bf16`:
-                                                + DDP's bf16_compress_hook
+                                                + a comm hook all-reducing in bf16
     ZeRO-3  FSDP2 fully_shard, every block      MixedPrecisionPolicy(param_dtype=bf16,
             then the root                       reduce_dtype=fp32 or bf16), no autocast
     TP      DTensor parallelize_module          under torch.autocast

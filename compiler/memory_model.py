@@ -28,7 +28,7 @@ import torch
 
 from parc.dsl.ast import Precision
 
-__all__ = ["ADAMW", "MemoryModel", "Precision", "memory_model_of", "states_of"]
+__all__ = ["ADAMW", "WIDTH", "MemoryModel", "Precision", "memory_model_of", "states_of"]
 
 # Bytes per element of a floating tensor at each precision.
 WIDTH = {Precision.FP32: 4, Precision.BF16: 2, Precision.FP16: 2}

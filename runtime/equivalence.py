@@ -38,6 +38,8 @@ Tolerances (fp32), calibrated on this machine and kept here once:
   - how far the bf16 recipe is from fp32 (the same runs): the loss after 3
     steps differed by at most 2.7e-4 relative (mlp.py SGD; gpt.py 8.7e-5,
     llama.py 3.0e-5); parameters by at most 7.3e-4 (SGD) and 3.8e-3 (AdamW).
+    That gap is inside the bounds: they cannot tell a run that silently stayed
+    fp32 (tests/test_mixed_precision.py checks the dtypes for that).
 - `parc check` (runtime/check.py) uses calibrated bounds instead
   (runtime/calibration.py): per tensor, 16 × the distance of a noise twin of
   the reference (the same training rounded differently), on step 0's gradients

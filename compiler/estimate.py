@@ -40,7 +40,13 @@ from .passes.placement import Partial, Shard
 from .plan import Plan
 from .plan_schedule import plan_bubble, plan_in_flight
 from .rank_memories import RankMemories
-from .rank_memory import RankMemory, late_elements, resident_elements, transient_elements
+from .rank_memory import (
+    RankMemory,
+    late_bytes,
+    late_elements,
+    resident_elements,
+    transient_elements,
+)
 from .recompute_cost import forward_tp_collectives, param_readers
 from .saved import SavedTensors
 from .traffic import Collective, StageTraffic, stage_collectives
@@ -253,7 +259,9 @@ def _walk_backward(
         return None
     order = [n.name for n in gm.graph.nodes if stage_of.get(n.name) == s]
     freed = {node: int(b * scale) for node, b in act.freed_at}
-    return backward_buffers(plan.zero, units, order, freed, readers, tied, memory.grad_bytes)
+    return backward_buffers(
+        plan.zero, units, order, freed, readers, tied, memory.grad_bytes, memory.step_bytes
+    )
 
 
 def _rank_memory(
@@ -292,7 +300,8 @@ def _rank_memory(
     if walked is not None:  # the backward walked: the buckets' bytes at the peak
         buffers = walked + message
     else:  # once backward has freed the activations: what the last buckets hold instead
-        buffers = max(early, late_elements(zero, units) * memory.grad_bytes - activations)
+        late = late_bytes(zero, units, memory.grad_bytes, memory.step_bytes)
+        buffers = max(early, late - activations)
     return (
         p * memory.param_bytes,
         g * memory.held_grad_bytes(plan.zero),

@@ -11,8 +11,10 @@ reverse forward order; at each node:
    zero 2, a unit's full buffer is allocated when its first gradient arrives;
 3. a unit whose every parameter has arrived is reduce-scattered: the one in
    flight completes first (zero 1 copies its reduced shard into place and frees
-   it; zero 2 frees its full buffer), then the new one starts (its reduced shard
-   is allocated). A unit holding a weight tied across stages waits for the end.
+   it; zero 2 frees its full buffer; under bf16 with `reduce bf16`, `cast_bytes`,
+   the shard becomes its master's fp32 gradient, which lives to the step, and
+   is freed), then the new one starts (its reduced shard is allocated). A unit
+   holding a weight tied across stages waits for the end.
 
 The result is the most the gradient buffers add above all the stage's
 activations at any point: the buffers at the step's peak, beyond `activations`.
@@ -35,6 +37,7 @@ class _Walk:
     activations: int
     grad_bytes: int
     zero: int
+    cast_bytes: int = 0
     full: int = 0
     shards: int = 0
     most: int = 0
@@ -53,8 +56,10 @@ class _Walk:
         if done is not None:
             if self.zero == 2:
                 self.full -= done.padded * self.grad_bytes  # its new shard stays
-            else:
-                self.shards -= done.shard * self.grad_bytes  # copied into the full buffer
+            if self.zero == 1 or self.cast_bytes:
+                # Copied into the full buffer (zero 1), or cast to the master's gradient
+                self.shards -= done.shard * self.grad_bytes
+            self.shards += done.shard * self.cast_bytes
         self.shards += unit.shard * self.grad_bytes
         self.in_flight = unit
         self.note()
@@ -68,13 +73,15 @@ def backward_buffers(
     readers: Mapping[str, set[str]],
     deferred: frozenset[str],
     grad_bytes: int,
+    cast_bytes: int = 0,
 ) -> int:
     """Bytes of gradient buffers above the activations at the stage's peak (steps 1-3).
 
     `order`: the stage's node names in forward order; `freed_at`: stored bytes
     each node's backward frees (their sum is the stage's activations);
     `readers`: parameter name -> the nodes computing with it; `deferred`: names
-    of weights tied across stages.
+    of weights tied across stages; `cast_bytes`: per element of the fp32 gradient
+    a reduced shard becomes (bf16 under `reduce bf16`; 0: none).
     """
     index = {name: i for i, name in enumerate(order)}
     arrives: dict[str, int] = {}  # parameter -> node index whose backward completes it
@@ -89,7 +96,7 @@ def backward_buffers(
         allocated_at.setdefault(max(times), []).append(unit)
         late = any(n in deferred for n in unit.params)
         ready_at.setdefault(-1 if late else min(times), []).append(unit)
-    walk = _Walk(sum(freed_at.values()), grad_bytes, zero)
+    walk = _Walk(sum(freed_at.values()), grad_bytes, zero, cast_bytes)
     total = walk.activations
     walk.note()
     for i in range(len(order) - 1, -2, -1):

@@ -13,7 +13,13 @@ from dataclasses import dataclass
 
 from .layout import FlatUnit
 
-__all__ = ["RankMemory", "late_elements", "resident_elements", "transient_elements"]
+__all__ = [
+    "RankMemory",
+    "late_bytes",
+    "late_elements",
+    "resident_elements",
+    "transient_elements",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,3 +129,14 @@ def late_elements(zero: int, units: tuple[FlatUnit, ...]) -> int:
     if zero == 2:
         return sum(u.padded for u in two) + sum(u.shard for u in units)
     return 0
+
+
+def late_bytes(zero: int, units: tuple[FlatUnit, ...], grad_bytes: int, cast_bytes: int) -> int:
+    """`late_elements` in bytes. With `cast_bytes` (bf16 under `reduce bf16`: each reduced
+    shard becomes its master's fp32 gradient as its reduce-scatter completes, and that
+    lives to the step) zero 1 and 2 also hold every unit's cast, and zero 2 no bf16 shard."""
+    if not cast_bytes or zero not in (1, 2):
+        return late_elements(zero, units) * grad_bytes
+    two = sorted(units, key=lambda u: u.padded, reverse=True)[:2]
+    in_flight = sum(u.shard if zero == 1 else u.padded for u in two) * grad_bytes
+    return in_flight + sum(u.shard for u in units) * cast_bytes

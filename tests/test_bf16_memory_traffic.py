@@ -297,12 +297,14 @@ def test_the_most_a_bf16_step_holds_is_the_reported_peak(gloo_pool: Any, case: s
 WIDE_ENV = {**PEAK_ENV, "GPT_LAYERS": "4", "GPT_DIM": "128", "GPT_SEQ": "16"}
 
 
-@pytest.mark.parametrize("zero", [0, 1])
-def test_a_wide_model_peaks_at_the_optimizer_step_with_the_fp32_gradient(
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_a_wide_model_peaks_with_the_fp32_gradients_of_the_masters(
     gloo_pool: Any, zero: int
 ) -> None:
-    """Parameters outweigh activations (one sample per replica): the step, holding every
-    master's fp32 gradient (the casts of the bf16 reduction), is the rank's peak."""
+    """Parameters outweigh activations (one sample per replica): the peak comes with the
+    masters' fp32 gradients (the casts of the bf16 reduction), at the optimizer step
+    (zero 0: they are made after backward) or at the end of backward (zero 1/2: each
+    unit's as its reduce-scatter completes, beside the buckets still in flight)."""
     spec, bucket = f"mesh dp=2\nzero {zero}\nprecision bf16\n", 2**16
     with model_env(WIDE_ENV):
         a = analyse(spec, GPT, batch=2)
@@ -310,8 +312,10 @@ def test_a_wide_model_peaks_at_the_optimizer_step_with_the_fp32_gradient(
     est = estimate(a.plan, a.gm, a.model, a.saved, bucket_elems=bucket, memory=memory)
     for got in gloo_pool(2).run(measure_peak, spec, GPT, WIDE_ENV, 2, bucket):
         mem = est.memory[got["rank"]]
-        assert mem.step_peak > mem.activation_peak and mem.peak == mem.step_peak
-        # What the rank really held at its peak (every storage): at least the step's, and
-        # no more than 5% above it. Measured 3.2% (zero 0) and 4.0% (zero 1) above: the
-        # optimizer's own temporaries, which no estimate counts.
-        assert mem.step_peak <= got["peak"] <= 1.05 * mem.step_peak, (got, mem)
+        assert mem.step_peak > mem.activations + mem.params + mem.optimizer + mem.master
+        if zero == 0:
+            assert mem.peak == mem.step_peak > mem.activation_peak
+        # What the rank really held at its peak (every storage): at least the reported
+        # peak, and no more than 5% above it. Measured 3.2%, 4.0% and 3.9% above (zero 0,
+        # 1, 2): the optimizer's own temporaries, which no estimate counts.
+        assert mem.peak <= got["peak"] <= 1.05 * mem.peak, (got, mem)

@@ -52,7 +52,7 @@ class Collective:
     count: int
     elements: int
     purpose: str
-    bytes: int = 0  # elements × the element size of what is sent (module docstring)
+    bytes: int  # elements × the element size of what is sent (module docstring)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,8 +66,8 @@ class StageTraffic:
     regions: dict[str, str]  # node name -> recomputed region
     readers: dict[str, set[str]]  # canonical parameter -> nodes computing with it
     forward_tp: dict[str, list[tuple[CommKind, int]]]  # node -> its forward tp collectives
-    param_bytes: int = 4  # per element of a parameter the runtime gathers (compute dtype)
-    grad_bytes: int = 4  # per element of a gradient it reduces (the reduce format)
+    param_bytes: int  # per element of a parameter the runtime gathers (compute dtype)
+    grad_bytes: int  # per element of a gradient it reduces (the reduce format)
 
 
 def stage_collectives(

@@ -40,7 +40,7 @@ from .ops.collectives import CommKind
 from .plan import Plan
 from .stages import activation_nodes
 
-__all__ = ["Collective", "StageTraffic", "stage_collectives", "with_bytes"]
+__all__ = ["Collective", "StageTraffic", "output_bytes", "stage_collectives", "with_bytes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,7 +261,10 @@ def _pp_collectives(
     return out
 
 
+def output_bytes(node: torch.fx.Node) -> int:
+    """Bytes of a node's output, at the dtypes of its `tensor_meta`."""
+    return sum(math.prod(m.shape) * m.dtype.itemsize for m in tensor_metas(node))
+
+
 def _numel_bytes(node: torch.fx.Node) -> tuple[int, int]:
-    """(elements, bytes) of a node's output, at the dtypes of its `tensor_meta`."""
-    metas = list(tensor_metas(node))
-    return output_numel(node), sum(math.prod(m.shape) * m.dtype.itemsize for m in metas)
+    return output_numel(node), output_bytes(node)

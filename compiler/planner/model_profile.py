@@ -28,7 +28,6 @@ Algorithm:
 from __future__ import annotations
 
 import gc
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,7 +55,7 @@ from ..resolve import resolve
 from ..saved import SavedTensors, compute_dtype, profile_forward
 from ..stages import activation_nodes
 from ..trace import module_path, trace_model
-from ..traffic import with_bytes
+from ..traffic import output_bytes, with_bytes
 
 __all__ = ["ModelProfile", "TPProfile", "UnitCost", "profile_model"]
 
@@ -379,7 +378,7 @@ class _Base:
             first = self.unit[node.name]
             last = max(self.unit.get(u.name, first) for u in node.users)
             if last > first:
-                size = _output_bytes(node) // (tp if node.name in sharded else 1)
+                size = output_bytes(node) // (tp if node.name in sharded else 1)
                 delta[first] += size
                 delta[last] -= size
         out, running = [], 0
@@ -387,10 +386,6 @@ class _Base:
             running += delta[i]
             out.append(running)
         return tuple(out)
-
-
-def _output_bytes(node: torch.fx.Node) -> int:
-    return sum(math.prod(m.shape) * m.dtype.itemsize for m in tensor_metas(node))
 
 
 def _share(nbytes: int, node: str, tp: int, sharded: set[str]) -> int:

@@ -6,6 +6,7 @@ A model file is plain Python that defines:
     sample_batch(batch_size, step) -> (inputs, targets)   required; deterministic in step
     loss_fn(output, targets) -> Tensor          optional; default cross-entropy over the last dim
     configure_optimizer(params) -> Optimizer    optional; default AdamW(lr=3e-4)
+    configure_scheduler(optimizer) -> LRScheduler   optional; stepped once per training step
 
 Loading a model file runs it as Python code: only load files you trust.
 """
@@ -67,6 +68,8 @@ class ModelSource:
     sample_batch: Callable[[int, int], Batch]
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
     configure_optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+    # Optional: an lr scheduler over the optimizer parc builds (runtime/schedules.py).
+    configure_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
 
     def build(self, *, device: torch.device | str | None = None) -> torch.nn.Module:
         """Call `build_model()` (under `device` when given, e.g. "meta") and check the result."""
@@ -278,6 +281,7 @@ _CALLS = {
     "sample_batch": ("batch_size", "step"),
     "loss_fn": ("output", "targets"),
     "configure_optimizer": ("params",),
+    "configure_scheduler": ("optimizer",),
 }
 
 
@@ -320,4 +324,5 @@ def load_model(source: str | Path | ModuleType) -> ModelSource:
         loss_fn=_function(module, "loss_fn", path, False) or DefaultLoss(path),
         configure_optimizer=_function(module, "configure_optimizer", path, False)
         or _default_optimizer,
+        configure_scheduler=_function(module, "configure_scheduler", path, False),
     )

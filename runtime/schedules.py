@@ -1,0 +1,259 @@
+"""Learning-rate schedules: warmup, then constant, linear, cosine or WSD decay to a floor.
+
+    schedule = Schedule(kind=ScheduleKind.COSINE, steps=1000, warmup=100, min_lr=3e-5)
+    scheduler = build_scheduler(program.optimizer, schedule)   # on every rank
+    for step in range(1000):
+        program.step(*batch(step))     # reads param_groups' lr: base lr x schedule(step)
+        scheduler.step()
+
+A schedule is data (`Schedule`, a frozen dataclass) and a pure function of the
+step (`Schedule.multiplier`): the learning rate of step `s` is the optimizer's
+own lr times `multiplier(s, floor)`, where `floor = min_lr / lr`. It runs as a
+`torch.optim.lr_scheduler.LambdaLR` over the optimizer the program built (over
+shards, ZeRO flat units or fp32 masters alike: each reads its param_groups'
+lr), so every rank steps the same lr, and the single-device reference
+(runtime/equivalence.py) steps the same schedule. Since the lr depends only on
+the step, a resumed run (`--resume`, also under another layout) continues with
+exactly the next lr (runtime/checkpoint/store.py keeps the scheduler's state).
+
+The phases, with `w` warmup steps and `T` steps in all:
+- warmup, steps 0..w-1: (s + 1) / (w + 1), so no step trains with lr 0 and the
+  peak comes at step w (torch: `LinearLR(1 / (w + 1), 1, total_iters=w)`).
+- constant: 1 after the warmup.
+- linear, cosine: from 1 at step w to the floor at the last step T - 1, over
+  progress p = (s - w) / (T - w - 1): 1 - p (1 - floor), or
+  floor + (1 - floor) (1 + cos(pi p)) / 2 (torch: `LinearLR(1, floor)`,
+  `CosineAnnealingLR(T - w - 1, eta_min=min_lr)`).
+- wsd (warmup, stable, decay): 1 until step T - d, then linear to the floor
+  over the last d = `decay_steps` steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import functools
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from parc.errors import ModelError, ParcError
+
+if TYPE_CHECKING:
+    import torch
+
+    from parc.compiler.model import ModelSource
+
+__all__ = [
+    "Schedule",
+    "ScheduleKind",
+    "add_schedule_arguments",
+    "build_scheduler",
+    "current_lr",
+    "schedule_from_args",
+    "scheduler_for",
+]
+
+
+class ScheduleKind(enum.StrEnum):
+    CONSTANT = "constant"
+    LINEAR = "linear"
+    COSINE = "cosine"
+    WSD = "wsd"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Schedule:
+    """A learning-rate schedule over a run of `steps` steps (checked on creation)."""
+
+    kind: ScheduleKind = ScheduleKind.CONSTANT
+    steps: int
+    """The run's length (`--steps`): a decay ends at its last step."""
+    warmup: int = 0
+    """Linear warmup steps before the schedule's own shape."""
+    min_lr: float = 0.0
+    """The lr a decay ends at (linear, cosine, wsd); must not exceed the optimizer's lr."""
+    decay_steps: int | None = None
+    """wsd only: the last steps, over which the lr decays linearly to `min_lr`."""
+
+    def __post_init__(self) -> None:
+        for problem, hint in _problems(self):
+            raise ParcError(problem, hint=hint)
+
+    def __str__(self) -> str:
+        words = [f"{self.kind}"]
+        if self.warmup:
+            words.append(f"warmup {self.warmup}")
+        if self.kind is not ScheduleKind.CONSTANT:
+            words.append(f"min-lr {self.min_lr:g}")
+        if self.decay_steps is not None:
+            words.append(f"decay-steps {self.decay_steps}")
+        return ", ".join(words)
+
+    def multiplier(self, step: int, floor: float = 0.0) -> float:
+        """The lr of `step` as a fraction of the optimizer's lr; `floor` = min_lr / lr."""
+        w, total = self.warmup, self.steps
+        if step < w:
+            return (step + 1) / (w + 1)
+        if self.kind is ScheduleKind.CONSTANT:
+            return 1.0
+        start = total - self.decay_steps if self.decay_steps is not None else w
+        if step < start:  # wsd's stable phase
+            return 1.0
+        progress = min(1.0, (step - start) / max(1, total - start - 1))
+        if self.kind is ScheduleKind.COSINE:
+            return floor + (1.0 - floor) * (1.0 + math.cos(math.pi * progress)) / 2.0
+        return 1.0 - progress * (1.0 - floor)
+
+    def check_lr(self, lr: float, *, where: str = "--lr") -> None:
+        """`min_lr` may not exceed the lr it decays from."""
+        if self.kind is not ScheduleKind.CONSTANT and self.min_lr > lr:
+            raise ParcError(
+                f"--min-lr {self.min_lr:g} is above the learning rate {lr:g} ({where}): the "
+                f"{self.kind} schedule would raise the lr as it decays",
+                hint=f"pass --min-lr at most {lr:g} (e.g. a tenth of it), or a higher --lr",
+            )
+
+
+def _problems(s: Schedule) -> list[tuple[str, str]]:
+    """What is wrong with a schedule's numbers, as (error, how to fix it)."""
+    found = []
+    if s.warmup < 0:
+        found.append((f"--warmup {s.warmup} is negative", "pass --warmup 0 or more steps"))
+    if s.warmup > s.steps:
+        found.append(
+            (
+                f"--warmup {s.warmup} is past the run's {s.steps} steps (--steps)",
+                f"pass --warmup at most {s.steps}, or more --steps",
+            )
+        )
+    if not (math.isfinite(s.min_lr) and s.min_lr >= 0):
+        found.append((f"--min-lr {s.min_lr:g} is not a finite number ≥ 0", "e.g. --min-lr 3e-5"))
+    if s.kind is ScheduleKind.WSD:
+        found += _wsd_problems(s)
+    elif s.decay_steps is not None:
+        found.append(
+            (
+                f"--decay-steps is for --schedule wsd; this schedule is {s.kind}",
+                "drop --decay-steps, or pass --schedule wsd",
+            )
+        )
+    if s.kind is ScheduleKind.CONSTANT and s.min_lr:
+        found.append(
+            (
+                "--min-lr has no effect under --schedule constant (it never decays)",
+                "drop --min-lr, or choose --schedule linear, cosine or wsd",
+            )
+        )
+    return found
+
+
+def _wsd_problems(s: Schedule) -> list[tuple[str, str]]:
+    d = s.decay_steps
+    if d is None:
+        return [
+            ("--schedule wsd needs --decay-steps N", "e.g. --decay-steps 20 (the last N steps)")
+        ]
+    if d < 1:
+        return [(f"--decay-steps {d} must be at least 1", "pass --decay-steps 1 or more")]
+    if s.warmup + d > s.steps:
+        return [
+            (
+                f"--warmup {s.warmup} + --decay-steps {d} is past the run's {s.steps} steps",
+                f"make them add up to at most {s.steps} (--steps), or pass more --steps",
+            )
+        ]
+    return []
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, schedule: Schedule
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """A LambdaLR stepping `schedule` over every param group of `optimizer` (each group's
+    floor is `min_lr` over its own lr); sets each group's lr to step 0's."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    lambdas = []
+    for i, group in enumerate(optimizer.param_groups):
+        lr = float(group.get("initial_lr", group["lr"]))
+        which = "the optimizer's" if len(optimizer.param_groups) == 1 else f"param group {i}'s"
+        schedule.check_lr(lr, where=f"{which} lr")
+        floor = schedule.min_lr / lr if lr > 0 else 0.0
+        lambdas.append(functools.partial(schedule.multiplier, floor=floor))
+    return LambdaLR(optimizer, lambdas)
+
+
+def scheduler_for(
+    optimizer: torch.optim.Optimizer, schedule: Schedule | None, source: ModelSource
+) -> torch.optim.lr_scheduler.LRScheduler | None:
+    """The scheduler a run steps once per step: the CLI's `schedule`, or the model file's
+    `configure_scheduler(optimizer)`, or None (the optimizer's lr stays constant).
+    Both at once is an error: which one should win is the user's to say."""
+    from torch.optim.lr_scheduler import LRScheduler
+
+    hook = source.configure_scheduler
+    if schedule is not None and hook is not None:
+        raise ModelError(
+            f"the command line asks for a learning-rate schedule ({schedule}) and the model "
+            "file defines configure_scheduler(optimizer): parc will not pick one",
+            file=source.path,
+            hint="drop --schedule/--warmup/--min-lr/--decay-steps, or configure_scheduler",
+        )
+    if schedule is not None:
+        return build_scheduler(optimizer, schedule)
+    if hook is None:
+        return None
+    made = hook(optimizer)
+    if not isinstance(made, LRScheduler) or made.optimizer is not optimizer:
+        what = type(made).__name__ if isinstance(made, LRScheduler) else repr(made)[:80]
+        raise ModelError(
+            f"configure_scheduler(optimizer) returned {what}; it must return a "
+            "torch.optim.lr_scheduler scheduler over the optimizer it is given",
+            file=source.path,
+            hint="e.g. `return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: ...)`",
+        )
+    return made
+
+
+def current_lr(optimizer: torch.optim.Optimizer) -> float:
+    """The lr the next optimizer step uses (its first param group's)."""
+    return float(optimizer.param_groups[0]["lr"])
+
+
+def add_schedule_arguments(p: argparse.ArgumentParser) -> None:
+    """`--warmup`, `--schedule`, `--min-lr`, `--decay-steps` (parc run and parc check)."""
+    p.add_argument(
+        "--schedule",
+        choices=[k.value for k in ScheduleKind],
+        help="learning-rate schedule after --warmup: constant, linear or cosine decay to "
+        "--min-lr at the last step, or wsd (warmup, stable, decay over --decay-steps)",
+    )
+    p.add_argument("--warmup", type=int, metavar="N", help="linear warmup steps (default 0)")
+    p.add_argument("--min-lr", type=float, metavar="X", help="the lr a decay ends at (default 0)")
+    p.add_argument(
+        "--decay-steps", type=int, metavar="N", help="with --schedule wsd: decay over the last N"
+    )
+
+
+def schedule_from_args(args: argparse.Namespace, lr: float | None = None) -> Schedule | None:
+    """The schedule `add_schedule_arguments`' flags ask for (None without any of them),
+    checked against `args.steps` and, when given, the lr it decays from."""
+    given: dict[str, Any] = {
+        "warmup": args.warmup,
+        "min_lr": args.min_lr,
+        "decay_steps": args.decay_steps,
+    }
+    if args.schedule is None and all(v is None for v in given.values()):
+        return None
+    if args.schedule is None and args.warmup is None:
+        raise ParcError(
+            "--min-lr and --decay-steps need --schedule (linear, cosine or wsd)",
+            hint="e.g. --schedule cosine --warmup 100 --min-lr 3e-5",
+        )
+    kind = ScheduleKind(args.schedule or ScheduleKind.CONSTANT)
+    schedule = Schedule(
+        kind=kind, steps=args.steps, **{k: v for k, v in given.items() if v is not None}
+    )
+    if lr is not None:
+        schedule.check_lr(lr)
+    return schedule

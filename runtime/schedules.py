@@ -34,6 +34,7 @@ import argparse
 import enum
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -173,7 +174,7 @@ def build_scheduler(
     floor is `min_lr` over its own lr); sets each group's lr to step 0's."""
     from torch.optim.lr_scheduler import LambdaLR
 
-    lambdas = []
+    lambdas: list[Callable[[int], float]] = []
     for i, group in enumerate(optimizer.param_groups):
         lr = float(group.get("initial_lr", group["lr"]))
         which = "the optimizer's" if len(optimizer.param_groups) == 1 else f"param group {i}'s"

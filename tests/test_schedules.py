@@ -1,4 +1,4 @@
-"""Learning-rate schedules (runtime/schedules.py): every step's lr is torch's, and survives resume."""
+"""LR schedules (runtime/schedules.py): every step's lr is torch's, and survives resume."""
 
 from __future__ import annotations
 
@@ -160,5 +160,5 @@ def test_bad_flags_are_clear_errors(argv: list[str], words: str) -> None:
 def test_min_lr_above_the_optimizers_lr_is_refused_when_built() -> None:
     """Without --lr the optimizer's own lr is checked as the scheduler is built."""
     s = Schedule(kind=ScheduleKind.LINEAR, steps=10, min_lr=0.5)
-    with pytest.raises(ParcError, match="above the learning rate 0.1 \\(the optimizer's lr\\)"):
+    with pytest.raises(ParcError, match=r"above the learning rate 0.1 \(the optimizer's lr\)"):
         build_scheduler(_optimizer(), s)

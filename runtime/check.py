@@ -83,6 +83,7 @@ class CheckResult:
     reduce: Precision = Precision.FP32  # the format the parallel run reduced gradients in
     gap: PrecisionGap | None = None  # under bf16: one device's bf16 against its fp32
     notes: tuple[str, ...] = ()  # what --precision changed in the spec
+    clip: float | None = None  # both sides clipped gradients to this global norm
 
     @property
     def ok(self) -> bool:
@@ -101,10 +102,12 @@ def run_check(
     timeout: float = 300.0,
     weights: str | None = None,
     precision: Precision | str | None = None,
+    clip: float | None = None,
 ) -> CheckResult:
     """Run both sides and compare; raises ParcError for a bad spec, model or optimizer.
     With `weights` (a checkpoint directory) both start from its tensors; `precision`
-    overrides the spec's (parc/precision.py)."""
+    overrides the spec's (parc/precision.py); with `clip` both clip their gradients to
+    that global norm (the reference with `torch.nn.utils.clip_grad_norm_`)."""
     from parc.compiler.frontend import analyse, default_batch
     from parc.runtime.mesh import check_local_ranks, local_backend
     from parc.testing.pool import WorkerPool
@@ -125,7 +128,7 @@ def run_check(
 
         check_weights(weights, analysis.model)
     opt_class = _check_optimizer(source, optimizer, plan)
-    runs = _Runs(steps, batch, seed, optimizer, weights, plan.precision)
+    runs = _Runs(steps, batch, seed, optimizer, weights, plan.precision, clip=clip)
     with WorkerPool(world, timeout=timeout) as pool:
         measured = _measure(pool, str(spec), source.path, runs, fault=fault)
     return CheckResult(
@@ -144,6 +147,7 @@ def run_check(
         plan.reduce,
         measured.gap,
         overridden.notes,
+        clip,
     )
 
 
@@ -158,11 +162,12 @@ class _Runs:
     weights: str | None = None
     precision: Precision = Precision.FP32
     env: dict[str, str] | None = None
+    clip: float | None = None
 
     def kwargs(self, **changed: Any) -> dict[str, Any]:
         """The keywords `reference_run` and `parallel_case` share (the spec text carries
         the parallel run's precision; `changed` replaces or adds some)."""
-        names = ("steps", "batch", "seed", "optimizer", "env", "weights")
+        names = ("steps", "batch", "seed", "optimizer", "env", "weights", "clip")
         return {**{n: getattr(self, n) for n in names}, **changed}
 
 
@@ -205,6 +210,7 @@ def compare_in_pool(
     fault: str | None = None,
     env: dict[str, str] | None = None,
     weights: str | None = None,
+    clip: float | None = None,
 ) -> tuple[Comparison, float | None]:
     """The reference and its noise twin here, the program twice on `pool` (a gradient
     probe step, then `steps` training steps); the calibrated comparison and, when the
@@ -212,7 +218,7 @@ def compare_in_pool(
     The reference trains in the precision `spec_text` says.
     """
     precision = as_spec(spec_text).precision
-    runs = _Runs(steps, batch, seed, optimizer, weights, precision, env)
+    runs = _Runs(steps, batch, seed, optimizer, weights, precision, env, clip)
     measured = _measure(pool, spec_text, model_file, runs, fault=fault)
     return measured.comparison, measured.twin_loss_diff
 
@@ -301,6 +307,7 @@ def format_check(result: CheckResult) -> str:
         f"parc check {result.spec} {result.model}: {result.steps} steps, batch {result.batch}, "
         f"{_describe_optimizer(result)}"
         + (f", both from the weights in {result.weights}" if result.weights else "")
+        + (f", gradients clipped to global norm {result.clip:g}" if result.clip else "")
         + _describe_precision(result),
         "",
         f"  {'step':>4}  {'reference loss':>16}  {'parallel loss':>16}  {'rel. diff':>10}",
@@ -361,6 +368,7 @@ def check_json(result: CheckResult) -> dict[str, Any]:
         "optimizer": result.optimizer,
         "optimizer_class": result.optimizer_class,
         "weights": result.weights,
+        "clip": result.clip,
         "equivalent": result.ok,
         "rows": [
             {"step": s, "reference_loss": a, "parallel_loss": b, "relative_difference": r}

@@ -73,6 +73,7 @@ from parc.runtime.pipeline.executor import checked_loss, checked_optimizer
 
 from .master_weights import Recipe
 from .probes import GradientProbe, nudge_outputs
+from .schedules import Schedule, scheduler_for, step_scheduler
 
 __all__ = [
     "BF16_LOSS_RTOL",
@@ -152,20 +153,28 @@ def reference_run(
     twin: bool = False,
     weights: str | None = None,
     precision: Precision = Precision.FP32,
+    clip: float | None = None,
+    lr_schedule: Schedule | None = None,
 ) -> dict[str, Any]:
     """Train the unmodified model on one process; losses per step, final parameters and
-    buffers, and the gradients of step 0 ("grads", by parameter name).
+    buffers, the gradients of step 0 ("grads", by parameter name, after clipping) and each
+    step's global gradient norm before clipping ("grad_norms").
 
     `twin` runs the noise twin of runtime/calibration.py instead: the same
     training, rounded differently (every batch in reverse sample order, every
     module's output moved by one ulp). `weights`: a checkpoint directory to start
     from (runtime/hf_weights.py), as `parc.compile(weights=...)` does.
-    `precision` bf16: the mixed-precision recipe (runtime/master_weights.py `Recipe`);
-    parameters and gradients are then the fp32 masters'.
+    `lr_schedule`: the learning-rate schedule the run steps (without one, the model file's
+    configure_scheduler if it has one, runtime/schedules.py). `precision` bf16: the
+    mixed-precision recipe (runtime/master_weights.py `Recipe`);
+    parameters and gradients are then the fp32 masters'. `clip`: the gradients are clipped
+    to that global norm before each optimizer step (`torch.nn.utils.clip_grad_norm_`).
     """
     with model_env(env):
         source = load_model(model_file)
-        return _reference(source, steps, batch, seed, optimizer, twin, weights, precision)
+        return _reference(
+            source, steps, batch, seed, optimizer, twin, weights, precision, clip, lr_schedule
+        )
 
 
 def _flipped(inputs: Any) -> Any:
@@ -184,6 +193,8 @@ def _reference(
     twin: bool = False,
     weights: str | None = None,
     precision: Precision = Precision.FP32,
+    clip: float | None = None,
+    lr_schedule: Schedule | None = None,
 ) -> dict[str, Any]:
     torch.manual_seed(seed)
     model = source.build()
@@ -199,7 +210,8 @@ def _reference(
     ref, path = "in the single-device reference run", source.path
     with user_code(path, f"creating the optimizer {ref}"):
         opt = checked_optimizer(_optimizer_for(source, optimizer)(recipe.stepped()), path)
-    losses, grads = [], {}
+        scheduler = scheduler_for(opt, lr_schedule, source)  # the parallel run's (schedules.py)
+    losses, grads, norms = [], {}, []
     for step in range(steps):
         inputs, targets = source.batch(batch, step)
         if twin:
@@ -209,7 +221,7 @@ def _reference(
         dtypes = functools.partial(input_dtype_hint, input_tensors(inputs), model)
         forward = user_code(path, f"the model's forward {ref}", step=step, hint=dtypes)
         with forward, recipe.forward():
-            output = call_model(model, inputs)
+            output = call_model(model, recipe.for_inputs(inputs))
         choice = eager_choice(output, owns_loss(source, inputs, targets), path)
         output = recipe.for_loss(take(output, choice.path))
         loss_fn = ModelLoss(path) if choice.is_loss else source.loss_fn
@@ -219,6 +231,7 @@ def _reference(
         with user_code(path, f"the backward of the loss {ref}", step=step):
             loss.backward()
         recipe.load_grads()
+        norms.append(_clipped(recipe.stepped(), clip))
         if step == 0:
             grads = {
                 n: torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
@@ -226,10 +239,27 @@ def _reference(
             }
         with user_code(path, f"the optimizer step {ref}", step=step):
             opt.step()
+            step_scheduler(scheduler)
         recipe.write_back()
         losses.append(float(loss.detach()))
     params = {n: p.detach().clone() for n, p in recipe.named_stepped()}
-    return {"losses": losses, "params": params, "buffers": _buffers(model, recipe), "grads": grads}
+    buffers = _buffers(model, recipe)
+    return {
+        "losses": losses,
+        "params": params,
+        "buffers": buffers,
+        "grads": grads,
+        "grad_norms": norms,
+    }
+
+
+def _clipped(params: list[torch.nn.Parameter], clip: float | None) -> float:
+    """The global norm of `params`' gradients, and with `clip` the gradients clipped to it
+    (torch's own function: what parc's clipping must equal)."""
+    if clip is not None:
+        return float(torch.nn.utils.clip_grad_norm_(params, clip))
+    grads = [p.grad for p in params if p.grad is not None]
+    return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
 
 
 def _check_finite(loss: torch.Tensor, step: int, path: str) -> None:
@@ -269,12 +299,16 @@ def parallel_case(
     fault: str | None = None,
     schedule: dict[int, list[str]] | None = None,
     weights: str | None = None,
+    clip: float | None = None,
+    lr_schedule: Schedule | None = None,
 ) -> dict[str, Any]:
     """One rank's side of a parallel run (call on every rank of a process group).
 
     `fault` names a deliberate bug to inject (parc/testing/faults.py), to prove checks fail;
     `schedule` is a hand-written pipeline schedule for `parc.compile(schedule=...)`;
-    `weights` a checkpoint directory to start from.
+    `weights` a checkpoint directory to start from; `lr_schedule` the lr schedule (as
+    `reference_run`'s); `clip` the global gradient norm to clip
+    to (`Program.clip`). Each step's global norm before clipping is in "grad_norms".
     """
     import torch.distributed as dist
 
@@ -294,14 +328,19 @@ def parallel_case(
         )
         if fault is not None:
             inject(program, fault)
-        losses, stats = [], []
+        program.clip = clip
+        scheduler = scheduler_for(program.optimizer, lr_schedule, source)
+        losses, stats, norms = [], [], []
         for step in range(steps):
             inputs, targets = source.batch(batch, step)
             losses.append(program.step(inputs, targets))
             stats.append(program.comm_stats())
+            norms.append(program.last_grad_norm)
+            step_scheduler(scheduler)
         params = program.state_dict() if want_params else {}
     rank = dist.get_rank() if dist.is_initialized() else 0
-    return {"losses": losses, "params": params if rank == 0 else {}, "stats": stats}
+    mine = params if rank == 0 else {}
+    return {"losses": losses, "params": mine, "stats": stats, "grad_norms": norms}
 
 
 @dataclass(frozen=True, slots=True)

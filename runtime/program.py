@@ -10,7 +10,10 @@ synchronises gradients over dp (and tied weights over pp), and steps its
 optimizer. The loss returned is the mean over the global batch, the same on
 every rank. A NaN or inf loss or gradient stops every rank with the same
 `RuntimeFault` before the optimizer step (or, with `skip_nonfinite`, skips
-that update on every rank): see nonfinite.py.
+that update on every rank): see nonfinite.py. The global gradient norm of
+every step is `last_grad_norm`; with `clip` set the gradients are clipped to
+it before the optimizer step, as `torch.nn.utils.clip_grad_norm_` clips on one
+device: see clip.py.
 """
 
 from __future__ import annotations
@@ -26,13 +29,15 @@ import torch.distributed as dist
 from parc.compiler.default_loss import DefaultLoss
 from parc.compiler.model import off_batch
 from parc.compiler.model_output import input_tensors
+from parc.compiler.saved import cast_inputs
 from parc.dsl.ast import AXIS_DP, AXIS_PP
 from parc.errors import RuntimeFault
 from parc.runtime.pipeline.executor import StageExecutor, checked_loss
 
+from .clip import NormLayout, check_max_norm, clip_grads, partial_square_sum
 from .collectives import CommKind
 from .gather import gather_full_state, iter_full_state
-from .master_weights import upcast
+from .master_weights import COMPUTE_DTYPE, upcast
 from .nonfinite import first_nonfinite_param, grad_views, grads_flag, nonfinite_fault
 from .parts import ProgramParts
 from .step_hooks import StepHooks
@@ -53,6 +58,10 @@ class Program:
         # True, skips that step's update on every rank and is recorded in `skipped`.
         self.skip_nonfinite = False
         self.skipped: list[tuple[int, str]] = []  # (step, what was not finite)
+        # The last step's global gradient norm (before clipping), the same on every rank.
+        self.last_grad_norm = math.nan
+        self._clip: float | None = None
+        self._norm_layout = NormLayout.of(parts)
         self._unchecked_targets: torch.Tensor | None = None  # this step's, on the host
         self._stats: dict[tuple[CommKind, str], tuple[int, int]] = {}
         self._bytes: dict[tuple[CommKind, str], int] = {}
@@ -67,6 +76,16 @@ class Program:
             before_last_backward=lambda: parts.sync.arm(True),
             forward_contexts=parts.forward_contexts,
         )
+
+    @property
+    def clip(self) -> float | None:
+        """Clip the gradients to this global norm before each optimizer step (as
+        `torch.nn.utils.clip_grad_norm_(params, clip)` on one device); None: no clipping."""
+        return self._clip
+
+    @clip.setter
+    def clip(self, max_norm: float | None) -> None:
+        self._clip = check_max_norm(max_norm)
 
     # ------------------------------------------------------------ training
 
@@ -87,6 +106,8 @@ class Program:
         d = comm.index(AXIS_DP)
         per_replica = plan.batch.per_replica
         xs = [x[d * per_replica : (d + 1) * per_replica].to(self.parts.device) for x in xs]
+        if plan.mixed:  # floating inputs enter at the compute dtype, as the profile saw them
+            xs = cast_inputs(xs, COMPUTE_DTYPE)
         # The default loss' range check reads the targets: once per step, on the host's.
         self._unchecked_targets = targets[d * per_replica : (d + 1) * per_replica]
         ys = self._unchecked_targets.to(self.parts.device)
@@ -108,12 +129,16 @@ class Program:
         self.hooks.synced(self.steps_done)
         self.parts.sync.arm(False)
         # Before the optimizer step: a NaN/inf must never reach the parameters (nonfinite.py).
-        loss, flagged = self._global_loss(losses, grads_flag(self.parts.sync, self.parts.device))
+        flag = grads_flag(self.parts.sync, self.parts.device)
+        square_sum = partial_square_sum(self.parts, self._norm_layout)  # clip.py
+        loss, flagged, self.last_grad_norm = self._global_loss(losses, flag, square_sum)
         # A flag may be a finite sum that overflowed: only the exact search can tell.
         param = first_nonfinite_param(self.parts) if flagged and math.isfinite(loss) else None
         if param is not None or not math.isfinite(loss):
             self._nonfinite(loss, param)
         else:
+            if self._clip is not None:  # after the non-finite check, before the step
+                clip_grads(self.parts.sync, self._clip, self.last_grad_norm)
             self.optimizer.step()
             self.parts.sync.after_step()
         self._stats, self._bytes = comm.stats.snapshot(), comm.stats.bytes_snapshot()
@@ -180,22 +205,26 @@ class Program:
             self.comm.stats.add(CommKind.ALL_REDUCE, AXIS_PP, grad)
             dist.all_reduce(grad, group=group)
 
-    def _global_loss(self, losses: list[torch.Tensor], flag: torch.Tensor) -> tuple[float, int]:
-        """The mean loss over the global batch, and how many ranks flagged their gradients
-        (`flag`: nonfinite.grads_flag). One all-reduce and the step's one host sync."""
+    def _global_loss(
+        self, losses: list[torch.Tensor], flag: torch.Tensor, square_sum: torch.Tensor
+    ) -> tuple[float, int, float]:
+        """The mean loss over the global batch, how many ranks flagged their gradients
+        (`flag`: nonfinite.grads_flag) and the global gradient norm (`square_sum`: this
+        rank's share of its square, clip.py). One all-reduce and the step's one host sync."""
         plan, comm = self.plan, self.comm
         mine = self.parts.holds_last_stage and all(
             comm.index(a) == 0 for a in plan.mesh.names if a not in (AXIS_DP, AXIS_PP)
         )
         # On the rank's device, with no read before the reduction: NCCL reduces no CPU
         # tensors, and each read of a device tensor waits for the device.
-        total = torch.zeros(2, dtype=torch.float64, device=self.parts.device)
+        total = torch.zeros(3, dtype=torch.float64, device=self.parts.device)
         for loss in losses if mine else ():
             total[0] += loss.reshape(()).to(torch.float64)
-        total[1] = flag
+        total[1], total[2] = flag, square_sum
         comm.metric_sum(total)
-        loss_sum, flagged = total.tolist()
-        return loss_sum / (plan.dp * plan.microbatches * plan.grad_accum), int(flagged)
+        loss_sum, flagged, squares = total.tolist()
+        loss = loss_sum / (plan.dp * plan.microbatches * plan.grad_accum)
+        return loss, int(flagged), math.sqrt(squares)  # NaN or inf on a non-finite step
 
     # ------------------------------------------------------------ inspection
 

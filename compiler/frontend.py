@@ -22,6 +22,7 @@ import torch.fx
 
 from parc.dsl import load_spec, parse_spec
 from parc.dsl.ast import Spec
+from parc.errors import CompileError
 
 from .deferred_init import DeferredModel, record_build
 from .dropout import dropout_warnings
@@ -35,12 +36,13 @@ from .model_state import (
     check_all_used,
     untraced_writes,
 )
+from .node_info import node_source
 from .optimizers import optimizer_warnings
 from .passes.pipeline_split import annotate_stages
 from .plan import Plan
 from .plan_schedule import HandSchedule, with_schedule
 from .resolve import check_batch, resolve
-from .saved import SavedTensors, compute_dtype, profile_forward
+from .saved import SavedTensors, cast_inputs, compute_dtype, profile_forward
 from .trace import trace_model
 
 __all__ = ["Analysis", "analyse", "as_spec", "default_batch"]
@@ -125,14 +127,16 @@ def _analyse(
     built, deferred = how.build(source)
     versions = buffer_versions(built)
     sample, targets = source.batch(batch_plan.micro, 0)
-    inputs = sample if isinstance(sample, dict) else input_tensors(sample)
     own = owns_loss(source, sample, targets)
-    # The capture and the fake forward at the run's compute dtype (resolve refuses fp16).
+    # The capture and the fake forward at the run's compute dtype (resolve refuses fp16),
+    # on the inputs as the run feeds them (floating ones cast to it: saved.cast_inputs).
     compute = compute_dtype(spec.precision)
+    inputs = cast_inputs(sample if isinstance(sample, dict) else input_tensors(sample), compute)
     gm = trace_model(built, inputs, own_loss=own, file=source.path, compute=compute)
     if gm.meta["parc_output"].is_loss:
         source = dataclasses.replace(source, loss_fn=ModelLoss(source.path))
     untraced_writes(built, versions, source.path)
+    _check_module_state_dtypes(gm, compute)
     check_all_used(gm, built, source.path)
     saved = profile_forward(gm, input_tensors(inputs), spec.precision)
     plan = resolve(spec, built, gm, batch=batch)
@@ -157,6 +161,39 @@ def _analyse(
     memory = memory_model_of(source.configure_optimizer, plan.precision, plan.reduce)
     costs = estimate(plan, gm, built, saved, memory=memory)
     return Analysis(spec, source, built, gm, plan, costs, saved, deferred)
+
+
+def _check_module_state_dtypes(gm: torch.fx.GraphModule, compute: torch.dtype | None) -> None:
+    """Under a compute dtype, refuse a module called as one op (a `call_module` node) that
+    reads its own floating parameters, which become `compute` copies, beside floating
+    buffers of another dtype (BatchNorm's fp32 running statistics): autocast casts no
+    module state, and torch's kernel refuses bf16 weights with fp32 statistics (on CPU:
+    "expected scalar type BFloat16 but found Float"), in the run and the reference alike."""
+    if compute is None:
+        return
+    for node in gm.graph.nodes:
+        if node.op != "call_module":
+            continue
+        module = gm.get_submodule(str(node.target))
+        if not any(p.is_floating_point() for p in module.parameters(recurse=False)):
+            continue
+        odd = [
+            f"{name} ({str(b.dtype).removeprefix('torch.')})"
+            for name, b in module.named_buffers(recurse=False)
+            if b.is_floating_point() and b.dtype != compute
+        ]
+        if odd:
+            raise CompileError(
+                f"module '{node.target}' ({type(module).__name__}) computes with its weights "
+                f"as {str(compute).removeprefix('torch.')} compute copies under precision "
+                f"bf16 beside its buffers {', '.join(odd)}, which keep their dtype; its "
+                "kernel refuses the mix",
+                node=node.format_node(),
+                source=node_source(node),
+                hint="train this model with precision fp32, or build the module without "
+                "floating-point state (e.g. BatchNorm with track_running_stats=False, or "
+                "GroupNorm/LayerNorm)",
+            )
 
 
 def _capture_note(gm: torch.fx.GraphModule) -> str:

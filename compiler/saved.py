@@ -52,6 +52,7 @@ from .node_info import node_source
 __all__ = [
     "SavedTensor",
     "SavedTensors",
+    "cast_inputs",
     "compute_dtype",
     "evaluate_nodes",
     "forward_context",
@@ -223,6 +224,32 @@ def compute_dtype(precision: Precision) -> torch.dtype | None:
     return torch.bfloat16 if precision is Precision.BF16 else None
 
 
+def cast_inputs(inputs: Any, dtype: torch.dtype | None) -> Any:
+    """The model's inputs as a run computing in `dtype` feeds them (None: unchanged).
+
+    Under `precision bf16` every floating-point input tensor (a tensor, the items of a
+    tuple or list, the values of a dict) is cast to the compute dtype before the first
+    forward reads it, as FSDP2's `cast_forward_inputs`: an fp32 input would otherwise
+    meet bf16 weights in an op autocast leaves alone (CPU layer_norm refuses the mix).
+    Integer tensors (token ids) and other values pass as they are. The capture, the
+    profile, the runtime (runtime/program.py) and the single-device reference
+    (runtime/master_weights.py `Recipe`) all apply this one rule.
+    """
+    if dtype is None:
+        return inputs
+
+    def cast(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+
+    if isinstance(inputs, Mapping):
+        return {k: cast(v) for k, v in inputs.items()}
+    if isinstance(inputs, tuple | list):
+        return type(inputs)(cast(x) for x in inputs)
+    return cast(inputs)
+
+
 def forward_context(precision: Precision) -> contextlib.AbstractContextManager[Any]:
     """What the fake forward runs inside: CPU autocast to bf16 under BF16, else nothing."""
     if precision is Precision.BF16:
@@ -303,7 +330,7 @@ def profile_forward(
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         state = _fake_state(gm, precision)
-        fake_inputs = _fake_inputs(inputs)
+        fake_inputs = _fake_inputs(cast_inputs(list(inputs), compute_dtype(precision)))
     recorder = _Recorder(gm, state, mode)
     hooks = torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t)
     with _quiet_fake_tensor_log(), mode, hooks, forward_context(precision):

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from parc.compiler.saved import cast_inputs
 from parc.dsl.ast import Precision
 
 from .collectives import Comm
@@ -139,7 +140,8 @@ class Recipe:
 
     fp32: the model as built. bf16: the recipe every parallel layout runs — the
     model's floating parameters become bf16 compute copies (buffers keep their
-    dtype) behind fp32 masters that the optimizer steps; the forward runs under
+    dtype) behind fp32 masters that the optimizer steps; the floating inputs are
+    cast to bf16 (compiler/saved.py `cast_inputs`); the forward runs under
     `torch.autocast(bf16)`; the loss is computed from upcast outputs; the masters'
     gradients are the bf16 gradients upcast; the compute copies are written from
     the masters after each step.
@@ -170,6 +172,10 @@ class Recipe:
             return contextlib.nullcontext()
         device = next(iter(self.pairs.computes)).device if self.pairs.computes else None
         return torch.autocast(device.type if device else "cpu", dtype=COMPUTE_DTYPE)
+
+    def for_inputs(self, inputs: Any) -> Any:
+        """The inputs as the parallel run feeds them: floating ones at the compute dtype."""
+        return inputs if self.pairs is None else cast_inputs(inputs, COMPUTE_DTYPE)
 
     def for_loss(self, output: Any) -> Any:
         return output if self.pairs is None else upcast(output)

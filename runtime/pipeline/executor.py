@@ -43,7 +43,7 @@ from parc.compiler.schedule_actions import (
     peer_stage,
 )
 from parc.dsl.ast import AXIS_PP
-from parc.errors import ModelError
+from parc.errors import ModelError, RuntimeFault
 from parc.runtime.collectives import Comm, CommKind
 
 __all__ = [
@@ -207,12 +207,15 @@ class StageExecutor:
                 stack.enter_context(context())
             outs = stage.gm.forward(*args)
         outs = list(outs)
+        sends = outs[1:] if stage.is_last else outs
+        state.sent = [
+            _as_contract(t, b, stage.stage, self.comm.rank)
+            for t, b in zip(sends, stage.send, strict=True)
+        ]
         if stage.is_last:
             loss = checked_loss(self.loss_fn(outs[0], targets), self.loss_fn)
             state.loss = loss * scale
-            state.sent = outs[1:]
             return loss.detach()
-        state.sent = outs
         return None
 
     def _backward(self, state: MicroState) -> None:
@@ -281,6 +284,32 @@ class _Posted:
         for work in self._works:
             work.wait()
         self._works = []
+
+
+def _as_contract(t: torch.Tensor, boundary: Boundary, stage: int, rank: int) -> torch.Tensor:
+    """`t` as `boundary` of `stage` travels: its receiver allocated the boundary's shape and
+    dtype from the compile-time profile, and a message of another size or dtype hangs or
+    corrupts NCCL. A floating value computed in another floating dtype than the profile
+    said (CUDA autocast runs norms in fp32 where the CPU profile saw bf16) is cast to
+    the contract's, inside autograd: its gradient comes back in the contract's dtype and
+    is cast to `t`'s. Any other difference is a RuntimeFault naming the boundary."""
+    if t.dtype == boundary.dtype and tuple(t.shape) == boundary.shape:
+        return t
+    if (
+        tuple(t.shape) == boundary.shape
+        and t.is_floating_point()
+        and boundary.dtype.is_floating_point
+    ):
+        return t.to(boundary.dtype)
+    seen = f"{str(t.dtype).removeprefix('torch.')}[{', '.join(map(str, t.shape))}]"
+    raise RuntimeFault(
+        f"stage {stage} computed pipeline boundary '{boundary.name}' as {seen}, but the "
+        f"compiled program's contract (what the receiving stage allocates) is {boundary}",
+        rank=rank,
+        hint="the model computes another shape or dtype at run time than on its sample "
+        "batch at compile time; make the value's shape and dtype depend on the input's "
+        "shape only",
+    )
 
 
 def _buffers(contract: Sequence[Boundary], device: torch.device) -> list[torch.Tensor]:

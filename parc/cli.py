@@ -76,6 +76,24 @@ def _learning_rate(text: str) -> float:
     return value
 
 
+def _max_norm(text: str) -> float:
+    value = _number(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive gradient norm, got {text}")
+    return value
+
+
+def _add_clip(p: argparse.ArgumentParser) -> None:
+    """`--clip` of `parc run` and `parc check` (runtime/clip.py)."""
+    p.add_argument(
+        "--clip",
+        type=_max_norm,
+        metavar="MAX_NORM",
+        help="clip the gradients to this global norm before each optimizer step, as "
+        "torch.nn.utils.clip_grad_norm_ does on one device (default: no clipping)",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="parc", description="A declarative parallelism compiler for PyTorch."
@@ -204,6 +222,7 @@ def _add_check(sub: Any) -> None:
     )
     p.add_argument("--timeout", type=_seconds, default=300.0, help="seconds per collective")
     _add_precision(p)
+    _add_clip(p)
     p.add_argument("--inject-fault", help=argparse.SUPPRESS)
     p.set_defaults(run=commands.cmd_check)
 
@@ -237,7 +256,7 @@ def _add_run(sub: Any) -> None:
         help="continue from the latest checkpoint in --checkpoint DIR, up to --steps",
     )
     p.add_argument("--timeout", type=_seconds, default=300.0, help="seconds per collective")
-    p.add_argument("--log", metavar="FILE", help="append (step, loss) JSON lines here")
+    p.add_argument("--log", metavar="FILE", help="append a JSON line per step here")
     p.add_argument("--nnodes", type=_positive, default=1, help="nodes in a multi-node run")
     p.add_argument("--node-rank", type=int, default=0, help="this node's rank")
     p.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="c10d rendezvous address")
@@ -256,6 +275,7 @@ def _add_run(sub: Any) -> None:
         "instead of stopping",
     )
     _add_precision(p)
+    _add_clip(p)
     p.add_argument("--inject-fault", help=argparse.SUPPRESS)
     p.set_defaults(run=_run)
 

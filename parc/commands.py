@@ -142,6 +142,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         timeout=args.timeout,
         weights=args.weights,
         precision=args.precision,
+        clip=args.clip,
     )
     if args.json:
         print(json.dumps(check_json(result), indent=2))
@@ -168,6 +169,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         skip_nonfinite=args.skip_nonfinite,
         fault=args.inject_fault,
         weights=args.weights,
+        clip=args.clip,
     )
     if ranked:
         exit_hard(_train_rank(opts, args.debug))

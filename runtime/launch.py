@@ -53,6 +53,7 @@ class RunOptions:
     skip_nonfinite: bool = False  # skip a NaN/inf step's update on every rank instead of stopping
     fault: str | None = None  # faults to inject (parc/testing/faults.py): a testing aid
     weights: str | None = None  # a checkpoint directory to start from (runtime/hf_weights.py)
+    clip: float | None = None  # clip gradients to this global norm (runtime/clip.py)
 
 
 def under_torchrun() -> bool:
@@ -170,7 +171,7 @@ def _exit_reason(code: int) -> str:
 
 
 class Progress:
-    """A one-line progress bar on rank 0: step, loss, throughput, ETA."""
+    """A one-line progress bar on rank 0: step, loss, gradient norm, throughput, ETA."""
 
     def __init__(self, total: int, unit: str, out: TextIO = sys.stderr) -> None:
         self.total, self.unit, self.out = total, unit, out
@@ -179,7 +180,8 @@ class Progress:
         self.items = 0
         self.tty = out.isatty()
 
-    def update(self, step: int, loss: float, items: int) -> None:
+    def update(self, step: int, loss: float, items: int, grad_norm: float = math.nan) -> None:
+        """`grad_norm`: the step's global gradient norm before clipping."""
         self.done += 1
         self.items += items
         elapsed = time.perf_counter() - self.start
@@ -190,7 +192,7 @@ class Progress:
         bar = "█" * filled + "·" * (width - filled)
         line = (
             f"step {step + 1:>{len(str(self.total))}}/{self.total} {bar} loss {loss:.4f} "
-            f"| {rate:,.0f} {self.unit}/s | ETA {_clock(eta)}"
+            f"| grad norm {grad_norm:.3g} | {rate:,.0f} {self.unit}/s | ETA {_clock(eta)}"
         )
         if self.tty:
             self.out.write("\r" + line)
@@ -242,6 +244,7 @@ def train(opts: RunOptions) -> int:
         spec, source, batch=opts.batch, seed=opts.seed, optimizer=factory, weights=opts.weights
     )
     program.skip_nonfinite = opts.skip_nonfinite
+    program.clip = opts.clip
     if opts.fault:
         from parc.testing.faults import inject
 
@@ -261,7 +264,7 @@ def train(opts: RunOptions) -> int:
         if skipped is None:
             losses.append((step, loss))
         if progress is not None:
-            _report(progress, opts.log, step, loss, targets, skipped)
+            _report(progress, opts.log, step, loss, targets, skipped, program.last_grad_norm)
         # The last step is always saved: `--every` only adds the saves in between.
         due = step + 1 == opts.steps or (opts.every and (step + 1) % opts.every == 0)
         if opts.checkpoint and due:
@@ -282,17 +285,30 @@ def train(opts: RunOptions) -> int:
 
 
 def _report(
-    progress: Progress, log: str | None, step: int, loss: float, targets: Any, skipped: str | None
+    progress: Progress,
+    log: str | None,
+    step: int,
+    loss: float,
+    targets: Any,
+    skipped: str | None,
+    grad_norm: float = math.nan,
 ) -> None:
-    """Rank 0: the progress bar, a line for a skipped step, and the --log entry."""
+    """Rank 0: the progress bar, a line for a skipped step, and the --log entry
+    (`grad_norm`: Program.last_grad_norm, the global norm before clipping)."""
     items, progress.unit = _items(targets)
     if skipped is not None:
         gap = "\n" if progress.tty else ""
         print(f"{gap}step {step} skipped: {skipped}", file=sys.stderr)
-    progress.update(step, loss, items)
+    progress.update(step, loss, items, grad_norm)
     if log:
         with open(log, "a") as f:
-            entry = {"step": step, "loss": None if skipped else loss, "skipped": bool(skipped)}
+            entry = {
+                "step": step,
+                "loss": None if skipped else loss,
+                # JSON has no NaN or inf: a skipped step's non-finite norm is null.
+                "grad_norm": grad_norm if math.isfinite(grad_norm) else None,
+                "skipped": bool(skipped),
+            }
             f.write(json.dumps(entry) + "\n")
 
 

@@ -26,6 +26,7 @@ from typing import Any
 
 from parc import blame, commands
 from parc.errors import ModelError, ParcError
+from parc.runtime.schedules import add_schedule_arguments
 
 __all__ = ["main"]
 
@@ -222,6 +223,7 @@ def _add_check(sub: Any) -> None:
     )
     p.add_argument("--timeout", type=_seconds, default=300.0, help="seconds per collective")
     _add_precision(p)
+    add_schedule_arguments(p)  # both sides step it (runtime/schedules.py)
     _add_clip(p)
     p.add_argument("--inject-fault", help=argparse.SUPPRESS)
     p.set_defaults(run=commands.cmd_check)
@@ -275,6 +277,7 @@ def _add_run(sub: Any) -> None:
         "instead of stopping",
     )
     _add_precision(p)
+    add_schedule_arguments(p)
     _add_clip(p)
     p.add_argument("--inject-fault", help=argparse.SUPPRESS)
     p.set_defaults(run=_run)

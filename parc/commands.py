@@ -13,7 +13,9 @@ from parc.errors import ParcError, RuntimeFault
 from parc.schedule_views import schedule_grid, write_timeline
 
 if TYPE_CHECKING:
+    from parc.compiler.model import ModelSource
     from parc.dsl.ast import Spec
+    from parc.runtime.schedules import Schedule
 
 __all__ = ["EXIT_ERROR", "EXIT_FAIL", "EXIT_OK", "cmd_check", "cmd_compile", "cmd_plan", "cmd_run"]
 
@@ -128,6 +130,7 @@ def _write_rank_code(analysis: object, out: Path) -> None:
 
 def cmd_check(args: argparse.Namespace) -> int:
     from parc.runtime.check import check_json, format_check, run_check
+    from parc.runtime.schedules import schedule_from_args
     from parc.testing.faults import parse_faults
 
     parse_faults(args.inject_fault or "")  # a typo fails here, not as a traceback per rank
@@ -143,6 +146,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         weights=args.weights,
         precision=args.precision,
         clip=args.clip,
+        lr_schedule=schedule_from_args(args),
     )
     if args.json:
         print(json.dumps(check_json(result), indent=2))
@@ -153,8 +157,10 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from parc.runtime.launch import RunOptions, exit_hard, launch, under_torchrun
+    from parc.runtime.schedules import schedule_from_args
 
     ranked = under_torchrun()
+    schedule = schedule_from_args(args, args.lr)  # every rank parses the same flags
     opts = RunOptions(
         spec=_spec_to_run(args, ranked),
         model=args.model,
@@ -166,6 +172,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         resume=args.resume,
         timeout=args.timeout,
         log=args.log,
+        schedule=schedule,
         skip_nonfinite=args.skip_nonfinite,
         fault=args.inject_fault,
         weights=args.weights,
@@ -179,7 +186,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     parse_faults(args.inject_fault or "")  # a typo fails here, not on every rank
 
     # Every spec and model error surfaces here, once, before any process starts.
-    analysis = analyse(_spec(args, quiet=True), args.model, batch=args.batch)
+    source = _model_with_schedule(args.model, schedule)
+    analysis = analyse(_spec(args, quiet=True), source, batch=args.batch)
     if args.weights:
         from parc.runtime.hf_weights import check_weights
 
@@ -193,6 +201,17 @@ def cmd_run(args: argparse.Namespace) -> int:
         max_restarts=args.max_restarts,
         timeout=args.timeout,
     )
+
+
+def _model_with_schedule(model_file: str, schedule: Schedule | None) -> ModelSource:
+    """The model file, refused when it defines configure_scheduler and flags ask for a
+    schedule too (as every rank would refuse it)."""
+    from parc.compiler.model import load_model
+    from parc.runtime.schedules import refuse_two_schedules
+
+    source = load_model(model_file)
+    refuse_two_schedules(schedule, source)
+    return source
 
 
 def _spec_to_run(args: argparse.Namespace, ranked: bool) -> str:

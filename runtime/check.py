@@ -42,6 +42,7 @@ from .equivalence import (
     parallel_case,
     reference_run,
 )
+from .schedules import Schedule, build_scheduler, refuse_two_schedules
 
 __all__ = [
     "OPTIMIZERS",
@@ -84,6 +85,7 @@ class CheckResult:
     gap: PrecisionGap | None = None  # under bf16: one device's bf16 against its fp32
     notes: tuple[str, ...] = ()  # what --precision changed in the spec
     clip: float | None = None  # both sides clipped gradients to this global norm
+    lr_schedule: Schedule | None = None  # both sides stepped this lr schedule
 
     @property
     def ok(self) -> bool:
@@ -103,6 +105,7 @@ def run_check(
     weights: str | None = None,
     precision: Precision | str | None = None,
     clip: float | None = None,
+    lr_schedule: Schedule | None = None,
 ) -> CheckResult:
     """Run both sides and compare; raises ParcError for a bad spec, model or optimizer.
     With `weights` (a checkpoint directory) both start from its tensors; `precision`
@@ -128,7 +131,10 @@ def run_check(
 
         check_weights(weights, analysis.model)
     opt_class = _check_optimizer(source, optimizer, plan)
-    runs = _Runs(steps, batch, seed, optimizer, weights, plan.precision, clip=clip)
+    _check_schedule(source, optimizer, lr_schedule)
+    runs = _Runs(
+        steps, batch, seed, optimizer, weights, plan.precision, clip=clip, lr_schedule=lr_schedule
+    )
     with WorkerPool(world, timeout=timeout) as pool:
         measured = _measure(pool, str(spec), source.path, runs, fault=fault)
     return CheckResult(
@@ -148,6 +154,7 @@ def run_check(
         measured.gap,
         overridden.notes,
         clip,
+        lr_schedule=lr_schedule,
     )
 
 
@@ -163,11 +170,12 @@ class _Runs:
     precision: Precision = Precision.FP32
     env: dict[str, str] | None = None
     clip: float | None = None
+    lr_schedule: Schedule | None = None
 
     def kwargs(self, **changed: Any) -> dict[str, Any]:
         """The keywords `reference_run` and `parallel_case` share (the spec text carries
         the parallel run's precision; `changed` replaces or adds some)."""
-        names = ("steps", "batch", "seed", "optimizer", "env", "weights", "clip")
+        names = ("steps", "batch", "seed", "optimizer", "env", "weights", "clip", "lr_schedule")
         return {**{n: getattr(self, n) for n in names}, **changed}
 
 
@@ -192,7 +200,9 @@ def _measure(
         twin = reference_run(model_file, **runs.kwargs(precision=runs.precision), twin=True)
         gap = precision_gap(ref, fp32)
     case = (parallel_case, spec_text, model_file)
-    probe = pool.run(*case, **runs.kwargs(steps=1, optimizer="gradient"), fault=fault)
+    # The probe writes step 0's gradients into the parameters: no lr, so no schedule.
+    probe_kwargs = runs.kwargs(steps=1, optimizer="gradient", lr_schedule=None)
+    probe = pool.run(*case, **probe_kwargs, fault=fault)
     results = pool.run(*case, **runs.kwargs(), fault=fault)
     comparison = calibrated_compare(ref, twin, results[0], probe[0]["params"], runs.precision)
     return _Measured(comparison, twin_unstable(fp32, fp32_twin), gap)
@@ -211,6 +221,7 @@ def compare_in_pool(
     env: dict[str, str] | None = None,
     weights: str | None = None,
     clip: float | None = None,
+    lr_schedule: Schedule | None = None,
 ) -> tuple[Comparison, float | None]:
     """The reference and its noise twin here, the program twice on `pool` (a gradient
     probe step, then `steps` training steps); the calibrated comparison and, when the
@@ -218,7 +229,7 @@ def compare_in_pool(
     The reference trains in the precision `spec_text` says.
     """
     precision = as_spec(spec_text).precision
-    runs = _Runs(steps, batch, seed, optimizer, weights, precision, env, clip)
+    runs = _Runs(steps, batch, seed, optimizer, weights, precision, env, clip, lr_schedule)
     measured = _measure(pool, spec_text, model_file, runs, fault=fault)
     return measured.comparison, measured.twin_loss_diff
 
@@ -252,6 +263,21 @@ def _check_optimizer(source: ModelSource, name: str, plan: Any) -> str:
     origin, file = factory_origin(factory, source)
     check_optimizer(opt, plan, origin=origin, file=file)
     return type(opt).__name__
+
+
+def _check_schedule(source: ModelSource, name: str, schedule: Schedule | None) -> None:
+    """Refuse before any process starts what both sides would: a schedule from the flags
+    beside the model file's configure_scheduler, or a min-lr above the optimizer's lr."""
+    if schedule is None:
+        return
+    refuse_two_schedules(schedule, source)
+    factory = source.configure_optimizer if name == "model" else make_optimizer(name)
+    try:
+        opt = factory([torch.nn.Parameter(torch.zeros(2, 3))])
+    except Exception:  # the reference run raises the factory's own error
+        return
+    if isinstance(opt, torch.optim.Optimizer):
+        build_scheduler(opt, schedule)
 
 
 def _describe_optimizer(result: CheckResult) -> str:
@@ -308,6 +334,7 @@ def format_check(result: CheckResult) -> str:
         f"{_describe_optimizer(result)}"
         + (f", both from the weights in {result.weights}" if result.weights else "")
         + (f", gradients clipped to global norm {result.clip:g}" if result.clip else "")
+        + (f", lr schedule {result.lr_schedule}" if result.lr_schedule else "")
         + _describe_precision(result),
         "",
         f"  {'step':>4}  {'reference loss':>16}  {'parallel loss':>16}  {'rel. diff':>10}",
@@ -369,6 +396,7 @@ def check_json(result: CheckResult) -> dict[str, Any]:
         "optimizer_class": result.optimizer_class,
         "weights": result.weights,
         "clip": result.clip,
+        "lr_schedule": None if result.lr_schedule is None else str(result.lr_schedule),
         "equivalent": result.ok,
         "rows": [
             {"step": s, "reference_loss": a, "parallel_loss": b, "relative_difference": r}

@@ -28,10 +28,15 @@ from parc.compiler.model_output import input_tensors
 from parc.compiler.optimizer_factory import OptimizerFactory
 from parc.errors import ModelError, ParcError
 
+from .schedules import current_lr, step_scheduler
+
 if TYPE_CHECKING:
     import torch
+    from torch.optim.lr_scheduler import LRScheduler
 
     from parc.compiler.plan import Plan
+
+    from .schedules import Schedule
 
 
 __all__ = ["Progress", "RunOptions", "launch", "train", "under_torchrun"]
@@ -49,7 +54,8 @@ class RunOptions:
     every: int = 0
     resume: bool = False
     timeout: float = 300.0
-    log: str | None = None  # JSON lines of (step, loss) written by rank 0
+    log: str | None = None  # JSON lines of (step, loss, lr) written by rank 0
+    schedule: Schedule | None = None  # the lr schedule (runtime/schedules.py); None: constant
     skip_nonfinite: bool = False  # skip a NaN/inf step's update on every rank instead of stopping
     fault: str | None = None  # faults to inject (parc/testing/faults.py): a testing aid
     weights: str | None = None  # a checkpoint directory to start from (runtime/hf_weights.py)
@@ -171,7 +177,7 @@ def _exit_reason(code: int) -> str:
 
 
 class Progress:
-    """A one-line progress bar on rank 0: step, loss, gradient norm, throughput, ETA."""
+    """A one-line progress bar on rank 0: step, loss, lr, gradient norm, throughput, ETA."""
 
     def __init__(self, total: int, unit: str, out: TextIO = sys.stderr) -> None:
         self.total, self.unit, self.out = total, unit, out
@@ -180,7 +186,9 @@ class Progress:
         self.items = 0
         self.tty = out.isatty()
 
-    def update(self, step: int, loss: float, items: int, grad_norm: float = math.nan) -> None:
+    def update(
+        self, step: int, loss: float, items: int, lr: float, grad_norm: float = math.nan
+    ) -> None:
         """`grad_norm`: the step's global gradient norm before clipping."""
         self.done += 1
         self.items += items
@@ -192,7 +200,8 @@ class Progress:
         bar = "█" * filled + "·" * (width - filled)
         line = (
             f"step {step + 1:>{len(str(self.total))}}/{self.total} {bar} loss {loss:.4f} "
-            f"| grad norm {grad_norm:.3g} | {rate:,.0f} {self.unit}/s | ETA {_clock(eta)}"
+            f"| lr {lr:.3g} | grad norm {grad_norm:.3g} "
+            f"| {rate:,.0f} {self.unit}/s | ETA {_clock(eta)}"
         )
         if self.tty:
             self.out.write("\r" + line)
@@ -228,10 +237,10 @@ def train(opts: RunOptions) -> int:
     from parc.compiler.frontend import as_spec
     from parc.compiler.model import load_model
     from parc.compiler.plan import MeshPlan
-    from parc.runtime.checkpoint.store import save_checkpoint
 
     from .mesh import init_world
     from .run_errors import located
+    from .schedules import scheduler_for
 
     spec = as_spec(opts.spec)
     init_world(MeshPlan(tuple((a.name, a.size) for a in spec.mesh.axes)), timeout_s=opts.timeout)
@@ -250,33 +259,26 @@ def train(opts: RunOptions) -> int:
 
         inject(program, opts.fault)
     batch = program.plan.batch.global_batch
+    # Built on every rank over the optimizer the program steps, before a resume restores it.
+    scheduler = scheduler_for(program.optimizer, opts.schedule, source)
     with located(rank=rank, step=None, doing="resuming", timeout=opts.timeout):
-        start = _resume(program, opts, rank)
+        start = _resume(program, opts, rank, scheduler)
     progress = Progress(opts.steps, "tokens") if rank == 0 else None  # counts from `start`
     losses: list[tuple[int, float]] = []
     began = time.perf_counter()
     for step in range(start, opts.steps):
         inputs, targets = source.batch(batch, step)
         _check_shapes(program, source.path, inputs, batch, step)
+        lr = current_lr(program.optimizer)
         with located(rank=rank, step=step, doing="the step", timeout=opts.timeout):
             loss = program.step(inputs, targets)
+        step_scheduler(scheduler)
         skipped = next((why for s, why in program.skipped if s == step), None)
         if skipped is None:
             losses.append((step, loss))
         if progress is not None:
-            _report(progress, opts.log, step, loss, targets, skipped, program.last_grad_norm)
-        # The last step is always saved: `--every` only adds the saves in between.
-        due = step + 1 == opts.steps or (opts.every and (step + 1) % opts.every == 0)
-        if opts.checkpoint and due:
-            with located(
-                rank=rank,
-                step=step,
-                doing=f"saving checkpoint step-{step + 1} in {opts.checkpoint}",
-                timeout=opts.timeout,
-                hint="check that the directory can be written and has space; the previous "
-                "checkpoint is intact (saves are atomic)",
-            ):
-                save_checkpoint(program, opts.checkpoint, step + 1)
+            _report(progress, opts.log, step, loss, lr, targets, skipped, program.last_grad_norm)
+        _save_if_due(program, opts, rank, step, scheduler)
     if progress is not None:
         progress.close()
     if rank == 0 and losses:
@@ -284,11 +286,34 @@ def train(opts: RunOptions) -> int:
     return 0
 
 
+def _save_if_due(
+    program: Any, opts: RunOptions, rank: int, step: int, scheduler: LRScheduler | None
+) -> None:
+    """The last step is always saved: `--every` only adds the saves in between."""
+    from parc.runtime.checkpoint.store import save_checkpoint
+
+    from .run_errors import located
+
+    due = step + 1 == opts.steps or (opts.every and (step + 1) % opts.every == 0)
+    if not (opts.checkpoint and due):
+        return
+    with located(
+        rank=rank,
+        step=step,
+        doing=f"saving checkpoint step-{step + 1} in {opts.checkpoint}",
+        timeout=opts.timeout,
+        hint="check that the directory can be written and has space; the previous "
+        "checkpoint is intact (saves are atomic)",
+    ):
+        save_checkpoint(program, opts.checkpoint, step + 1, scheduler=scheduler)
+
+
 def _report(
     progress: Progress,
     log: str | None,
     step: int,
     loss: float,
+    lr: float,
     targets: Any,
     skipped: str | None,
     grad_norm: float = math.nan,
@@ -299,12 +324,13 @@ def _report(
     if skipped is not None:
         gap = "\n" if progress.tty else ""
         print(f"{gap}step {step} skipped: {skipped}", file=sys.stderr)
-    progress.update(step, loss, items, grad_norm)
+    progress.update(step, loss, items, lr, grad_norm)
     if log:
         with open(log, "a") as f:
             entry = {
                 "step": step,
                 "loss": None if skipped else loss,
+                "lr": lr,
                 # JSON has no NaN or inf: a skipped step's non-finite norm is null.
                 "grad_norm": grad_norm if math.isfinite(grad_norm) else None,
                 "skipped": bool(skipped),
@@ -312,7 +338,7 @@ def _report(
             f.write(json.dumps(entry) + "\n")
 
 
-def _resume(program: Any, opts: RunOptions, rank: int) -> int:
+def _resume(program: Any, opts: RunOptions, rank: int, scheduler: LRScheduler | None) -> int:
     """The step to start at: the latest checkpoint's with --resume, or after a restart.
 
     torchrun's `--max-restarts` restarts every worker of the job; a restarted
@@ -331,7 +357,7 @@ def _resume(program: Any, opts: RunOptions, rank: int) -> int:
         if rank == 0:
             _note(f"restart {restart}: no complete checkpoint in {opts.checkpoint}; from step 0")
         return 0
-    start = load_checkpoint(program, opts.checkpoint)
+    start = load_checkpoint(program, opts.checkpoint, scheduler=scheduler)
     if restart and rank == 0:
         _note(f"restart {restart}: resumed from {found} at step {start}")
     return start

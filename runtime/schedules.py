@@ -34,6 +34,7 @@ import argparse
 import enum
 import functools
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -51,8 +52,10 @@ __all__ = [
     "add_schedule_arguments",
     "build_scheduler",
     "current_lr",
+    "refuse_two_schedules",
     "schedule_from_args",
     "scheduler_for",
+    "step_scheduler",
 ]
 
 
@@ -189,17 +192,11 @@ def scheduler_for(
 ) -> torch.optim.lr_scheduler.LRScheduler | None:
     """The scheduler a run steps once per step: the CLI's `schedule`, or the model file's
     `configure_scheduler(optimizer)`, or None (the optimizer's lr stays constant).
-    Both at once is an error: which one should win is the user's to say."""
+    Both at once is an error (`refuse_two_schedules`)."""
     from torch.optim.lr_scheduler import LRScheduler
 
+    refuse_two_schedules(schedule, source)
     hook = source.configure_scheduler
-    if schedule is not None and hook is not None:
-        raise ModelError(
-            f"the command line asks for a learning-rate schedule ({schedule}) and the model "
-            "file defines configure_scheduler(optimizer): parc will not pick one",
-            file=source.path,
-            hint="drop --schedule/--warmup/--min-lr/--decay-steps, or configure_scheduler",
-        )
     if schedule is not None:
         return build_scheduler(optimizer, schedule)
     if hook is None:
@@ -214,6 +211,28 @@ def scheduler_for(
             hint="e.g. `return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: ...)`",
         )
     return made
+
+
+def refuse_two_schedules(schedule: Schedule | None, source: ModelSource) -> None:
+    """A schedule from the command line and the model file's configure_scheduler both:
+    which one should win is the user's to say."""
+    if schedule is not None and source.configure_scheduler is not None:
+        raise ModelError(
+            f"the command line asks for a learning-rate schedule ({schedule}) and the model "
+            "file defines configure_scheduler(optimizer): parc will not pick one",
+            file=source.path,
+            hint="drop --schedule/--warmup/--min-lr/--decay-steps, or configure_scheduler",
+        )
+
+
+def step_scheduler(scheduler: torch.optim.lr_scheduler.LRScheduler | None) -> None:
+    """Move to the next step's lr (nothing without a scheduler). Once per training step,
+    also after a skipped (non-finite) update: the lr depends only on the step."""
+    if scheduler is None:
+        return
+    with warnings.catch_warnings():  # a skipped first update has no optimizer.step before it
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+        scheduler.step()
 
 
 def current_lr(optimizer: torch.optim.Optimizer) -> float:

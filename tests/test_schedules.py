@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import shutil
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from procs import MODEL, TINY, run_parc
 from torch.optim import lr_scheduler as sched
 
+from parc.compiler.model import load_model
 from parc.errors import ParcError
+from parc.runtime import check
+from parc.runtime.check import compare_in_pool
+from parc.runtime.checkpoint.store import load_checkpoint, save_checkpoint
+from parc.runtime.equivalence import LOSS_RTOL, model_env, parallel_case
 from parc.runtime.schedules import (
     Schedule,
     ScheduleKind,
@@ -162,3 +172,130 @@ def test_min_lr_above_the_optimizers_lr_is_refused_when_built() -> None:
     s = Schedule(kind=ScheduleKind.LINEAR, steps=10, min_lr=0.5)
     with pytest.raises(ParcError, match=r"above the learning rate 0.1 \(the optimizer's lr\)"):
         build_scheduler(_optimizer(), s)
+
+
+# ------------------------------------------------------------ parc run, resumed
+
+
+DP2 = "mesh dp=2\n"
+STEPS, HALF = 6, 3
+COSINE = Schedule(kind=ScheduleKind.COSINE, steps=STEPS, warmup=2, min_lr=MIN_LR)
+FLAGS = [f"--steps={STEPS}", f"--lr={LR}", "--schedule=cosine", "--warmup=2", f"--min-lr={MIN_LR}"]
+LOGGED = ["--log", "log.jsonl", "--checkpoint", "ckpt"]
+RUN_S = 120.0  # seconds per `parc run`: ~8 s on 2 shared cores, mostly imports
+
+
+def _logged(path: Path) -> dict[int, tuple[float, float]]:
+    """step -> (lr, loss) of a --log file; a step logged twice (killed, then resumed) keeps
+    its last entry."""
+    return {row["step"]: (row["lr"], row["loss"]) for row in map(json.loads, path.open())}
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted 6-step run with a warmup + cosine schedule on `mesh dp=2`."""
+    cwd = tmp_path_factory.mktemp("straight")
+    (cwd / "dp2.par").write_text(DP2)
+    done = run_parc(["run", "dp2.par", MODEL, *FLAGS, *LOGGED], cwd, RUN_S)
+    assert done.code == 0, done
+    assert f"| lr {LR / 3:.3g} |" in done.err, done  # the progress line's first step
+    return cwd
+
+
+def test_parc_run_trains_and_logs_each_steps_scheduled_lr(straight: Path) -> None:
+    """The lr every rank's optimizer read at each step is the schedule's, exactly."""
+    logged = _logged(straight / "log.jsonl")
+    assert sorted(logged) == list(range(STEPS))
+    want = [LR * COSINE.multiplier(s, floor=MIN_LR / LR) for s in range(STEPS)]
+    assert [logged[s][0] for s in range(STEPS)] == want
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_run_resumed_steps_the_same_lrs_and_losses(straight: Path, tmp_path: Path) -> None:
+    """Killed at step 4 (rank 1 SIGKILLed) after the step-3 save, then `--resume`: every
+    step's lr and loss equal the uninterrupted run's exactly (same program, same ranks,
+    same restored state: optimizer, lr scheduler). Without the scheduler's state in the
+    checkpoint the resumed steps would restart the warmup (lr 0.1/3 at step 3)."""
+    (tmp_path / "dp2.par").write_text(DP2)
+    run: list[str | Path] = ["run", "dp2.par", MODEL, *FLAGS, *LOGGED, f"--every={HALF}"]
+    killed = run_parc([*run, "--inject-fault", "kill@1:4"], tmp_path, RUN_S)
+    assert killed.code != 0, killed
+    assert (tmp_path / "ckpt" / f"step-{HALF}").is_dir()
+    shutil.copytree(tmp_path / "ckpt", tmp_path / "at-step-3")
+    resumed = run_parc([*run, "--resume"], tmp_path, RUN_S)
+    assert resumed.code == 0, resumed
+    assert _logged(tmp_path / "log.jsonl") == _logged(straight / "log.jsonl")
+    _resumed_on_one_process(tmp_path / "at-step-3", _logged(straight / "log.jsonl"))
+
+
+def _resumed_on_one_process(checkpoint: Path, straight: dict[int, tuple[float, float]]) -> None:
+    """The dp=2 checkpoint resumed under no parallelism (a reshard): the same lrs, exactly
+    (they depend only on the step), and the losses within fp32's dp reordering (rtol 1e-5,
+    runtime/equivalence.py)."""
+    from parc.api import compile as parc_compile
+
+    with model_env(TINY):
+        source = load_model(MODEL)
+        program = parc_compile("mesh dp=1\n", source, batch=8)
+        for group in program.optimizer.param_groups:
+            group["lr"] = LR  # parc run's --lr
+        scheduler = build_scheduler(program.optimizer, COSINE)
+        start = load_checkpoint(program, checkpoint, scheduler=scheduler)
+        assert start == HALF
+        for step in range(start, STEPS):
+            lr = program.optimizer.param_groups[0]["lr"]
+            loss = program.step(*source.batch(8, step))
+            scheduler.step()
+            assert lr == straight[step][0], step
+            assert math.isclose(loss, straight[step][1], rel_tol=LOSS_RTOL), step
+
+
+def test_a_checkpoint_without_a_schedule_resumes_at_the_schedules_step(tmp_path: Path) -> None:
+    """A run that had no scheduler, resumed with one: the lr is the schedule's at the
+    checkpoint's step (replayed), not its step 0's."""
+    from parc.api import compile as parc_compile
+
+    with model_env(TINY):
+        source = load_model(MODEL)
+        program = parc_compile("mesh dp=1\n", source, batch=8)
+        for step in range(2):
+            program.step(*source.batch(8, step))
+        save_checkpoint(program, tmp_path, 2)
+        fresh = parc_compile("mesh dp=1\n", source, batch=8)
+        base = fresh.optimizer.param_groups[0]["lr"]
+        s = Schedule(kind=ScheduleKind.LINEAR, steps=STEPS, warmup=1, min_lr=0.0)
+        load_checkpoint(fresh, tmp_path, scheduler=build_scheduler(fresh.optimizer, s))
+        assert fresh.optimizer.param_groups[0]["lr"] == base * s.multiplier(2)
+
+
+# ------------------------------------------------------------ parc check
+
+
+CHECKED = Schedule(kind=ScheduleKind.COSINE, steps=3, warmup=1, min_lr=0.01)
+
+
+def test_check_with_a_schedule_passes(gloo_pool: Any) -> None:
+    """Both sides step the same schedule: equivalent."""
+    comparison, twin = compare_in_pool(
+        gloo_pool(2), DP2, str(MODEL), steps=3, batch=8, env=TINY, lr_schedule=CHECKED
+    )
+    assert twin is None
+    assert comparison.ok, comparison.describe()
+
+
+def parallel_without_schedule(*args: Any, lr_schedule: Any = None, **kwargs: Any) -> Any:
+    """A parallel side that forgets the lr schedule (a case for the pool: module level)."""
+    return parallel_case(*args, **kwargs)
+
+
+def test_check_fails_when_the_parallel_side_skips_the_schedule(
+    gloo_pool: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reference steps the schedule, the parallel run keeps the lr constant: from
+    step 1 the losses differ by far more than rounding."""
+    monkeypatch.setattr(check, "parallel_case", parallel_without_schedule)
+    comparison, _ = compare_in_pool(
+        gloo_pool(2), DP2, str(MODEL), steps=3, batch=8, env=TINY, lr_schedule=CHECKED
+    )
+    assert not comparison.ok
+    assert comparison.first_bad_step == 1, comparison.describe()

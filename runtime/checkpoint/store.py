@@ -12,7 +12,8 @@
 Layout independence. Every tensor is stored under its name in the full model
 and its full shape: `model.<param>` (a tied weight once, under its first name),
 `buffer.<name>` (persistent buffers, whole: checkpoint_buffers.py),
-`optim.<state>.<param>` (checkpoint_optim.py) and `optim.param_groups`. A rank
+`optim.<state>.<param>` (checkpoint_optim.py), `optim.param_groups` and, when
+the run has one, `lr_scheduler` (the scheduler's `state_dict()`: its step). A rank
 writes only what it holds, as boxes of those full tensors
 (checkpoint_layout.py): its tensor-parallel slice (each block of a fused
 weight is a box of its own), its ZeRO flat shard cut at parameter boundaries,
@@ -110,6 +111,8 @@ from .manifest import write_manifest
 from .optim import GROUPS, OptimizerLoad, StateSpec, hyperparameters, optimizer_pieces
 
 if TYPE_CHECKING:
+    from torch.optim.lr_scheduler import LRScheduler
+
     from parc.runtime.program import Program
 
 __all__ = [
@@ -121,6 +124,7 @@ __all__ = [
     "save_checkpoint",
 ]
 
+SCHEDULER = "lr_scheduler"  # the run's lr scheduler's state_dict (runtime/schedules.py)
 FORMAT = 2  # 2: parc.json records every file's size and sha256 (checkpoint_integrity.py)
 _ANOTHER_MODEL = (
     "was it saved from another model, or the same model at another size "
@@ -129,10 +133,14 @@ _ANOTHER_MODEL = (
 _PARAMETERS = EntryKind("parameter", MODEL, extra_hint=_ANOTHER_MODEL, missing_hint=_ANOTHER_MODEL)
 
 
-def save_checkpoint(program: Program, directory: str | Path, step: int) -> Path:
+def save_checkpoint(
+    program: Program, directory: str | Path, step: int, *, scheduler: LRScheduler | None = None
+) -> Path:
     """Save `program` as `directory/step-<step>` (call on every rank); returns that path.
 
-    `step` is the step training resumes at (the number of steps done).
+    `step` is the step training resumes at (the number of steps done); `scheduler`, the
+    run's lr scheduler (runtime/schedules.py), is saved as `lr_scheduler` (its
+    `state_dict()`, the same on every rank).
     """
     root = Path(directory)
     final, tmp = root / f"step-{step}", root / f"step-{step}.tmp"
@@ -147,9 +155,12 @@ def save_checkpoint(program: Program, directory: str | Path, step: int) -> Path:
     layout = rank_layout(parts)
     pieces = model_pieces(parts, layout, loading=False) + optimizer_pieces(parts, layout)
     pieces += buffer_pieces(parts, loading=False)
+    objects: dict[str, Any] = {GROUPS: hyperparameters(parts.optimizer)}
+    if scheduler is not None:
+        objects[SCHEDULER] = scheduler.state_dict()
     with quiet_single_process():
         dcp.save(
-            {GROUPS: hyperparameters(parts.optimizer)},
+            objects,
             storage_writer=dcp.FileSystemWriter(tmp),
             planner=_PieceSavePlanner(pieces),
             no_dist=not _distributed(),
@@ -175,10 +186,14 @@ def save_checkpoint(program: Program, directory: str | Path, step: int) -> Path:
     return final
 
 
-def load_checkpoint(program: Program, directory: str | Path) -> int:
+def load_checkpoint(
+    program: Program, directory: str | Path, *, scheduler: LRScheduler | None = None
+) -> int:
     """Load `directory`'s latest complete checkpoint into `program`; returns the step to resume at.
 
     Call on every rank. `directory` may also be one checkpoint (`DIR/step-<N>`).
+    `scheduler` (built over `program.optimizer` before the load) continues from the
+    saved one's state, so the next step trains with exactly the lr it would have.
     """
     path = checkpoint_path(directory)
     info = read_info(path)
@@ -198,7 +213,10 @@ def load_checkpoint(program: Program, directory: str | Path) -> int:
     optimizer = OptimizerLoad(parts, layout, states)
     pieces = model_pieces(parts, layout, loading=True) + optimizer.pieces
     pieces += buffer_pieces(parts, loading=True)
-    state: dict[str, Any] = {GROUPS: None} if GROUPS in metadata.state_dict_metadata else {}
+    saved = metadata.state_dict_metadata
+    state: dict[str, Any] = {GROUPS: None} if GROUPS in saved else {}
+    if scheduler is not None and SCHEDULER in saved:
+        state[SCHEDULER] = None
     with quiet_single_process(), reading(path):
         dcp.load(
             state,
@@ -213,7 +231,24 @@ def load_checkpoint(program: Program, directory: str | Path) -> int:
         # run computed with, so it continues exactly.
         parts.sync.after_step()
     program.steps_done = int(info["step"])
+    if scheduler is not None:
+        continue_schedule(scheduler, state.get(SCHEDULER), program.steps_done)
     return program.steps_done
+
+
+def continue_schedule(scheduler: LRScheduler, saved: dict[str, Any] | None, step: int) -> None:
+    """Put `scheduler` where the saved run's was after `step` steps, and its lr into the
+    optimizer. A checkpoint saved without a scheduler: the schedule is replayed to `step`
+    (a schedule's lr depends only on the step)."""
+    if saved is not None:
+        scheduler.load_state_dict(saved)
+    else:
+        with warnings.catch_warnings():  # no optimizer step between these: none is due
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+            for _ in range(step):
+                scheduler.step()
+    for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr(), strict=True):
+        group["lr"] = lr
 
 
 def check_parameters(

@@ -120,8 +120,11 @@ class Zero3:
 
     def scatter_grad(self, unit: int, grad: torch.Tensor) -> torch.Tensor | None:
         """This rank's shard of the reduce-scattered flat gradient of `unit` (counted);
-        the unit's re-gathered copy is no longer needed. Under `reduce fp32` the gradient
-        is reduced in fp32 and added into the master's `.grad`: the bf16 shard gets none."""
+        the unit's re-gathered copy is no longer needed, and is dropped first, before the
+        fp32 cast and the shard are made (the gradient's own memory belongs to autograd
+        until this returns). Under `reduce fp32` the gradient is reduced in fp32 and
+        added into the master's `.grad`: the bf16 shard gets none."""
+        self.release(unit)  # every reader of the gathered unit ran its backward already
         mixed = self.mixed
         main_grad = mixed is not None and mixed.main_grad
         if mixed is not None and main_grad:
@@ -129,7 +132,6 @@ class Zero3:
         out = torch.empty(self.units[unit].shard, dtype=grad.dtype, device=grad.device)
         # Partial -> Shard over dp: reduce-scatter of the unit's flat gradient.
         self.comm.reduce_scatter(out, grad.contiguous(), self.axis)
-        self.release(unit)
         if not main_grad:
             return out
         assert self.masters is not None

@@ -17,8 +17,9 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import check_equivalent
+from helpers import GPT, check_equivalent
 
+from parc.api import compile as parc_compile
 from parc.compiler.frontend import analyse
 from parc.compiler.model import load_model
 from parc.dsl.ast import Precision
@@ -284,3 +285,46 @@ def test_a_boundary_of_another_shape_is_a_fault_naming_it() -> None:
     with pytest.raises(RuntimeFault, match="int64"):
         _as_contract(torch.zeros(2, 8, dtype=torch.int64), boundary, stage=0, rank=0)
     assert _as_contract(torch.zeros(2, 8), boundary, stage=0, rank=0).dtype == torch.bfloat16
+
+
+# ----------------------------------------------------------------- ZeRO-3's reduce-scatter
+
+GPT_ENV = {"GPT_LAYERS": "2", "GPT_DIM": "16", "GPT_HEADS": "2", "GPT_VOCAB": "32", "GPT_SEQ": "8"}
+
+
+def units_alive_at_reduce_scatter(spec: str, model: str, env: dict[str, str]) -> list[bool]:
+    """Per reduce-scatter of a unit's gradient, whether its re-gathered copy is still held."""
+    from parc.runtime.equivalence import model_env
+
+    with model_env(env):
+        source = load_model(model)
+        program = parc_compile(spec, source, batch=4)
+        sync = program.parts.sync
+        alive: list[bool] = []
+        scatter, reduce_scatter = sync.scatter_grad, sync.comm.reduce_scatter
+        current: list[int] = []
+
+        def scatter_grad(unit: int, grad: torch.Tensor) -> Any:
+            current[:] = [unit]
+            return scatter(unit, grad)
+
+        def watched(out: torch.Tensor, inp: torch.Tensor, axis: str, **kw: Any) -> Any:
+            alive.append(current[0] in sync._cache)
+            return reduce_scatter(out, inp, axis, **kw)
+
+        sync.scatter_grad, sync.comm.reduce_scatter = scatter_grad, watched
+        program.step(*source.batch(4, 0))
+    return alive
+
+
+@pytest.mark.parametrize("reduce", ["fp32", "bf16"])
+def test_zero3_drops_a_units_gathered_copy_before_its_gradient_is_cast_and_scattered(
+    gloo_pool: Any, reduce: str
+) -> None:
+    """Under `reduce fp32` the scatter holds the bf16 gradient (autograd's), its fp32 cast
+    and the fp32 shard at once; the re-gathered bf16 unit is not needed by then and is
+    freed first (measured on a 4-layer GPT of width 128: 396,544 fewer bytes alive at its
+    largest unit's reduce-scatter, 2 bytes an element of the unit)."""
+    spec = f"mesh dp=2\nzero 3\nprecision bf16\nreduce {reduce}\n"
+    for alive in gloo_pool(2).run(units_alive_at_reduce_scatter, spec, GPT, GPT_ENV):
+        assert alive and not any(alive), alive

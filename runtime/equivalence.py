@@ -142,6 +142,14 @@ def _optimizer_for(source: ModelSource, name: str) -> Any:
     return source.configure_optimizer if name == "model" else make_optimizer(name)
 
 
+def _scheduler(
+    opt: torch.optim.Optimizer, name: str, schedule: Schedule | None, source: ModelSource
+) -> torch.optim.lr_scheduler.LRScheduler | None:
+    """The run's lr scheduler (runtime/schedules.py); none for the gradient probe, which
+    has no lr (it writes each gradient into its parameter)."""
+    return None if name == "gradient" else scheduler_for(opt, schedule, source)
+
+
 def reference_run(
     model_file: str,
     *,
@@ -210,7 +218,7 @@ def _reference(
     ref, path = "in the single-device reference run", source.path
     with user_code(path, f"creating the optimizer {ref}"):
         opt = checked_optimizer(_optimizer_for(source, optimizer)(recipe.stepped()), path)
-        scheduler = scheduler_for(opt, lr_schedule, source)  # the parallel run's (schedules.py)
+        scheduler = _scheduler(opt, optimizer, lr_schedule, source)  # as the parallel run's
     losses, grads, norms = [], {}, []
     for step in range(steps):
         inputs, targets = source.batch(batch, step)
@@ -218,16 +226,7 @@ def _reference(
             inputs, targets = _flipped(inputs), targets.flip(0)
         opt.zero_grad(set_to_none=True)
         model.zero_grad(set_to_none=True)  # under bf16 the compute copies' (opt: masters')
-        dtypes = functools.partial(input_dtype_hint, input_tensors(inputs), model)
-        forward = user_code(path, f"the model's forward {ref}", step=step, hint=dtypes)
-        with forward, recipe.forward():
-            output = call_model(model, recipe.for_inputs(inputs))
-        choice = eager_choice(output, owns_loss(source, inputs, targets), path)
-        output = recipe.for_loss(take(output, choice.path))
-        loss_fn = ModelLoss(path) if choice.is_loss else source.loss_fn
-        with user_code(path, f"loss_fn {ref}", step=step):
-            loss = checked_loss(loss_fn(output, targets), loss_fn)
-        _check_finite(loss, step, source.path)
+        loss = _reference_loss(source, model, recipe, inputs, targets, step)
         with user_code(path, f"the backward of the loss {ref}", step=step):
             loss.backward()
         recipe.load_grads()
@@ -251,6 +250,30 @@ def _reference(
         "grads": grads,
         "grad_norms": norms,
     }
+
+
+def _reference_loss(
+    source: ModelSource,
+    model: torch.nn.Module,
+    recipe: Recipe,
+    inputs: Any,
+    targets: torch.Tensor,
+    step: int,
+) -> torch.Tensor:
+    """The reference's forward and loss of one step (checked finite); the errors of the
+    user's code in it name the model file's function and line."""
+    ref, path = "in the single-device reference run", source.path
+    dtypes = functools.partial(input_dtype_hint, input_tensors(inputs), model)
+    forward = user_code(path, f"the model's forward {ref}", step=step, hint=dtypes)
+    with forward, recipe.forward():
+        output = call_model(model, recipe.for_inputs(inputs))
+    choice = eager_choice(output, owns_loss(source, inputs, targets), path)
+    output = recipe.for_loss(take(output, choice.path))
+    loss_fn = ModelLoss(path) if choice.is_loss else source.loss_fn
+    with user_code(path, f"loss_fn {ref}", step=step):
+        loss = checked_loss(loss_fn(output, targets), loss_fn)
+    _check_finite(loss, step, source.path)
+    return loss
 
 
 def _clipped(params: list[torch.nn.Parameter], clip: float | None) -> float:
@@ -329,7 +352,7 @@ def parallel_case(
         if fault is not None:
             inject(program, fault)
         program.clip = clip
-        scheduler = scheduler_for(program.optimizer, lr_schedule, source)
+        scheduler = _scheduler(program.optimizer, optimizer, lr_schedule, source)
         losses, stats, norms = [], [], []
         for step in range(steps):
             inputs, targets = source.batch(batch, step)

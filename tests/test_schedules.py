@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -15,17 +15,18 @@ from procs import MODEL, TINY, run_parc
 from torch.optim import lr_scheduler as sched
 
 from parc.compiler.model import load_model
-from parc.errors import ParcError
+from parc.errors import ModelError, ParcError
 from parc.runtime import check
 from parc.runtime.check import compare_in_pool
 from parc.runtime.checkpoint.store import load_checkpoint, save_checkpoint
-from parc.runtime.equivalence import LOSS_RTOL, model_env, parallel_case
+from parc.runtime.equivalence import LOSS_RTOL, model_env, parallel_case, reference_run
 from parc.runtime.schedules import (
     Schedule,
     ScheduleKind,
     add_schedule_arguments,
     build_scheduler,
     schedule_from_args,
+    scheduler_for,
 )
 
 LR, MIN_LR = 0.1, 0.01
@@ -212,20 +213,20 @@ def test_parc_run_trains_and_logs_each_steps_scheduled_lr(straight: Path) -> Non
 
 @pytest.mark.timeout(300)
 def test_a_killed_run_resumed_steps_the_same_lrs_and_losses(straight: Path, tmp_path: Path) -> None:
-    """Killed at step 4 (rank 1 SIGKILLed) after the step-3 save, then `--resume`: every
-    step's lr and loss equal the uninterrupted run's exactly (same program, same ranks,
-    same restored state: optimizer, lr scheduler). Without the scheduler's state in the
-    checkpoint the resumed steps would restart the warmup (lr 0.1/3 at step 3)."""
+    """Killed at step 4 (rank 1 SIGKILLed) after the step-3 save, every rank restarted
+    (`--max-restarts 1`) resumes from that checkpoint: every step's lr and loss equal the
+    uninterrupted run's exactly (same program, same ranks, same restored state: optimizer,
+    lr scheduler). Without the scheduler's state in the checkpoint the resumed steps would
+    restart the warmup (lr 0.1/3 at step 3)."""
     (tmp_path / "dp2.par").write_text(DP2)
     run: list[str | Path] = ["run", "dp2.par", MODEL, *FLAGS, *LOGGED, f"--every={HALF}"]
-    killed = run_parc([*run, "--inject-fault", "kill@1:4"], tmp_path, RUN_S)
-    assert killed.code != 0, killed
-    assert (tmp_path / "ckpt" / f"step-{HALF}").is_dir()
-    shutil.copytree(tmp_path / "ckpt", tmp_path / "at-step-3")
-    resumed = run_parc([*run, "--resume"], tmp_path, RUN_S)
-    assert resumed.code == 0, resumed
+    done = run_parc([*run, "--max-restarts=1", "--inject-fault=kill@1:4"], tmp_path, RUN_S)
+    assert done.code == 0, done
+    assert f"restart 1: resumed from ckpt/step-{HALF} at step {HALF}" in done.err, done
+    logged = [json.loads(line)["step"] for line in (tmp_path / "log.jsonl").open()]
+    assert logged == [0, 1, 2, 3, 3, 4, 5]  # step 3 ran twice: killed at step 4's start
     assert _logged(tmp_path / "log.jsonl") == _logged(straight / "log.jsonl")
-    _resumed_on_one_process(tmp_path / "at-step-3", _logged(straight / "log.jsonl"))
+    _resumed_on_one_process(tmp_path / "ckpt" / f"step-{HALF}", _logged(straight / "log.jsonl"))
 
 
 def _resumed_on_one_process(checkpoint: Path, straight: dict[int, tuple[float, float]]) -> None:
@@ -299,3 +300,38 @@ def test_check_fails_when_the_parallel_side_skips_the_schedule(
     )
     assert not comparison.ok
     assert comparison.first_bad_step == 1, comparison.describe()
+
+
+# ------------------------------------------------------------ configure_scheduler
+
+
+HOOKED = Path(__file__).parent / "models" / "mlp_scheduled.py"
+
+
+def test_the_model_files_configure_scheduler_is_stepped_on_both_sides(gloo_pool: Any) -> None:
+    """The hook's StepLR halves the lr each step: the reference's losses move with it, and
+    the parallel run matches them (it steps the hook too; a side that ignored it would
+    diverge at step 1, as test_check_fails_when_the_parallel_side_skips_the_schedule)."""
+    hooked = reference_run(str(HOOKED), steps=3, batch=8, optimizer="model", env=TINY)
+    plain = reference_run(str(MODEL), steps=3, batch=8, optimizer="model", env=TINY)
+    assert hooked["losses"][1] == plain["losses"][1]  # step 0 trained with the same lr
+    assert hooked["losses"][2] != plain["losses"][2]
+    comparison, _ = compare_in_pool(gloo_pool(2), DP2, str(HOOKED), steps=3, batch=8, env=TINY)
+    assert comparison.ok, comparison.describe()
+
+
+def test_a_cli_schedule_beside_configure_scheduler_is_an_error() -> None:
+    with model_env(TINY):
+        source = load_model(HOOKED)
+    with pytest.raises(ModelError, match="parc will not pick one") as info:
+        scheduler_for(_optimizer(), COSINE, source)
+    assert info.value.hint and "configure_scheduler" in info.value.hint
+
+
+def test_configure_scheduler_must_return_a_scheduler_over_its_optimizer() -> None:
+    with model_env(TINY):
+        source = load_model(HOOKED)
+    other = _optimizer()
+    bad = dataclasses.replace(source, configure_scheduler=lambda opt: sched.StepLR(other, 1))
+    with pytest.raises(ModelError, match="over the optimizer it is given"):
+        scheduler_for(_optimizer(), None, bad)

@@ -1,0 +1,21 @@
+"""tests/models/mlp_sgd.py with its own lr schedule: `configure_scheduler(optimizer)`.
+
+The lr halves after every step (StepLR, gamma 0.5), a schedule the command line's
+kinds cannot express, so a run that ignores the hook trains visibly differently
+from one that steps it (tests/test_schedules.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from parc.examples.mlp import build_model, loss_fn, sample_batch
+from parc.runtime.equivalence import make_optimizer
+
+__all__ = ["build_model", "configure_optimizer", "configure_scheduler", "loss_fn", "sample_batch"]
+
+configure_optimizer = make_optimizer("sgd")
+
+
+def configure_scheduler(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.StepLR:
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)

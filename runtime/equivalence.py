@@ -263,10 +263,11 @@ def _reference_loss(
     """The reference's forward and loss of one step (checked finite); the errors of the
     user's code in it name the model file's function and line."""
     ref, path = "in the single-device reference run", source.path
-    dtypes = functools.partial(input_dtype_hint, input_tensors(inputs), model)
+    fed = recipe.for_inputs(inputs)  # as the parallel run feeds them (bf16: floating cast)
+    dtypes = functools.partial(input_dtype_hint, input_tensors(fed), model)
     forward = user_code(path, f"the model's forward {ref}", step=step, hint=dtypes)
     with forward, recipe.forward():
-        output = call_model(model, recipe.for_inputs(inputs))
+        output = call_model(model, fed)
     choice = eager_choice(output, owns_loss(source, inputs, targets), path)
     output = recipe.for_loss(take(output, choice.path))
     loss_fn = ModelLoss(path) if choice.is_loss else source.loss_fn

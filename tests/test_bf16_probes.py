@@ -23,7 +23,7 @@ from parc.api import compile as parc_compile
 from parc.compiler.frontend import analyse
 from parc.compiler.model import load_model
 from parc.dsl.ast import Precision
-from parc.errors import CompileError, RuntimeFault
+from parc.errors import CompileError, ModelError, RuntimeFault
 from parc.runtime.equivalence import (
     Tolerance,
     compare_runs,
@@ -111,6 +111,26 @@ def build_model():
     return Small().to(torch.bfloat16)
 """
 
+# An fp32 buffer promotes the bf16 stream to fp32 before a LayerNorm: CPU layer_norm
+# refuses fp32 values with bf16 weights (CUDA autocast runs norms in fp32 and does not).
+BUFFER_THEN_NORM = """
+class BufferThenNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.register_buffer("pos", torch.linspace(-1.0, 1.0, 8))
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.fc(x) + self.pos
+        return self.head(F.relu(self.norm(h)))
+
+
+def build_model():
+    return BufferThenNorm()
+"""
+
 STAGES = "stage norm_in, blocks[0] -> 0\nstage blocks[1], head -> 1\n"
 BF16 = Tolerance.for_optimizer("sgd", 3, Precision.BF16)
 
@@ -169,6 +189,16 @@ def test_the_profile_sees_the_inputs_at_the_compute_dtype(tmp_path: Path) -> Non
     x = next(n for n in gm.graph.nodes if n.op == "placeholder")
     norm = next(n for n in x.users)
     assert norm.meta["tensor_meta"].dtype == torch.bfloat16
+
+
+def test_an_fp32_stream_into_a_cpu_norm_names_the_line_not_the_inputs(tmp_path: Path) -> None:
+    """The inputs are cast by parc, so the error must not tell the user to cast them."""
+    model = model_file(tmp_path, BUFFER_THEN_NORM)
+    with pytest.raises(ModelError) as caught:
+        reference_run(model, steps=1, batch=4, optimizer="model", precision=Precision.BF16)
+    message = str(caught.value)
+    assert "probe_model.py:" in message and "self.norm(h)" in message
+    assert "sample_batch returns inputs" not in message
 
 
 def test_batch_norm_with_fp32_statistics_is_refused_at_compile_time(tmp_path: Path) -> None:

@@ -19,76 +19,41 @@ from typing import Any
 import pytest
 import torch
 from helpers import GPT, MLP, world_size
+from test_checkpoint import (  # the same model, sizes and pool cases as the fp32 tests
+    GPT_ENV,
+    HALF,
+    MLP_ENV,
+    SPECS,
+    _compile,
+    _rank0,
+    _train,
+    straight_and_resumed,
+)
 
-from parc.compiler.model import ModelSource, load_model
+from parc.compiler.model import load_model
 from parc.runtime.checkpoint.store import load_checkpoint, quiet_single_process, save_checkpoint
-from parc.runtime.equivalence import make_optimizer, model_env
+from parc.runtime.equivalence import model_env
 from parc.runtime.export import export_program, export_state_dict
 
 pytestmark = pytest.mark.multiprocess
 
-GPT_ENV = {"GPT_LAYERS": "2", "GPT_DIM": "16", "GPT_HEADS": "2", "GPT_VOCAB": "33", "GPT_SEQ": "8"}
-MLP_ENV = {"MLP_LAYERS": "2", "MLP_DIM": "8", "MLP_OUT": "3"}
-BATCH = 8
-STEPS, HALF = 6, 3
 BF16 = "precision bf16\n"
-TP_SHARDS = (  # Megatron's cut
-    "shard *.attn.qkv col tp\n"
-    "shard *.attn.proj row tp\n"
-    "shard *.mlp.fc1 col tp\n"
-    "shard *.mlp.fc2 row tp\n"
-)
-PP2 = "stage auto\nmicrobatches 2\n"
 LAYOUTS = {
-    "single": "mesh dp=1\n",
-    "dp2": "mesh dp=2\n",
-    "dp2-zero1": "mesh dp=2\nzero 1\n",
-    "dp2-zero2": "mesh dp=2\nzero 2\n",
-    "dp2-zero3": "mesh dp=2\nzero 3\n",
-    "pp2": "mesh pp=2\n" + PP2,  # GPT's lm_head is tied to wte: it lives on both stages
-    "tp2": "mesh tp=2\n" + TP_SHARDS,
-    "dp2-tp2-zero3": "mesh dp=2 tp=2\nzero 3\n" + TP_SHARDS,
+    name: SPECS[name]
+    for name in (
+        "single",
+        "dp2",
+        "dp2-zero1",
+        "dp2-zero2",
+        "dp2-zero3",
+        "pp2",
+        "tp2",
+        "dp2-tp2-zero3",
+    )
 }
 
 
 # ------------------------------------------------------------ on every rank
-
-
-def _compile(spec: str, source: ModelSource, optimizer: str) -> Any:
-    from parc.api import compile as parc_compile
-
-    return parc_compile(spec, source, batch=BATCH, optimizer=make_optimizer(optimizer))
-
-
-def _train(program: Any, source: ModelSource, steps: range) -> list[float]:
-    return [program.step(*source.batch(BATCH, step)) for step in steps]
-
-
-def _rank0(value: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    import torch.distributed as dist
-
-    return value if dist.get_rank() == 0 else {}
-
-
-def straight_and_resumed(spec: str, optimizer: str, directory: str) -> dict[str, Any]:
-    """6 steps straight; then 3 steps, save, a freshly compiled program, load, 3 steps."""
-    with model_env(GPT_ENV):
-        source = load_model(GPT)
-        straight = _compile(spec, source, optimizer)
-        losses = _train(straight, source, range(STEPS))
-        first = _compile(spec, source, optimizer)
-        resumed = _train(first, source, range(HALF))
-        save_checkpoint(first, directory, HALF)
-        second = _compile(spec, source, optimizer)
-        start = load_checkpoint(second, directory)
-        resumed += _train(second, source, range(start, STEPS))
-        return {
-            "start": start,
-            "straight": losses,
-            "resumed": resumed,
-            "straight_params": _rank0(straight.state_dict()),
-            "resumed_params": _rank0(second.state_dict()),
-        }
 
 
 def train_and_save(spec: str, optimizer: str, directory: str) -> dict[str, Any]:

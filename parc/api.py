@@ -78,6 +78,11 @@ def compile(
     instead of the seeded initial values; buffers it does not store keep theirs.
     `precision` (fp32 or bf16) overrides the spec's `precision` statement
     (parc/precision.py: a `reduce bf16` is dropped under fp32).
+
+    Gradient clipping is set on the program it returns, as `skip_nonfinite` is:
+    `program.clip = 1.0` clips to that global norm before every optimizer step
+    (runtime/clip.py; None, the default, clips nothing), and each step's norm is
+    `program.last_grad_norm`.
     """
     source = model if isinstance(model, ModelSource) else load_model(model)
     spec = override_precision(as_spec(spec), precision).spec

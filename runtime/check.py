@@ -18,6 +18,11 @@ not precision, with bf16's calibration (runtime/calibration.py). The fp32
 reference runs as well, from the same seed on the same batches: how far bf16
 is from fp32 on one device (`PrecisionGap`) is reported, never judged.
 
+With `clip` (`--clip MAX_NORM`) both sides clip their gradients to that
+global norm (the reference with `torch.nn.utils.clip_grad_norm_`, the program
+with `Program.clip`, runtime/clip.py); the gradients of step 0 are compared
+after clipping, so a norm that counts a part twice or misses one fails there.
+
 Before any process starts: every spec and model error, and an optimizer the
 layout cannot run unchanged (compiler/optimizers.py) is refused.
 """

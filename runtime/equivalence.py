@@ -40,6 +40,11 @@ Tolerances (fp32), calibrated on this machine and kept here once:
     llama.py 3.0e-5); parameters by at most 7.3e-4 (SGD) and 3.8e-3 (AdamW).
     That gap is inside the bounds: they cannot tell a run that silently stayed
     fp32 (tests/test_mixed_precision.py checks the dtypes for that).
+- clipping (`clip`): the reference clips with `torch.nn.utils.clip_grad_norm_`
+  and both sides report each step's norm before clipping ("grad_norms"); the
+  norms' tolerances and their measurements are in tests/test_clip.py (fp32
+  rtol 1e-5, measured <= 7.2e-8; bf16 8e-3, measured <= 2.0e-3). Step 0's
+  "grads" are the clipped gradients, what the optimizer steps.
 - `parc check` (runtime/check.py) uses calibrated bounds instead
   (runtime/calibration.py): per tensor, 16 × the distance of a noise twin of
   the reference (the same training rounded differently), on step 0's gradients

@@ -17,7 +17,10 @@ and keeps the unscaled loss on the device (no host sync per microbatch: the
 Program reads the step's losses once, in its global loss reduction).
 Backward: the last stage calls `backward` on its scaled loss, the others on
 their sent tensors with the gradients received for them; the gradients of the
-received tensors are sent back.
+received tensors are sent back. A sent tensor is its boundary's contract (the
+receiver allocated that shape and dtype): a floating value computed in another
+floating dtype is cast to it inside autograd, any other difference raises
+(`_as_contract`).
 
 A single stage (pp=1, one stage) has nothing to overlap: whatever the schedule, each
 microbatch's backward runs right after its forward (`one_at_a_time`), so only

@@ -186,7 +186,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     parse_faults(args.inject_fault or "")  # a typo fails here, not on every rank
 
     # Every spec and model error surfaces here, once, before any process starts.
-    source = _model_with_schedule(args.model, schedule)
+    source = _model_with_schedule(args.model, schedule, args.lr)
     analysis = analyse(_spec(args, quiet=True), source, batch=args.batch)
     if args.weights:
         from parc.runtime.hf_weights import check_weights
@@ -203,14 +203,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     )
 
 
-def _model_with_schedule(model_file: str, schedule: Schedule | None) -> ModelSource:
-    """The model file, refused when it defines configure_scheduler and flags ask for a
-    schedule too (as every rank would refuse it)."""
+def _model_with_schedule(
+    model_file: str, schedule: Schedule | None, lr: float | None
+) -> ModelSource:
+    """The model file, with the schedule's errors every rank would raise raised here once
+    (`--lr`, when given, was checked against --min-lr already)."""
     from parc.compiler.model import load_model
-    from parc.runtime.schedules import refuse_two_schedules
+    from parc.runtime.schedules import check_schedule
 
     source = load_model(model_file)
-    refuse_two_schedules(schedule, source)
+    check_schedule(schedule, source, source.configure_optimizer if lr is None else None)
     return source
 
 

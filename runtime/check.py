@@ -47,7 +47,7 @@ from .equivalence import (
     parallel_case,
     reference_run,
 )
-from .schedules import Schedule, build_scheduler, refuse_two_schedules
+from .schedules import Schedule, check_schedule
 
 __all__ = [
     "OPTIMIZERS",
@@ -135,8 +135,7 @@ def run_check(
         from parc.runtime.hf_weights import check_weights
 
         check_weights(weights, analysis.model)
-    opt_class = _check_optimizer(source, optimizer, plan)
-    _check_schedule(source, optimizer, lr_schedule)
+    opt_class = _check_optimizer(source, optimizer, plan, lr_schedule)
     runs = _Runs(
         steps, batch, seed, optimizer, weights, plan.precision, clip=clip, lr_schedule=lr_schedule
     )
@@ -252,13 +251,17 @@ def precision_gap(mixed: dict[str, Any], fp32: dict[str, Any]) -> PrecisionGap:
     )
 
 
-def _check_optimizer(source: ModelSource, name: str, plan: Any) -> str:
+def _check_optimizer(
+    source: ModelSource, name: str, plan: Any, schedule: Schedule | None = None
+) -> str:
     """Refuse an optimizer the plan cannot run (as parc.compile would on every rank);
     its class name. Built on one small parameter: a factory that fails there raises
-    its own error in the reference run."""
+    its own error in the reference run. `schedule`: the lr schedule both sides step,
+    checked against that optimizer (runtime/schedules.py `check_schedule`)."""
     from parc.compiler.optimizers import check_optimizer, factory_origin
 
     factory = source.configure_optimizer if name == "model" else make_optimizer(name)
+    check_schedule(schedule, source, factory)  # and the lr schedule over it
     try:
         opt = factory([torch.nn.Parameter(torch.zeros(2, 3))])
     except Exception:
@@ -268,21 +271,6 @@ def _check_optimizer(source: ModelSource, name: str, plan: Any) -> str:
     origin, file = factory_origin(factory, source)
     check_optimizer(opt, plan, origin=origin, file=file)
     return type(opt).__name__
-
-
-def _check_schedule(source: ModelSource, name: str, schedule: Schedule | None) -> None:
-    """Refuse before any process starts what both sides would: a schedule from the flags
-    beside the model file's configure_scheduler, or a min-lr above the optimizer's lr."""
-    if schedule is None:
-        return
-    refuse_two_schedules(schedule, source)
-    factory = source.configure_optimizer if name == "model" else make_optimizer(name)
-    try:
-        opt = factory([torch.nn.Parameter(torch.zeros(2, 3))])
-    except Exception:  # the reference run raises the factory's own error
-        return
-    if isinstance(opt, torch.optim.Optimizer):
-        build_scheduler(opt, schedule)
 
 
 def _describe_optimizer(result: CheckResult) -> str:

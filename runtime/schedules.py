@@ -45,12 +45,14 @@ if TYPE_CHECKING:
     import torch
 
     from parc.compiler.model import ModelSource
+    from parc.compiler.optimizer_factory import OptimizerFactory
 
 __all__ = [
     "Schedule",
     "ScheduleKind",
     "add_schedule_arguments",
     "build_scheduler",
+    "check_schedule",
     "current_lr",
     "refuse_two_schedules",
     "schedule_from_args",
@@ -233,6 +235,27 @@ def step_scheduler(scheduler: torch.optim.lr_scheduler.LRScheduler | None) -> No
     with warnings.catch_warnings():  # a skipped first update has no optimizer.step before it
         warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
         scheduler.step()
+
+
+def check_schedule(
+    schedule: Schedule | None, source: ModelSource, factory: OptimizerFactory | None
+) -> None:
+    """Refuse once, before any process starts, what every rank would: the flags' schedule
+    beside the model file's configure_scheduler, or a min-lr above the lr of the optimizer
+    `factory` makes (built on one small parameter; None: the lr was checked already)."""
+    if schedule is None:
+        return
+    refuse_two_schedules(schedule, source)
+    if factory is None:
+        return
+    import torch
+
+    try:
+        opt = factory([torch.nn.Parameter(torch.zeros(2, 3))])
+    except Exception:  # the factory's own error is raised where it is called for real
+        return
+    if isinstance(opt, torch.optim.Optimizer):
+        build_scheduler(opt, schedule)
 
 
 def current_lr(optimizer: torch.optim.Optimizer) -> float:

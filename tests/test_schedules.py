@@ -25,6 +25,7 @@ from parc.runtime.schedules import (
     ScheduleKind,
     add_schedule_arguments,
     build_scheduler,
+    check_schedule,
     schedule_from_args,
     scheduler_for,
 )
@@ -335,3 +336,16 @@ def test_configure_scheduler_must_return_a_scheduler_over_its_optimizer() -> Non
     bad = dataclasses.replace(source, configure_scheduler=lambda opt: sched.StepLR(other, 1))
     with pytest.raises(ModelError, match="over the optimizer it is given"):
         scheduler_for(_optimizer(), None, bad)
+
+
+def test_the_launcher_refuses_what_every_rank_would() -> None:
+    """`check_schedule` (parc run's and parc check's launcher, before any process): a
+    min-lr above the model's optimizer's lr, or flags beside configure_scheduler."""
+    with model_env(TINY):
+        plain, hooked = load_model(MODEL), load_model(HOOKED)
+    high = Schedule(kind=ScheduleKind.COSINE, steps=5, min_lr=0.5)
+    with pytest.raises(ParcError, match=r"above the learning rate 0.1 \(the optimizer's lr\)"):
+        check_schedule(high, plain, plain.configure_optimizer)
+    check_schedule(high, plain, None)  # --lr given: checked against it instead
+    with pytest.raises(ModelError, match="parc will not pick one"):
+        check_schedule(COSINE, hooked, hooked.configure_optimizer)

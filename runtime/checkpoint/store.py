@@ -118,6 +118,7 @@ if TYPE_CHECKING:
 __all__ = [
     "check_parameters",
     "checkpoint_path",
+    "continue_schedule",
     "latest_checkpoint",
     "load_checkpoint",
     "read_info",

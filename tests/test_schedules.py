@@ -217,8 +217,8 @@ def test_a_killed_run_resumed_steps_the_same_lrs_and_losses(straight: Path, tmp_
     """Killed at step 4 (rank 1 SIGKILLed) after the step-3 save, every rank restarted
     (`--max-restarts 1`) resumes from that checkpoint: every step's lr and loss equal the
     uninterrupted run's exactly (same program, same ranks, same restored state: optimizer,
-    lr scheduler). Without the scheduler's state in the checkpoint the resumed steps would
-    restart the warmup (lr 0.1/3 at step 3)."""
+    lr scheduler). A scheduler not moved to the checkpoint's step would give step 4 the
+    lr of step 1."""
     (tmp_path / "dp2.par").write_text(DP2)
     run: list[str | Path] = ["run", "dp2.par", MODEL, *FLAGS, *LOGGED, f"--every={HALF}"]
     done = run_parc([*run, "--max-restarts=1", "--inject-fault=kill@1:4"], tmp_path, RUN_S)
@@ -277,9 +277,11 @@ CHECKED = Schedule(kind=ScheduleKind.COSINE, steps=3, warmup=1, min_lr=0.01)
 
 
 def test_check_with_a_schedule_passes(gloo_pool: Any) -> None:
-    """Both sides step the same schedule: equivalent."""
+    """Both sides step the same schedule: equivalent. Under zero 1, where the program's
+    optimizer steps this rank's shards of flat units: its param_groups' lr is scheduled."""
+    spec = DP2 + "zero 1\n"
     comparison, twin = compare_in_pool(
-        gloo_pool(2), DP2, str(MODEL), steps=3, batch=8, env=TINY, lr_schedule=CHECKED
+        gloo_pool(2), spec, str(MODEL), steps=3, batch=8, env=TINY, lr_schedule=CHECKED
     )
     assert twin is None
     assert comparison.ok, comparison.describe()

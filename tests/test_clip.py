@@ -195,6 +195,36 @@ def test_clipped_layouts_match_clip_grad_norm_on_one_device(
     check_clipped(gloo_pool, spec, row.model, env, seed)
 
 
+def reads_in_a_clipped_step(spec_text: str) -> dict[str, Any]:
+    """Pool case: this rank's host reads during a clipped second step of the MLP."""
+    from test_host_syncs import _counting_reads
+
+    from parc.api import compile as parc_compile
+    from parc.compiler.model import load_model
+    from parc.runtime.equivalence import make_optimizer
+
+    source = load_model(MLP)
+    program = parc_compile(spec_text, source, batch=BATCH, optimizer=make_optimizer("sgd"))
+    program.clip = CLIP
+    program.step(*source.batch(BATCH, 0))
+    where: list[str] = []
+    with _counting_reads(where):
+        program.step(*source.batch(BATCH, 1))
+    return {"reads": where, "norm": program.last_grad_norm}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "spec", ["mesh dp=2\n", "mesh dp=2\nzero 3\n", "mesh pp=2\nstage auto\nmicrobatches 2\n"]
+)
+def test_a_clipped_step_still_reads_the_device_once(gloo_pool: Any, spec: str) -> None:
+    # The norm travels in the loss' all-reduce and is read by its one tolist(); the
+    # coefficient is a host float, so scaling the gradients reads nothing.
+    for rank, seen in enumerate(gloo_pool(2).run(reads_in_a_clipped_step, spec)):
+        assert seen["norm"] > CLIP, f"the clip does not bind: {seen}"
+        assert len(seen["reads"]) == 1, f"rank {rank}: {seen['reads']}"
+
+
 # ----------------------------------------------------------------- tied weights
 
 

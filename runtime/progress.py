@@ -1,0 +1,64 @@
+"""`parc run`'s progress line on rank 0 (runtime/launch.py): one line a step on a terminal,
+about ten lines a run otherwise."""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from typing import TextIO
+
+__all__ = ["Progress", "counted_items"]
+
+
+class Progress:
+    """A one-line progress bar on rank 0: step, loss, lr, gradient norm, throughput, ETA."""
+
+    def __init__(self, total: int, unit: str, out: TextIO = sys.stderr) -> None:
+        self.total, self.unit, self.out = total, unit, out
+        self.start = time.perf_counter()
+        self.done = 0
+        self.items = 0
+        self.tty = out.isatty()
+
+    def update(
+        self, step: int, loss: float, items: int, lr: float, grad_norm: float = math.nan
+    ) -> None:
+        """`grad_norm`: the step's global gradient norm before clipping."""
+        self.done += 1
+        self.items += items
+        elapsed = time.perf_counter() - self.start
+        rate = self.items / elapsed if elapsed > 0 else 0.0
+        eta = elapsed / self.done * (self.total - step - 1) if self.done else 0.0
+        width = 24
+        filled = int(width * (step + 1) / self.total)
+        bar = "█" * filled + "·" * (width - filled)
+        line = (
+            f"step {step + 1:>{len(str(self.total))}}/{self.total} {bar} loss {loss:.4f} "
+            f"| lr {lr:.3g} | grad norm {grad_norm:.3g} "
+            f"| {rate:,.0f} {self.unit}/s | ETA {_clock(eta)}"
+        )
+        if self.tty:
+            self.out.write("\r" + line)
+        elif step + 1 == self.total or (step + 1) % max(1, self.total // 10) == 0 or self.done == 1:
+            self.out.write(line + "\n")
+        self.out.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.out.write("\n")
+            self.out.flush()
+
+
+def _clock(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def counted_items(targets: object) -> tuple[int, str]:
+    """Tokens for integer targets with a sequence dim (language models), else samples."""
+    import torch
+
+    if isinstance(targets, torch.Tensor) and targets.dim() >= 2 and not targets.is_floating_point():
+        return targets.shape[0] * targets.shape[1], "tokens"
+    return (targets.shape[0] if isinstance(targets, torch.Tensor) else 1), "samples"

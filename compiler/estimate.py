@@ -46,6 +46,7 @@ from .rank_memory import (
     late_elements,
     resident_elements,
     transient_elements,
+    zero3_unit_bytes,
 )
 from .recompute_cost import forward_tp_collectives, param_readers
 from .saved import SavedTensors
@@ -296,7 +297,11 @@ def _rank_memory(
     ]
     message = int(max(per_call, default=0) * scale)
     activations = int(act.held(in_flight) * scale)
-    early = tp * memory.param_bytes + tg * memory.grad_bytes + message
+    if zero == 3:  # the gathered unit, its gradient, the cast and the shard it scatters into
+        early = zero3_unit_bytes(largest, plan.dp, memory.param_bytes, memory.grad_bytes)
+        early += message
+    else:
+        early = tp * memory.param_bytes + tg * memory.grad_bytes + message
     if walked is not None:  # the backward walked: the buckets' bytes at the peak
         buffers = walked + message
     else:  # once backward has freed the activations: what the last buckets hold instead

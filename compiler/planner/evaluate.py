@@ -24,6 +24,7 @@ from ..host_memory import HostMemory, planned_host
 from ..layout import DEFAULT_BUCKET_ELEMS
 from ..memory_model import MemoryModel
 from ..ops.collectives import CommKind
+from ..rank_memory import zero3_unit_bytes
 from .candidate import Candidate, Evaluation, Memory
 from .cluster import Cluster
 from .model_profile import ModelProfile, TPProfile
@@ -249,7 +250,11 @@ def _stage_memory(
         g * mem.held_grad_bytes(zero),
         o * mem.optimizer_bytes,
         int(acts),
-        int(tp_ * mem.param_bytes + tg * mem.grad_bytes + message),
+        int(
+            zero3_unit_bytes(ss.largest, cand.dp, mem.param_bytes, mem.grad_bytes) + message
+            if zero == 3
+            else tp_ * mem.param_bytes + tg * mem.grad_bytes + message
+        ),
         o * mem.step_bytes,
     )
 

@@ -133,7 +133,8 @@ def test_every_dotted_name_the_architecture_page_names_is_defined() -> None:
 def test_the_resolver_refuses_names_that_do_not_exist() -> None:
     # The checks above are only as good as this resolver: it must say no.
     assert _resolves("parc.runtime.program.Program.step")
-    assert _resolves("parc.runtime.equivalence.PARAM_ATOL")  # a tuple assignment
+    assert _resolves("parc.runtime.tolerances.PARAM_ATOL")  # a tuple assignment
+    assert _resolves("parc.runtime.equivalence.PARAM_ATOL")  # a re-export
     assert not _resolves("parc.runtime.program.Program.no_such_method")
     assert not _resolves("parc.compiler.no_such_module.thing")
     assert not _resolves("parc.runtime.assemble.no_such_function")

@@ -25,6 +25,8 @@ after clipping, so a norm that counts a part twice or misses one fails there.
 
 Before any process starts: every spec and model error, and an optimizer the
 layout cannot run unchanged (compiler/optimizers.py) is refused.
+
+How the result prints (text and JSON): runtime/check_format.py.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ from parc.compiler.model import ModelSource, load_model
 from parc.dsl.ast import Precision
 from parc.precision import override_precision
 
-from .calibration import CALIBRATIONS, calibrated_compare, twin_unstable
+from .calibration import calibrated_compare, twin_unstable
+from .check_format import check_json, format_check
 from .equivalence import (
     Comparison,
     Tolerance,
@@ -271,153 +274,3 @@ def _check_optimizer(
     origin, file = factory_origin(factory, source)
     check_optimizer(opt, plan, origin=origin, file=file)
     return type(opt).__name__
-
-
-def _describe_optimizer(result: CheckResult) -> str:
-    if result.optimizer == "model":
-        return f"the model's configure_optimizer ({result.optimizer_class or '?'})"
-    return f"{result.optimizer} (--optimizer)"
-
-
-def _describe_precision(result: CheckResult) -> str:
-    """The header's words on precision: none under fp32 (its output is unchanged)."""
-    if result.precision is Precision.FP32:
-        return ""
-    return (
-        f", precision {result.precision} (fp32 master weights, gradients reduced in "
-        f"{result.reduce})"
-    )
-
-
-def _precision_lines(result: CheckResult) -> list[str]:
-    """Under bf16: where the tolerances come from, and bf16 against fp32 on one device."""
-    if result.precision is Precision.FP32:
-        return []
-    cal = CALIBRATIONS[result.precision]
-    lines = [
-        f"  tolerances: {result.precision}'s calibration (runtime/calibration.py): the reference "
-        f"is the same {result.precision} recipe on one device, the floor from "
-        f"{result.precision}'s epsilon {cal.grad_eps:.3g} for the gradients (rounded in "
-        f"{result.precision}) and fp32's {cal.param_eps:.3g} for the parameters (fp32 masters)",
-    ]
-    if result.gap is not None:
-        g = result.gap
-        lines.append(
-            f"  {result.precision} vs fp32 (one device): loss at step {g.steps - 1} differs by "
-            f"{g.loss:.2e} (relative), parameters after {g.steps} steps by {g.params:.2e} "
-            "(relative norm); informative, not judged"
-        )
-    return lines
-
-
-def _floors(result: CheckResult) -> str:
-    """The floors as the bounds line prints them: one number when they are the same."""
-    cal = CALIBRATIONS[result.precision]
-    grads, params = cal.grad_floor(), cal.param_floor(result.steps)
-    if cal.grad_eps == cal.param_eps:
-        return f"{params:.1e}"
-    return f"({grads:.1e} for gradients, {params:.1e} for parameters)"
-
-
-def format_check(result: CheckResult) -> str:
-    c = result.comparison
-    cal = CALIBRATIONS[result.precision]
-    lines = [
-        f"parc check {result.spec} {result.model}: {result.steps} steps, batch {result.batch}, "
-        f"{_describe_optimizer(result)}"
-        + (f", both from the weights in {result.weights}" if result.weights else "")
-        + (f", gradients clipped to global norm {result.clip:g}" if result.clip else "")
-        + (f", lr schedule {result.lr_schedule}" if result.lr_schedule else "")
-        + _describe_precision(result),
-        "",
-        f"  {'step':>4}  {'reference loss':>16}  {'parallel loss':>16}  {'rel. diff':>10}",
-    ]
-    for step, ref, par, rel in c.rows:
-        mark = "  <-- diverges" if c.first_bad_step == step else ""
-        lines.append(f"  {step:>4}  {ref:>16.8f}  {par:>16.8f}  {rel:>10.2e}{mark}")
-    t = result.tolerance
-    lines += [
-        "",
-        f"  gradients at step 0:      closest to its bound {c.worst_grad or '-'} "
-        f"(|diff| {c.max_grad_diff:.3e}, {c.grad_margin:.2g} of the bound)",
-        f"  parameters after step {result.steps - 1}: closest to its bound {c.worst_param or '-'} "
-        f"(|diff| {c.max_param_diff:.3e}, {c.param_margin:.2g} of the bound)",
-        f"  bounds: per tensor |parallel - reference| <= {cal.noise_mult:g} x |twin - reference| "
-        f"+ {_floors(result)} x |reference|; losses: rel. diff <= {t.loss_rtol:g} + "
-        f"{cal.noise_mult:g} x the twin's" + (" largest so far" if cal.loss_running_max else ""),
-        "  (twin: the reference again, each batch in reverse sample order and every module "
-        "output moved by one ulp)",
-        *_precision_lines(result),
-    ]
-    if result.ok:
-        lines.append("  EQUIVALENT: the parallel run trains the same model as one device")
-        return "\n".join(lines) + "\n"
-    lines.append("  NOT EQUIVALENT: " + "; ".join(_where(result)))
-    lines += [f"  the plan warned (a likely cause): {w}" for w in result.warnings]
-    return "\n".join(lines) + "\n"
-
-
-def _where(result: CheckResult) -> list[str]:
-    c = result.comparison
-    where = []
-    if result.twin_loss_diff is not None:
-        where.append(
-            "the single-device run itself changes when its batch is reversed (step 0's loss "
-            f"by {result.twin_loss_diff:.2e}, rounding moves it by ~1e-7): the model's output "
-            "depends on the order of samples or on random draws (dropout), so no tolerance "
-            "can tell rounding from a bug"
-        )
-    if c.first_bad_step is not None:
-        where.append(f"the loss first diverges at step {c.first_bad_step}")
-    if c.bad_grad is not None:
-        where.append(f"the gradient of '{c.bad_grad}' differs at step 0")
-    if c.bad_param is not None:
-        where.append(f"parameter '{c.bad_param}' diverges")
-    if c.bad_buffer is not None:
-        where.append(f"buffer '{c.bad_buffer}' diverges")
-    return where
-
-
-def check_json(result: CheckResult) -> dict[str, Any]:
-    c, g, cal = result.comparison, result.gap, CALIBRATIONS[result.precision]
-    return {
-        "spec": result.spec,
-        "model": result.model,
-        "steps": result.steps,
-        "batch": result.batch,
-        "optimizer": result.optimizer,
-        "optimizer_class": result.optimizer_class,
-        "weights": result.weights,
-        "clip": result.clip,
-        "lr_schedule": None if result.lr_schedule is None else str(result.lr_schedule),
-        "equivalent": result.ok,
-        "rows": [
-            {"step": s, "reference_loss": a, "parallel_loss": b, "relative_difference": r}
-            for s, a, b, r in c.rows
-        ],
-        "max_param_diff": c.max_param_diff,
-        "worst_param": c.worst_param,
-        "param_margin": c.param_margin,
-        "max_grad_diff": c.max_grad_diff,
-        "worst_grad": c.worst_grad,
-        "grad_margin": c.grad_margin,
-        "first_bad_step": c.first_bad_step,
-        "bad_param": c.bad_param,
-        "bad_grad": c.bad_grad,
-        "bad_buffer": c.bad_buffer,
-        "twin_loss_diff": result.twin_loss_diff,
-        "warnings": list(result.warnings),
-        "tolerance": {
-            "loss_rtol": result.tolerance.loss_rtol,
-            "noise_multiple": cal.noise_mult,
-            "floor": cal.param_floor(result.steps),
-            "gradient_floor": cal.grad_floor(),
-            "calibration": str(result.precision),
-        },
-        "precision": str(result.precision),
-        "reduce": str(result.reduce),
-        "notes": list(result.notes),
-        "bf16_vs_fp32": None
-        if g is None
-        else {"steps": g.steps, "loss": g.loss, "params": g.params},
-    }

@@ -258,7 +258,20 @@ def _add_run(sub: Any) -> None:
         help="continue from the latest checkpoint in --checkpoint DIR, up to --steps",
     )
     p.add_argument("--timeout", type=_seconds, default=300.0, help="seconds per collective")
-    p.add_argument("--log", metavar="FILE", help="append a JSON line per step here")
+    p.add_argument("--log", metavar="FILE", help="append a JSON line per step here (every metric)")
+    p.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        help="also write each step's metrics as TensorBoard scalars here (needs the "
+        "tensorboard extra: pip install 'parc[tensorboard]')",
+    )
+    p.add_argument(
+        "--peak-tflops",
+        type=_max_norm,
+        metavar="X",
+        help="peak TFLOP/s of one device, for MFU (default: the GPU's known dense peak; "
+        "on CPU no MFU)",
+    )
     p.add_argument("--nnodes", type=_positive, default=1, help="nodes in a multi-node run")
     p.add_argument("--node-rank", type=int, default=0, help="this node's rank")
     p.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="c10d rendezvous address")
@@ -363,6 +376,7 @@ _OUTPUTS: dict[str, tuple[_Output, ...]] = {
     "plan": (_Output("output", "-o", "FILE", "best.par"),),
     "run": (
         _Output("log", "--log", "FILE", "log.jsonl"),
+        _Output("tensorboard", "--tensorboard", "DIR", "tb"),
         _Output("checkpoint", "--checkpoint", "DIR", "c"),
     ),
     "export": (_Output("output", "-o", "FILE", "model.pt", dir_if=("format", "hf")),),

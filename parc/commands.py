@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -172,6 +173,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         resume=args.resume,
         timeout=args.timeout,
         log=args.log,
+        tensorboard=args.tensorboard,
+        peak_tflops=args.peak_tflops,
+        flops_per_sample=_flops_per_sample(ranked),
+        name=Path(args.spec).stem,
         schedule=schedule,
         skip_nonfinite=args.skip_nonfinite,
         fault=args.inject_fault,
@@ -188,6 +193,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     # Every spec and model error surfaces here, once, before any process starts.
     source = _model_with_schedule(args.model, schedule, args.lr)
     analysis = analyse(_spec(args, quiet=True), source, batch=args.batch)
+    # Every rank's MFU reads the estimator's FLOPs (runtime/metrics.py); they inherit it.
+    os.environ[_FLOPS_ENV] = str(sum(c.flops_per_sample for c in analysis.estimate.stages))
     if args.weights:
         from parc.runtime.hf_weights import check_weights
 
@@ -201,6 +208,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         max_restarts=args.max_restarts,
         timeout=args.timeout,
     )
+
+
+_FLOPS_ENV = "PARC_FLOPS_PER_SAMPLE"
+
+
+def _flops_per_sample(ranked: bool) -> int | None:
+    """Under torchrun: the FLOPs per sample the launcher's estimate found (None if unset)."""
+    value = os.environ.get(_FLOPS_ENV) if ranked else None
+    return int(value) if value else None
 
 
 def _model_with_schedule(

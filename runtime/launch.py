@@ -19,7 +19,6 @@ import math
 import os
 import signal
 import sys
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -28,6 +27,14 @@ from parc.compiler.model_output import input_tensors
 from parc.compiler.optimizer_factory import OptimizerFactory
 from parc.errors import ModelError, ParcError
 
+from .metrics import (
+    MetricsLog,
+    StepMeter,
+    StepMetrics,
+    gather_max,
+    known_peak_tflops,
+    model_flops_utilization,
+)
 from .progress import Progress, counted_items
 from .schedules import current_lr, step_scheduler
 
@@ -55,7 +62,11 @@ class RunOptions:
     every: int = 0
     resume: bool = False
     timeout: float = 300.0
-    log: str | None = None  # JSON lines of (step, loss, lr) written by rank 0
+    log: str | None = None  # JSON lines of every step's metrics written by rank 0 (metrics.py)
+    tensorboard: str | None = None  # a TensorBoard log directory for the same scalars
+    peak_tflops: float | None = None  # per device, for MFU; None: the device's known peak
+    flops_per_sample: int | None = None  # the estimator's, summed over stages; None: no MFU
+    name: str = "run"  # runs/<name>/loss.svg
     schedule: Schedule | None = None  # the lr schedule (runtime/schedules.py); None: constant
     skip_nonfinite: bool = False  # skip a NaN/inf step's update on every rank instead of stopping
     fault: str | None = None  # faults to inject (parc/testing/faults.py): a testing aid
@@ -206,32 +217,80 @@ def train(opts: RunOptions) -> int:
         from parc.testing.faults import inject
 
         inject(program, opts.fault)
-    batch = program.plan.batch.global_batch
     # Built on every rank over the optimizer the program steps, before a resume restores it.
     scheduler = scheduler_for(program.optimizer, opts.schedule, source)
     with located(rank=rank, step=None, doing="resuming", timeout=opts.timeout):
         start = _resume(program, opts, rank, scheduler)
+    losses = _train_steps(program, source, opts, start, rank, scheduler)
+    if rank == 0 and losses:
+        _summary(losses, program.plan, program.skipped, opts.name)
+    return 0
+
+
+def _train_steps(
+    program: Any,
+    source: Any,
+    opts: RunOptions,
+    start: int,
+    rank: int,
+    scheduler: LRScheduler | None,
+) -> list[StepMetrics]:
+    """Steps `start`..`opts.steps - 1`, each measured (metrics.py) and, on rank 0, reported."""
+    from .run_errors import located
+
+    batch = program.plan.batch.global_batch
+    meter = StepMeter(program.parts.device)
     progress = Progress(opts.steps, "tokens") if rank == 0 else None  # counts from `start`
-    losses: list[tuple[int, float]] = []
-    began = time.perf_counter()
+    sink = MetricsLog(opts.log, opts.tensorboard) if rank == 0 else None
+    peak = _peak_tflops(program, opts)
+    done: list[StepMetrics] = []
     for step in range(start, opts.steps):
         inputs, targets = source.batch(batch, step)
         _check_shapes(program, source.path, inputs, batch, step)
         lr = current_lr(program.optimizer)
+        meter.start()
         with located(rank=rank, step=step, doing="the step", timeout=opts.timeout):
             loss = program.step(inputs, targets)
+            seconds, peak_bytes = gather_max(meter.stop(), program.parts.device)
         step_scheduler(scheduler)
         skipped = next((why for s, why in program.skipped if s == step), None)
-        if skipped is None:
-            losses.append((step, loss))
-        if progress is not None:
-            _report(progress, opts.log, step, loss, lr, targets, skipped, program.last_grad_norm)
+        items, unit = counted_items(targets)
+        metrics = StepMetrics(
+            step=step,
+            loss=None if skipped else loss,
+            lr=lr,
+            grad_norm=program.last_grad_norm,
+            samples=batch,
+            items=items,
+            unit=unit,
+            step_time_s=seconds,
+            peak_memory_bytes=int(peak_bytes),
+            memory_kind=meter.kind,
+            mfu=_mfu(program, opts.flops_per_sample, peak, seconds),
+            skipped=skipped is not None,
+        )
+        done.append(metrics)
+        if progress is not None and sink is not None:
+            _report(progress, sink, metrics, loss, skipped)
         _save_if_due(program, opts, rank, step, scheduler)
-    if progress is not None:
+    if progress is not None and sink is not None:
         progress.close()
-    if rank == 0 and losses:
-        _summary(losses, time.perf_counter() - began, program.plan, program.skipped)
-    return 0
+        sink.close()
+    return done
+
+
+def _mfu(program: Any, flops: int | None, peak: float | None, seconds: float) -> float | None:
+    """MFU of a step (metrics.py); None without a peak or the estimator's FLOPs."""
+    if peak is None or flops is None or seconds <= 0:
+        return None
+    samples_per_s = program.plan.batch.global_batch / seconds
+    return model_flops_utilization(flops, samples_per_s, peak, program.plan.mesh.world_size)
+
+
+def _peak_tflops(program: Any, opts: RunOptions) -> float | None:
+    if opts.peak_tflops is not None:
+        return opts.peak_tflops
+    return known_peak_tflops(program.parts.device, program.plan.mixed)
 
 
 def _save_if_due(
@@ -257,33 +316,15 @@ def _save_if_due(
 
 
 def _report(
-    progress: Progress,
-    log: str | None,
-    step: int,
-    loss: float,
-    lr: float,
-    targets: Any,
-    skipped: str | None,
-    grad_norm: float = math.nan,
+    progress: Progress, sink: MetricsLog, m: StepMetrics, loss: float, skipped: str | None
 ) -> None:
-    """Rank 0: the progress bar, a line for a skipped step, and the --log entry
-    (`grad_norm`: Program.last_grad_norm, the global norm before clipping)."""
-    items, progress.unit = counted_items(targets)
+    """Rank 0: the progress bar, a line for a skipped step, and the --log/--tensorboard entry."""
+    progress.unit = m.unit
     if skipped is not None:
         gap = "\n" if progress.tty else ""
-        print(f"{gap}step {step} skipped: {skipped}", file=sys.stderr)
-    progress.update(step, loss, items, lr, grad_norm)
-    if log:
-        with open(log, "a") as f:
-            entry = {
-                "step": step,
-                "loss": None if skipped else loss,
-                "lr": lr,
-                # JSON has no NaN or inf: a skipped step's non-finite norm is null.
-                "grad_norm": grad_norm if math.isfinite(grad_norm) else None,
-                "skipped": bool(skipped),
-            }
-            f.write(json.dumps(entry) + "\n")
+        print(f"{gap}step {m.step} skipped: {skipped}", file=sys.stderr)
+    progress.update(m, loss)
+    sink.write(m)
 
 
 def _resume(program: Any, opts: RunOptions, rank: int, scheduler: LRScheduler | None) -> int:
@@ -342,16 +383,36 @@ def _with_lr(factory: OptimizerFactory, lr: float) -> OptimizerFactory:
 
 
 def _summary(
-    losses: list[tuple[int, float]], seconds: float, plan: Plan, skipped: list[tuple[int, str]]
+    metrics: list[StepMetrics], plan: Plan, skipped: list[tuple[int, str]], name: str
 ) -> None:
-    first, last = losses[0], losses[-1]
+    """The run's last lines, and its loss curve in runs/<name>/loss.svg."""
+    from pathlib import Path
+
+    from parc.plots import loss_curve_svg
+
+    trained = [(m.step, m.loss) for m in metrics if m.loss is not None]
+    seconds = sum(m.step_time_s for m in metrics)
+    rate = sum(m.items for m in metrics) / seconds if seconds > 0 else 0.0
+    peak = max(m.peak_memory_bytes for m in metrics)
     steps = [str(s) for s, _ in skipped]
+    loss = f"loss {trained[0][1]:.4f} -> {trained[-1][1]:.4f}" if trained else "no finite loss"
     print(
-        f"trained steps {first[0]}..{last[0]} on {plan.mesh}: loss {first[1]:.4f} -> {last[1]:.4f} "
-        f"in {seconds:.1f} s ({seconds / len(losses):.3f} s/step)"
+        f"trained steps {metrics[0].step}..{metrics[-1].step} on {plan.mesh}: {loss} "
+        f"in {seconds:.1f} s ({seconds / len(metrics):.3f} s/step), "
+        f"mean {rate:,.0f} {metrics[0].unit}/s, peak memory {_mib(peak)} a rank "
+        f"({metrics[0].memory_kind.value.replace('_', ' ')})"
         + (f"; skipped {len(steps)} non-finite step(s): {', '.join(steps)}" if steps else ""),
         flush=True,
     )
+    if trained:
+        out = Path("runs") / name
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "loss.svg").write_text(loss_curve_svg(trained, title=f"parc run {name}: loss"))
+        print(f"loss curve: {out / 'loss.svg'}", flush=True)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
 
 
 def exit_hard(code: int) -> None:

@@ -3,16 +3,19 @@ about ten lines a run otherwise."""
 
 from __future__ import annotations
 
-import math
 import sys
 import time
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+    from .metrics import StepMetrics
 
 __all__ = ["Progress", "counted_items"]
 
 
 class Progress:
-    """A one-line progress bar on rank 0: step, loss, lr, gradient norm, throughput, ETA."""
+    """A one-line progress bar on rank 0: step, loss, lr, gradient norm, throughput, step
+    time, peak memory (max over ranks), MFU when known, ETA."""
 
     def __init__(self, total: int, unit: str, out: TextIO = sys.stderr) -> None:
         self.total, self.unit, self.out = total, unit, out
@@ -21,22 +24,22 @@ class Progress:
         self.items = 0
         self.tty = out.isatty()
 
-    def update(
-        self, step: int, loss: float, items: int, lr: float, grad_norm: float = math.nan
-    ) -> None:
-        """`grad_norm`: the step's global gradient norm before clipping."""
+    def update(self, m: StepMetrics, loss: float) -> None:
+        """`m`: the step's metrics (runtime/metrics.py); `loss` as the step returned it."""
+        step = m.step
         self.done += 1
-        self.items += items
+        self.items += m.items
         elapsed = time.perf_counter() - self.start
-        rate = self.items / elapsed if elapsed > 0 else 0.0
         eta = elapsed / self.done * (self.total - step - 1) if self.done else 0.0
         width = 24
         filled = int(width * (step + 1) / self.total)
         bar = "█" * filled + "·" * (width - filled)
+        mfu = f" | MFU {m.mfu:.1%}" if m.mfu is not None else ""
         line = (
             f"step {step + 1:>{len(str(self.total))}}/{self.total} {bar} loss {loss:.4f} "
-            f"| lr {lr:.3g} | grad norm {grad_norm:.3g} "
-            f"| {rate:,.0f} {self.unit}/s | ETA {_clock(eta)}"
+            f"| lr {m.lr:.3g} | grad norm {m.grad_norm:.3g} "
+            f"| {m.items_per_s:,.0f} {self.unit}/s | {m.step_time_s * 1e3:,.0f} ms "
+            f"| mem {m.peak_memory_bytes / 2**20:,.1f} MiB{mfu} | ETA {_clock(eta)}"
         )
         if self.tty:
             self.out.write("\r" + line)

@@ -1,0 +1,163 @@
+"""parc run's metrics of every step (runtime/metrics.py): the MFU formula, the peak memory
+meter, the JSON lines, TensorBoard scalars, the summary and runs/<name>/loss.svg."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from procs import MODEL, TINY, run_parc
+
+from parc.compiler.frontend import analyse
+from parc.compiler.model import load_model
+from parc.errors import ParcError
+from parc.runtime.equivalence import model_env, reference_run
+from parc.runtime.metrics import (
+    MemoryKind,
+    MetricsLog,
+    StepMeter,
+    StepMetrics,
+    known_peak_tflops,
+    model_flops_utilization,
+)
+from parc.runtime.schedules import Schedule, ScheduleKind
+
+pytestmark = pytest.mark.timeout(240)
+
+STEPS, BATCH, PEAK = 4, 8, 0.5  # PEAK: TFLOP/s per device given to --peak-tflops
+DP2 = "mesh dp=2\n"
+LR = 0.1  # tests/models/mlp_sgd.py's SGD lr
+# Grad norms: the dp=2 run against one process, as tests/test_clip.py measured (rtol 1e-5).
+NORM_RTOL = 1e-5
+FIELDS = {
+    "step",
+    "loss",
+    "lr",
+    "grad_norm",
+    "samples_per_s",
+    "tokens_per_s",
+    "step_time_s",
+    "peak_memory_bytes",
+    "peak_memory_kind",
+    "mfu",
+    "skipped",
+}
+
+
+def test_mfu_is_achieved_flops_over_the_peak_of_the_whole_mesh() -> None:
+    # 6 GFLOP a sample at 100 samples/s = 0.6 TFLOP/s over 2 devices of 100 TFLOP/s each.
+    assert model_flops_utilization(6e9, 100.0, 100.0, 2) == pytest.approx(0.003)
+    assert model_flops_utilization(1e12, 1.0, 1.0, 1) == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        model_flops_utilization(1.0, 1.0, 0.0, 1)
+
+
+def test_a_cpu_has_no_known_peak() -> None:
+    assert known_peak_tflops(torch.device("cpu"), mixed=True) is None
+
+
+def test_the_cpu_meter_sees_the_memory_a_step_touches() -> None:
+    meter = StepMeter(torch.device("cpu"))
+    assert meter.kind is MemoryKind.CPU_RSS_RISE
+    meter.start()
+    held = torch.ones(16 * 2**20, dtype=torch.uint8)  # 16 MiB, every page written
+    seconds, peak = meter.stop()
+    del held
+    assert seconds > 0 and peak >= 16 * 2**20, peak
+    meter.start()  # the high-water mark is reset: the next step does not see the last one's
+    _, again = meter.stop()
+    assert again < 16 * 2**20, again
+
+
+def _metrics(**changes: Any) -> StepMetrics:
+    base: dict[str, Any] = dict(
+        step=0, loss=1.0, lr=0.1, grad_norm=2.0, samples=8, items=8, unit="samples",
+        step_time_s=0.5, peak_memory_bytes=1024, memory_kind=MemoryKind.CPU_RSS_RISE,
+        mfu=None, skipped=False,
+    )  # fmt: skip
+    return StepMetrics(**{**base, **changes})
+
+
+def test_a_json_line_has_every_field_and_nulls_what_does_not_apply() -> None:
+    row = _metrics().as_json()
+    assert set(row) == FIELDS
+    assert row["samples_per_s"] == 16.0 and row["tokens_per_s"] is None
+    tokens = _metrics(items=8 * 32, unit="tokens", grad_norm=math.inf).as_json()
+    assert tokens["tokens_per_s"] == 8 * 32 / 0.5 and tokens["grad_norm"] is None
+    json.dumps(tokens, allow_nan=False)
+
+
+def test_tensorboard_missing_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails
+    with pytest.raises(ParcError) as err:
+        MetricsLog(None, "tb")
+    assert "parc[tensorboard]" in str(err.value.hint), err.value
+
+
+def _scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar in the event files under `directory`, as tensorboard's reader reads them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    reader = EventAccumulator(str(directory))
+    reader.Reload()
+    return {
+        tag: [(e.step, e.value) for e in reader.Scalars(tag)] for tag in reader.Tags()["scalars"]
+    }
+
+
+@pytest.mark.multiprocess
+def test_parc_run_reports_every_metric_of_every_step(tmp_path: Path) -> None:
+    (tmp_path / "dp2.par").write_text(DP2)
+    tb = pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
+    del tb
+    args = (
+        "--steps",
+        str(STEPS),
+        "--batch",
+        str(BATCH),
+        "--log",
+        "log.jsonl",
+        "--tensorboard",
+        "tb",
+    )
+    schedule = ("--schedule", "cosine", "--warmup", "1", "--min-lr", "0.01")
+    done = run_parc(
+        ("run", "dp2.par", MODEL, *args, *schedule, "--peak-tflops", str(PEAK)), tmp_path, 120.0
+    )
+    assert done.code == 0, done
+    rows = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(STEPS))
+
+    sched = Schedule(kind=ScheduleKind.COSINE, steps=STEPS, warmup=1, min_lr=0.01)
+    ref = reference_run(str(MODEL), steps=STEPS, batch=BATCH, env=TINY, lr_schedule=sched)
+    with model_env(TINY):
+        flops = sum(
+            c.flops_per_sample for c in analyse(DP2, load_model(MODEL), batch=BATCH).estimate.stages
+        )
+    for row, norm in zip(rows, ref["grad_norms"], strict=True):
+        assert set(row) == FIELDS, row
+        assert row["lr"] == pytest.approx(LR * sched.multiplier(row["step"], 0.01 / LR)), row
+        assert math.isclose(row["grad_norm"], norm, rel_tol=NORM_RTOL), row
+        assert row["step_time_s"] > 0 and row["samples_per_s"] == pytest.approx(
+            BATCH / row["step_time_s"]
+        )
+        assert row["tokens_per_s"] is None  # the MLP's targets are classes, no sequence
+        assert row["peak_memory_kind"] == "cpu_rss_rise" and row["peak_memory_bytes"] >= 0
+        want = flops * row["samples_per_s"] / (PEAK * 1e12 * 2)
+        assert row["mfu"] == pytest.approx(want) and row["mfu"] > 0, row
+        assert row["skipped"] is False
+
+    scalars = _scalars(tmp_path / "tb")
+    for key in ("loss", "lr", "grad_norm", "samples_per_s", "step_time_s", "mfu"):
+        got = scalars[f"train/{key}"]
+        assert [s for s, _ in got] == list(range(STEPS)), key
+        assert [v for _, v in got] == pytest.approx([r[key] for r in rows], rel=1e-6), key
+
+    assert "samples/s" in done.err and "MFU" in done.err and "MiB" in done.err, done.err
+    assert "mean" in done.out and "samples/s, peak memory" in done.out, done.out
+    assert (tmp_path / "runs" / "dp2" / "loss.svg").read_text().startswith("<svg")

@@ -43,6 +43,9 @@ Why it is built this way (measured on 2 cores, torch 2.13):
   successful case keeps the world; the next case then starts with only the
   world group (groups made by earlier cases are destroyed), float32 as default
   dtype, no default device, grad mode on and one intra-op thread.
+
+What a failed case reports, rank by rank: parc/testing/pool_failure.py (`WorkerError`
+is re-exported here).
 """
 
 from __future__ import annotations
@@ -51,14 +54,13 @@ import contextlib
 import os
 import pickle
 import shutil
-import signal
 import sys
 import tempfile
 import time
 import traceback
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing import get_context
 from multiprocessing.connection import Connection, wait
 from multiprocessing.context import ForkServerContext, ForkServerProcess
@@ -67,24 +69,14 @@ from typing import Any
 
 from parc.errors import ParcError
 
+from .pool_failure import GRACE, Outcome, WorkerError, describe_failure, file_size
 from .pool_rank import RankSpec, rank_main
 
 __all__ = ["WorkerError", "WorkerPool"]
 
 _DEFAULT_TIMEOUT = 300.0  # docs/architecture.md, Runtime: every collective's timeout
 _START_TIMEOUT = 60.0  # a start takes < 1 s here; generous for a loaded machine
-_GRACE = 0.3  # after one rank fails, how long the others get to report their own error
-_DUMP_WAIT = 2.0  # a faulthandler dump takes milliseconds; bound the wait anyway
-_TAIL = 3000  # characters of a rank's output quoted in an error
 _BACKENDS = ("gloo", "nccl")
-
-
-class WorkerError(ParcError):
-    """A case failed on a `WorkerPool`; `ranks` are the ranks that failed."""
-
-    def __init__(self, message: str, *, ranks: tuple[int, ...], hint: str | None = None) -> None:
-        super().__init__(message, hint=hint)
-        self.ranks = ranks
 
 
 # --------------------------------------------------------------------------- in the owner
@@ -97,21 +89,6 @@ class _Rank:
     conn: Connection
     lifeline: Connection  # never written: the rank exits when it reads EOF
     spec: RankSpec
-
-
-@dataclass(slots=True)
-class _Outcome:
-    """What each rank did with one request."""
-
-    results: dict[int, Any] = field(default_factory=dict)
-    errors: dict[int, str] = field(default_factory=dict)
-    deaths: dict[int, int | None] = field(default_factory=dict)  # rank → exit code
-    unfinished: list[int] = field(default_factory=list)
-    cut_short: bool = False  # the unfinished ranks only got the grace period
-
-    @property
-    def ok(self) -> bool:
-        return not (self.errors or self.deaths or self.unfinished)
 
 
 class WorkerPool:
@@ -176,7 +153,7 @@ class WorkerPool:
         request = pickle.dumps((list(sys.path), _encode_case(fn, args, kwargs)))
         try:
             self._ensure_ready()
-            offsets = [_size(r.spec.log) for r in self._ranks]
+            offsets = [file_size(r.spec.log) for r in self._ranks]
             for rank in self._ranks:
                 with contextlib.suppress(OSError):  # a dead rank shows in _collect
                     rank.conn.send_bytes(request)
@@ -184,7 +161,7 @@ class WorkerPool:
             if outcome.ok:
                 return [outcome.results[rank] for rank in range(self.world_size)]
             name = getattr(fn, "__qualname__", repr(fn))
-            error = _failure(outcome, self._ranks, offsets, f"case {name}", limit)
+            error = describe_failure(outcome, self._ranks, offsets, f"case {name}", limit)
         except BaseException:
             self._tear_down()  # interrupted mid-case (Ctrl-C, pytest-timeout): state unknown
             raise
@@ -243,7 +220,7 @@ class WorkerPool:
             if not outcome.ok:
                 what = f"the start of a {self.backend} world of {self.world_size} ranks"
                 offsets = [0] * self.world_size
-                raise _failure(outcome, self._ranks, offsets, what, self._start_timeout)
+                raise describe_failure(outcome, self._ranks, offsets, what, self._start_timeout)
             self._ready = True
 
     def _tear_down(self) -> None:
@@ -261,9 +238,9 @@ def _encode_case(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
         ) from exc
 
 
-def _collect(ranks: list[_Rank], limit: float) -> _Outcome:
+def _collect(ranks: list[_Rank], limit: float) -> Outcome:
     """Wait up to `limit` seconds for one reply per rank, noticing deaths at once."""
-    outcome = _Outcome()
+    outcome = Outcome()
     deadline = time.monotonic() + limit
     pending = {r.rank: r for r in ranks}
     while pending and (remaining := deadline - time.monotonic()) > 0:
@@ -275,13 +252,13 @@ def _collect(ranks: list[_Rank], limit: float) -> _Outcome:
                 del pending[rank.rank]
         if (outcome.errors or outcome.deaths) and not outcome.cut_short:
             # The peers of a failed rank are usually stuck in a collective with it.
-            deadline = min(deadline, time.monotonic() + _GRACE)
+            deadline = min(deadline, time.monotonic() + GRACE)
             outcome.cut_short = True
     outcome.unfinished = sorted(pending)
     return outcome
 
 
-def _receive(rank: _Rank, outcome: _Outcome) -> None:
+def _receive(rank: _Rank, outcome: Outcome) -> None:
     try:
         if not rank.conn.poll():  # a reply sent just before dying is still read
             raise EOFError
@@ -296,67 +273,6 @@ def _receive(rank: _Rank, outcome: _Outcome) -> None:
         outcome.errors[rank.rank] = f"its reply cannot be unpickled here:\n{traceback.format_exc()}"
         return
     (outcome.results if ok else outcome.errors)[rank.rank] = value
-
-
-def _failure(
-    outcome: _Outcome, ranks: list[_Rank], offsets: list[int], what: str, limit: float
-) -> WorkerError:
-    """A `WorkerError` telling rank by rank what went wrong; call it before killing."""
-    stacks = _dump_stacks([ranks[r] for r in outcome.unfinished])
-    parts: list[str] = []
-    for rank, code in sorted(outcome.deaths.items()):
-        parts.append(f"rank {rank} died ({_describe_exit(code)})")
-        dump = _read_from(ranks[rank].spec.stack, 0)  # written only by a fatal signal here
-        parts.append(_quote(dump and _tidy_stack(dump), "its stack when it died"))
-    for rank, text in sorted(outcome.errors.items()):
-        parts.append(f"rank {rank} raised:\n{_indent(text)}")
-    waited = f"{_GRACE} s after the failure above" if outcome.cut_short else f"{limit} s"
-    for rank in outcome.unfinished:
-        parts.append(f"rank {rank} was still running after {waited}; its stack:")
-        parts.append(_indent(stacks[rank]))
-    for rank in sorted({*outcome.errors, *outcome.deaths, *outcome.unfinished}):
-        output = _read_from(ranks[rank].spec.log, offsets[rank])
-        parts.append(_quote(output, f"output of rank {rank} during the case"))
-    failed = tuple(sorted({*outcome.errors, *outcome.deaths})) or tuple(outcome.unfinished)
-    where = f"rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} of {len(ranks)}"
-    header = (
-        f"{what} failed on {where}"
-        if outcome.errors or outcome.deaths
-        else f"{what} did not finish within {limit} s on {where}"
-    )
-    return WorkerError(
-        "\n".join([header, *filter(None, parts)]),
-        ranks=failed,
-        hint="the pool killed its ranks; the next run starts a fresh world",
-    )
-
-
-def _dump_stacks(ranks: list[_Rank]) -> dict[int, str]:
-    """Each rank's Python stacks, dumped by its faulthandler on SIGUSR1."""
-    before = {r.rank: _size(r.spec.stack) for r in ranks}
-    for rank in ranks:
-        if rank.process.pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(rank.process.pid, signal.SIGUSR1)
-    deadline, last = time.monotonic() + _DUMP_WAIT, dict(before)
-    while time.monotonic() < deadline:
-        time.sleep(0.05)
-        now = {r.rank: _size(r.spec.stack) for r in ranks}
-        if all(before[r] < now[r] == last[r] for r in now):
-            break  # every dump has begun and stopped growing
-        last = now
-    return {r.rank: _tidy_stack(_read_from(r.spec.stack, before[r.rank])) for r in ranks}
-
-
-def _tidy_stack(dump: str) -> str:
-    """Drop the pool's own frames and its lifeline thread from a faulthandler dump."""
-    threads = []
-    for block in dump.strip().split("\n\n"):
-        if "_exit_when_orphaned" not in block:
-            lines = block.splitlines()
-            end = next((i for i, line in enumerate(lines) if " in _run_case" in line), None)
-            threads.append("\n".join(lines[:end]))
-    return "\n\n".join(threads) or "(no stack was dumped)"
 
 
 def _shut_down(ranks: list[_Rank], directory: Path, owner: int, keep_dir: bool = False) -> None:
@@ -375,38 +291,3 @@ def _shut_down(ranks: list[_Rank], directory: Path, owner: int, keep_dir: bool =
             path.unlink(missing_ok=True)
     else:
         shutil.rmtree(directory, ignore_errors=True)
-
-
-def _describe_exit(code: int | None) -> str:
-    if code is None:
-        return "its pipe closed but it has not exited"
-    if code >= 0:
-        return f"exit code {code}"
-    try:
-        return f"killed by {signal.Signals(-code).name}"
-    except ValueError:  # e.g. a real-time signal, which has no name
-        return f"killed by signal {-code}"
-
-
-def _quote(text: str, title: str) -> str:
-    """`title:` and the tail of `text`, indented; "" if there is no text."""
-    text = text.rstrip()
-    if len(text) > _TAIL:
-        text = "…" + text[-_TAIL:]
-    return f"{title}:\n{_indent(text)}" if text else ""
-
-
-def _indent(text: str) -> str:
-    return "\n".join("    " + line for line in text.rstrip().splitlines())
-
-
-def _size(path: Path) -> int:
-    return path.stat().st_size if path.exists() else 0
-
-
-def _read_from(path: Path, offset: int) -> str:
-    if not path.exists():
-        return ""
-    with path.open("rb") as file:
-        file.seek(offset)
-        return file.read().decode(errors="replace")

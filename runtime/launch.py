@@ -4,9 +4,10 @@ Outside torchrun (`RANK` unset) `launch` starts `python -m torch.distributed.run
 with `--nproc-per-node = world size / nnodes`, re-running the same `parc run`
 command line in every process. Under torchrun `train` runs directly: join the
 process group (NCCL on GPUs, gloo otherwise), compile, resume from a
-checkpoint if asked, train with a progress bar on rank 0, save every K steps
-and after the last one, and print a summary. Workers end with `os._exit` after
-flushing: torch + gloo can abort at interpreter exit after a correct run (a
+checkpoint if asked, train with a progress bar on rank 0 and every step's
+metrics (runtime/metrics.py: --log, --tensorboard), save every K steps and after
+the last one, print a summary and write runs/<spec name>/loss.svg. Workers end
+with `os._exit` after flushing: torch + gloo can abort at interpreter exit after a correct run (a
 gloo thread still frees tensors during shutdown), which would turn success
 into a crash.
 """

@@ -30,7 +30,7 @@ import sys
 import threading
 from collections.abc import MutableMapping
 
-__all__ = ["LAUNCHER_PID_ENV", "mark_launcher", "tie_to_launcher"]
+__all__ = ["LAUNCHER_PID_ENV", "mark_launcher", "release_semaphores", "tie_to_launcher"]
 
 LAUNCHER_PID_ENV = "PARC_LAUNCHER_PID"
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -87,3 +87,13 @@ def _die(launcher: int) -> None:
     if os.getpgid(0) == os.getpid():
         os.killpg(os.getpid(), signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def release_semaphores() -> None:
+    """Run multiprocessing's exit finalizers (priority >= 0, as a normal exit does) before an
+    `os._exit`: they unlink the named semaphores libraries made in this process (tqdm makes
+    one for the progress bar torch.fx's Interpreter opens, disabled), which the resource
+    tracker would otherwise report as leaked when the launcher exits."""
+    import multiprocessing.util
+
+    multiprocessing.util._run_finalizers(0)  # type: ignore[attr-defined]

@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map_only
 
+from parc.runtime.lifeline import release_semaphores
+
 __all__ = ["RankSpec", "join_world", "rank_main"]
 
 
@@ -64,6 +66,7 @@ def rank_main(spec: RankSpec, conn: Connection, lifeline: Connection) -> None:
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
+        release_semaphores()
         os._exit(code)  # skip interpreter and gloo teardown: it can abort (module doc)
 
 

@@ -28,6 +28,7 @@ from parc.compiler.model_output import input_tensors
 from parc.compiler.optimizer_factory import OptimizerFactory
 from parc.errors import ModelError, ParcError
 
+from .lifeline import release_semaphores
 from .metrics import (
     MetricsLog,
     StepMeter,
@@ -420,4 +421,5 @@ def exit_hard(code: int) -> None:
     """End a worker without running interpreter teardown (see the module docstring)."""
     sys.stdout.flush()
     sys.stderr.flush()
+    release_semaphores()
     os._exit(code)

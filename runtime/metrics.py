@@ -9,18 +9,23 @@ step time, peak memory, MFU; to the progress line, `--log FILE.jsonl` and `--ten
 2. Both are gathered to the maximum over ranks by one small all-reduce MAX per step
    (`gather_max`): the step's own metric all-reduce is a SUM (runtime/program.py), so
    they cannot ride in it. It moves 16 bytes and changes no training value.
-3. Rank 0 derives throughput (samples/s: the global batch; tokens/s for integer targets
-   with a sequence dim, `counted_items`, else null) and MFU = FLOPs per sample (the estimator's forward +
-   backward + recomputed forward summed over stages, compiler/estimate.py) × samples/s
-   ÷ (peak FLOP/s per device × world). The peak is `--peak-tflops`, else the device's
-   known dense peak on CUDA (`known_peak_tflops`); on CPU without the flag MFU is null.
+3. Rank 0 derives throughput (samples/s from the global batch; tokens/s for integer
+   targets with a sequence dim, `counted_items`, else null) and MFU = FLOPs per sample
+   (the estimator's forward + backward + recomputed forward summed over stages,
+   compiler/estimate.py) × samples/s ÷ (peak FLOP/s per device × world). The peak is
+   `--peak-tflops`, else the device's known dense peak on CUDA (`known_peak_tflops`);
+   on CPU without the flag MFU is null. Without a resettable high-water mark (no
+   /proc/self/clear_refs) the CPU peak is the process' since it started
+   ("cpu_process_peak").
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import sys
 import time
 from dataclasses import asdict, dataclass
 from enum import Enum
@@ -48,6 +53,9 @@ class MemoryKind(Enum):
 
     CUDA_ALLOCATED = "cuda_allocated"  # torch.cuda.max_memory_allocated, reset each step
     CPU_RSS_RISE = "cpu_rss_rise"  # the process' peak resident set rise during the step
+    # Without a resettable high-water mark (no /proc/self/clear_refs, e.g. macOS): the
+    # process' peak resident set since it started (getrusage's ru_maxrss).
+    CPU_PROCESS_PEAK = "cpu_process_peak"
 
 
 # Dense (no sparsity) peak TFLOP/s per device from the vendors' data sheets: (device name
@@ -123,7 +131,7 @@ class StepMeter:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.kind = MemoryKind.CUDA_ALLOCATED if device.type == "cuda" else MemoryKind.CPU_RSS_RISE
+        self.kind = MemoryKind.CUDA_ALLOCATED if device.type == "cuda" else _cpu_kind()
         self._began = 0.0
         self._rss = 0
 
@@ -132,7 +140,7 @@ class StepMeter:
 
         if self.kind is MemoryKind.CUDA_ALLOCATED:
             torch.cuda.reset_peak_memory_stats(self.device)
-        else:
+        elif self.kind is MemoryKind.CPU_RSS_RISE:
             Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
             self._rss = _status_kib("VmRSS")
         self._began = time.perf_counter()
@@ -146,7 +154,18 @@ class StepMeter:
             seconds = time.perf_counter() - self._began
             return seconds, int(torch.cuda.max_memory_allocated(self.device))
         seconds = time.perf_counter() - self._began
+        if self.kind is MemoryKind.CPU_PROCESS_PEAK:
+            import resource
+
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            return seconds, peak if sys.platform == "darwin" else peak * 1024  # bytes, KiB
         return seconds, max(0, _status_kib("VmHWM") - self._rss) * 1024
+
+
+def _cpu_kind() -> MemoryKind:
+    """CPU_RSS_RISE where the kernel lets the process reset its high-water mark."""
+    refs = Path("/proc/self/clear_refs")
+    return MemoryKind.CPU_RSS_RISE if os.access(refs, os.W_OK) else MemoryKind.CPU_PROCESS_PEAK
 
 
 def _status_kib(field: str) -> int:

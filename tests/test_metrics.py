@@ -74,6 +74,17 @@ def test_the_cpu_meter_sees_the_memory_a_step_touches() -> None:
     assert again < 16 * 2**20, again
 
 
+def test_without_a_resettable_mark_the_cpu_meter_reports_the_process_peak(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("parc.runtime.metrics.os.access", lambda path, mode: False)
+    meter = StepMeter(torch.device("cpu"))
+    assert meter.kind is MemoryKind.CPU_PROCESS_PEAK
+    meter.start()
+    _, peak = meter.stop()
+    assert peak > 2**20, peak  # this Python process with torch holds far more than 1 MiB
+
+
 def _metrics(**changes: Any) -> StepMetrics:
     base: dict[str, Any] = dict(
         step=0, loss=1.0, lr=0.1, grad_norm=2.0, samples=8, items=8, unit="samples",

@@ -35,11 +35,12 @@ class Progress:
         filled = int(width * (step + 1) / self.total)
         bar = "█" * filled + "·" * (width - filled)
         mfu = f" | MFU {m.mfu:.1%}" if m.mfu is not None else ""
+        rise = "+" if m.memory_kind.value == "cpu_rss_rise" else ""  # a rise, not a total
         line = (
             f"step {step + 1:>{len(str(self.total))}}/{self.total} {bar} loss {loss:.4f} "
             f"| lr {m.lr:.3g} | grad norm {m.grad_norm:.3g} "
             f"| {m.items_per_s:,.0f} {self.unit}/s | {m.step_time_s * 1e3:,.0f} ms "
-            f"| mem {m.peak_memory_bytes / 2**20:,.1f} MiB{mfu} | ETA {_clock(eta)}"
+            f"| mem {rise}{m.peak_memory_bytes / 2**20:,.1f} MiB{mfu} | ETA {_clock(eta)}"
         )
         if self.tty:
             self.out.write("\r" + line)

@@ -77,6 +77,13 @@ def _learning_rate(text: str) -> float:
     return value
 
 
+def _tflops(text: str) -> float:
+    value = _number(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive TFLOP/s, got {text}")
+    return value
+
+
 def _max_norm(text: str) -> float:
     value = _number(text)
     if value <= 0:
@@ -267,7 +274,7 @@ def _add_run(sub: Any) -> None:
     )
     p.add_argument(
         "--peak-tflops",
-        type=_max_norm,
+        type=_tflops,
         metavar="X",
         help="peak TFLOP/s of one device, for MFU (default: the GPU's known dense peak; "
         "on CPU no MFU)",

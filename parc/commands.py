@@ -189,6 +189,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     from parc.testing.faults import parse_faults
 
     parse_faults(args.inject_fault or "")  # a typo fails here, not on every rank
+    if args.tensorboard:
+        from parc.runtime.metrics import summary_writer_class
+
+        summary_writer_class()  # a missing extra fails here, not on rank 0 after compiling
 
     # Every spec and model error surfaces here, once, before any process starts.
     source = _model_with_schedule(args.model, schedule, args.lr)

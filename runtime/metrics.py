@@ -45,6 +45,7 @@ __all__ = [
     "gather_max",
     "known_peak_tflops",
     "model_flops_utilization",
+    "summary_writer_class",
 ]
 
 
@@ -212,6 +213,12 @@ class MetricsLog:
 
 
 def _summary_writer(directory: str) -> Any:
+    return summary_writer_class()(log_dir=directory)
+
+
+def summary_writer_class() -> Any:
+    """torch's SummaryWriter; a ParcError naming the extra when tensorboard is missing (the
+    launcher calls it first, so no rank fails after compiling)."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
@@ -220,4 +227,4 @@ def _summary_writer(directory: str) -> Any:
             hint="install parc's extra: pip install 'parc[tensorboard]' (or pip install "
             "tensorboard), or drop --tensorboard",
         ) from None
-    return SummaryWriter(log_dir=directory)
+    return SummaryWriter

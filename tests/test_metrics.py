@@ -13,6 +13,7 @@ import pytest
 import torch
 from procs import MODEL, TINY, run_parc
 
+from parc.cli import main
 from parc.compiler.frontend import analyse
 from parc.compiler.model import load_model
 from parc.errors import ParcError
@@ -108,6 +109,19 @@ def test_tensorboard_missing_names_the_extra(monkeypatch: pytest.MonkeyPatch) ->
     with pytest.raises(ParcError) as err:
         MetricsLog(None, "tb")
     assert "parc[tensorboard]" in str(err.value.hint), err.value
+
+
+def test_parc_run_refuses_tensorboard_without_the_extra_before_any_rank_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "dp2.par").write_text(DP2)
+    with model_env(TINY):
+        code = main(["run", "dp2.par", str(MODEL), "--tensorboard", "tb"])
+    err = capsys.readouterr().err
+    assert code == 2 and "parc[tensorboard]" in err, err
+    assert "rank" not in err, err  # said by the launcher, before torchrun started any rank
 
 
 def _scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:

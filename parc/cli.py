@@ -10,12 +10,14 @@ Every user mistake is a `ParcError`, printed without a traceback (exit 2);
 and a model file calling sys.exit(). Output paths are checked before any work
 starts. Any other exception is a parc bug: it is reported as an internal error
 (exit 3) and `--debug` shows where.
+
+The argument types and the option groups of `parc run` and `parc check` are in
+parc/cli_options.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import signal
 import sys
@@ -25,81 +27,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from parc import blame, commands
+from parc.cli_options import add_check_options, add_precision, add_run_options, positive
 from parc.errors import ModelError, ParcError
-from parc.runtime.schedules import add_schedule_arguments
 
 __all__ = ["main"]
 
 EXIT_ERROR, EXIT_INTERNAL = commands.EXIT_ERROR, 3
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
-
-
-def _number(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    value = _number(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
-    return value
-
-
-def _learning_rate(text: str) -> float:
-    value = _number(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {text}")
-    return value
-
-
-def _tflops(text: str) -> float:
-    value = _number(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive TFLOP/s, got {text}")
-    return value
-
-
-def _max_norm(text: str) -> float:
-    value = _number(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive gradient norm, got {text}")
-    return value
-
-
-def _add_clip(p: argparse.ArgumentParser) -> None:
-    """`--clip` of `parc run` and `parc check` (runtime/clip.py)."""
-    p.add_argument(
-        "--clip",
-        type=_max_norm,
-        metavar="MAX_NORM",
-        help="clip the gradients to this global norm before each optimizer step, as "
-        "torch.nn.utils.clip_grad_norm_ does on one device (default: no clipping)",
-    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -114,19 +47,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="the model file (see the model convention)")
     p.add_argument("-o", "--output", metavar="DIR", help="write plan.json (and rank code) here")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--batch", type=_positive, help="global batch size (default: 8 or more)")
+    p.add_argument("--batch", type=positive, help="global batch size (default: 8 or more)")
     p.add_argument("--strict", action="store_true", help="make fallback warnings errors")
     p.add_argument("--timeline", metavar="FILE.svg", help="draw the pipeline schedule as SVG")
     p.add_argument("--cluster", help="add the step time on this cluster (see `parc plan -h`)")
-    _add_precision(p)
+    add_precision(p)
     p.set_defaults(run=commands.cmd_compile)
     _add_plan(sub)
     _add_check(sub)
     _add_run(sub)
     _add_export(sub)
     p = sub.add_parser("demo", help="train a small GPT on 4 processes and prove it equivalent")
-    p.add_argument("--steps", type=_positive, default=150, help="training steps (default 150)")
-    p.add_argument("--batch", type=_positive, default=16, help="global batch (default 16)")
+    p.add_argument("--steps", type=positive, default=150, help="training steps (default 150)")
+    p.add_argument("--batch", type=positive, default=16, help="global batch (default 16)")
     p.add_argument("--out", default="runs/demo", help="where to write the pictures and logs")
     p.set_defaults(run=commands.cmd_demo)
     return parser
@@ -177,9 +110,9 @@ def _add_plan(sub: Any) -> None:
     )
     p.add_argument("model", help="the model file (built on the meta device: any size works)")
     p.add_argument("--cluster", required=True, help="the GPUs to plan for (see below)")
-    p.add_argument("--batch", type=_positive, help="global batch in samples (default: 4 per GPU)")
-    p.add_argument("--seq", type=_positive, help="plan shorter sequences than sample_batch's")
-    p.add_argument("--top", type=_positive, default=5, help="show the K best specs (default 5)")
+    p.add_argument("--batch", type=positive, help="global batch in samples (default: 4 per GPU)")
+    p.add_argument("--seq", type=positive, help="plan shorter sequences than sample_batch's")
+    p.add_argument("--top", type=positive, default=5, help="show the K best specs (default 5)")
     p.add_argument(
         "--precision",
         choices=["fp32", "bf16"],
@@ -198,108 +131,15 @@ def _add_plan(sub: Any) -> None:
     p.set_defaults(run=commands.cmd_plan)
 
 
-def _add_precision(p: argparse.ArgumentParser) -> None:
-    """`--precision` of the commands that take a spec (parc/precision.py)."""
-    p.add_argument(
-        "--precision",
-        choices=["fp32", "bf16"],
-        help="train in fp32 or bf16 (fp32 master weights behind bf16 compute), overriding the "
-        "spec's `precision` statement (default: the spec's)",
-    )
-
-
 def _add_check(sub: Any) -> None:
     p = sub.add_parser("check", help="prove the parallel run trains the same model as one device")
-    p.add_argument("spec", help="the .par spec file")
-    p.add_argument("model", help="the model file")
-    p.add_argument("--steps", type=_positive, default=3, help="training steps (default 3)")
-    p.add_argument("--batch", type=_positive, help="global batch size")
-    p.add_argument(
-        "--optimizer",
-        choices=["model", "sgd", "adamw"],
-        default="model",
-        help="model (the default: the model file's configure_optimizer), or override it with "
-        "sgd (lr 0.1, momentum 0.9) or adamw (lr 1e-3)",
-    )
-    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    p.add_argument(
-        "--weights",
-        metavar="DIR",
-        help="both runs start from this Hugging Face checkpoint directory (safetensors, as "
-        "save_pretrained writes it) instead of the model's initialisation",
-    )
-    p.add_argument("--timeout", type=_seconds, default=300.0, help="seconds per collective")
-    _add_precision(p)
-    add_schedule_arguments(p)  # both sides step it (runtime/schedules.py)
-    _add_clip(p)
-    p.add_argument("--inject-fault", help=argparse.SUPPRESS)
+    add_check_options(p)
     p.set_defaults(run=commands.cmd_check)
 
 
 def _add_run(sub: Any) -> None:
     p = sub.add_parser("run", help="train under torchrun (NCCL on GPUs, gloo on CPUs)")
-    p.add_argument("spec", help="the .par spec file")
-    p.add_argument("model", help="the model file")
-    p.add_argument("--steps", type=_positive, default=100, help="training steps (default 100)")
-    p.add_argument("--batch", type=_positive, help="global batch size")
-    p.add_argument(
-        "--lr", type=_learning_rate, help="learning rate (overrides configure_optimizer's)"
-    )
-    p.add_argument(
-        "--weights",
-        metavar="DIR",
-        help="start from this Hugging Face checkpoint directory (safetensors, as "
-        "save_pretrained writes it) instead of the model's initialisation",
-    )
-    p.add_argument("--checkpoint", metavar="DIR", help="save a checkpoint here after the last step")
-    p.add_argument(
-        "--every",
-        type=_positive,
-        default=0,
-        metavar="K",
-        help="with --checkpoint, also save every K steps",
-    )
-    p.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue from the latest checkpoint in --checkpoint DIR, up to --steps",
-    )
-    p.add_argument("--timeout", type=_seconds, default=300.0, help="seconds per collective")
-    p.add_argument("--log", metavar="FILE", help="append a JSON line per step here (every metric)")
-    p.add_argument(
-        "--tensorboard",
-        metavar="DIR",
-        help="also write each step's metrics as TensorBoard scalars here (needs the "
-        "tensorboard extra: pip install 'parc[tensorboard]')",
-    )
-    p.add_argument(
-        "--peak-tflops",
-        type=_tflops,
-        metavar="X",
-        help="peak TFLOP/s of one device, for MFU (default: the GPU's known dense peak; "
-        "on CPU no MFU)",
-    )
-    p.add_argument("--nnodes", type=_positive, default=1, help="nodes in a multi-node run")
-    p.add_argument("--node-rank", type=int, default=0, help="this node's rank")
-    p.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="c10d rendezvous address")
-    p.add_argument(
-        "--max-restarts",
-        type=_non_negative,
-        default=0,
-        metavar="N",
-        help="when a rank fails, restart every rank up to N times; each resumes from the "
-        "latest complete --checkpoint (default 0)",
-    )
-    p.add_argument(
-        "--skip-nonfinite",
-        action="store_true",
-        help="skip the update of a step whose loss or gradients are NaN/inf (on every rank) "
-        "instead of stopping",
-    )
-    _add_precision(p)
-    add_schedule_arguments(p)
-    _add_clip(p)
-    p.add_argument("--inject-fault", help=argparse.SUPPRESS)
+    add_run_options(p)
     p.set_defaults(run=_run)
 
 

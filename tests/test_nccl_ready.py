@@ -169,6 +169,7 @@ AUDITED = {
     ("runtime/collectives.py", "Comm.reduce_scatter"): "gradient buckets, ZeRO: device",
     ("runtime/collectives.py", "Comm.post_p2p"): "activations, and buffers on self.device",
     ("runtime/collectives.py", "Comm.metric_sum"): "Program._global_loss, device tensor",
+    ("runtime/metrics.py", "gather_max"): "step time and peak memory, a tensor on `device`",
     ("runtime/program.py", "Program._tied_reduce"): "a parameter's gradient: device",
     ("runtime/nonfinite.py", "first_nonfinite_param"): "index made on parts.device",
     ("runtime/gather.py", "_broadcast_from"): "values moved or made on parts.device",
@@ -187,6 +188,8 @@ HOST_TENSORS = {
     ("runtime/checkpoint/optim.py", "OptimizerLoad._scalar"): "an optimizer step count: "
     "torch keeps it on the CPU; filled by DCP's reads, not by a collective",
     ("runtime/probes.py", "nudge_outputs.nudge"): "the reference run's noise, one process",
+    ("runtime/schedules.py", "check_schedule"): "a probe parameter for the model's "
+    "configure_scheduler, in the launcher before any world",
 }
 
 

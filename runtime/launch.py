@@ -37,14 +37,12 @@ from .metrics import (
     known_peak_tflops,
     model_flops_utilization,
 )
-from .progress import Progress, counted_items
+from .progress import Progress, counted_items, print_summary
 from .schedules import current_lr, step_scheduler
 
 if TYPE_CHECKING:
     import torch
     from torch.optim.lr_scheduler import LRScheduler
-
-    from parc.compiler.plan import Plan
 
     from .schedules import Schedule
 
@@ -225,7 +223,7 @@ def train(opts: RunOptions) -> int:
         start = _resume(program, opts, rank, scheduler)
     losses = _train_steps(program, source, opts, start, rank, scheduler)
     if rank == 0 and losses:
-        _summary(losses, program.plan, program.skipped, opts.name)
+        print_summary(losses, program.plan, program.skipped, opts.name)
     return 0
 
 
@@ -382,39 +380,6 @@ def _with_lr(factory: OptimizerFactory, lr: float) -> OptimizerFactory:
         return opt
 
     return make
-
-
-def _summary(
-    metrics: list[StepMetrics], plan: Plan, skipped: list[tuple[int, str]], name: str
-) -> None:
-    """The run's last lines, and its loss curve in runs/<name>/loss.svg."""
-    from pathlib import Path
-
-    from parc.plots import loss_curve_svg
-
-    trained = [(m.step, m.loss) for m in metrics if m.loss is not None]
-    seconds = sum(m.step_time_s for m in metrics)
-    rate = sum(m.items for m in metrics) / seconds if seconds > 0 else 0.0
-    peak = max(m.peak_memory_bytes for m in metrics)
-    steps = [str(s) for s, _ in skipped]
-    loss = f"loss {trained[0][1]:.4f} -> {trained[-1][1]:.4f}" if trained else "no finite loss"
-    print(
-        f"trained steps {metrics[0].step}..{metrics[-1].step} on {plan.mesh}: {loss} "
-        f"in {seconds:.1f} s ({seconds / len(metrics):.3f} s/step), "
-        f"mean {rate:,.0f} {metrics[0].unit}/s, peak memory {_mib(peak)} a rank "
-        f"({metrics[0].memory_kind.value.replace('_', ' ')})"
-        + (f"; skipped {len(steps)} non-finite step(s): {', '.join(steps)}" if steps else ""),
-        flush=True,
-    )
-    if trained:
-        out = Path("runs") / name
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "loss.svg").write_text(loss_curve_svg(trained, title=f"parc run {name}: loss"))
-        print(f"loss curve: {out / 'loss.svg'}", flush=True)
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:,.1f} MiB"
 
 
 def exit_hard(code: int) -> None:

@@ -1,5 +1,5 @@
 """`parc run`'s progress line on rank 0 (runtime/launch.py): one line a step on a terminal,
-about ten lines a run otherwise."""
+about ten lines a run otherwise; and the run's summary and loss curve at the end."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ import time
 from typing import TYPE_CHECKING, TextIO
 
 if TYPE_CHECKING:
+    from parc.compiler.plan import Plan
+
     from .metrics import StepMetrics
 
-__all__ = ["Progress", "counted_items"]
+__all__ = ["Progress", "counted_items", "mib", "print_summary"]
 
 
 class Progress:
@@ -66,3 +68,36 @@ def counted_items(targets: object) -> tuple[int, str]:
     if isinstance(targets, torch.Tensor) and targets.dim() >= 2 and not targets.is_floating_point():
         return targets.shape[0] * targets.shape[1], "tokens"
     return (targets.shape[0] if isinstance(targets, torch.Tensor) else 1), "samples"
+
+
+def print_summary(
+    metrics: list[StepMetrics], plan: Plan, skipped: list[tuple[int, str]], name: str
+) -> None:
+    """The run's last lines, and its loss curve in runs/<name>/loss.svg."""
+    from pathlib import Path
+
+    from parc.plots import loss_curve_svg
+
+    trained = [(m.step, m.loss) for m in metrics if m.loss is not None]
+    seconds = sum(m.step_time_s for m in metrics)
+    rate = sum(m.items for m in metrics) / seconds if seconds > 0 else 0.0
+    peak = max(m.peak_memory_bytes for m in metrics)
+    steps = [str(s) for s, _ in skipped]
+    loss = f"loss {trained[0][1]:.4f} -> {trained[-1][1]:.4f}" if trained else "no finite loss"
+    print(
+        f"trained steps {metrics[0].step}..{metrics[-1].step} on {plan.mesh}: {loss} "
+        f"in {seconds:.1f} s ({seconds / len(metrics):.3f} s/step), "
+        f"mean {rate:,.0f} {metrics[0].unit}/s, peak memory {mib(peak)} a rank "
+        f"({metrics[0].memory_kind.value.replace('_', ' ')})"
+        + (f"; skipped {len(steps)} non-finite step(s): {', '.join(steps)}" if steps else ""),
+        flush=True,
+    )
+    if trained:
+        out = Path("runs") / name
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "loss.svg").write_text(loss_curve_svg(trained, title=f"parc run {name}: loss"))
+        print(f"loss curve: {out / 'loss.svg'}", flush=True)
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"

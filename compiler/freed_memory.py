@@ -18,9 +18,9 @@ import ctypes
 import ctypes.util
 from collections.abc import Callable
 
-__all__ = ["release_freed"]
+__all__ = ["FREED_AT_LEAST", "release_freed"]
 
-_AT_LEAST = 1 << 20  # smaller blocks are reused from glibc's bins at once
+FREED_AT_LEAST = 1 << 20  # smaller blocks are reused from glibc's bins at once
 
 
 def _malloc_trim() -> Callable[[int], int] | None:
@@ -37,5 +37,5 @@ _TRIM = _malloc_trim()
 
 def release_freed(nbytes: int) -> None:
     """After a temporary of `nbytes` is freed: return glibc's free pages (if it is large)."""
-    if _TRIM is not None and nbytes >= _AT_LEAST:
+    if _TRIM is not None and nbytes >= FREED_AT_LEAST:
         _TRIM(0)

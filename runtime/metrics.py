@@ -32,6 +32,7 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from parc.compiler.freed_memory import FREED_AT_LEAST, release_freed
 from parc.errors import ParcError
 
 if TYPE_CHECKING:
@@ -142,6 +143,9 @@ class StepMeter:
         if self.kind is MemoryKind.CUDA_ALLOCATED:
             torch.cuda.reset_peak_memory_stats(self.device)
         elif self.kind is MemoryKind.CPU_RSS_RISE:
+            # glibc keeps freed pages resident and reuses them without a rise: hand them
+            # back first, so the step's rise counts every page it touches.
+            release_freed(FREED_AT_LEAST)
             Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
             self._rss = _status_kib("VmRSS")
         self._began = time.perf_counter()

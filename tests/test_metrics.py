@@ -65,6 +65,13 @@ def test_a_cpu_has_no_known_peak() -> None:
 def test_the_cpu_meter_sees_the_memory_a_step_touches() -> None:
     meter = StepMeter(torch.device("cpu"))
     assert meter.kind is MemoryKind.CPU_RSS_RISE
+    # A long-lived process has freed blocks glibc keeps resident (after large frees its
+    # mmap threshold rises, so the next 16 MiB comes from the heap's resident pages): the
+    # meter must still see the step touch them.
+    freed = torch.ones(32 * 2**20, dtype=torch.uint8)  # mmapped: freeing it raises the threshold
+    del freed
+    freed = torch.ones(16 * 2**20, dtype=torch.uint8)  # now from the heap, kept resident
+    del freed
     meter.start()
     held = torch.ones(16 * 2**20, dtype=torch.uint8)  # 16 MiB, every page written
     seconds, peak = meter.stop()

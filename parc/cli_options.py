@@ -27,24 +27,22 @@ __all__ = [
 ]
 
 
-def positive(text: str) -> int:
+def _whole(text: str, minimum: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
     return value
+
+
+def positive(text: str) -> int:
+    return _whole(text, 1)
 
 
 def non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
+    return _whole(text, 0)
 
 
 def number(text: str) -> float:
@@ -57,11 +55,15 @@ def number(text: str) -> float:
     return value
 
 
-def seconds(text: str) -> float:
+def _above_zero(text: str, what: str) -> float:
     value = number(text)
     if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+        raise argparse.ArgumentTypeError(f"must be a positive {what}, got {text}")
     return value
+
+
+def seconds(text: str) -> float:
+    return _above_zero(text, "number of seconds")
 
 
 def learning_rate(text: str) -> float:
@@ -72,17 +74,11 @@ def learning_rate(text: str) -> float:
 
 
 def tflops(text: str) -> float:
-    value = number(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive TFLOP/s, got {text}")
-    return value
+    return _above_zero(text, "TFLOP/s")
 
 
 def max_norm(text: str) -> float:
-    value = number(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive gradient norm, got {text}")
-    return value
+    return _above_zero(text, "gradient norm")
 
 
 def add_clip(p: argparse.ArgumentParser) -> None:

@@ -72,27 +72,10 @@ def check_equivalent(
     trains in the spec's precision (`precision bf16`: the mixed-precision recipe), compared
     with that precision's tolerance."""
     precision = spec_precision(spec_text)
-    ref = reference_run(
-        model,
-        steps=steps,
-        batch=batch,
-        seed=seed,
-        optimizer=optimizer,
-        env=env,
-        precision=precision,
-    )
+    run = {"steps": steps, "batch": batch, "seed": seed, "optimizer": optimizer, "env": env}
+    ref = reference_run(model, **run, precision=precision)
     pool = pool_factory(world_size(spec_text))
-    results = pool.run(
-        parallel_case,
-        spec_text,
-        model,
-        steps=steps,
-        batch=batch,
-        seed=seed,
-        optimizer=optimizer,
-        env=env,
-        schedule=schedule,
-    )
+    results = pool.run(parallel_case, spec_text, model, **run, schedule=schedule)
     losses = {tuple(r["losses"]) for r in results}
     # Every rank reports the same global loss.
     assert len(losses) == 1, f"ranks disagree on the loss: {losses}"

@@ -1,0 +1,329 @@
+"""The text-file dataset: what `parc run ... --data corpus.txt` trains on.
+
+    hook = text_hook("corpus.txt", example=(inputs, targets))   # the traced batch
+    for inputs, targets in hook(ctx):                          # this rank's batches
+        program.step_local(inputs, targets)
+
+The file becomes one stream of tokens: its bytes (0..255) by default, or the ids of
+a local Hugging Face tokenizer (`tokenizer=` a directory holding `tokenizer.json`,
+or that file; loaded with the `tokenizers` library, no network). The stream is cut
+into non-overlapping windows of T + 1 tokens, T the example's sequence length
+(its inputs' dim 1): window w is tokens[w(T+1) : (w+1)(T+1)], its inputs the first
+T tokens, its targets the last T, so every window is one packed training row and
+none crosses the end of the stream (the last len % (T+1) tokens are never read).
+Documents are not separated: a window may join the end of one paragraph to the
+next, as a packed corpus does.
+
+Algorithm:
+
+1. `text_hook` reads the example batch's form (`batch_form`): one integer
+   (batch, T) input (a tensor, or the one entry of a dict or tuple) and integer
+   (batch, T) targets; anything else is a `ParcError` naming what it has. It
+   checks the file (exists, is a file, can be opened, is not empty) and loads
+   the tokenizer, so a mistake is found before any rank trains; at the byte
+   level the file's size already says whether one global batch of windows fits.
+2. `hook(ctx)` tokenizes the file once per process (`_tokens`, cached; bytes
+   are memory-mapped, not read) and checks the corpus holds one global batch of
+   windows and, with `vocab`, that no token id reaches it. Only ranks that call
+   the hook load: parc's data stream never calls it on a rank needing neither
+   inputs nor targets.
+3. The windows of epoch `ctx.epoch` are `ctx.sampler(num_windows)`'s indices:
+   the rank's share of each global batch, in order, so the shares of every dp
+   rank concatenate to the dp=1 batch. Each batch is gathered from the token
+   stream, inputs and targets cast to the example's dtypes and put in its
+   structure; what the rank does not need (`ctx.needs_inputs`,
+   `ctx.needs_targets`) is None.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from parc.errors import ParcError
+
+__all__ = ["BatchForm", "TextData", "batch_form", "demo_corpus", "text_hook"]
+
+Batch = tuple[Any, Any]
+_NEEDS = (
+    "--data needs a model whose example batch is one integer (batch, seq) input plus "
+    "(batch, seq) integer targets"
+)
+_BYTES = 256  # byte-level token ids are 0..255
+
+
+class _Context(Protocol):
+    """What the hook reads of a `DataContext` (the data-per-rank hook's argument)."""
+
+    batch: int
+    global_batch: int
+    epoch: int
+    needs_inputs: bool
+    needs_targets: bool
+
+    def sampler(self, n: int, *, shuffle: bool = True) -> list[int]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class BatchForm:
+    """The shape of a batch as the traced example has it.
+
+    `key` says where the one input tensor sits: None for a bare tensor, a str for
+    a dict's key, an int for a tuple's position (`container` is then tuple or list).
+    """
+
+    batch: int
+    seq: int
+    input_dtype: torch.dtype
+    target_dtype: torch.dtype
+    key: str | int | None = None
+    container: type = tuple
+
+    def inputs(self, tokens: torch.Tensor) -> Any:
+        """(rows, seq) token ids as the model takes its inputs."""
+        x = tokens.to(self.input_dtype)
+        if self.key is None:
+            return x
+        if isinstance(self.key, str):
+            return {self.key: x}
+        return self.container([x])
+
+    @property
+    def widest(self) -> int:
+        """The largest token id both dtypes can hold."""
+        return min(torch.iinfo(self.input_dtype).max, torch.iinfo(self.target_dtype).max)
+
+
+def batch_form(example: Batch) -> BatchForm:
+    """The `BatchForm` of `example` = (inputs, targets), or a ParcError naming what it has."""
+    inputs, targets = example
+    key: str | int | None = None
+    container: type = tuple
+    if isinstance(inputs, Mapping) and len(inputs) == 1:
+        key, tensor = next(iter(inputs.items()))
+    elif isinstance(inputs, tuple | list) and len(inputs) == 1:
+        key, tensor, container = 0, inputs[0], type(inputs)
+    else:
+        tensor = inputs
+    if not (_is_ids(tensor) and _is_ids(targets) and tensor.shape == targets.shape):
+        raise ParcError(
+            f"{_NEEDS}; this model's example batch has inputs {_describe(inputs)} and "
+            f"targets {_describe(targets)}",
+            hint="give such a model (e.g. examples/gpt.py), or leave --data out and train "
+            "on the model file's own sample_batch or data(ctx)",
+        )
+    batch, seq = tensor.shape
+    return BatchForm(batch, seq, tensor.dtype, targets.dtype, key, container)
+
+
+def _is_ids(value: Any) -> bool:
+    integer = isinstance(value, torch.Tensor) and not (
+        value.is_floating_point() or value.is_complex() or value.dtype == torch.bool
+    )
+    return integer and value.dim() == 2
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    if isinstance(value, Mapping):
+        return "a dict {" + ", ".join(f"{k!r}: {_describe(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, tuple | list):
+        return f"a {type(value).__name__} ({', '.join(_describe(v) for v in value)})"
+    return f"a {type(value).__name__}"
+
+
+@dataclass(frozen=True, slots=True)
+class TextData:
+    """The `data(ctx)` hook of a text file (made by `text_hook`)."""
+
+    path: Path
+    form: BatchForm
+    tokenizer: Path | None = None
+    vocab: int | None = None
+
+    def __call__(self, ctx: _Context) -> Iterator[Batch]:
+        tokens = self.tokens()
+        window = self.form.seq + 1
+        count = len(tokens) // window
+        if count < ctx.global_batch:
+            raise self._too_short(len(tokens), ctx.global_batch)
+        # The rank's rows of each global batch, one after the other: ctx.batch at a time.
+        shares = torch.tensor(ctx.sampler(count, shuffle=True), dtype=torch.long).view(-1, ctx.batch)
+        return self._batches(tokens, shares, ctx.needs_inputs, ctx.needs_targets)
+
+    def tokens(self) -> torch.Tensor:
+        """The file's token stream (one dim), checked against `vocab` and the dtypes."""
+        tokens, top = _tokens(*_cache_key(self.path, self.tokenizer))
+        self._check_ids(top)
+        return tokens
+
+    def _batches(
+        self, tokens: torch.Tensor, shares: torch.Tensor, inputs: bool, targets: bool
+    ) -> Iterator[Batch]:
+        offsets = torch.arange(self.form.seq + 1)
+        for rows in shares:
+            windows = tokens[rows[:, None] * (self.form.seq + 1) + offsets].long()
+            yield (
+                self.form.inputs(windows[:, :-1]) if inputs else None,
+                windows[:, 1:].to(self.form.target_dtype) if targets else None,
+            )
+
+    def _level(self) -> str:
+        return f"tokenizer {self.tokenizer}" if self.tokenizer else "bytes"
+
+    def _too_short(self, have: int, batch: int) -> ParcError:
+        window = self.form.seq + 1
+        return ParcError(
+            f"--data {self.path}: {have} tokens ({self._level()}) make {have // window} "
+            f"windows of {window} (sequence {self.form.seq} + 1); one global batch of {batch} "
+            f"needs {batch * window} tokens",
+            hint="give a longer text file, or a smaller --batch or sequence length",
+        )
+
+    def _check_ids(self, top: int) -> None:
+        if self.vocab is not None and top >= self.vocab:
+            raise ParcError(
+                f"--data {self.path}: its token ids ({self._level()}) reach {top}, and the "
+                f"model's output has {self.vocab} classes (token ids must be below it)",
+                hint=f"use a model whose vocabulary is at least {top + 1} (bytes need "
+                f"{_BYTES}), or a --tokenizer whose vocabulary fits the model",
+            )
+        if top > self.form.widest:
+            raise ParcError(
+                f"--data {self.path}: its token ids ({self._level()}) reach {top}, beyond what "
+                f"the example batch's dtypes ({self.form.input_dtype}, "
+                f"{self.form.target_dtype}) hold",
+                hint="make the model's example inputs and targets int64 (e.g. `.long()`)",
+            )
+
+
+def text_hook(
+    path: str | Path,
+    *,
+    tokenizer: str | Path | None = None,
+    example: Batch,
+    vocab: int | None = None,
+) -> Callable[[Any], Iterable[Batch]]:
+    """The `data(ctx)` hook for the text file `path`, packed to `example`'s sequence length.
+
+    `example` is the model's traced (inputs, targets) at the global batch; `vocab`
+    (optional) the model's number of classes, when the caller knows it, so a token
+    id it cannot take is an error before training instead of at the loss.
+    """
+    form = batch_form(example)
+    data = TextData(_checked_file(Path(path)), form, _tokenizer_file(tokenizer), vocab)
+    if data.tokenizer is not None:
+        _load_tokenizer(data.tokenizer)  # a broken tokenizer fails here, before any step
+    elif (size := data.path.stat().st_size) // (form.seq + 1) < form.batch:
+        raise data._too_short(size, form.batch)  # bytes: the size is the token count
+    return data
+
+
+def _checked_file(path: Path) -> Path:
+    """`path` resolved, if it is a readable non-empty file, else a ParcError with the fix."""
+    fix = "give --data the path of a text file (e.g. --data docs/architecture.md)"
+    if not path.exists():
+        raise ParcError(f"--data {path}: no such file", hint=fix)
+    if not path.is_file():
+        raise ParcError(f"--data {path}: not a file", hint=fix)
+    try:
+        with path.open("rb") as f:
+            empty = not f.read(1)
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+        raise ParcError(f"--data {path}: cannot be read ({why})", hint=fix) from exc
+    if empty:
+        raise ParcError(f"--data {path}: the file is empty", hint=fix)
+    return path.resolve()
+
+
+def _tokenizer_file(tokenizer: str | Path | None) -> Path | None:
+    if tokenizer is None:
+        return None
+    path = Path(tokenizer)
+    found = path / "tokenizer.json" if path.is_dir() else path
+    if not found.is_file():
+        raise ParcError(
+            f"--tokenizer {path}: {'no tokenizer.json in it' if path.is_dir() else 'no such file'}",
+            hint="give a local Hugging Face tokenizer: a directory holding tokenizer.json "
+            "(e.g. a model downloaded with its tokenizer) or that file; nothing is downloaded",
+        )
+    return found.resolve()
+
+
+@functools.lru_cache(maxsize=4)
+def _load_tokenizer(path: Path | None) -> Any:
+    """A `tokenizers.Tokenizer` from `path` (None: None), or a ParcError saying why not."""
+    if path is None:
+        return None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError as exc:
+        raise ParcError(
+            "--tokenizer needs the `tokenizers` library, which is not installed",
+            hint="pip install tokenizers (it comes with transformers), or leave --tokenizer "
+            "out to train on bytes",
+        ) from exc
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises a bare Exception for a malformed file
+        raise ParcError(
+            f"--tokenizer {path}: not a tokenizer the tokenizers library can load ({exc})",
+            hint="give the tokenizer.json a Hugging Face tokenizer saves (tokenizer.save)",
+        ) from exc
+
+
+def _cache_key(path: Path, tokenizer: Path | None) -> tuple[Path, Path | None, int, int]:
+    """The file and its size and time: a file changed since it was read is read again."""
+    stat = path.stat()
+    return path, tokenizer, stat.st_size, stat.st_mtime_ns
+
+
+@functools.lru_cache(maxsize=4)
+def _tokens(
+    path: Path, tokenizer: Path | None, size: int, mtime_ns: int
+) -> tuple[torch.Tensor, int]:
+    """The token stream of `path` and its largest id (-1 when empty).
+
+    Bytes are memory-mapped (copy-on-write, so torch gets a writable array; pages
+    are read when indexed); a tokenizer's ids are int32.
+    """
+    del mtime_ns  # only part of the cache key
+    if tokenizer is None and not size:
+        tokens = torch.empty(0, dtype=torch.uint8)  # emptied since text_hook checked it
+    elif tokenizer is None:
+        tokens = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="c"))
+    else:
+        tokens = _encode(path, _load_tokenizer(tokenizer))
+    return tokens, int(tokens.max()) if len(tokens) else -1
+
+
+def _encode(path: Path, tokenizer: Any) -> torch.Tensor:
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ParcError(
+            f"--data {path}: byte {exc.start} is not UTF-8 ({exc.reason}); a tokenizer reads text",
+            hint="convert the file to UTF-8 (e.g. iconv -t utf-8), or leave --tokenizer out "
+            "to train on its bytes",
+        ) from exc
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    return torch.tensor(ids, dtype=torch.int32)
+
+
+def demo_corpus(root: Path | None = None) -> Path:
+    """`docs/architecture.md` of the parc checkout at `root` (default: this one).
+
+    parc's own architecture page, ~70 KB of English and code names written for
+    this project: a corpus for `make demo` that needs no download.
+    """
+    base = root if root is not None else Path(__file__).resolve().parent.parent
+    return _checked_file(base / "docs" / "architecture.md")

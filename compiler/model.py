@@ -3,7 +3,10 @@
 A model file is plain Python that defines:
 
     build_model() -> torch.nn.Module            required; deterministic under torch.manual_seed
-    sample_batch(batch_size, step) -> (inputs, targets)   required; deterministic in step
+    sample_batch(batch_size, step) -> (inputs, targets)   deterministic in step
+    data(ctx) -> Iterable[(inputs, targets)]    optional; this rank's share of each global
+                                                batch (compiler/data_context.py); one of
+                                                sample_batch and data is required
     loss_fn(output, targets) -> Tensor          optional; default cross-entropy over the last dim
     configure_optimizer(params) -> Optimizer    optional; default AdamW(lr=3e-4)
     configure_scheduler(optimizer) -> LRScheduler   optional; stepped once per training step
@@ -20,7 +23,7 @@ import inspect
 import sys
 import traceback
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -30,11 +33,20 @@ import torch.nn.functional as F
 
 from parc.errors import ModelError
 
+from .data_context import DataContext, epoch_batches
 from .default_loss import DefaultLoss
 from .init_tables import import_library_tables, replaced_everywhere
 from .model_output import targets_given
 
-__all__ = ["ModelSource", "default_loss", "load_model", "off_batch", "owns_loss"]
+__all__ = [
+    "BatchSignature",
+    "ModelSource",
+    "check_pair",
+    "default_loss",
+    "load_model",
+    "off_batch",
+    "owns_loss",
+]
 
 Batch = tuple[Any, torch.Tensor]
 _FINITE_CHUNK = 1 << 16  # elements checked at once for NaN or inf (isfinite makes ~8 B each)
@@ -49,6 +61,42 @@ def off_batch(tensor: torch.Tensor, batch: int) -> bool:
     return tensor.dim() == 0 or tensor.shape[0] != batch
 
 
+def check_pair(result: Any, call: str, batch_size: int, path: str) -> Batch:
+    """`result` of `call` (e.g. `sample_batch(8, 0)`) as (inputs, targets), each with
+    `batch_size` rows; a ModelError naming `call` otherwise. The one check of a model's
+    batches: sample_batch's, the data hook's (runtime/data.py checks each rank's share,
+    where what a rank does not need may be None)."""
+    if not (isinstance(result, tuple | list) and len(result) == 2):
+        raise ModelError(
+            f"{call} returned {_describe(result)}; it must return a pair (inputs, targets)",
+            file=path,
+            hint="end sample_batch with `return inputs, targets`"
+            if call.startswith("sample_batch")
+            else "yield `inputs, targets` pairs",
+        )
+    inputs, targets = result
+    for what, value in (("inputs", inputs), ("targets", targets)):
+        tensors = _tensors_of(value) if what == "inputs" else (value,)
+        bad = [t for t in tensors if not isinstance(t, torch.Tensor)]
+        if bad or not tensors:
+            raise ModelError(
+                f"{call} returned {what} as {_describe(value)}; "
+                f"{what} must be a tensor (inputs: or a tuple or a dict of tensors)",
+                file=path,
+                hint="build them with torch.tensor(...) or torch.stack(...)",
+            )
+        wrong = [t for t in tensors if off_batch(t, batch_size)]
+        if wrong:
+            raise ModelError(
+                f"{call} returned {what} of shape "
+                f"{tuple(wrong[0].shape)}; dim 0 must be the batch size {batch_size}",
+                file=path,
+                hint="parc splits every batch along dim 0 across data-parallel "
+                "ranks and microbatches",
+            )
+    return inputs, targets
+
+
 def default_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Cross-entropy over the last dim, averaged over every other position."""
     return F.cross_entropy(output.reshape(-1, output.shape[-1]), targets.reshape(-1))
@@ -58,18 +106,39 @@ def _default_optimizer(params: Iterable[torch.nn.Parameter]) -> torch.optim.Opti
     return torch.optim.AdamW(params, lr=3e-4)
 
 
+TensorKind = tuple[tuple[int, ...], torch.dtype]  # a tensor's shape and dtype
+
+
+@dataclass(frozen=True, slots=True)
+class BatchSignature:
+    """The shapes and dtypes of an example batch: what every later batch must match
+    (beyond dim 0, the batch)."""
+
+    inputs: tuple[TensorKind, ...]  # in the model's input order (a dict's values)
+    targets: TensorKind
+
+    @classmethod
+    def of(cls, inputs: Any, targets: torch.Tensor) -> BatchSignature:
+        kinds = tuple((tuple(t.shape), t.dtype) for t in _tensors_of(inputs))
+        return cls(kinds, (tuple(targets.shape), targets.dtype))
+
+
 @dataclass(frozen=True, slots=True)
 class ModelSource:
-    """The four functions of a model file, checked, plus where they came from."""
+    """The functions of a model file, checked, plus where they came from."""
 
     path: str
     module: ModuleType
     build_model: Callable[[], torch.nn.Module]
-    sample_batch: Callable[[int, int], Batch]
+    sample_batch: Callable[[int, int], Batch] | None
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
     configure_optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
     # Optional: an lr scheduler over the optimizer parc builds (runtime/schedules.py).
     configure_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
+    # Optional: each rank's share of the data (compiler/data_context.py, runtime/data.py).
+    data: Callable[[DataContext], Iterable[Any]] | None = None
+    # batch size -> the shapes and dtypes of the example batch `batch` last returned.
+    seen: dict[int, BatchSignature] = field(default_factory=dict, compare=False, repr=False)
 
     def build(self, *, device: torch.device | str | None = None) -> torch.nn.Module:
         """Call `build_model()` (under `device` when given, e.g. "meta") and check the result."""
@@ -118,39 +187,50 @@ class ModelSource:
         )
 
     def batch(self, batch_size: int, step: int) -> Batch:
-        """Call `sample_batch(batch_size, step)` and check it returns (inputs, targets)."""
-        try:
-            result = self.sample_batch(batch_size, step)
-        except Exception as exc:
-            raise self._error_in(f"sample_batch({batch_size}, {step})", exc) from exc
-        if not (isinstance(result, tuple | list) and len(result) == 2):
-            raise ModelError(
-                f"sample_batch({batch_size}, {step}) returned {_describe(result)}; "
-                "it must return a pair (inputs, targets)",
-                file=self.path,
-                hint="end sample_batch with `return inputs, targets`",
-            )
-        inputs, targets = result
-        for what, value in (("inputs", inputs), ("targets", targets)):
-            tensors = _tensors_of(value) if what == "inputs" else (value,)
-            bad = [t for t in tensors if not isinstance(t, torch.Tensor)]
-            if bad or not tensors:
-                raise ModelError(
-                    f"sample_batch({batch_size}, {step}) returned {what} as {_describe(value)}; "
-                    f"{what} must be a tensor (inputs: or a tuple or a dict of tensors)",
-                    file=self.path,
-                    hint="build them with torch.tensor(...) or torch.stack(...)",
-                )
-            wrong = [t for t in tensors if off_batch(t, batch_size)]
-            if wrong:
-                raise ModelError(
-                    f"sample_batch({batch_size}, {step}) returned {what} of shape "
-                    f"{tuple(wrong[0].shape)}; dim 0 must be the batch size {batch_size}",
-                    file=self.path,
-                    hint="parc splits every batch along dim 0 across data-parallel "
-                    "ranks and microbatches",
-                )
+        """The example batch `step` of `batch_size` rows, checked to be (inputs, targets):
+        `sample_batch(batch_size, step)`, or else the `step`-th batch `data(ctx)` yields
+        on one device (`DataContext.whole(batch_size)`, epoch after epoch)."""
+        if self.sample_batch is not None:
+            call = f"sample_batch({batch_size}, {step})"
+            try:
+                result = self.sample_batch(batch_size, step)
+            except Exception as exc:
+                raise self._error_in(call, exc) from exc
+        else:
+            call = "data(ctx)"
+            result = self._data_batch(batch_size, step)
+        inputs, targets = check_pair(result, call, batch_size, self.path)
+        self.seen[batch_size] = BatchSignature.of(inputs, targets)
         return inputs, targets
+
+    def _data_batch(self, batch_size: int, step: int) -> Any:
+        """The `step`-th batch of the data hook on one device."""
+        assert self.data is not None
+        ctx = DataContext.whole(batch_size)
+        seen = 0
+        for epoch in range(step + 1):  # an epoch yields at least one batch, or it fails
+            count = 0
+            try:
+                for item in epoch_batches(self.data, replace(ctx, epoch=epoch)):
+                    if seen == step:
+                        return item
+                    seen, count = seen + 1, count + 1
+            except Exception as exc:
+                raise self._error_in(f"data(ctx) (epoch {epoch})", exc) from exc
+            if count == 0:
+                raise ModelError(
+                    f"data(ctx) yielded no batch in epoch {epoch} (ctx.batch {batch_size})",
+                    file=self.path,
+                    hint="yield (inputs, targets) pairs of ctx.batch rows: is the dataset "
+                    "smaller than one global batch (a sampler drops an incomplete last batch)?",
+                )
+        raise AssertionError("unreachable: every epoch yields a batch")
+
+    def signature(self, batch_size: int) -> BatchSignature:
+        """The shapes and dtypes of example batch 0 of `batch_size` rows (as traced)."""
+        if batch_size not in self.seen:
+            self.batch(batch_size, 0)
+        return self.seen[batch_size]
 
     @property
     def digest(self) -> str:
@@ -260,7 +340,7 @@ def _function(module: ModuleType, name: str, path: str, required: bool) -> Any:
         if required:
             raise ModelError(
                 f"defines no `{name}`; a parc model file must define build_model() "
-                "and sample_batch(batch_size, step)",
+                "and sample_batch(batch_size, step) or data(ctx)",
                 file=path,
                 hint="see the model convention in the README, or examples/mlp.py",
             )
@@ -282,6 +362,7 @@ _CALLS = {
     "loss_fn": ("output", "targets"),
     "configure_optimizer": ("params",),
     "configure_scheduler": ("optimizer",),
+    "data": ("ctx",),
 }
 
 
@@ -316,11 +397,15 @@ def load_model(source: str | Path | ModuleType) -> ModelSource:
             raise ModelError("no such model file", file=str(source))
         module = _import_file(file)
         path = str(file.resolve())
+    build_model = _function(module, "build_model", path, True)
+    data = _function(module, "data", path, False)
     return ModelSource(
         path=path,
         module=module,
-        build_model=_function(module, "build_model", path, True),
-        sample_batch=_function(module, "sample_batch", path, True),
+        build_model=build_model,
+        # Required unless the file has a data hook, which then gives the example batches.
+        sample_batch=_function(module, "sample_batch", path, data is None),
+        data=data,
         loss_fn=_function(module, "loss_fn", path, False) or DefaultLoss(path),
         configure_optimizer=_function(module, "configure_optimizer", path, False)
         or _default_optimizer,

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from parc.compiler.layout import ParamSlice
+from parc.compiler.model import BatchSignature
 from parc.compiler.passes.pipeline_split import StageGraph
 from parc.compiler.plan import Plan
 from parc.compiler.schedule import Action
@@ -52,6 +53,10 @@ class ProgramParts:
     buffers: Buffers = field(default_factory=Buffers)  # persistent buffers (buffers.py)
     # Every key of the model's state_dict(), in order -> its canonical parameter or buffer.
     names: dict[str, str] = field(default_factory=dict)
+    # The traced example batch's shapes and dtypes, at the micro-batch size: what the
+    # data a rank loads must match, and what rank 0 counts tokens by (it may hold no
+    # targets).
+    example: BatchSignature | None = None
 
     @property
     def stage(self) -> StageGraph:
@@ -63,3 +68,8 @@ class ProgramParts:
     @property
     def holds_last_stage(self) -> bool:
         return any(s.is_last for s in self.stages.values())
+
+    @property
+    def needs_inputs(self) -> bool:
+        """Whether a stage of this rank reads the model's inputs (stage 0 always does)."""
+        return any(s.stage == 0 or s.model_inputs for s in self.stages.values())

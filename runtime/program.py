@@ -4,7 +4,10 @@
     for step in range(100):
         loss = program.step(*source.batch(8, step))   # the same global batch on every rank
 
-Every rank gets the whole global batch; it keeps its dp slice, splits it into
+With `step` every rank gets the whole global batch and keeps its dp slice; with
+`step_local` each rank gives only that slice (`plan.batch.per_replica` rows,
+runtime/data.py loads it), inputs only where a stage reads them and targets
+only on the last stage: the same step, on the same data. A rank splits it into
 `grad_accum` rounds of `microbatches` microbatches, runs its pipeline actions,
 synchronises gradients over dp (and tied weights over pp), and steps its
 optimizer. The loss returned is the mean over the global batch, the same on
@@ -92,25 +95,39 @@ class Program:
     def step(self, inputs: Any, targets: Any) -> float:
         """Forward, backward, gradient sync and optimizer step for one global batch."""
         with self.comm.active():
-            return self._step(inputs, targets)
+            xs = list(input_tensors(inputs))
+            self._check_batch(xs, targets, self.plan.batch.global_batch, read=True)
+            b = self.plan.batch.per_replica
+            start = self.comm.index(AXIS_DP) * b
+            return self._step([x[start : start + b] for x in xs], targets[start : start + b])
 
-    def _step(self, inputs: Any, targets: Any) -> float:
+    def step_local(self, inputs: Any, targets: Any) -> float:
+        """`step` on this rank's share of the global batch: its `plan.batch.per_replica`
+        rows (the d-th share on dp rank d). `inputs` are read only on a rank whose stages
+        read them (`parts.needs_inputs`: None elsewhere), `targets` only on one holding the
+        last stage (None elsewhere). The loss is the global batch's, as `step` returns it.
+        A share that does not match the compiled program is a RuntimeFault on its rank."""
+        with self.comm.active():
+            xs = list(input_tensors(inputs)) if self.parts.needs_inputs else None
+            ys = targets if self.parts.holds_last_stage else None
+            self._check_batch(xs, ys, self.plan.batch.per_replica, read=self.parts.holds_last_stage)
+            return self._step(xs or [], ys)
+
+    def _step(self, xs: list[torch.Tensor], targets: torch.Tensor | None) -> float:
+        """The step on this rank's dp share: `xs` its input tensors ([] on a rank whose
+        stages read none), `targets` (None on a rank without the last stage)."""
         plan, comm = self.plan, self.comm
         comm.stats.reset()
         comm.step = self.steps_done
         # Gradient buffers are (re)made here, not after the step: ZeRO-2 holds only
         # its gradient shards between steps.
         self.parts.sync.prepare()
-        xs = list(input_tensors(inputs))
-        self._check_batch(xs, targets)
-        d = comm.index(AXIS_DP)
-        per_replica = plan.batch.per_replica
-        xs = [x[d * per_replica : (d + 1) * per_replica].to(self.parts.device) for x in xs]
+        xs = [x.to(self.parts.device) for x in xs]
         if plan.mixed:  # floating inputs enter at the compute dtype, as the profile saw them
             xs = cast_inputs(xs, COMPUTE_DTYPE)
         # The default loss' range check reads the targets: once per step, on the host's.
-        self._unchecked_targets = targets[d * per_replica : (d + 1) * per_replica]
-        ys = self._unchecked_targets.to(self.parts.device)
+        self._unchecked_targets = targets
+        ys = targets.to(self.parts.device) if targets is not None else None
         rounds, m = plan.grad_accum, plan.microbatches
         chunk = plan.batch.micro
         scale = 1.0 / (rounds * m)
@@ -119,7 +136,10 @@ class Program:
             micro_x = [
                 [x[(r * m + i) * chunk : (r * m + i + 1) * chunk] for x in xs] for i in range(m)
             ]
-            micro_y = [ys[(r * m + i) * chunk : (r * m + i + 1) * chunk] for i in range(m)]
+            micro_y = [
+                None if ys is None else ys[(r * m + i) * chunk : (r * m + i + 1) * chunk]
+                for i in range(m)
+            ]
             self.hooks.round_starts(self.steps_done)
             losses += self.executor.run(
                 self.parts.actions, micro_x, micro_y, scale=scale, last_round=r == rounds - 1
@@ -172,32 +192,45 @@ class Program:
             raise fault
         self.skipped.append((self.steps_done, fault.message))
 
-    def _check_batch(self, xs: Sequence[torch.Tensor], targets: torch.Tensor) -> None:
-        """The batch must match the traced contract; every rank raises the same error."""
-        expected = self.plan.batch.global_batch
+    def _check_batch(
+        self, xs: Sequence[torch.Tensor] | None, targets: Any, expected: int, *, read: bool
+    ) -> None:
+        """The batch (`expected` rows) must match the traced contract: the inputs unless
+        None, the targets when `read`. Under `step` every rank checks the same batch and
+        raises the same error."""
+        problems = [] if xs is None else self._input_problems(xs, expected)
+        if read:
+            if not isinstance(targets, torch.Tensor):
+                problems.append(f"targets are {type(targets).__name__}, not a tensor")
+            elif off_batch(targets, expected):
+                problems.append(
+                    f"targets have shape {tuple(targets.shape)}; dim 0 must be the batch {expected}"
+                )
+        if problems:
+            raise RuntimeFault(
+                "the batch does not match the compiled program: " + "; ".join(problems),
+                rank=self.comm.rank,
+                step=self.steps_done,
+                hint="sample_batch (or data) must give the same shapes every step (the "
+                "pipeline boundaries and shards were sized for them); compile with the batch "
+                "you train",
+            )
+
+    def _input_problems(self, xs: Sequence[torch.Tensor], expected: int) -> list[str]:
         problems = []
         if len(xs) != len(self.parts.input_shapes):
             problems.append(
                 f"{len(xs)} inputs given, the model was traced with {len(self.parts.input_shapes)}"
             )
         for i, (x, traced) in enumerate(zip(xs, self.parts.input_shapes)):
-            if off_batch(x, expected) or tuple(x.shape[1:]) != tuple(traced[1:]):
+            if not isinstance(x, torch.Tensor):
+                problems.append(f"input {i} is {type(x).__name__}, not a tensor")
+            elif off_batch(x, expected) or tuple(x.shape[1:]) != tuple(traced[1:]):
                 problems.append(
                     f"input {i} has shape {tuple(x.shape)}; the program was compiled for "
                     f"({expected}, {', '.join(map(str, traced[1:]))})"
                 )
-        if off_batch(targets, expected):
-            problems.append(
-                f"targets have shape {tuple(targets.shape)}; dim 0 must be the batch {expected}"
-            )
-        if problems:
-            raise RuntimeFault(
-                "the batch does not match the compiled program: " + "; ".join(problems),
-                rank=self.comm.rank,
-                step=self.steps_done,
-                hint="sample_batch must return the same shapes every step (the pipeline "
-                "boundaries and shards were sized for them); compile with the batch you train",
-            )
+        return problems
 
     def _tied_reduce(self, name: str, grad: torch.Tensor) -> None:
         group = self.parts.tied.get(name)

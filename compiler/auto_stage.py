@@ -23,7 +23,8 @@ defaults: compiler/cost.py): FLOPs at a rate, plus the bytes its ops move
 (inputs and parameters read, outputs written) at a bandwidth, plus a fixed
 time per op. FLOPs alone put a block whose big matmuls run efficiently on a
 par with as many FLOPs of small, memory- and overhead-bound blocks.
-`balanced_cuts` picks the pp−1 cuts minimising the slowest stage with a
+`balanced_cuts` picks the n−1 cuts (n stages: pp, or V·pp with
+`virtual_stages V`, V per pp rank) minimising the slowest stage with a
 dynamic program over the chain of legal cuts; `cut_stages` gives every
 activation the stage the cuts put it in.
 """
@@ -128,13 +129,13 @@ def balanced_cuts(
     gm: torch.fx.GraphModule,
     activations: set[str],
     costs: dict[str, NodeCost],
-    pp: int,
+    stages: int,
     rates: DeviceRates = CPU_RATES,
 ) -> list[str] | None:
-    """pp−1 legal cuts minimising the slowest stage's seconds at `rates`, or None if there
-    are too few."""
+    """stages−1 legal cuts minimising the slowest stage's seconds at `rates`, or None if
+    there are too few."""
     cuts = legal_cuts(gm, activations)
-    if len(cuts) < pp - 1:
+    if len(cuts) < stages - 1:
         return None
     order = [n.name for n in placed_order(gm, activations)]
     position = {name: i for i, name in enumerate(order)}
@@ -164,5 +165,5 @@ def balanced_cuts(
         tied = [ks for cost, ks in options if cost <= tie]
         return slowest, max(tied, key=lambda ks: (-sum(inside[k - 1] for k in ks), ks))
 
-    _, chosen = best(0, pp)
+    _, chosen = best(0, stages)
     return [cuts[k - 1] for k in chosen]

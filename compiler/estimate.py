@@ -12,6 +12,7 @@ compiler/rank_memory.py, host memory during compile from compiler/host_memory.py
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -38,7 +39,7 @@ from .memory_model import ADAMW, MemoryModel
 from .node_meta import meta_of
 from .passes.placement import Partial, Shard
 from .plan import Plan
-from .plan_schedule import plan_bubble, plan_in_flight
+from .plan_schedule import plan_bubble, plan_in_flight, rank_held
 from .rank_memories import RankMemories
 from .rank_memory import (
     RankMemory,
@@ -153,8 +154,11 @@ def estimate(
         )
         per_stage_memory.append(mem)
     # Every rank of a pp index holds the same: one record per pp index (rank_memories.py).
+    held = _rank_activations(plan, activations, scale)
     ranks = tuple(
-        RankMemory(plan.mesh.rank_of({AXIS_PP: r}), *_add_stages(per_stage_memory, plan, r))
+        RankMemory(
+            plan.mesh.rank_of({AXIS_PP: r}), *_add_stages(per_stage_memory, plan, r, held[r])
+        )
         for r in range(plan.pp)
     )
     by_rank = RankMemories(plan.mesh, ranks)
@@ -179,10 +183,28 @@ def _tied_across_ranks(
     )
 
 
-def _add_stages(per_stage: list[_MemoryParts], plan: Plan, pp_index: int) -> _MemoryParts:
+def _rank_activations(
+    plan: Plan, activations: Sequence[StageActivations], scale: float
+) -> tuple[int, ...]:
+    """Per pp rank with several stages, the activation bytes at its peak along its
+    schedule (`rank_held`) plus the largest recomputed region of its stages; 0 for a
+    rank with one stage (its stage's record already holds them)."""
+    if plan.num_stages == plan.pp:
+        return (0,) * plan.pp
+    peaks = rank_held(plan, [a.stored for a in activations])
+    again = [
+        max(a.recompute for s, a in enumerate(activations) if plan.stage_to_rank[s] == r)
+        for r in range(plan.pp)
+    ]
+    return tuple(int((peak + more) * scale) for peak, more in zip(peaks, again, strict=True))
+
+
+def _add_stages(
+    per_stage: list[_MemoryParts], plan: Plan, pp_index: int, activations: int
+) -> _MemoryParts:
     """The memory of the rank at `pp_index`: its one stage's, or with several stages
-    their sum (an upper bound: every stage's activation peak at once, a weight two of
-    them share counted on each) and the largest transient buffers of any of them."""
+    their sum (a weight two of them share counted on each), `activations` (the rank's
+    peak along its schedule) and the largest transient buffers of any of them."""
     mine = [m for s, m in enumerate(per_stage) if plan.stage_to_rank[s] == pp_index]
     if len(mine) == 1:
         return mine[0]
@@ -192,7 +214,7 @@ def _add_stages(per_stage: list[_MemoryParts], plan: Plan, pp_index: int) -> _Me
         sum(m[0] for m in mine),
         grads,
         sum(m[2] for m in mine),
-        sum(m[3] for m in mine),
+        activations,
         max(m[4] for m in mine),
         None if peak_grads == grads else peak_grads,
         sum(m[6] for m in mine),

@@ -9,9 +9,10 @@ after reads the plan's schedule from here:
 - `compute_schedule`: the hand-written schedule, else `generate` of the spec's
   ``schedule`` kind over ``plan.num_stages`` stages placed by ``plan.stage_to_rank``;
 - `rank_actions`: one pp rank's list, lowered with its sends and receives (a
-  lowered hand-written schedule is kept as written);
-- `plan_timeline`: the schedule simulated, for the grid; `plan_bubble` and
-  `plan_in_flight`: the figures the estimate and the report quote.
+  generated schedule as its kind runs, `parc.compiler.schedule.lower`; a lowered
+  hand-written schedule is kept as written);
+- `plan_timeline`: the schedule simulated, for the grid; `plan_bubble`,
+  `plan_in_flight` and `rank_held`: the figures the estimate and the report quote.
 """
 
 from __future__ import annotations
@@ -25,15 +26,18 @@ from parc.dsl.ast import ScheduleKind
 from .plan import Plan
 from .schedule import (
     Action,
+    ActionKind,
     Schedule,
     ScheduleError,
     Timeline,
     bubble_fraction,
     generate,
     is_lowered,
+    lower,
     lower_comms,
     stage_in_flight,
 )
+from .schedule_interleaved import interleaved_bubble
 from .schedule_sim import simulate, validate
 
 __all__ = [
@@ -43,6 +47,7 @@ __all__ = [
     "plan_in_flight",
     "plan_timeline",
     "rank_actions",
+    "rank_held",
     "with_schedule",
 ]
 
@@ -76,6 +81,8 @@ def compute_schedule(plan: Plan) -> Schedule:
 
 
 def _lowered(plan: Plan) -> Schedule:
+    if plan.hand_schedule is None:
+        return lower(plan.schedule, plan.num_stages, plan.microbatches, plan.stage_to_rank)
     schedule = compute_schedule(plan)
     return schedule if is_lowered(schedule) else lower_comms(schedule, plan.stage_to_rank)
 
@@ -104,10 +111,29 @@ def plan_in_flight(plan: Plan) -> tuple[int, ...]:
 
 
 def plan_bubble(plan: Plan) -> float:
-    """Idle share of the pipeline: (p-1)/(m+p-1) with one stage per rank, else simulated."""
+    """Idle share of the pipeline: (p-1)/(m+p-1) with one stage per rank, interleaved
+    1F1B's (p-1)/(V·m+p-1) with V stages per rank, else simulated (F and B alike)."""
     p, m = plan.pp, plan.microbatches
     if p == 1:
         return 0.0
     if plan.hand_schedule is None and plan.num_stages == p:
         return (p - 1) / (m + p - 1)
+    if plan.hand_schedule is None and plan.schedule is ScheduleKind.INTERLEAVED:
+        return interleaved_bubble(p, plan.num_stages // p, m)
     return bubble_fraction(plan_timeline(plan))
+
+
+def rank_held(plan: Plan, stored: Sequence[int]) -> tuple[int, ...]:
+    """Per pp rank, the most activation bytes its stages hold at once along its list:
+    the sum of ``stored[s]`` (bytes one microbatch keeps on stage s) over the (stage,
+    microbatch) pairs whose F has run and whose B has not. With one stage per rank it
+    is that stage's ``stored × in-flight``; with several it can be less than the sum of
+    each stage's own peak, which need not coincide (interleaved 1F1B's warm-up holds
+    the first chunk's microbatches while the last chunk's start)."""
+    held = [0] * plan.pp
+    for rank, actions in compute_schedule(plan).items():
+        live = 0
+        for a in actions:
+            live += {ActionKind.F: 1, ActionKind.B: -1}.get(a.kind, 0) * stored[a.stage]
+            held[rank] = max(held[rank], live)
+    return tuple(held)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from parc.dsl.ast import ScheduleKind
+
 from .estimate import Estimate
 from .ops.collectives import CommKind
 from .plan import Plan, compress_names
@@ -198,6 +200,9 @@ def _pipeline_lines(plan: Plan, est: Estimate, grid: str | None) -> list[str]:
         return []
     if plan.hand_schedule is None and plan.num_stages == plan.pp:
         how = f"(p-1)/(m+p-1) with p={plan.pp}, m={plan.microbatches}"
+    elif plan.hand_schedule is None and plan.schedule is ScheduleKind.INTERLEAVED:
+        v = plan.num_stages // plan.pp
+        how = f"(p-1)/(V·m+p-1) with p={plan.pp}, V={v}, m={plan.microbatches}"
     else:
         how = "simulated, backward as long as forward"
     schedule = "hand-written" if plan.hand_schedule is not None else str(plan.schedule)

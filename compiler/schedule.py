@@ -4,8 +4,10 @@ Stage s runs on pp rank ``stage_to_rank[s]``: one stage per rank by default (sta
 on rank s), or several (virtual stages, ``stage_to_rank = (0, 1, 0, 1)``). A schedule
 is a ``dict[rank, list[Action]]`` and every step over it is a pure function:
 
-1. `generate` (`gpipe`, `one_f_one_b`) gives each rank its compute actions, F and B.
-2. `lower_comms` adds the sends and receives between neighbouring stages.
+1. `generate` (`gpipe`, `one_f_one_b`, and `interleaved` from
+   `parc.compiler.schedule_interleaved`) gives each rank its compute actions, F and B.
+2. `lower_comms` adds the sends and receives between neighbouring stages; `lower`
+   does it the way each generated kind runs (interleaved 1F1B: in units, `lower_units`).
 3. `parc.compiler.schedule_sim.simulate` runs a schedule under the executor's rules and
    returns a `Timeline`; `parc.compiler.schedule_sim.validate` proves a schedule correct.
 4. `format_grid` prints a schedule or a timeline as a step × rank grid; `bubble_fraction`
@@ -41,15 +43,18 @@ from .schedule_actions import (
     Slot,
     StageMap,
     Timeline,
+    Units,
     execution_items,
     is_lowered,
     lower_comms,
+    lower_units,
     num_stages,
     peer_rank,
     peer_stage,
     stage_map,
 )
 from .schedule_grid import format_grid
+from .schedule_interleaved import interleaved_units
 from .schedule_sim import simulate, validate
 
 __all__ = [
@@ -66,6 +71,7 @@ __all__ = [
     "generate",
     "gpipe",
     "is_lowered",
+    "lower",
     "lower_comms",
     "num_stages",
     "one_f_one_b",
@@ -136,7 +142,25 @@ def one_f_one_b(stages: int, microbatches: int) -> Schedule:
 _GENERATORS: dict[ScheduleKind, Callable[[int, int], Schedule]] = {
     ScheduleKind.GPIPE: gpipe,
     ScheduleKind.ONE_F_ONE_B: one_f_one_b,
+    # One stage per rank: a single chunk to interleave, which is 1F1B (the spec refuses
+    # `schedule interleaved` there, compiler/schedule_spec.py; direct calls get 1F1B).
+    ScheduleKind.INTERLEAVED: one_f_one_b,
 }
+
+
+# Generators that give each rank its compute in units (pp, stages per rank, microbatches).
+_UNIT_GENERATORS: dict[ScheduleKind, Callable[[int, int, int], Units]] = {
+    ScheduleKind.INTERLEAVED: interleaved_units,
+}
+
+
+def _units(kind: ScheduleKind, stages: int, microbatches: int, ranks: tuple[int, ...]) -> Units:
+    pp = max(ranks) + 1
+    if ranks != tuple(s % pp for s in range(stages)):
+        raise ScheduleError(
+            f"{kind} places stage s on pp rank s % pp; got stage_to_rank {list(ranks)}"
+        )
+    return _UNIT_GENERATORS[kind](pp, stages // pp, microbatches)
 
 
 def generate(
@@ -147,8 +171,10 @@ def generate(
 ) -> Schedule:
     """The compute schedule of `kind` (the `.par` ``schedule`` statement) for these sizes.
 
-    With one stage per rank (the default `stage_to_rank`) it is the generator's own
-    schedule. With several stages per rank, the general path:
+    Interleaved 1F1B over several stages per rank is generated per rank
+    (`parc.compiler.schedule_interleaved`). Otherwise, with one stage per rank (the
+    default `stage_to_rank`) it is the generator's own schedule; with several stages
+    per rank, the general path:
 
     1. Build the per-stage lists of the generator over `stages` stages.
     2. Simulate them with one stage per rank and free transfers (rule 6 of
@@ -163,9 +189,14 @@ def generate(
     if kind not in _GENERATORS:
         names = ", ".join(k.value for k in _GENERATORS)
         raise ScheduleError(f"{kind!r} is not a pipeline schedule; expected one of {names}")
+    ranks = stage_map(stage_to_rank, stages)
+    if kind in _UNIT_GENERATORS and ranks != tuple(range(stages)):
+        units = _units(ScheduleKind(kind), stages, microbatches, ranks)
+        return {
+            rank: [a for unit in rank_units for a in unit] for rank, rank_units in units.items()
+        }
     # Step 1
     per_stage = _GENERATORS[ScheduleKind(kind)](stages, microbatches)
-    ranks = stage_map(stage_to_rank, stages)
     if ranks == tuple(range(stages)):
         return per_stage
     # Step 2
@@ -182,10 +213,26 @@ def generate(
             f"{kind} over {stages} stages on {len(merged)} pp ranks cannot run with each "
             f"rank's stages merged by start time: {e.message}",
             grid=e.grid,
-            hint="write the schedule by hand and pass it to parc.compile(schedule=...); "
-            "interleaved schedules are not generated yet",
+            hint="use `schedule interleaved` (microbatches a multiple of pp), or write the "
+            "schedule by hand and pass it to parc.compile(schedule=...)",
         ) from e
     return merged
+
+
+def lower(
+    kind: ScheduleKind, stages: int, microbatches: int, stage_to_rank: StageMap | None = None
+) -> Schedule:
+    """The generated schedule of `kind` with its comms, as the executor runs it: units
+    lowered by `lower_units` where a unit generator applies (interleaved 1F1B over
+    several stages per rank), else `lower_comms` of `generate`.
+
+    >>> lower(ScheduleKind.INTERLEAVED, 4, 2, (0, 1, 0, 1))[0][:5]
+    [0F0, 0SEND_F0, 0F1, 0SEND_F1, 2RECV_F0]
+    """
+    ranks = stage_map(stage_to_rank, stages)
+    if kind in _UNIT_GENERATORS and ranks != tuple(range(stages)):
+        return lower_units(_units(kind, stages, microbatches, ranks), stages)
+    return lower_comms(generate(kind, stages, microbatches, ranks), ranks)
 
 
 def peak_in_flight(schedule: Mapping[int, Sequence[Action]]) -> dict[int, int]:

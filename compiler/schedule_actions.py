@@ -33,9 +33,11 @@ __all__ = [
     "Slot",
     "StageMap",
     "Timeline",
+    "Units",
     "execution_items",
     "is_lowered",
     "lower_comms",
+    "lower_units",
     "num_stages",
     "one_at_a_time",
     "peer_rank",
@@ -241,6 +243,7 @@ def lower_comms(
     the action after), back to back: one batch of the executor. In 1F1B's steady
     state stage s posts {SEND_F m, RECV_B m-w} while stage s+1 posts
     {SEND_B m-w, RECV_F m}: the two batches match each other exactly.
+    This is `lower_units` with every action a unit of its own.
 
     >>> lower_comms({0: [Action.parse("0F0"), Action.parse("0B0")],
     ...              1: [Action.parse("1F0"), Action.parse("1B0")]})
@@ -249,18 +252,43 @@ def lower_comms(
     if is_lowered(schedule):
         raise ScheduleError("lower_comms takes a compute schedule (F and B only); got comms")
     stages = len(stage_to_rank) if stage_to_rank is not None else num_stages(schedule)
+    units = {rank: [(a,) for a in actions] for rank, actions in schedule.items()}
+    return lower_units(units, stages)
+
+
+Units: TypeAlias = Mapping[int, Sequence[Sequence[Action]]]
+"""rank -> its compute actions in *units*: actions run back to back, no comms between."""
+
+
+def lower_units(units: Units, stages: int) -> Schedule:
+    """Lower a schedule whose ranks run their compute in units (`Units`).
+
+    Each unit's receives are posted right before it and its sends right after it, so
+    between two units a rank posts one batch: the sends of the unit before and the
+    receives of the unit after. Megatron's interleaved 1F1B runs each steady-state
+    forward and backward as one unit, so its batch carries all four transfers
+    (`parc.compiler.schedule_interleaved`).
+
+    >>> lower_units({0: [(Action.parse("2F1"), Action.parse("2B0"))]}, stages=4)[0]
+    [2RECV_F1, 2RECV_B0, 2F1, 2B0, 2SEND_F1, 2SEND_B0]
+    """
 
     def exists(action: Action) -> bool:
         return 0 <= peer_stage(action) < stages
 
     lowered: Schedule = {}
-    for rank, actions in schedule.items():
+    for rank, rank_units in units.items():
         out: list[Action] = []
-        for a in actions:
-            recv, send = (Action(a.stage, k, a.microbatch) for k in _LOWERING[a.kind])
-            out += [recv] if exists(recv) else []
-            out.append(a)
-            out += [send] if exists(send) else []
+        for unit in rank_units:
+            recvs, sends = (
+                [
+                    c
+                    for a in unit
+                    if exists(c := Action(a.stage, _LOWERING[a.kind][i], a.microbatch))
+                ]
+                for i in (0, 1)
+            )
+            out += [*recvs, *unit, *sends]
         lowered[rank] = out
     return lowered
 

@@ -22,8 +22,10 @@ Explicit stages (`assign_stages`):
 alone crosses to the next stage, e.g. the residual stream between blocks (the
 model inputs, such as `targets` used by a loss at the end, reach every stage
 and never block a cut); a small dynamic program over the legal cuts picks the
-pp−1 that minimise the slowest stage's training seconds (FLOPs, bytes moved and
-ops at CPU rates: compiler/cost.py, compiler/auto_stage.py).
+n−1 (n = V·pp with `virtual_stages V`, else pp) that minimise the slowest
+stage's training seconds (FLOPs, bytes moved and ops at CPU rates:
+compiler/cost.py, compiler/auto_stage.py). Either way the spec's `schedule` and
+`virtual_stages` are checked against n (compiler/schedule_spec.py).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from parc.errors import PlanError
 
 from .cost import node_costs
 from .match import match_modules
+from .schedule_spec import check_pipeline_statements, virtual_per_rank
 from .trace import module_path, node_source
 
 __all__ = [
@@ -85,6 +88,7 @@ def assign_stages(
                 spec.locate(spec.mesh.span),
                 hint="add `stage auto`, or lines like `stage layers[0:6] -> 0`",
             )
+        check_pipeline_statements(spec, 1)
         flat = {n.name: 0 for n in gm.graph.nodes}
         return tuple(flat.items()), stage_module_names(gm, flat, modules, 1)
     if pp == 1:
@@ -95,6 +99,7 @@ def assign_stages(
         )
     # Step 1
     n = _count_stages(spec, pp)
+    check_pipeline_statements(spec, n)
     named = _named_modules(spec, modules)
     _check_range_gaps(spec)
     # Step 2
@@ -273,13 +278,19 @@ def auto_stages(
             spec.locate(auto.span),
             hint="add pp to the mesh, e.g. `mesh pp=2`",
         )
+    n = pp * virtual_per_rank(spec)
+    check_pipeline_statements(spec, n)
     activations = activation_nodes(gm)
-    cuts = balanced_cuts(gm, activations, node_costs(gm), pp)
+    cuts = balanced_cuts(gm, activations, node_costs(gm), n)
     if cuts is None:
+        per_rank = f" ({n // pp} per pp rank)" if n > pp else ""
         raise PlanError(
-            f"`stage auto` found fewer than {pp - 1} places to cut the model into {pp} stages",
+            f"`stage auto` found fewer than {n - 1} places to cut the model into {n} "
+            f"stages{per_rank}",
             spec.locate(auto.span),
-            hint="lower pp, or write explicit `stage` lines",
+            hint="lower pp"
+            + (" or virtual_stages" if n > pp else "")
+            + ", or write explicit `stage` lines",
         )
     stages = fill_stages(gm, cut_stages(gm, activations, cuts), activations)
-    return tuple(stages.items()), stage_module_names(gm, stages, modules, pp)
+    return tuple(stages.items()), stage_module_names(gm, stages, modules, n)

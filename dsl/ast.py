@@ -48,6 +48,7 @@ __all__ = [
     "StageAuto",
     "Star",
     "Statement",
+    "VirtualStages",
     "Zero",
 ]
 
@@ -74,6 +75,7 @@ class ScheduleKind(str, Enum):
 
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
+    INTERLEAVED = "interleaved"  # Megatron's interleaved 1F1B over virtual stages
 
     def __str__(self) -> str:
         return self.value
@@ -268,6 +270,18 @@ class Schedule:
 
 
 @dataclass(frozen=True, slots=True)
+class VirtualStages:
+    """`virtual_stages V`: with `stage auto`, cut the model into V·pp stages, V per pp rank
+    (stage s on rank s % pp), for `schedule interleaved`."""
+
+    count: int
+    span: Span = _span()
+
+    def __str__(self) -> str:
+        return f"virtual_stages {self.count}"
+
+
+@dataclass(frozen=True, slots=True)
 class Zero:
     level: int
     span: Span = _span()
@@ -327,6 +341,7 @@ Statement: TypeAlias = (
     | StageAuto
     | Microbatches
     | Schedule
+    | VirtualStages
     | Zero
     | GradAccum
     | Recompute
@@ -389,6 +404,12 @@ class Spec:
     def schedule(self) -> ScheduleKind:
         found: Schedule | None = self._one(Schedule)
         return found.kind if found else ScheduleKind.ONE_F_ONE_B
+
+    @property
+    def virtual_stages(self) -> VirtualStages | None:
+        """The `virtual_stages` statement, if any (stage lines imply V by their ids)."""
+        found: VirtualStages | None = self._one(VirtualStages)
+        return found
 
     @property
     def zero(self) -> int:

@@ -49,6 +49,7 @@ from parc.dsl.ast import (
     StageAuto,
     Star,
     Statement,
+    VirtualStages,
     Zero,
 )
 from parc.dsl.syntax_errors import (
@@ -63,7 +64,17 @@ from parc.errors import SpecError, clip
 __all__ = ["STATEMENT_KEYWORDS", "load_spec", "parse_spec"]
 
 # Statements that may appear once; a second one is an error naming the first.
-_SINGLETONS = (Mesh, Microbatches, Schedule, Zero, GradAccum, StageAuto, PrecisionStmt, Reduce)
+_SINGLETONS = (
+    Mesh,
+    Microbatches,
+    Schedule,
+    VirtualStages,
+    Zero,
+    GradAccum,
+    StageAuto,
+    PrecisionStmt,
+    Reduce,
+)
 _MAX_DIGITS = 18  # int() refuses very long digit strings; no real spec needs more
 # Parsing and resolving take ~0.5 ms a line; a real spec has a few dozen lines
 # (`parc plan` writes ~1 KiB), so 256 KiB (~10,000 lines, a few seconds) is plenty.
@@ -264,6 +275,10 @@ class _Builder(Transformer[Token, Any]):
 
     def schedule(self, meta: Meta, children: list[Token]) -> Schedule:
         return Schedule(self._choice(children[1], ScheduleKind, "a schedule"), _meta_span(meta))
+
+    def virtual_stages(self, meta: Meta, children: list[Token]) -> VirtualStages:
+        value = self._integer(children[1], "the number of virtual stages per pp rank", minimum=1)
+        return VirtualStages(value, _meta_span(meta))
 
     def zero(self, meta: Meta, children: list[Token]) -> Zero:
         level = self._integer(children[1], "the zero level", minimum=0, maximum=3)

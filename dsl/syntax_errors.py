@@ -37,6 +37,7 @@ STATEMENT_KEYWORDS = (
     "recompute",
     "precision",
     "reduce",
+    "virtual_stages",
 )
 
 

@@ -17,13 +17,14 @@ next, as a packed corpus does.
 Algorithm:
 
 1. `text_hook` reads the example batch's form (`batch_form`): one integer
-   (batch, T) input (a tensor, or the one entry of a dict or tuple) and integer
+   (batch, T) input (a tensor, or the one entry of a dict, tuple or list) and integer
    (batch, T) targets; anything else is a `ParcError` naming what it has. It
    checks the file (exists, is a file, can be opened, is not empty) and loads
    the tokenizer, so a mistake is found before any rank trains; at the byte
    level the file's size already says whether one global batch of windows fits.
 2. `hook(ctx)` tokenizes the file once per process (`_tokens`, cached; bytes
-   are memory-mapped, not read) and checks the corpus holds one global batch of
+   are memory-mapped, not read; text is encoded in pieces that end after a
+   newline, `_pieces`) and checks the corpus holds one global batch of
    windows and, with `vocab`, that no token id reaches it. Only ranks that call
    the hook load: parc's data stream never calls it on a rank needing neither
    inputs nor targets.
@@ -249,10 +250,8 @@ def _tokenizer_file(tokenizer: str | Path | None) -> Path | None:
 
 
 @functools.lru_cache(maxsize=4)
-def _load_tokenizer(path: Path | None) -> Any:
-    """A `tokenizers.Tokenizer` from `path` (None: None), or a ParcError saying why not."""
-    if path is None:
-        return None
+def _load_tokenizer(path: Path) -> Any:
+    """A `tokenizers.Tokenizer` from `path`, or a ParcError saying why not."""
     try:
         from tokenizers import Tokenizer
     except ImportError as exc:
@@ -326,7 +325,12 @@ _BATCH = 4  # pieces encoded together (encode_batch runs them on threads)
 
 def _pieces(text: str) -> list[str]:
     """`text` in pieces of at most `_PIECE` characters, each ending after a newline when
-    one is in reach, so a token crosses a piece boundary only in a line that long."""
+    one is in reach (a line longer than a piece is cut inside).
+
+    Each piece is encoded on its own, so no token spans two: a pre-tokenizer that joins
+    a newline to the next line's indentation (GPT-2's byte level) splits that one run
+    of whitespace in two where a piece ends, once per ~64 Ki characters.
+    """
     pieces, start = [], 0
     while start < len(text):
         end = start + _PIECE

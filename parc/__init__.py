@@ -3,6 +3,8 @@
 program = parc.compile("specs/gpt_dp.par", "examples/gpt.py", batch=8)
 loss = program.step(inputs, targets)      # on every rank
 state = program.state_dict()              # the full, unsharded model, on rank 0 ({} elsewhere)
+
+A model file's data(ctx) hook is given a parc.DataContext (compiler/data_context.py).
 """
 
 from typing import TYPE_CHECKING
@@ -18,6 +20,7 @@ from parc.errors import (
 
 __all__ = [
     "CompileError",
+    "DataContext",
     "ModelError",
     "ParcError",
     "PlanError",
@@ -30,6 +33,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from parc.api import compile
+    from parc.compiler.data_context import DataContext
     from parc.runtime.program import Program
 
 
@@ -39,6 +43,10 @@ def __getattr__(name: str) -> object:
         from parc.api import compile
 
         return compile
+    if name == "DataContext":  # what a model file's data(ctx) hook is given
+        from parc.compiler.data_context import DataContext
+
+        return DataContext
     if name == "Program":
         from parc.runtime.program import Program
 

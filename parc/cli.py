@@ -24,6 +24,7 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from parc import blame, commands
@@ -144,9 +145,24 @@ def _add_run(sub: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    """`parc run`: its `--resume` checks, then the run."""
+    """`parc run`: its `--data` and `--resume` checks, then the run."""
+    _check_data(args)
     _check_resume(args)
     return commands.cmd_run(args)
+
+
+def _check_data(args: argparse.Namespace) -> None:
+    """`--tokenizer` needs `--data`, and `--data` a file (checked before any rank starts)."""
+    if args.tokenizer and not args.data:
+        raise ParcError(
+            "--tokenizer needs --data FILE: it says how to read that text file",
+            hint="e.g. `parc run SPEC MODEL --data corpus.txt --tokenizer gpt2`",
+        )
+    if args.data and not Path(args.data).is_file():
+        raise ParcError(
+            f"--data {args.data}: no such file",
+            hint="give the path of a text file to train on",
+        )
 
 
 def _check_resume(args: argparse.Namespace) -> None:

@@ -144,6 +144,7 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
         help="start from this Hugging Face checkpoint directory (safetensors, as "
         "save_pretrained writes it) instead of the model's initialisation",
     )
+    _add_data(p)
     _add_checkpointing(p)
     p.add_argument("--timeout", type=seconds, default=300.0, help="seconds per collective")
     _add_metrics(p)
@@ -168,6 +169,23 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     add_schedule_arguments(p)
     add_clip(p)
     p.add_argument("--inject-fault", help=argparse.SUPPRESS)
+
+
+def _add_data(p: argparse.ArgumentParser) -> None:
+    """`parc run`'s data: a text file instead of the model file's data(ctx) or sample_batch."""
+    p.add_argument(
+        "--data",
+        metavar="FILE",
+        help="train on this text file, each rank loading only its share, packed to the "
+        "sequence length of the model's example batch (default: the model file's data(ctx), "
+        "else sample_batch)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="with --data: tokenize with this tokenizer (a Hugging Face name or directory) "
+        "instead of reading bytes",
+    )
 
 
 def _add_checkpointing(p: argparse.ArgumentParser) -> None:

@@ -182,6 +182,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         fault=args.inject_fault,
         weights=args.weights,
         clip=args.clip,
+        data=args.data,
+        tokenizer=args.tokenizer,
     )
     if ranked:
         exit_hard(_train_rank(opts, args.debug))

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,7 +40,14 @@ from parc.errors import ModelError, ParcError
 
 from .parts import ProgramParts
 
-__all__ = ["DataContext", "DataPosition", "DataStream", "LocalBatch", "rank_context"]
+__all__ = [
+    "DataContext",
+    "DataPosition",
+    "DataStream",
+    "LocalBatch",
+    "rank_context",
+    "saved_position",
+]
 
 Hook = Callable[[DataContext], Iterable[Any]]
 _CALL = "data(ctx)"
@@ -84,6 +92,17 @@ class DataPosition:
         return cls(epoch, samples)
 
 
+def saved_position(directory: str | Path) -> DataPosition | None:
+    """The data position the latest checkpoint in `directory` (or checkpoint `directory`)
+    records in its parc.json; None when it records none (saved without a data hook)."""
+    from .checkpoint.find import checkpoint_path
+    from .checkpoint.manifest import INFO, read_manifest
+
+    path = checkpoint_path(directory)
+    saved = read_manifest(path).get("data")
+    return None if saved is None else DataPosition.from_json(saved, f"{path / INFO}")
+
+
 @dataclass(frozen=True, slots=True)
 class LocalBatch:
     """One of this rank's batches: None for what it does not need."""
@@ -125,6 +144,8 @@ class DataStream:
         """The next batch (a new epoch begins where the last one ended)."""
         item = next(self._batches, None)
         if item is None:
+            if self.position.samples == 0:  # nothing yielded (or skipped) in this epoch
+                raise self._empty(self.position.epoch)
             self.position = DataPosition(self.position.epoch + 1, 0)
             self._batches = self._open(self.position.epoch)
             item = next(self._batches, None)

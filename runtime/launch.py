@@ -20,30 +20,24 @@ import math
 import os
 import signal
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from parc.compiler.model_output import input_tensors
 from parc.compiler.optimizer_factory import OptimizerFactory
-from parc.errors import ModelError, ParcError
+from parc.errors import ParcError
 
 from .lifeline import release_semaphores
-from .metrics import (
-    MetricsLog,
-    StepMeter,
-    StepMetrics,
-    gather_max,
-    known_peak_tflops,
-    model_flops_utilization,
-)
-from .progress import Progress, counted_items, print_summary
-from .schedules import current_lr, step_scheduler
+from .progress import Progress, print_summary
 
 if TYPE_CHECKING:
     import torch
     from torch.optim.lr_scheduler import LRScheduler
 
+    from parc.compiler.data_context import DataContext
+    from parc.compiler.model import ModelSource
+
+    from .data import DataPosition
     from .schedules import Schedule
 
 
@@ -72,6 +66,8 @@ class RunOptions:
     fault: str | None = None  # faults to inject (parc/testing/faults.py): a testing aid
     weights: str | None = None  # a checkpoint directory to start from (runtime/hf_weights.py)
     clip: float | None = None  # clip gradients to this global norm (runtime/clip.py)
+    data: str | None = None  # a text file to train on (runtime/text_data.py), over data(ctx)
+    tokenizer: str | None = None  # with `data`: a tokenizer (runtime/text_data.py); None: bytes
 
 
 def under_torchrun() -> bool:
@@ -200,6 +196,7 @@ def train(opts: RunOptions) -> int:
     from .mesh import init_world
     from .run_errors import located
     from .schedules import scheduler_for
+    from .train_loop import Feed, train_steps
 
     spec = as_spec(opts.spec)
     init_world(MeshPlan(tuple((a.name, a.size) for a in spec.mesh.axes)), timeout_s=opts.timeout)
@@ -220,115 +217,37 @@ def train(opts: RunOptions) -> int:
     # Built on every rank over the optimizer the program steps, before a resume restores it.
     scheduler = scheduler_for(program.optimizer, opts.schedule, source)
     with located(rank=rank, step=None, doing="resuming", timeout=opts.timeout):
-        start = _resume(program, opts, rank, scheduler)
-    losses = _train_steps(program, source, opts, start, rank, scheduler)
+        start, position = _resume(program, opts, rank, scheduler)
+    hook = _data_hook(opts, source, program.plan.batch.micro)
+    if hook is not None and position is None and start and rank == 0:
+        _note(f"the checkpoint at step {start} records no data position: the data starts over")
+    feed = Feed(program, source, hook, seed=opts.seed, position=position)
+    losses = train_steps(program, feed, opts, start, rank, scheduler)
     if rank == 0 and losses:
         print_summary(losses, program.plan, program.skipped, opts.name)
     return 0
 
 
-def _train_steps(
-    program: Any,
-    source: Any,
-    opts: RunOptions,
-    start: int,
-    rank: int,
-    scheduler: LRScheduler | None,
-) -> list[StepMetrics]:
-    """Steps `start`..`opts.steps - 1`, each measured (metrics.py) and, on rank 0, reported."""
-    from .run_errors import located
+def _data_hook(
+    opts: RunOptions, source: ModelSource, micro: int
+) -> Callable[[DataContext], Iterable[Any]] | None:
+    """Where each rank's data comes from: `--data FILE` (runtime/text_data.py, shaped as
+    the model's example batch), else the model file's `data(ctx)`; None: sample_batch."""
+    if opts.data is None:
+        return source.data
+    from .text_data import text_hook
 
-    batch = program.plan.batch.global_batch
-    meter = StepMeter(program.parts.device)
-    progress = Progress(opts.steps, "tokens") if rank == 0 else None  # counts from `start`
-    sink = MetricsLog(opts.log, opts.tensorboard) if rank == 0 else None
-    peak = _peak_tflops(program, opts)
-    done: list[StepMetrics] = []
-    for step in range(start, opts.steps):
-        inputs, targets = source.batch(batch, step)
-        _check_shapes(program, source.path, inputs, batch, step)
-        lr = current_lr(program.optimizer)
-        meter.start()
-        with located(rank=rank, step=step, doing="the step", timeout=opts.timeout):
-            loss = program.step(inputs, targets)
-            seconds, peak_bytes = gather_max(meter.stop(), program.parts.device)
-        step_scheduler(scheduler)
-        skipped = next((why for s, why in program.skipped if s == step), None)
-        items, unit = counted_items(targets)
-        metrics = StepMetrics(
-            step=step,
-            loss=None if skipped else loss,
-            lr=lr,
-            grad_norm=program.last_grad_norm,
-            samples=batch,
-            items=items,
-            unit=unit,
-            step_time_s=seconds,
-            peak_memory_bytes=int(peak_bytes),
-            memory_kind=meter.kind,
-            mfu=_mfu(program, opts.flops_per_sample, peak, seconds),
-            skipped=skipped is not None,
-        )
-        done.append(metrics)
-        if progress is not None and sink is not None:
-            _report(progress, sink, metrics, loss, skipped)
-        _save_if_due(program, opts, rank, step, scheduler)
-    if progress is not None and sink is not None:
-        progress.close()
-        sink.close()
-    return done
+    hook: Callable[[DataContext], Iterable[Any]] = text_hook(
+        opts.data, tokenizer=opts.tokenizer, example=source.batch(micro, 0)
+    )
+    return hook
 
 
-def _mfu(program: Any, flops: int | None, peak: float | None, seconds: float) -> float | None:
-    """MFU of a step (metrics.py); None without a peak or the estimator's FLOPs."""
-    if peak is None or flops is None or seconds <= 0:
-        return None
-    samples_per_s = program.plan.batch.global_batch / seconds
-    return model_flops_utilization(flops, samples_per_s, peak, program.plan.mesh.world_size)
-
-
-def _peak_tflops(program: Any, opts: RunOptions) -> float | None:
-    if opts.peak_tflops is not None:
-        return opts.peak_tflops
-    return known_peak_tflops(program.parts.device, program.plan.mixed)
-
-
-def _save_if_due(
-    program: Any, opts: RunOptions, rank: int, step: int, scheduler: LRScheduler | None
-) -> None:
-    """The last step is always saved: `--every` only adds the saves in between."""
-    from parc.runtime.checkpoint.store import save_checkpoint
-
-    from .run_errors import located
-
-    due = step + 1 == opts.steps or (opts.every and (step + 1) % opts.every == 0)
-    if not (opts.checkpoint and due):
-        return
-    with located(
-        rank=rank,
-        step=step,
-        doing=f"saving checkpoint step-{step + 1} in {opts.checkpoint}",
-        timeout=opts.timeout,
-        hint="check that the directory can be written and has space; the previous "
-        "checkpoint is intact (saves are atomic)",
-    ):
-        save_checkpoint(program, opts.checkpoint, step + 1, scheduler=scheduler)
-
-
-def _report(
-    progress: Progress, sink: MetricsLog, m: StepMetrics, loss: float, skipped: str | None
-) -> None:
-    """Rank 0: the progress bar, a line for a skipped step, and the --log/--tensorboard entry."""
-    progress.unit = m.unit
-    if skipped is not None:
-        gap = "\n" if progress.tty else ""
-        print(f"{gap}step {m.step} skipped: {skipped}", file=sys.stderr)
-    progress.update(m, loss)
-    sink.write(m)
-
-
-def _resume(program: Any, opts: RunOptions, rank: int, scheduler: LRScheduler | None) -> int:
-    """The step to start at: the latest checkpoint's with --resume, or after a restart.
+def _resume(
+    program: Any, opts: RunOptions, rank: int, scheduler: LRScheduler | None
+) -> tuple[int, DataPosition | None]:
+    """The step to start at and the data's position (None: none saved): the latest
+    checkpoint's with --resume, or after a restart.
 
     torchrun's `--max-restarts` restarts every worker of the job; a restarted
     worker (TORCHELASTIC_RESTART_COUNT > 0) resumes from the latest complete
@@ -336,40 +255,26 @@ def _resume(program: Any, opts: RunOptions, rank: int, scheduler: LRScheduler | 
     """
     from parc.runtime.checkpoint.store import latest_checkpoint, load_checkpoint
 
+    from .data import saved_position
+
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
     if not opts.checkpoint or not (opts.resume or restart):
         if restart and rank == 0:
             _note(f"restart {restart}: no --checkpoint, so training starts again from step 0")
-        return 0
+        return 0, None
     found = latest_checkpoint(opts.checkpoint)
     if restart and found is None:
         if rank == 0:
             _note(f"restart {restart}: no complete checkpoint in {opts.checkpoint}; from step 0")
-        return 0
+        return 0, None
     start = load_checkpoint(program, opts.checkpoint, scheduler=scheduler)
     if restart and rank == 0:
         _note(f"restart {restart}: resumed from {found} at step {start}")
-    return start
+    return start, saved_position(opts.checkpoint)
 
 
 def _note(text: str) -> None:
     print(f"parc run: {text}", file=sys.stderr, flush=True)
-
-
-def _check_shapes(program: Any, model_file: str, inputs: Any, batch: int, step: int) -> None:
-    """Every step's inputs must have the shapes the program was compiled for (step 0's)."""
-    xs = list(input_tensors(inputs))
-    want = [(batch, *shape[1:]) for shape in program.parts.input_shapes]
-    got = [tuple(x.shape) for x in xs]
-    if got != want:
-        raise ModelError(
-            f"sample_batch({batch}, {step}) returned inputs of shape "
-            f"{', '.join(map(str, got))}; at step 0 they were {', '.join(map(str, want))}, the "
-            "shapes the program was compiled for",
-            file=model_file,
-            hint="return the same shapes at every step (e.g. pad or crop to a fixed sequence "
-            "length): pipeline boundaries and shards are sized for them",
-        )
 
 
 def _with_lr(factory: OptimizerFactory, lr: float) -> OptimizerFactory:

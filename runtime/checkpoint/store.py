@@ -135,13 +135,19 @@ _PARAMETERS = EntryKind("parameter", MODEL, extra_hint=_ANOTHER_MODEL, missing_h
 
 
 def save_checkpoint(
-    program: Program, directory: str | Path, step: int, *, scheduler: LRScheduler | None = None
+    program: Program,
+    directory: str | Path,
+    step: int,
+    *,
+    scheduler: LRScheduler | None = None,
+    data: dict[str, int] | None = None,
 ) -> Path:
     """Save `program` as `directory/step-<step>` (call on every rank); returns that path.
 
     `step` is the step training resumes at (the number of steps done); `scheduler`, the
     run's lr scheduler (runtime/schedules.py), is saved as `lr_scheduler` (its
-    `state_dict()`, the same on every rank).
+    `state_dict()`, the same on every rank); `data`, rank 0's data position
+    (runtime/data.py: rank 0 holds stage 0, so it loads data), as parc.json's `data`.
     """
     root = Path(directory)
     final, tmp = root / f"step-{step}", root / f"step-{step}.tmp"
@@ -181,6 +187,8 @@ def save_checkpoint(
             "reduce": str(parts.plan.reduce),
             "files": files,
         }
+        if data is not None:
+            info["data"] = data
         write_manifest(tmp, info)  # sealed: an edit of parc.json is refused at load
         _publish(root, tmp, final)
     _barrier()  # every rank returns once the checkpoint is visible

@@ -151,9 +151,11 @@ class TextData:
 
     def tokens(self) -> torch.Tensor:
         """The file's token stream (one dim), checked against `vocab` and the dtypes."""
-        tokens, top = _tokens(*_cache_key(self.path, self.tokenizer))
-        self._check_ids(top)
-        return tokens
+        key = _cache_key(self.path, self.tokenizer)
+        below = min(self.vocab or _BYTES, self.form.widest + 1)  # every id must be below it
+        if self.tokenizer is not None or below < _BYTES:  # bytes are below 256: no need to look
+            self._check_ids(_top(*key))
+        return _tokens(*key)
 
     def _batches(
         self, tokens: torch.Tensor, shares: torch.Tensor, inputs: bool, targets: bool
@@ -276,22 +278,25 @@ def _cache_key(path: Path, tokenizer: Path | None) -> tuple[Path, Path | None, i
 
 
 @functools.lru_cache(maxsize=4)
-def _tokens(
-    path: Path, tokenizer: Path | None, size: int, mtime_ns: int
-) -> tuple[torch.Tensor, int]:
-    """The token stream of `path` and its largest id (-1 when empty).
+def _tokens(path: Path, tokenizer: Path | None, size: int, mtime_ns: int) -> torch.Tensor:
+    """The token stream of `path`.
 
     Bytes are memory-mapped (copy-on-write, so torch gets a writable array; pages
     are read when indexed); a tokenizer's ids are int32.
     """
     del mtime_ns  # only part of the cache key
     if tokenizer is None and not size:
-        tokens = torch.empty(0, dtype=torch.uint8)  # emptied since text_hook checked it
-    elif tokenizer is None:
-        tokens = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="c"))
-    else:
-        tokens = _encode(path, _load_tokenizer(tokenizer))
-    return tokens, int(tokens.max()) if len(tokens) else -1
+        return torch.empty(0, dtype=torch.uint8)  # emptied since text_hook checked it
+    if tokenizer is None:
+        return torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="c"))
+    return _encode(path, _load_tokenizer(tokenizer))
+
+
+@functools.lru_cache(maxsize=4)
+def _top(path: Path, tokenizer: Path | None, size: int, mtime_ns: int) -> int:
+    """The largest token id of `path` (-1 when it has none): one pass over the stream."""
+    tokens = _tokens(path, tokenizer, size, mtime_ns)
+    return int(tokens.max()) if len(tokens) else -1
 
 
 def _encode(path: Path, tokenizer: Any) -> torch.Tensor:

@@ -362,6 +362,25 @@ def test_token_ids_the_model_cannot_take_are_refused_before_training(tmp_path: P
     assert list(text_hook(ascii_only, example=narrow)(_ctx()))
 
 
+def test_bytes_are_scanned_for_their_largest_id_only_when_a_limit_is_below_256(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    scanned: list[Path] = []
+    top = text_data._top.__wrapped__
+
+    def counted(path: Path, *key: Any) -> int:
+        scanned.append(path)
+        return top(path, *key)
+
+    monkeypatch.setattr(text_data, "_top", counted)
+    path = _corpus(tmp_path, _stream(100))
+    list(text_hook(path, example=_example(), vocab=256)(_ctx()))
+    list(text_hook(path, example=_example(dtype=torch.uint8))(_ctx()))
+    assert scanned == []  # a memory-mapped corpus is read only where windows are taken
+    list(text_hook(path, example=_example(), vocab=255)(_ctx()))
+    assert scanned == [path.resolve()]
+
+
 def test_a_missing_or_broken_tokenizer_is_an_error(tmp_path: Path) -> None:
     path = _corpus(tmp_path, _stream(100))
     folder = tmp_path / "empty-dir"

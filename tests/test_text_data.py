@@ -30,11 +30,9 @@ LINES = [
 ]
 
 
-def _example(
-    batch: int = B, seq: int = T, dtype: torch.dtype = torch.long, target: Any = None
-) -> tuple[Any, Any]:
-    x = torch.zeros(batch, seq, dtype=dtype)
-    return x, (torch.zeros(batch, seq, dtype=torch.long) if target is None else target)
+def _example(batch: int = B, seq: int = T, dtype: torch.dtype = torch.long) -> tuple[Any, Any]:
+    """A traced (inputs, targets) of token ids: inputs of `dtype`, int64 targets."""
+    return torch.zeros(batch, seq, dtype=dtype), torch.zeros(batch, seq, dtype=torch.long)
 
 
 def _ctx(dp_rank: int = 0, dp_size: int = 1, epoch: int = 0, **flags: bool) -> DataContext:
@@ -114,7 +112,9 @@ def _tokenizer(tmp_path: Path) -> Path:
 
     tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.train_from_iterator(LINES, trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
+    tokenizer.train_from_iterator(
+        LINES, trainers.WordLevelTrainer(special_tokens=["[UNK]"], show_progress=False)
+    )
     folder = tmp_path / "tok"
     folder.mkdir()
     tokenizer.save(str(folder / "tokenizer.json"))

@@ -218,7 +218,7 @@ def train(opts: RunOptions) -> int:
     scheduler = scheduler_for(program.optimizer, opts.schedule, source)
     with located(rank=rank, step=None, doing="resuming", timeout=opts.timeout):
         start, position = _resume(program, opts, rank, scheduler)
-    hook = _data_hook(opts, source, program.plan.batch.micro)
+    hook = _data_hook(opts, source, program.plan.batch.global_batch)
     if hook is not None and position is None and start and rank == 0:
         _note(f"the checkpoint at step {start} records no data position: the data starts over")
     feed = Feed(program, source, hook, seed=opts.seed, position=position)
@@ -229,18 +229,17 @@ def train(opts: RunOptions) -> int:
 
 
 def _data_hook(
-    opts: RunOptions, source: ModelSource, micro: int
+    opts: RunOptions, source: ModelSource, global_batch: int
 ) -> Callable[[DataContext], Iterable[Any]] | None:
     """Where each rank's data comes from: `--data FILE` (runtime/text_data.py, shaped as
-    the model's example batch), else the model file's `data(ctx)`; None: sample_batch."""
+    the model's example global batch), else the model file's `data(ctx)`; None:
+    sample_batch."""
     if opts.data is None:
         return source.data
     from .text_data import text_hook
 
-    hook: Callable[[DataContext], Iterable[Any]] = text_hook(
-        opts.data, tokenizer=opts.tokenizer, example=source.batch(micro, 0)
-    )
-    return hook
+    example = source.batch(global_batch, 0)
+    return text_hook(opts.data, tokenizer=opts.tokenizer, example=example)
 
 
 def _resume(

@@ -8,9 +8,10 @@ drawn from torch's global generator (as a DataLoader's shuffle would draw):
 parc runs the hook on a generator of its own, so a replay draws the same.
 
 With DATA_LOG=FILE every call and every batch is appended to FILE as a JSON
-line: {"event": "call", "rank", "epoch", "inputs", "targets"} for a call of the
-hook, {"event": "batch", "rank", "epoch", "index", "ids", "hash", "inputs",
-"targets"} for each batch it yields (`index`: the global batch within the epoch).
+line: {"event": "call", "rank", "epoch", "inputs", "targets", "dp", "dp_size"}
+for a call of the hook, the same with "index", "ids" and "hash" for each batch
+it yields (`index`: the global batch within the epoch). Compiling asks the hook
+for example batches too, under `DataContext.whole` (dp_size 1).
 """
 
 from __future__ import annotations
@@ -64,7 +65,12 @@ def data(ctx: DataContext) -> Iterator[tuple[Any, Any]]:
 
 
 def _needs(ctx: DataContext) -> dict[str, Any]:
-    return {"inputs": ctx.needs_inputs, "targets": ctx.needs_targets, "dp": ctx.dp_rank}
+    return {
+        "inputs": ctx.needs_inputs,
+        "targets": ctx.needs_targets,
+        "dp": ctx.dp_rank,
+        "dp_size": ctx.dp_size,  # 1 also where parc compiles: its example batches
+    }
 
 
 def _log(entry: dict[str, Any]) -> None:

@@ -127,12 +127,23 @@ class StepTime:
 
     @staticmethod
     def of(
-        stages: Sequence[StageSeconds], *, microbatches: int, grad_accum: int, dp: float
+        stages: Sequence[StageSeconds],
+        *,
+        microbatches: int,
+        grad_accum: int,
+        dp: float,
+        bubble_share: float | None = None,
     ) -> StepTime:
-        """The pipeline's time from its stages' microbatch times, plus dp traffic."""
+        """The pipeline's time from its stages' microbatch times, plus dp traffic.
+
+        `stages` are one per pp rank; the bubble is (p - 1) slots of the slowest, or,
+        given the schedule's idle share b (interleaved 1F1B: (p-1)/(V·m+p-1)), the
+        busy time × b / (1 - b), which is the same for b = (p-1)/(m+p-1)."""
         slowest = max(stages, key=lambda s: s.total)
         steps = microbatches * grad_accum
         bubble = grad_accum * (len(stages) - 1) * slowest.total
+        if bubble_share is not None:
+            bubble = slowest.total * steps * bubble_share / (1 - bubble_share)
         return StepTime(slowest.compute * steps, slowest.tp * steps, slowest.pp * steps, dp, bubble)
 
 
@@ -160,4 +171,22 @@ def estimate_step_time(plan: Plan, est: Estimate, cluster: Cluster) -> StepTime:
         compute = cost.rank_flops_per_sample * plan.batch.micro / rate
         stages.append(StageSeconds(compute, tp / micro_steps, pp / micro_steps))
         dp = max(dp, exposed_dp(plan.zero, reduce, gather, BACKWARD_SHARE * compute))
-    return StepTime.of(stages, microbatches=plan.microbatches, grad_accum=plan.grad_accum, dp=dp)
+    if plan.num_stages == plan.pp:
+        return StepTime.of(
+            stages, microbatches=plan.microbatches, grad_accum=plan.grad_accum, dp=dp
+        )
+    # Virtual stages: a pp rank runs each microbatch through all of its stages.
+    ranks = [
+        StageSeconds(*(sum(getattr(stages[s], k) for s in mine) for k in ("compute", "tp", "pp")))
+        for mine in (
+            [s for s in range(plan.num_stages) if plan.stage_to_rank[s] == r]
+            for r in range(plan.pp)
+        )
+    ]
+    return StepTime.of(
+        ranks,
+        microbatches=plan.microbatches,
+        grad_accum=plan.grad_accum,
+        dp=dp,
+        bubble_share=est.bubble,
+    )

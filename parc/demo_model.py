@@ -1,8 +1,10 @@
 """The model `parc demo` trains: a small GPT reading parc's own source code, byte by byte.
 
 Follows the model convention (README): the text is the Python files shipped in
-the parc package, so the demo needs no download. Each step samples random
-windows of the text, the same windows for the same step.
+the parc package, so the demo needs no download. `parc demo` trains on them as a
+text file (`parc run --data`: packed windows, each rank reading its own share);
+`sample_batch` (random windows, the same for the same step) is the example batch
+the program is traced with and what `parc check` compares on.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 
 from parc.examples.gpt import GPT, GPTConfig
 
+LR = 3e-3  # a tiny model learns bytes quickly at a high rate
 CONFIG = GPTConfig(n_layer=4, n_embd=128, n_head=4, vocab_size=256, block_size=64, tie=True)
 
 
@@ -21,17 +24,21 @@ def build_model() -> torch.nn.Module:
     return GPT(CONFIG)
 
 
-@functools.cache
-def corpus() -> torch.Tensor:
-    """Every .py file of the installed parc package, concatenated, as bytes."""
+def corpus_bytes() -> bytes:
+    """Every .py file of the installed parc package, concatenated."""
     root = Path(__file__).resolve().parent.parent
     files = sorted(
         p
         for folder in ("parc", "dsl", "compiler", "runtime", "examples")
         for p in (root / folder).rglob("*.py")
     )
-    text = b"\n".join(p.read_bytes() for p in files)
-    return torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+    return b"\n".join(p.read_bytes() for p in files)
+
+
+@functools.cache
+def corpus() -> torch.Tensor:
+    """`corpus_bytes()` as a tensor of byte values."""
+    return torch.frombuffer(bytearray(corpus_bytes()), dtype=torch.uint8).long()
 
 
 def sample_batch(batch_size: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,5 +50,5 @@ def sample_batch(batch_size: int, step: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def configure_optimizer(params: object) -> torch.optim.Optimizer:
-    # A tiny model learns bytes quickly at a high rate; betas as nanoGPT.
-    return torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.95))  # type: ignore[arg-type]
+    # Betas as nanoGPT.
+    return torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95))  # type: ignore[arg-type]

@@ -110,7 +110,8 @@ class Program:
         with self.comm.active():
             xs = list(input_tensors(inputs)) if self.parts.needs_inputs else None
             ys = targets if self.parts.holds_last_stage else None
-            self._check_batch(xs, ys, self.plan.batch.per_replica, read=self.parts.holds_last_stage)
+            per_replica, last = self.plan.batch.per_replica, self.parts.holds_last_stage
+            self._check_batch(xs, ys, per_replica, read=last, given="each rank's share must have")
             return self._step(xs or [], ys)
 
     def _step(self, xs: list[torch.Tensor], targets: torch.Tensor | None) -> float:
@@ -193,7 +194,13 @@ class Program:
         self.skipped.append((self.steps_done, fault.message))
 
     def _check_batch(
-        self, xs: Sequence[torch.Tensor] | None, targets: Any, expected: int, *, read: bool
+        self,
+        xs: Sequence[torch.Tensor] | None,
+        targets: Any,
+        expected: int,
+        *,
+        read: bool,
+        given: str = "sample_batch must return",
     ) -> None:
         """The batch (`expected` rows) must match the traced contract: the inputs unless
         None, the targets when `read`. Under `step` every rank checks the same batch and
@@ -211,9 +218,8 @@ class Program:
                 "the batch does not match the compiled program: " + "; ".join(problems),
                 rank=self.comm.rank,
                 step=self.steps_done,
-                hint="sample_batch (or data) must give the same shapes every step (the "
-                "pipeline boundaries and shards were sized for them); compile with the batch "
-                "you train",
+                hint=f"{given} the same shapes every step (the pipeline boundaries and shards "
+                "were sized for them); compile with the batch you train",
             )
 
     def _input_problems(self, xs: Sequence[torch.Tensor], expected: int) -> list[str]:

@@ -2,9 +2,10 @@
 
 Each test starts the installed `parc` console script in a subprocess (its own
 session, killed with its torchrun workers after a timeout) on the tiny MLP
-(MLP_LAYERS=2, MLP_DIM=8) with OMP_NUM_THREADS=1. Nine `parc` processes in
-all: a 6-step run shared by three tests, a 3 + 3 resumed run, an export, a bad
-spec, a run under `--precision bf16`, and three `parc check`s.
+(MLP_LAYERS=2, MLP_DIM=8) with OMP_NUM_THREADS=1. Eight `parc` processes in
+all: a 6-step run shared by three tests (checkpointed at step 3 and 6), the second
+half resumed from its step-3 checkpoint, an export, a bad spec, a run under
+`--precision bf16`, and three `parc check`s.
 
 Tolerances: a run's losses against the single-device reference at docs/architecture.md,
 Equivalence: rtol 1e-5 and its exported parameters at rtol 1e-4 / atol 1e-6 (fp32
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,10 +69,10 @@ class Straight:
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory: pytest.TempPathFactory) -> Straight:
-    """One uninterrupted 6-step run on `mesh dp=2`, logged, checkpointed after the last step."""
+    """One uninterrupted 6-step run on `mesh dp=2`, logged, checkpointed after steps 3 and 6."""
     cwd = tmp_path_factory.mktemp("straight")
     (cwd / "dp2.par").write_text(DP2)
-    args = ["--steps", STEPS, "--log", "log.jsonl", "--checkpoint", "ckpt", "--every", STEPS]
+    args = ["--steps", STEPS, "--log", "log.jsonl", "--checkpoint", "ckpt", "--every", HALF]
     done = parc("run", "dp2.par", MODEL, *args, cwd=cwd)
     return Straight(done, cwd / "log.jsonl", cwd / "ckpt", cwd)
 
@@ -94,12 +96,16 @@ def test_run_exits_0_prints_a_summary_and_logs_every_step(
 
 
 def test_resume_through_the_cli_continues_exactly(straight: Straight, tmp_path: Path) -> None:
+    assert straight.done.code == 0, straight.done
     (tmp_path / "dp2.par").write_text(DP2)
-    common = ["--log", "log.jsonl", "--checkpoint", "ckpt", "--every", HALF]
-    first = parc("run", "dp2.par", MODEL, "--steps", HALF, *common, cwd=tmp_path)
-    assert first.code == 0, first
-    assert (tmp_path / "ckpt" / f"step-{HALF}").is_dir(), sorted((tmp_path / "ckpt").iterdir())
+    saved = straight.checkpoint / f"step-{HALF}"
+    assert saved.is_dir(), sorted(straight.checkpoint.iterdir())
+    # The first half as the straight run left it: its step-3 checkpoint and log lines.
+    shutil.copytree(saved, tmp_path / "ckpt" / saved.name)
+    head = straight.log.read_text().splitlines(keepends=True)[:HALF]
+    (tmp_path / "log.jsonl").write_text("".join(head))
     # Fresh processes: nothing but the checkpoint carries the state over.
+    common = ["--log", "log.jsonl", "--checkpoint", "ckpt", "--every", HALF]
     second = parc("run", "dp2.par", MODEL, "--steps", STEPS, "--resume", *common, cwd=tmp_path)
     assert second.code == 0, second
     assert f"trained steps {HALF}..{STEPS - 1} on dp=2" in second.out, second
@@ -144,7 +150,9 @@ def test_run_precision_bf16_overrides_the_spec_on_every_rank(tmp_path: Path) -> 
     assert done.code == 0, done
     # Said once, by the launcher, at the statement it overrides.
     assert done.err.count("note: --precision bf16 overrides `precision fp32` (fp32.par:2:1)") == 1
-    # The ranks trained bf16: the checkpoint they saved records the plan's precision.
+    # Without --every only the last step is saved. The ranks trained bf16: the checkpoint
+    # they saved records the plan's precision.
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step-*")) == ["step-2"]
     info = json.loads((tmp_path / "ckpt" / "step-2" / "parc.json").read_text())
     assert info["precision"] == "bf16" and info["reduce"] == "bf16", info
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import doctest
 import itertools
+from pathlib import Path
 from types import SimpleNamespace
 from typing import cast
 
@@ -37,7 +38,7 @@ from parc.compiler.schedule_interleaved import interleaved_bubble, warmup_steps
 from parc.dsl import parse_spec
 from parc.errors import PlanError, SpecError
 from parc.runtime.equivalence import model_env
-from parc.schedule_views import schedule_grid
+from parc.schedule_views import schedule_grid, write_timeline
 
 # Every size the issue asks to prove: p ≤ 4, V ∈ {2, 3}, m ≤ 16 (a multiple of p).
 SIZES = [
@@ -215,6 +216,16 @@ def test_the_report_states_the_interleaved_bubble_and_draws_it() -> None:
     text = format_report(plan, analysis.estimate, title="t", grid=schedule_grid(plan))
     assert "bubble 11.1% ((p-1)/(V·m+p-1) with p=2, V=2, m=4)" in text
     assert "pp rank 0  0F0   0F1   2F0   2F1" in text
+
+
+def test_the_timeline_draws_the_interleaved_schedule_with_its_bubble(tmp_path: Path) -> None:
+    with model_env(GPT_ENV):
+        analysis = analyse(
+            _spec(GPT_STAGES + "schedule interleaved\nmicrobatches 4\n"), GPT, batch=8
+        )
+    write_timeline(analysis.plan, tmp_path / "t.svg")
+    svg = (tmp_path / "t.svg").read_text()
+    assert "<title>interleaved, 4 stages on pp=2, 4 microbatches — bubble 11.1%</title>" in svg
 
 
 def test_a_rank_of_several_stages_is_priced_at_its_peak_along_the_schedule() -> None:

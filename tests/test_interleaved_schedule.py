@@ -14,7 +14,9 @@ from types import SimpleNamespace
 from typing import cast
 
 import pytest
-from helpers import GPT
+from helpers import GPT, examples
+from hypothesis import given
+from hypothesis import strategies as st
 
 from parc.compiler import schedule_interleaved
 from parc.compiler.frontend import analyse
@@ -69,6 +71,16 @@ def test_every_interleaved_schedule_validates_lowered(pp: int, virtual: int, m: 
     validate(lowered, stages, m, ranks)
     compute = generate(ScheduleKind.INTERLEAVED, stages, m, ranks)
     assert {r: [a for a in acts if a.kind.is_compute] for r, acts in lowered.items()} == compute
+
+
+@examples(20)
+@given(pp=st.integers(2, 6), virtual=st.integers(2, 4), groups=st.integers(1, 6))
+def test_larger_interleaved_schedules_validate_too(pp: int, virtual: int, groups: int) -> None:
+    stages, m, ranks = pp * virtual, pp * groups, _ranks(pp, virtual)
+    lowered = lower(ScheduleKind.INTERLEAVED, stages, m, ranks)
+    validate(lowered, stages, m, ranks)
+    timeline = simulate(lowered, stage_to_rank=ranks)
+    assert bubble_fraction(timeline) == pytest.approx(interleaved_bubble(pp, virtual, m), abs=1e-12)
 
 
 @pytest.mark.parametrize("pp, virtual, m", SIZES)

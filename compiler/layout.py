@@ -5,7 +5,8 @@ memory and traffic the report predicts are the ones a run has.
 
 - A parameter sharded over the tp axis keeps one slice along `dim`
   (Linear col: weight and bias dim 0; Linear row: weight dim 1, the bias stays
-  whole and is added once after the reduction; Embedding col: weight dim 1).
+  whole and is added once after the reduction; Embedding col: weight dim 1;
+  Embedding vocab: weight dim 0, its rows).
   A linear map whose weight is (in, out) (compiler/linear_forms.py, GPT-2's
   Conv1D) is cut on the other dim of its weight: col dim 1, row dim 0.
 - A parameter used by two stages (a tied embedding and LM head) lives on both.
@@ -95,8 +96,8 @@ def param_slices(plan: Plan, model: torch.nn.Module) -> dict[str, ParamSlice]:
 
 
 def _slice_for(kind: ShardKind, leaf: str, module: torch.nn.Module, tp: int) -> ParamSlice | None:
-    if isinstance(module, torch.nn.Embedding):
-        return ParamSlice(1, tp)
+    if isinstance(module, torch.nn.Embedding):  # vocab: its rows; col: its embedding dim
+        return ParamSlice(0 if kind is ShardKind.VOCAB else 1, tp)
     form = linear_form(module)
     assert form is not None, f"resolve shards only linear maps and embeddings: {module}"
     if kind is ShardKind.COL:

@@ -147,13 +147,6 @@ def _resolve_shards(
     """Step 2: patterns to modules, kinds checked, split dims divisible."""
     found: dict[str, ModuleShard] = {}
     for shard in spec.shards:
-        if shard.kind is ShardKind.VOCAB:
-            raise PlanError(
-                "`vocab` sharding (splitting an Embedding's vocabulary) is part of the "
-                "language but not supported by the compiler yet",
-                spec.locate(shard.kind_span),
-                hint="shard the embedding `col` (its embedding dim) or leave it replicated",
-            )
         for name in match_modules(spec, shard.pattern, modules):
             module = modules[name]
             _check_shardable(spec, shard, name, module)
@@ -176,7 +169,9 @@ def _resolve_shards(
 def _check_shardable(spec: Spec, shard: Shard, name: str, module: torch.nn.Module) -> None:
     size = spec.mesh.size(shard.axis)
     form = linear_form(module)  # nn.Linear, or a module the capture saw compute x @ W + b
-    if form is not None:
+    if shard.kind is ShardKind.VOCAB:
+        dim, what = _vocab_rows(spec, shard, name, module)
+    elif form is not None:
         dim, what = (
             (form.out_features, "out_features")
             if shard.kind is ShardKind.COL
@@ -187,16 +182,45 @@ def _check_shardable(spec: Spec, shard: Shard, name: str, module: torch.nn.Modul
     else:
         raise _not_shardable(spec, shard, name, module)
     if dim % size:
+        # Padding the vocabulary to a multiple of the axis is not built yet: refused here.
+        padding = " (padding the vocabulary is not supported yet)" * (shard.kind is ShardKind.VOCAB)
         raise PlanError(
-            f"'{name}' has {what}={dim}, which is not divisible by {clip(shard.axis)}={size}",
+            f"'{name}' has {what}={dim}, which is not divisible by {clip(shard.axis)}={size}"
+            + padding,
             spec.locate(shard.pattern.span),
             hint=f"use a {clip(shard.axis)} size that divides {dim}, or leave '{name}' replicated",
             names=(name,),
         )
 
 
+def _vocab_rows(spec: Spec, shard: Shard, name: str, module: torch.nn.Module) -> tuple[int, str]:
+    """A `vocab` shard's split dim: an Embedding's rows, looked up per rank without
+    options that read the whole table (max_norm renormalises looked-up rows in place,
+    scale_grad_by_freq counts ids over the whole table, sparse gradients are not
+    reduced by parc)."""
+    if not isinstance(module, torch.nn.Embedding):
+        raise _not_shardable(spec, shard, name, module)
+    options = {
+        "max_norm": module.max_norm is not None,
+        "scale_grad_by_freq": module.scale_grad_by_freq,
+        "sparse": module.sparse,
+    }
+    used = [option for option, on in options.items() if on]
+    if used:
+        raise PlanError(
+            f"'{name}' is an Embedding with {', '.join(used)}, which `vocab` sharding does "
+            "not support yet (each rank looks up only its own rows)",
+            spec.locate(shard.kind_span),
+            hint=f"shard it `col` (`shard {name} col {clip(shard.axis)}`) or leave it replicated",
+            names=(name,),
+        )
+    return module.num_embeddings, "num_embeddings (the vocabulary)"
+
+
 def _not_shardable(spec: Spec, shard: Shard, name: str, module: torch.nn.Module) -> PlanError:
-    allowed = "a Linear or an Embedding" if shard.kind is ShardKind.COL else "a Linear"
+    allowed = {ShardKind.COL: "a Linear or an Embedding", ShardKind.VOCAB: "an Embedding"}.get(
+        shard.kind, "a Linear"
+    )
     inside = next((n for n, m in module.named_modules() if linear_form(m) is not None), None)
     if isinstance(module, torch.nn.Embedding):
         hint = f"an Embedding splits its embedding_dim: `shard {name} col {clip(shard.axis)}`"

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from ..conversions import CONVERSIONS, ConvKind, ConvStep
 from ..linear_forms import LinearForm, as_linear_weight, linear_form
 from ..node_meta import meta_of, set_collectives, set_comment, set_placement
+from ..ops.vocab import tp_vocab_lookup
 from .lower_modules import embedding_options
 from .placement import (
     Lowering,
@@ -119,8 +120,10 @@ def emit_lowered(
     module: torch.nn.Module,
     axis: str,
     tp: int,
+    index: int = 0,
 ) -> torch.fx.Node:
-    """The functional form of sharded module call `node` on input `x`, appended to `graph`."""
+    """The functional form of sharded module call `node` on input `x`, appended to `graph`;
+    `index`: this rank's on the axis (a vocab-sharded Embedding's first row depends on it)."""
     before = next(reversed(graph.nodes), None)
     w, b = _param_nodes(graph, lowering, linear_form(module))
     place, meta = meta_of(node).tp, node.meta.get("tensor_meta")
@@ -130,6 +133,12 @@ def emit_lowered(
         assert isinstance(module, torch.nn.Embedding)
         args: tuple[Any, ...] = (x, w, *embedding_options(module))
         out = graph.create_node("call_function", F.embedding, args, name=node.name)
+    elif lowering.kind is LowerKind.EMBEDDING_VOCAB:
+        assert isinstance(module, torch.nn.Embedding)
+        first = index * (module.num_embeddings // tp)
+        args = (x, w, first, module.padding_idx)
+        out = graph.create_node("call_function", tp_vocab_lookup, args, name=node.name)
+        set_comment(out, f"vocab rows from {first}: other ids give zero rows (Partial)")
     elif lowering.kind is LowerKind.LINEAR_COL:
         out = graph.create_node("call_function", F.linear, (x, w, b), name=node.name)
     elif b is None:

@@ -110,6 +110,7 @@ class LowerKind(str, Enum):
     LINEAR_COL = "linear_col"  # F.linear(x, w[rows], b[rows])
     LINEAR_ROW = "linear_row"  # F.linear(x, w[:, cols]) → all-reduce → + b
     EMBEDDING_COL = "embedding_col"  # F.embedding(idx, w[:, cols])
+    EMBEDDING_VOCAB = "embedding_vocab"  # tp_vocab_lookup(idx, w[rows], first row): P
 
     def __str__(self) -> str:
         return self.value

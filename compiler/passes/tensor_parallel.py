@@ -123,7 +123,7 @@ class _Rewriter:
             module = self.gm.get_submodule(str(node.target))
             new = emit_lowered(
                 self.graph, node, rewrite.lowering, inputs.get(x.name) or self.env[x],
-                module, self.axis, self.tp,
+                module, self.axis, self.tp, self.index,
             )  # fmt: skip
         else:
             new = self.graph.node_copy(node, lambda n: inputs.get(n.name) or self.env[n])

@@ -77,6 +77,7 @@ _LOWER = {
     (torch.nn.Linear, ShardKind.COL): LowerKind.LINEAR_COL,
     (torch.nn.Linear, ShardKind.ROW): LowerKind.LINEAR_ROW,
     (torch.nn.Embedding, ShardKind.COL): LowerKind.EMBEDDING_COL,
+    (torch.nn.Embedding, ShardKind.VOCAB): LowerKind.EMBEDDING_VOCAB,
 }  # a module with a linear form (compiler/linear_forms.py) is lowered as nn.Linear
 
 

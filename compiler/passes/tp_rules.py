@@ -270,6 +270,12 @@ def embedding_col(ctx: OpContext) -> Decision:
     return Decision(Shard(len(ctx.out_shape) - 1, ctx.blocks), ((ctx.arg(0), R),))
 
 
+def embedding_vocab(ctx: OpContext) -> Decision:
+    """Embedding `vocab`: indices R → P: each rank looks up the ids in its rows, zero rows
+    for the others (compiler/ops/vocab.py); the sum over the axis is the whole lookup."""
+    return Decision(Partial(), ((ctx.arg(0), R),))
+
+
 # ---------------------------------------------------------------- the table
 
 _UNARY_FUNCTIONS = (
@@ -333,6 +339,7 @@ RULES: dict[object, Rule] = {
     (nn.Linear, ShardKind.COL): linear_col,
     (nn.Linear, ShardKind.ROW): linear_row,
     (nn.Embedding, ShardKind.COL): embedding_col,
+    (nn.Embedding, ShardKind.VOCAB): embedding_vocab,
 }
 
 PARTIAL_RULES: dict[object, Rule] = {

@@ -31,16 +31,40 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-# --- gloo worker pools (parc/testing/pool.py) ------------------------------------
-# One pool per world size for the whole session: a rank starts in ~0.05 s, but
-# reusing it costs ~2 ms a case. A failed case rebuilds its pool by itself.
+# --- thorough-only rows ------------------------------------------------------------
 
 from typing import TYPE_CHECKING  # noqa: E402  (an appended section keeps its imports)
 
 import pytest  # noqa: E402
 
+THOROUGH_ONLY = "thorough profile only: run `pytest --hypothesis-profile=thorough`"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", f"thorough: a row or test run under the {THOROUGH_ONLY}")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip the `thorough` rows unless the thorough profile is on (helpers.thorough)."""
+    marked = [item for item in items if item.get_closest_marker("thorough")]
+    if not marked:
+        return
+    from helpers import thorough  # imports torch: only when a marked row was collected
+
+    if thorough():
+        return
+    for item in marked:
+        item.add_marker(pytest.mark.skip(reason=THOROUGH_ONLY))
+
+
+# --- gloo worker pools (parc/testing/pool.py) ------------------------------------
+# One pool per world size for the whole session: a rank starts in ~0.05 s, but
+# reusing it costs ~2 ms a case. A failed case rebuilds its pool by itself.
+
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
+
+    from procs import ScheduledRun
 
     from parc.testing.pool import WorkerPool
 
@@ -63,3 +87,17 @@ def gloo_pool() -> Iterator[Callable[[int], WorkerPool]]:
     yield pool
     for each in pools.values():
         each.close()
+
+
+# --- `parc run`s shared between test files -------------------------------------
+
+
+@pytest.fixture(scope="session")
+def scheduled_run(tmp_path_factory: pytest.TempPathFactory) -> ScheduledRun:
+    """tests/procs.py's `scheduled_run`, once a session (test_schedules.py, test_metrics.py)."""
+    import importlib.util
+
+    from procs import scheduled_run
+
+    tensorboard = importlib.util.find_spec("tensorboard") is not None
+    return scheduled_run(tmp_path_factory.mktemp("scheduled"), tensorboard)

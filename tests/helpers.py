@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Container, Iterable
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import settings
 
 from parc.dsl.ast import Precision
@@ -23,12 +25,29 @@ MLP = str(ROOT / "examples" / "mlp.py")
 LLAMA = str(ROOT / "examples" / "llama.py")
 
 
+def thorough() -> bool:
+    """Whether this session runs the `thorough` profile (`pytest --hypothesis-profile=thorough`
+    or HYPOTHESIS_PROFILE=thorough): the rows marked `thorough` run (tests/conftest.py)."""
+    current = settings.default
+    return os.environ.get("HYPOTHESIS_PROFILE") == "thorough" or (
+        current is not None and current.max_examples > 100
+    )
+
+
 def examples(n: int) -> settings:
     """`n` Hypothesis examples under the CI profile, 10× that under `thorough`."""
-    thorough = (
-        os.environ.get("HYPOTHESIS_PROFILE") == "thorough" or settings.default.max_examples > 100
-    )
-    return settings(max_examples=n * 10 if thorough else n, deadline=None)
+    return settings(max_examples=n * 10 if thorough() else n, deadline=None)
+
+
+def ci_rows(values: Iterable[Any], ci: Container[Any]) -> list[Any]:
+    """`values` as `pytest.mark.parametrize` rows, each one not in `ci` marked `thorough`
+    (run only under the thorough profile: tests/conftest.py). A tuple is a row of several
+    arguments. `ci` keeps at least one row of every kind the test covers."""
+    rows: list[Any] = []
+    for value in values:
+        args = value if isinstance(value, tuple) else (value,)
+        rows.append(value if value in ci else pytest.param(*args, marks=pytest.mark.thorough))
+    return rows
 
 
 def parc_main(

@@ -176,7 +176,7 @@ def is_loopback(address: str) -> bool:
 
 
 def _socket_inodes(pid: int) -> set[int]:
-    inodes = set()
+    inodes: set[int] = set()
     try:
         fds = list(Path(f"/proc/{pid}/fd").iterdir())
     except OSError:
@@ -198,3 +198,40 @@ def _address(hex_address: str, family: int) -> str:
         return socket.inet_ntop(family, raw)
     words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
     return socket.inet_ntop(family, words)
+
+
+# One `parc run` read by tests/test_schedules.py and tests/test_metrics.py (the session
+# fixture `scheduled_run` of tests/conftest.py): `mesh dp=2`, the tiny MLP, a warmup +
+# cosine lr schedule, every step logged, the MFU against SCHEDULED_PEAK TFLOP/s a device,
+# and TensorBoard's scalars when the extra is installed. Each `parc run` costs ~5 s of
+# imports and rendezvous on 2 cores: the two files' assertions are independent of each
+# other, so they share it.
+SCHEDULED_STEPS, SCHEDULED_LR, SCHEDULED_WARMUP, SCHEDULED_MIN_LR = 6, 0.1, 2, 0.01
+SCHEDULED_PEAK = 0.5
+SCHEDULED_FLAGS = [
+    f"--steps={SCHEDULED_STEPS}",
+    f"--lr={SCHEDULED_LR}",  # tests/models/mlp_sgd.py's own lr, given as parc run's flag
+    "--schedule=cosine",
+    f"--warmup={SCHEDULED_WARMUP}",
+    f"--min-lr={SCHEDULED_MIN_LR}",
+]
+
+
+@dataclass(frozen=True)
+class ScheduledRun:
+    """The shared run: its directory (dp2.par, log.jsonl, runs/dp2/, tb/), what it printed,
+    and whether it wrote TensorBoard scalars (to `cwd / "tb"`)."""
+
+    cwd: Path
+    done: Done
+    tensorboard: bool
+
+
+def scheduled_run(cwd: Path, tensorboard: bool) -> ScheduledRun:
+    """The shared `parc run` in `cwd`; the test fails on a non-zero exit."""
+    (cwd / "dp2.par").write_text("mesh dp=2\n")
+    metrics = ["--log", "log.jsonl", "--peak-tflops", str(SCHEDULED_PEAK)]
+    board = ["--tensorboard", "tb"] if tensorboard else []
+    done = run_parc(["run", "dp2.par", MODEL, *SCHEDULED_FLAGS, *metrics, *board], cwd, 120.0)
+    assert done.code == 0, done
+    return ScheduledRun(cwd, done, tensorboard)

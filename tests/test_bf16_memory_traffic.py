@@ -19,21 +19,26 @@ the bytes the runtime counts per (kind, axis) (`Program.comm_bytes`) are the
 estimate's, for ZeRO-1, ZeRO-3, TP, PP and a 3D mesh under bf16 and fp32 (and an
 HF Llama under tp); and what autograd saves under autocast is the bf16 profile's
 activation bytes.
+
+The memory and the traffic tests read the same pool run of a spec (`held_and_sent_on`).
+CI runs every ZeRO level, every reduce format and every layout at least once; the other
+combinations are marked `thorough` (tests/conftest.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
 import torch
-from helpers import GPT, world_size
+from helpers import GPT, ci_rows, world_size
 from measure import measure_rank
 from peak_memory import measure_peak
 
 from parc.compiler.estimate import Estimate, estimate
-from parc.compiler.frontend import analyse
+from parc.compiler.frontend import Analysis, analyse
 from parc.runtime.equivalence import model_env
 
 pytestmark = pytest.mark.multiprocess
@@ -103,23 +108,45 @@ def held_and_sent(spec_text: str, model: str, env: dict[str, str], batch: int) -
     return {"rank": dist.get_rank(), **held, "bytes": program.comm_bytes()}
 
 
-def _analysed(spec: str) -> Estimate:
+@functools.cache
+def _analysed(spec: str) -> Analysis:
     with model_env(GPT_ENV):
-        return analyse(spec, GPT, batch=BATCH).estimate
+        return analyse(spec, GPT, batch=BATCH)
 
 
+@pytest.fixture(scope="module")
+def held_and_sent_on(gloo_pool: Any) -> Callable[[str], list[dict[str, Any]]]:
+    """`held_and_sent` of a spec on its pool, run once per spec in this module: a step's
+    bytes are deterministic, and the memory and traffic tests share their ZeRO specs."""
+    runs: dict[str, list[dict[str, Any]]] = {}
+
+    def run(spec: str) -> list[dict[str, Any]]:
+        if spec not in runs:
+            runs[spec] = gloo_pool(world_size(spec)).run(held_and_sent, spec, GPT, GPT_ENV, BATCH)
+        return runs[spec]
+
+    return run
+
+
+# `reduce bf16` is bf16's default: left unwritten, so these are TRAFFIC's zero1/zero3 specs
+# (test_mixed_precision.py writes `reduce bf16` out).
 MEMORY = {
-    f"zero{zero} reduce {reduce}": f"mesh dp=2\nzero {zero}\nprecision bf16\nreduce {reduce}\n"
+    f"zero{zero} reduce {reduce}": f"mesh dp=2\nzero {zero}\nprecision bf16\n"
+    + ("reduce fp32\n" if reduce == "fp32" else "")
     for zero in (0, 1, 2, 3)
     for reduce in ("bf16", "fp32")
 }
+MEMORY_CI = {"zero0 reduce fp32", "zero1 reduce bf16", "zero1 reduce fp32", "zero2 reduce bf16"}
+MEMORY_CI |= {"zero3 reduce bf16", "zero3 reduce fp32"}  # zero 1 and 3: TRAFFIC's runs
 
 
-@pytest.mark.parametrize("case", list(MEMORY))
-def test_resident_bytes_under_bf16_are_the_reported_ones(gloo_pool: Any, case: str) -> None:
+@pytest.mark.parametrize("case", ci_rows(MEMORY, MEMORY_CI))
+def test_resident_bytes_under_bf16_are_the_reported_ones(
+    held_and_sent_on: Callable[[str], list[dict[str, Any]]], case: str
+) -> None:
     spec = MEMORY[case]
-    est = _analysed(spec)
-    for got in gloo_pool(world_size(spec)).run(held_and_sent, spec, GPT, GPT_ENV, BATCH):
+    est = _analysed(spec).estimate
+    for got in held_and_sent_on(spec):
         mem = est.memory[got["rank"]]
         want = {
             "params": mem.params,
@@ -157,16 +184,23 @@ def _by_kind(est: Estimate, stage: int) -> dict[tuple[Any, str], int]:
     return out
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
-@pytest.mark.parametrize("case", list(TRAFFIC))
-def test_bytes_sent_are_the_estimated_ones(gloo_pool: Any, case: str, fmt: str) -> None:
+# Every layout and every format at least once; ZeRO's in every format (MEMORY's runs).
+TRAFFIC_CI = {(z, f) for z in ("zero3", "zero1") for f in FORMATS}
+TRAFFIC_CI |= {("tp", "bf16"), ("pp", "bf16 reduce fp32"), ("pp", "fp32"), ("3d", "bf16")}
+
+
+@pytest.mark.parametrize(
+    ("case", "fmt"),
+    ci_rows([(c, f) for c in TRAFFIC for f in FORMATS], TRAFFIC_CI),
+)
+def test_bytes_sent_are_the_estimated_ones(
+    held_and_sent_on: Callable[[str], list[dict[str, Any]]], case: str, fmt: str
+) -> None:
     spec = TRAFFIC[case] + FORMATS[fmt]
-    est = _analysed(spec)
-    with model_env(GPT_ENV):
-        plan = analyse(spec, GPT, batch=BATCH).plan
-    for got in gloo_pool(world_size(spec)).run(held_and_sent, spec, GPT, GPT_ENV, BATCH):
-        stage = plan.mesh.coords(got["rank"]).get("pp", 0)
-        assert got["bytes"] == _by_kind(est, stage), got["rank"]
+    analysis = _analysed(spec)
+    for got in held_and_sent_on(spec):
+        stage = analysis.plan.mesh.coords(got["rank"]).get("pp", 0)
+        assert got["bytes"] == _by_kind(analysis.estimate, stage), got["rank"]
 
 
 HF_LLAMA = "tests/models/hf/llama.py"
@@ -277,7 +311,10 @@ PEAKS = {
 }
 
 
-@pytest.mark.parametrize("case", list(PEAKS))
+# Every ZeRO level and reduce format in CI; ZeRO-2's reduce bf16 under thorough.
+
+
+@pytest.mark.parametrize("case", ci_rows(PEAKS, {"dp", "zero1", "zero2 reduce fp32"}))
 def test_the_most_a_bf16_step_holds_is_the_reported_peak(gloo_pool: Any, case: str) -> None:
     """tests/peak_memory.py counts every storage alive in a step; what the estimate costs
     (resident, saved, the gradient sync's buffers) peaks where the report says."""
@@ -297,7 +334,7 @@ def test_the_most_a_bf16_step_holds_is_the_reported_peak(gloo_pool: Any, case: s
 WIDE_ENV = {**PEAK_ENV, "GPT_LAYERS": "4", "GPT_DIM": "128", "GPT_SEQ": "16"}
 
 
-@pytest.mark.parametrize("zero", [0, 1, 2])
+@pytest.mark.parametrize("zero", ci_rows([0, 1, 2], {0, 2}))  # zero 1 peaks as zero 2
 def test_a_wide_model_peaks_with_the_fp32_gradients_of_the_masters(
     gloo_pool: Any, zero: int
 ) -> None:

@@ -210,7 +210,7 @@ def test_parc_run_saves_the_last_step_and_exports_trained_buffers(tmp_path: Path
     steps, every = 3, 2
     # Every K steps and the last (without --every the last only: test_cli_run.py's
     # --precision run).
-    every_k = ["--checkpoint", "a", "--every", every]
+    every_k: list[str | int] = ["--checkpoint", "a", "--every", every]
     run = parc("run", "pp2.par", BN, "--steps", steps, *every_k, cwd=tmp_path)
     assert run.code == 0, run
     assert (tmp_path / "a" / "latest").read_text().strip() == f"step-{steps}", run

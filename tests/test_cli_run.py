@@ -39,9 +39,9 @@ STEPS, HALF = 6, 3
 TIMEOUT = 120.0  # seconds per command: a run takes ~10 s on 2 shared cores, mostly imports
 
 
-def parc(*args: str | Path, cwd: Path, timeout: float = TIMEOUT) -> Done:
+def parc(*args: str | Path | int, cwd: Path, timeout: float = TIMEOUT) -> Done:
     """Run `parc ARGS` in a fresh process group; on timeout kill the group and fail."""
-    return run_parc(args, cwd, timeout)
+    return run_parc([a if isinstance(a, Path) else str(a) for a in args], cwd, timeout)
 
 
 def read_log(path: Path) -> list[tuple[int, float]]:
@@ -72,7 +72,16 @@ def straight(tmp_path_factory: pytest.TempPathFactory) -> Straight:
     """One uninterrupted 6-step run on `mesh dp=2`, logged, checkpointed after steps 3 and 6."""
     cwd = tmp_path_factory.mktemp("straight")
     (cwd / "dp2.par").write_text(DP2)
-    args = ["--steps", STEPS, "--log", "log.jsonl", "--checkpoint", "ckpt", "--every", HALF]
+    args: list[str | int] = [
+        "--steps",
+        STEPS,
+        "--log",
+        "log.jsonl",
+        "--checkpoint",
+        "ckpt",
+        "--every",
+        HALF,
+    ]
     done = parc("run", "dp2.par", MODEL, *args, cwd=cwd)
     return Straight(done, cwd / "log.jsonl", cwd / "ckpt", cwd)
 
@@ -105,7 +114,7 @@ def test_resume_through_the_cli_continues_exactly(straight: Straight, tmp_path: 
     head = straight.log.read_text().splitlines(keepends=True)[:HALF]
     (tmp_path / "log.jsonl").write_text("".join(head))
     # Fresh processes: nothing but the checkpoint carries the state over.
-    common = ["--log", "log.jsonl", "--checkpoint", "ckpt", "--every", HALF]
+    common: list[str | int] = ["--log", "log.jsonl", "--checkpoint", "ckpt", "--every", HALF]
     second = parc("run", "dp2.par", MODEL, "--steps", STEPS, "--resume", *common, cwd=tmp_path)
     assert second.code == 0, second
     assert f"trained steps {HALF}..{STEPS - 1} on dp=2" in second.out, second
@@ -145,7 +154,7 @@ def test_a_bad_spec_is_a_compiler_error_before_any_process_starts(tmp_path: Path
 
 def test_run_precision_bf16_overrides_the_spec_on_every_rank(tmp_path: Path) -> None:
     (tmp_path / "fp32.par").write_text("mesh dp=2\nprecision fp32\n")
-    args = ["--steps", 2, "--checkpoint", "ckpt", "--precision", "bf16"]
+    args: list[str | int] = ["--steps", 2, "--checkpoint", "ckpt", "--precision", "bf16"]
     done = parc("run", "fp32.par", MODEL, *args, cwd=tmp_path)
     assert done.code == 0, done
     # Said once, by the launcher, at the statement it overrides.

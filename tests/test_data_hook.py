@@ -318,3 +318,22 @@ def test_a_data_hook_gives_the_example_batch_the_compile_traces(tmp_path: Path) 
     )
     with pytest.raises(ModelError, match=r"data\(ctx\) returned inputs of shape \(5, 3\)"):
         load_model(bad).batch(4, 0)
+
+
+def test_a_share_that_is_not_this_ranks_size_is_a_fault_at_its_step() -> None:
+    from parc.api import compile as parc_compile
+    from parc.errors import RuntimeFault
+    from parc.runtime.equivalence import model_env
+
+    with model_env(ENV):
+        source = load_model(DATA_MLP)
+        program = parc_compile("mesh dp=1\nmicrobatches 2\n", source, batch=BATCH)
+        inputs, targets = source.batch(BATCH, 0)
+        with pytest.raises(RuntimeFault, match=r"input 0 has shape \(3, 8\).*\(8, 8\)") as info:
+            program.step_local(inputs[:3], targets)
+        assert "each rank's share must have the same shapes" in str(info.value)
+        with pytest.raises(RuntimeFault, match="targets are NoneType, not a tensor"):
+            program.step_local(inputs, None)  # this rank holds the last stage
+        before = program.steps_done
+        program.step_local(inputs, targets)
+        assert program.steps_done == before + 1

@@ -121,3 +121,15 @@ def test_data_file_trains_a_pipeline_whose_rank_0_holds_no_targets(
     info = json.loads((tmp_path / "ckpt" / "step-4" / "parc.json").read_text())
     # 1,760 bytes are 195 windows of 9 tokens: 48 global batches an epoch.
     assert info["data"] == {"epoch": 0, "samples": 16}
+
+
+def test_data_flags_are_checked_before_any_rank_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from helpers import parc_main
+
+    code, _ = parc_main(tmp_path, "dp2.par", DP2, "run", str(DATA_MLP), "--tokenizer", "t")
+    assert code == 2 and "--tokenizer needs --data FILE" in capsys.readouterr().err
+    missing = str(tmp_path / "missing.txt")
+    code, _ = parc_main(tmp_path, "dp2.par", DP2, "run", str(DATA_MLP), "--data", missing)
+    assert code == 2 and f"--data {missing}: no such file" in capsys.readouterr().err

@@ -11,7 +11,16 @@ from typing import Any
 
 import pytest
 import torch
-from procs import MODEL, TINY, Done, run_parc
+from procs import (
+    MODEL,
+    SCHEDULED_LR,
+    SCHEDULED_MIN_LR,
+    SCHEDULED_PEAK,
+    SCHEDULED_STEPS,
+    SCHEDULED_WARMUP,
+    TINY,
+    ScheduledRun,
+)
 
 from parc.cli import main
 from parc.compiler.frontend import analyse
@@ -30,9 +39,11 @@ from parc.runtime.schedules import Schedule, ScheduleKind
 
 pytestmark = pytest.mark.timeout(240)
 
-STEPS, BATCH, PEAK = 4, 8, 0.5  # PEAK: TFLOP/s per device given to --peak-tflops
+# The session's `parc run` (tests/procs.py, shared with test_schedules.py): its steps, the
+# TFLOP/s per device given to --peak-tflops, and its lr (tests/models/mlp_sgd.py's own).
+STEPS, BATCH, PEAK = SCHEDULED_STEPS, 8, SCHEDULED_PEAK
 DP2 = "mesh dp=2\n"
-LR = 0.1  # tests/models/mlp_sgd.py's SGD lr
+LR = SCHEDULED_LR
 # Grad norms: the dp=2 run against one process, as tests/test_clip.py measured (rtol 1e-5).
 NORM_RTOL = 1e-5
 FIELDS = {
@@ -142,26 +153,22 @@ def _scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:
     }
 
 
-SCHEDULE = Schedule(kind=ScheduleKind.COSINE, steps=STEPS, warmup=1, min_lr=0.01)
-SCHEDULE_FLAGS = ("--schedule", "cosine", "--warmup", "1", "--min-lr", "0.01")
+FLOOR = SCHEDULED_MIN_LR / LR
+SCHEDULE = Schedule(
+    kind=ScheduleKind.COSINE, steps=STEPS, warmup=SCHEDULED_WARMUP, min_lr=SCHEDULED_MIN_LR
+)
 
 
-def _run(tmp_path: Path, *flags: str) -> tuple[Done, list[dict[str, Any]]]:
-    """`parc run` on dp=2 with --log, the cosine schedule and --peak-tflops; its JSON lines."""
-    (tmp_path / "dp2.par").write_text(DP2)
-    args = ("--steps", str(STEPS), "--batch", str(BATCH), "--log", "log.jsonl", *SCHEDULE_FLAGS)
-    done = run_parc(
-        ("run", "dp2.par", MODEL, *args, "--peak-tflops", str(PEAK), *flags), tmp_path, 120.0
-    )
-    assert done.code == 0, done
-    rows = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(STEPS)), rows  # one object per step
-    return done, rows
+def _rows(run: ScheduledRun) -> list[dict[str, Any]]:
+    """The shared run's JSON lines (--log), one object per step."""
+    rows = [json.loads(line) for line in (run.cwd / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(STEPS)), rows
+    return rows
 
 
 @pytest.mark.multiprocess
-def test_parc_run_logs_every_metric_of_every_step(tmp_path: Path) -> None:
-    done, rows = _run(tmp_path)
+def test_parc_run_logs_every_metric_of_every_step(scheduled_run: ScheduledRun) -> None:
+    done, rows = scheduled_run.done, _rows(scheduled_run)
     ref = reference_run(str(MODEL), steps=STEPS, batch=BATCH, env=TINY, lr_schedule=SCHEDULE)
     with model_env(TINY):
         stages = analyse(DP2, load_model(MODEL), batch=BATCH).estimate.stages
@@ -169,7 +176,7 @@ def test_parc_run_logs_every_metric_of_every_step(tmp_path: Path) -> None:
     for row, norm, loss in zip(rows, ref["grad_norms"], ref["losses"], strict=True):
         assert set(row) == FIELDS, row
         assert math.isclose(row["loss"], loss, rel_tol=NORM_RTOL), row
-        assert row["lr"] == pytest.approx(LR * SCHEDULE.multiplier(row["step"], 0.01 / LR)), row
+        assert row["lr"] == pytest.approx(LR * SCHEDULE.multiplier(row["step"], FLOOR)), row
         # The logged norm is Program.last_grad_norm, which equals one device's norm.
         assert math.isclose(row["grad_norm"], norm, rel_tol=NORM_RTOL), row
         assert row["step_time_s"] > 0, row
@@ -182,14 +189,17 @@ def test_parc_run_logs_every_metric_of_every_step(tmp_path: Path) -> None:
         assert row["skipped"] is False
     assert "samples/s" in done.err and "MFU" in done.err and "MiB" in done.err, done.err
     assert "mean" in done.out and "samples/s, peak memory" in done.out, done.out
-    assert (tmp_path / "runs" / "dp2" / "loss.svg").read_text().startswith("<svg")
+    assert (scheduled_run.cwd / "runs" / "dp2" / "loss.svg").read_text().startswith("<svg")
 
 
 @pytest.mark.multiprocess
-def test_parc_run_writes_the_same_metrics_as_tensorboard_scalars(tmp_path: Path) -> None:
-    pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
-    _, rows = _run(tmp_path, "--tensorboard", "tb")
-    scalars = _scalars(tmp_path / "tb")
+def test_parc_run_writes_the_same_metrics_as_tensorboard_scalars(
+    scheduled_run: ScheduledRun,
+) -> None:
+    if not scheduled_run.tensorboard:
+        pytest.skip("the tensorboard extra is not installed")
+    rows = _rows(scheduled_run)
+    scalars = _scalars(scheduled_run.cwd / "tb")
     for key in ("loss", "lr", "grad_norm", "samples_per_s", "step_time_s", "mfu"):
         got = scalars[f"train/{key}"]
         assert [s for s, _ in got] == list(range(STEPS)), key

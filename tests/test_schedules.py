@@ -11,7 +11,17 @@ from typing import Any
 
 import pytest
 import torch
-from procs import MODEL, TINY, run_parc
+from procs import (
+    MODEL,
+    SCHEDULED_FLAGS,
+    SCHEDULED_LR,
+    SCHEDULED_MIN_LR,
+    SCHEDULED_STEPS,
+    SCHEDULED_WARMUP,
+    TINY,
+    ScheduledRun,
+    run_parc,
+)
 from torch.optim import lr_scheduler as sched
 
 from parc.compiler.model import load_model
@@ -30,7 +40,7 @@ from parc.runtime.schedules import (
     scheduler_for,
 )
 
-LR, MIN_LR = 0.1, 0.01
+LR, MIN_LR = SCHEDULED_LR, SCHEDULED_MIN_LR  # 0.1, 0.01: the shared run's (tests/procs.py)
 # torch's LinearLR and CosineAnnealingLR update the lr multiplicatively step after step
 # (chainable form); ours multiplies the base lr by a closed formula. The two roundings
 # differ by a few ulps after ~100 steps (measured at most 4e-16 relative): 1e-12 relative
@@ -180,9 +190,9 @@ def test_min_lr_above_the_optimizers_lr_is_refused_when_built() -> None:
 
 
 DP2 = "mesh dp=2\n"
-STEPS, HALF = 6, 3
-COSINE = Schedule(kind=ScheduleKind.COSINE, steps=STEPS, warmup=2, min_lr=MIN_LR)
-FLAGS = [f"--steps={STEPS}", f"--lr={LR}", "--schedule=cosine", "--warmup=2", f"--min-lr={MIN_LR}"]
+STEPS, HALF = SCHEDULED_STEPS, 3  # 6 steps, resumed at 3
+COSINE = Schedule(kind=ScheduleKind.COSINE, steps=STEPS, warmup=SCHEDULED_WARMUP, min_lr=MIN_LR)
+FLAGS = SCHEDULED_FLAGS  # --steps=6 --lr=0.1 --schedule=cosine --warmup=2 --min-lr=0.01
 LOGGED = ["--log", "log.jsonl", "--checkpoint", "ckpt"]
 RUN_S = 120.0  # seconds per `parc run`: ~8 s on 2 shared cores, mostly imports
 
@@ -194,14 +204,12 @@ def _logged(path: Path) -> dict[int, tuple[float, float]]:
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An uninterrupted 6-step run with a warmup + cosine schedule on `mesh dp=2`."""
-    cwd = tmp_path_factory.mktemp("straight")
-    (cwd / "dp2.par").write_text(DP2)
-    done = run_parc(["run", "dp2.par", MODEL, *FLAGS, *LOGGED], cwd, RUN_S)
-    assert done.code == 0, done
+def straight(scheduled_run: ScheduledRun) -> Path:
+    """An uninterrupted 6-step run with a warmup + cosine schedule on `mesh dp=2` (the
+    session's, shared with test_metrics.py: tests/procs.py), logged to log.jsonl."""
+    done = scheduled_run.done
     assert f"| lr {LR / 3:.3g} |" in done.err, done  # the progress line's first step
-    return cwd
+    return scheduled_run.cwd
 
 
 def test_parc_run_trains_and_logs_each_steps_scheduled_lr(straight: Path) -> None:

@@ -66,6 +66,8 @@ class Feed:
             self.stream = DataStream(
                 hook, ctx, path=source.path, signature=program.parts.example, start=position
             )
+        # Rank 0 saves the data position: it holds stage 0 (all its coordinates are 0).
+        assert hook is None or self.stream is not None or program.comm.rank != 0
 
     def step(self, step: int) -> float:
         """Train step `step` on its batch; the global batch's loss."""

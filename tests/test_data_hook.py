@@ -337,3 +337,28 @@ def test_a_share_that_is_not_this_ranks_size_is_a_fault_at_its_step() -> None:
         before = program.steps_done
         program.step_local(inputs, targets)
         assert program.steps_done == before + 1
+
+
+def _loader(ctx: DataContext) -> Any:
+    """A DataLoader over the rank's rows that shuffles them with torch's global generator
+    (its sampler draws a seed from it at each `iter()`)."""
+    from torch.utils.data import DataLoader, Subset, TensorDataset
+
+    dataset = TensorDataset(torch.arange(40.0).reshape(20, 2), torch.arange(20.0))
+    rows = Subset(dataset, ctx.sampler(20, shuffle=False))
+    return DataLoader(rows, batch_size=ctx.batch, shuffle=True)
+
+
+def test_a_shuffling_dataloader_replays_and_leaves_training_s_generator() -> None:
+    torch.manual_seed(7)
+    training = torch.get_rng_state()
+    stream = _stream(_loader)
+    seen = [stream.next() for _ in range(7)]  # 5 global batches of 4 an epoch: into epoch 1
+    assert torch.equal(torch.get_rng_state(), training)
+    again = _stream(_loader)
+    assert all(torch.equal(again.next().targets, s.targets) for s in seen)
+    # Epoch 0 holds dp rank 1's rows (2 and 3 of each 4), each once, in the loader's order.
+    epoch0 = sorted(int(t) for s in seen[:5] for t in s.targets)
+    assert epoch0 == [4 * g + r for g in range(5) for r in (2, 3)]
+    resumed = _stream(_loader, start=DataPosition(1, 4))  # after epoch 1's first batch
+    assert torch.equal(resumed.next().targets, seen[6].targets)

@@ -13,6 +13,7 @@ from parc.dsl.ast import ScheduleKind
 from .estimate import Estimate
 from .ops.collectives import CommKind
 from .plan import Plan, compress_names
+from .plan_schedule import compute_schedule
 from .report_memory import (
     buffer_lines,
     host_json,
@@ -23,6 +24,7 @@ from .report_memory import (
     precision_lines,
 )
 from .report_table import MAX_RANK_ROWS, human_bytes, human_count, table
+from .schedule import peak_in_flight
 
 __all__ = [
     "bytes_by_axis",
@@ -213,6 +215,11 @@ def _pipeline_lines(plan: Plan, est: Estimate, grid: str | None) -> list[str]:
     ]
     if plan.num_stages > plan.pp:
         lines.append(f"  {plan.num_stages} stages on pp={plan.pp}: {rank_stages_text(plan)}")
+        peaks = peak_in_flight(compute_schedule(plan))
+        lines.append(
+            "  (stage, microbatch) activations a pp rank holds at its peak: "
+            + ", ".join(str(peaks[r]) for r in range(plan.pp))
+        )
     if grid:
         lines += ["  " + line for line in grid.splitlines()]
     return lines

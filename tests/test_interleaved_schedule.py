@@ -228,6 +228,8 @@ def test_the_report_states_the_interleaved_bubble_and_draws_it() -> None:
     text = format_report(plan, analysis.estimate, title="t", grid=schedule_grid(plan))
     assert "bubble 11.1% ((p-1)/(V·m+p-1) with p=2, V=2, m=4)" in text
     assert "pp rank 0  0F0   0F1   2F0   2F1" in text
+    # Warm-up + 1 chunks: (2-0-1)·2 + (2-1)·2 + 1 = 5 on rank 0, 3 on rank 1.
+    assert "(stage, microbatch) activations a pp rank holds at its peak: 5, 3" in text
 
 
 def test_the_timeline_draws_the_interleaved_schedule_with_its_bubble(tmp_path: Path) -> None:

@@ -143,6 +143,24 @@ def test_resuming_under_another_dp_size_keeps_the_global_sample_order(
         assert trained == [want[g] for g in range(3, 6)], f"dp={world}"
 
 
+@pytest.mark.multiprocess
+def test_resuming_with_another_global_batch_continues_the_epoch_s_order(
+    gloo_pool: Any, tmp_path: Path
+) -> None:
+    """Saved after 3 global batches of 8 (24 samples into epoch 0), resumed with global
+    batches of 4: the next two hold the samples of the 8-batch run's fourth, in order
+    (a batch that does not divide 24 is refused: the one-process tests)."""
+    straight, saved = tmp_path / "straight.jsonl", tmp_path / "ckpt"
+    gloo_pool(2).run(_train_saving, "mesh dp=2\n", str(straight), None, 4, None)
+    first = str(tmp_path / "first.jsonl")
+    gloo_pool(2).run(_train_saving, "mesh dp=2\n", first, str(saved), 3, None)
+    then = tmp_path / "then.jsonl"
+    gloo_pool(2).run(_train_saving, "mesh dp=2\n", str(then), None, 5, str(saved), 4)
+    # Epoch 0 in batches of 4: 6 passed over (24 samples), then 6 and 7 trained.
+    got = _global_ids(_records(then))
+    assert got[6] + got[7] == _global_ids(_records(straight))[3]
+
+
 def _global_ids(log: list[dict[str, Any]]) -> dict[int, list[int]]:
     """Global batch number (epochs of 4) -> its sample ids, the dp shares in rank order;
     a batch yielded again (the skipped batches of a resume) must hold the same ids."""
@@ -159,7 +177,7 @@ def _global_ids(log: list[dict[str, Any]]) -> dict[int, list[int]]:
 
 
 def _train_saving(
-    spec: str, log: str, save: str | None, steps: int, resume: str | None
+    spec: str, log: str, save: str | None, steps: int, resume: str | None, batch: int = BATCH
 ) -> dict[str, Any]:
     """Pool case: train from the data hook up to `steps`, from checkpoint `resume` when
     given (its data position restored), saving the end to `save` when given."""
@@ -171,7 +189,7 @@ def _train_saving(
 
     with model_env(ENV):
         source = load_model(DATA_MLP)
-        program = parc_compile(spec, source, batch=BATCH)
+        program = parc_compile(spec, source, batch=batch)
         start, position = 0, None
         if resume is not None:
             start, position = load_checkpoint(program, resume), saved_position(resume)

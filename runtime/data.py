@@ -51,6 +51,7 @@ __all__ = [
 
 Hook = Callable[[DataContext], Iterable[Any]]
 _CALL = "data(ctx)"
+_END = object()  # what `next` gives at the end of an epoch
 
 
 def rank_context(parts: ProgramParts, *, seed: int) -> DataContext:
@@ -142,14 +143,14 @@ class DataStream:
 
     def next(self) -> LocalBatch:
         """The next batch (a new epoch begins where the last one ended)."""
-        item = next(self._batches, None)
-        if item is None:
+        item = next(self._batches, _END)  # a yielded None is a batch (refused below)
+        if item is _END:
             if self.position.samples == 0:  # nothing yielded (or skipped) in this epoch
                 raise self._empty(self.position.epoch)
             self.position = DataPosition(self.position.epoch + 1, 0)
             self._batches = self._open(self.position.epoch)
-            item = next(self._batches, None)
-            if item is None:
+            item = next(self._batches, _END)
+            if item is _END:
                 raise self._empty(self.position.epoch)
         index = self.position.samples // self.ctx.global_batch
         self.position = replace(
@@ -171,7 +172,7 @@ class DataStream:
     def _skip(self, count: int) -> None:
         """Pass over the `count` batches of the epoch trained before the checkpoint."""
         for done in range(count):
-            if next(self._batches, None) is None:
+            if next(self._batches, _END) is _END:
                 raise ParcError(
                     f"{_CALL} yields {done} batches in epoch {self.position.epoch}; the "
                     f"checkpoint was saved after {count} of them",

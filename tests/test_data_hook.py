@@ -380,3 +380,8 @@ def test_a_shuffling_dataloader_replays_and_leaves_training_s_generator() -> Non
     assert epoch0 == [4 * g + r for g in range(5) for r in (2, 3)]
     resumed = _stream(_loader, start=DataPosition(1, 4))  # after epoch 1's first batch
     assert torch.equal(resumed.next().targets, seen[6].targets)
+
+
+def test_a_none_batch_is_refused_not_taken_for_the_end_of_the_epoch() -> None:
+    with pytest.raises(ModelError, match=r"data\(ctx\) \(epoch 0, batch 0\) returned a NoneType"):
+        _stream(lambda ctx: [None, (torch.zeros(2, 3), torch.zeros(2))]).next()

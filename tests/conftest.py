@@ -1,8 +1,24 @@
-"""Shared test setup: Hypothesis profiles and the multi-process worker pool.
+"""Shared test setup: Hypothesis profiles, thorough-only rows, the multi-process worker
+pool and the `parc run`s several test files read.
 
 Profiles: `ci` (the default; derandomized so CI is reproducible, modest example
 counts to keep the suite under ~15 minutes on 2 cores) and `thorough`
-(`pytest --hypothesis-profile=thorough`: many more, random examples).
+(`pytest --hypothesis-profile=thorough` or HYPOTHESIS_PROFILE=thorough: many more,
+random examples, and the rows below).
+
+Thorough-only rows: a parametrized row (`pytest.param(..., marks=pytest.mark.thorough)`,
+or `helpers.ci_rows(values, ci)`) or a test marked `thorough` is skipped under `ci` with
+the reason "thorough profile only: run `pytest --hypothesis-profile=thorough`", and runs
+under `thorough`. CI keeps at least one row of every kind a test covers:
+
+- test_bf16_memory_traffic.py: resident bytes for every ZeRO level and both reduce
+  formats (6 of 8 rows; ZeRO 1 and 3 share the traffic test's runs); bytes sent for every
+  layout in at least one format and every format at least once (10 of 15 rows; 3D in
+  bf16 only); bf16 peaks for dp, ZeRO-1 and ZeRO-2 under reduce fp32; the wide model at
+  ZeRO 0 and 2.
+- test_checkpoint.py: resume for every layout under one optimizer, both optimizers
+  (5 of 9 rows).
+- test_clip.py: every layout, ZeRO level and precision (7 of 9 rows).
 """
 
 from __future__ import annotations

@@ -9,6 +9,11 @@ error from inside `F.cross_entropy` (and, on a GPU, instead of a device-side
 assert that poisons the CUDA context): the output must be one floating-point
 tensor, the targets integer class indices, one per output position, in
 [0, classes) (or the ignore index -100).
+
+Loss parallel: with `vocab` set (the front end sets it when the tensor-parallel
+analysis keeps the logits sharded along their last dim, compiler/passes/tp_analysis.py),
+the output is this rank's `1/vocab.parts` of the classes and the loss is computed on
+the shards (compiler/ops/vocab.py `tp_vocab_cross_entropy`), equal to the whole one.
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ import torch.nn.functional as F
 
 from parc.errors import ModelError
 
-__all__ = ["IGNORE_INDEX", "DefaultLoss"]
+from .ops.vocab import tp_vocab_cross_entropy
+
+__all__ = ["IGNORE_INDEX", "DefaultLoss", "VocabShards"]
 
 IGNORE_INDEX = -100  # F.cross_entropy's default: targets equal to it are skipped
 _FIX = "define loss_fn(output, targets) in {path}, or {other}"
@@ -32,23 +39,40 @@ _DEFAULT = (
 
 
 @dataclass(frozen=True, slots=True)
+class VocabShards:
+    """The output's last dim split in `parts` equal contiguous parts over `axis`."""
+
+    axis: str
+    parts: int
+
+
+@dataclass(frozen=True, slots=True)
 class DefaultLoss:
     """Cross-entropy for the model file `path` (named in every error).
 
     `check_range=False` leaves the targets' range to the caller (`check_range_of`,
     e.g. once per step on the host's batch: the check reads the targets' values, a
-    device sync per call on a GPU).
+    device sync per call on a GPU). `vocab`: the output holds this rank's part of the
+    classes (loss parallel); None: all of them.
     """
 
     path: str
     check_range: bool = True
+    vocab: VocabShards | None = None
 
     def __call__(self, output: Any, targets: Any) -> torch.Tensor:
         self._check_output(output)
         self._check_targets(output, targets)
         # Any integer dtype is a class index; cross_entropy takes int64 only.
         flat = targets.reshape(-1).long()
-        return F.cross_entropy(output.reshape(-1, output.shape[-1]), flat)
+        logits = output.reshape(-1, output.shape[-1])
+        if self.vocab is not None:
+            return tp_vocab_cross_entropy(logits, flat, self.vocab.axis, IGNORE_INDEX)
+        return F.cross_entropy(logits, flat)
+
+    def classes(self, output: torch.Tensor) -> int:
+        """The number of classes: the output's last dim (× the parts under loss parallel)."""
+        return output.shape[-1] * (self.vocab.parts if self.vocab is not None else 1)
 
     def _error(self, message: str, other: str) -> ModelError:
         return ModelError(message, file=self.path, hint=_FIX.format(path=self.path, other=other))
@@ -63,7 +87,7 @@ class DefaultLoss:
         )
 
     def _check_targets(self, output: torch.Tensor, targets: Any) -> None:
-        classes = output.shape[-1]
+        classes = self.classes(output)
         wanted = _wanted(classes)
         integer = isinstance(targets, torch.Tensor) and not (
             targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool
@@ -74,7 +98,7 @@ class DefaultLoss:
                 "return class indices from sample_batch (e.g. `targets.long()`); for "
                 "regression or soft labels, e.g. `return F.mse_loss(output, targets)`",
             )
-        positions = output.numel() // max(classes, 1)
+        positions = output.numel() // max(output.shape[-1], 1)
         if targets.numel() != positions:
             raise self._error(
                 f"sample_batch returned targets of shape {tuple(targets.shape)} for an output of "
@@ -83,10 +107,13 @@ class DefaultLoss:
                 "return targets with the output's shape without its last dim",
             )
         if self.check_range:
-            self.check_range_of(targets, classes)
+            self.check_range_of(targets, output.shape[-1])
 
-    def check_range_of(self, targets: torch.Tensor, classes: int) -> None:
-        """Every target in [0, classes) or the ignore index, else a ModelError."""
+    def check_range_of(self, targets: torch.Tensor, last_dim: int) -> None:
+        """Every target in [0, classes) or the ignore index, else a ModelError; `last_dim`:
+        the size of the output's last dim as this rank holds it (a vocab shard under loss
+        parallel)."""
+        classes = last_dim * (self.vocab.parts if self.vocab is not None else 1)
         wanted = _wanted(classes)
         # One fused check (one read of the targets): out of range is an IndexError on
         # the CPU and a device-side assert on a GPU.

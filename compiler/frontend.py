@@ -146,9 +146,12 @@ def _analyse(
     annotate_stages(gm, plan)
     if plan.tp_axis is not None and plan.tp > 1:
         from .passes.tp_analysis import analyse_tensor_parallel
+        from .passes.tp_loss import loss_on_shards, takes_shards
 
-        found = analyse_tensor_parallel(gm, plan, spec, strict=strict)
+        shards = takes_shards(source.loss_fn)  # loss parallel: the default cross-entropy
+        found = analyse_tensor_parallel(gm, plan, spec, strict=strict, loss_parallel=shards)
         plan = dataclasses.replace(plan, warnings=plan.warnings + tuple(found))
+        source = dataclasses.replace(source, loss_fn=loss_on_shards(source.loss_fn, gm, plan))
     batch_stats = batch_statistics_warnings(built, plan, spec)
     if batch_stats:
         plan = dataclasses.replace(plan, warnings=plan.warnings + tuple(batch_stats))

@@ -55,7 +55,7 @@ def _spec(model: str, *, tp: int, dp: int = 1, pp: int = 1, zero: int = 0, head:
     lines += ["shard lm_head col tp"] * head
     lines += [f"shard {b} tp" for b in BLOCKS[model]] * blocks
     lines += [f"zero {zero}"] * (zero > 0)
-    lines += ["microbatches 2"] * (pp > 1)
+    lines += ["stage auto", "microbatches 2"] * (pp > 1)
     return "\n".join(lines) + "\n"
 
 

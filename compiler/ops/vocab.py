@@ -8,14 +8,22 @@ clamped to a wrong row), so summing every rank's output over the axis (the
 Partial → Replicate all-reduce the analysis inserts) is the whole lookup. The
 masked positions also get no gradient: the mask zeroes it before it reaches
 `F.embedding`'s backward.
+
+`tp_vocab_cross_entropy(logits, targets, axis)` is the default loss on logits whose
+vocabulary dim is split over `axis` (loss parallel, compiler/default_loss.py): the
+whole (N, V) logits are never made on any rank.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
-__all__ = ["tp_vocab_lookup"]
+from .collectives import active_comm
+
+__all__ = ["tp_vocab_cross_entropy", "tp_vocab_lookup"]
 
 
 def tp_vocab_lookup(
@@ -39,3 +47,51 @@ def tp_vocab_lookup(
     pad = padding_idx - first if held and padding_idx is not None else None
     found = F.embedding(local.masked_fill(outside, 0), weight, pad)
     return found.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+def tp_vocab_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, axis: str, ignore_index: int = -100
+) -> torch.Tensor:
+    """Mean cross-entropy of `logits` (N, V/n): this rank's columns of the vocabulary split
+    over `axis` (n ranks, rank i holding [i·V/n, (i+1)·V/n)), without the whole (N, V).
+
+    F.cross_entropy's value (mean over targets that are not `ignore_index`), from one
+    all-gather of 2·N values per rank: each rank's row log-sum-exp and its target logit
+    (zero where another rank owns the target). Needs the active Comm (a step).
+    """
+    out = _VocabCrossEntropy.apply(logits, targets, axis, ignore_index)
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
+class _VocabCrossEntropy(torch.autograd.Function):
+    """Forward: log-sum-exp over the axis from the ranks' own; backward: softmax − one-hot
+    on this rank's columns (rank-local: every rank has the whole log-sum-exp)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, logits: torch.Tensor, targets: torch.Tensor, axis: str, ignore_index: int
+    ) -> torch.Tensor:
+        comm = active_comm()
+        n, cols = comm.size(axis), logits.shape[-1]
+        local = targets - comm.index(axis) * cols
+        owned = (local >= 0) & (local < cols)  # the ignore index is below every rank's range
+        local = local.masked_fill(~owned, 0)
+        picked = logits.gather(1, local.unsqueeze(1)).squeeze(1).masked_fill(~owned, 0.0)
+        mine = torch.stack([torch.logsumexp(logits, dim=1), picked])  # (2, N)
+        gathered = torch.empty((n * mine.numel(),), dtype=mine.dtype, device=mine.device)
+        comm.all_gather(gathered, mine.reshape(-1), axis)  # cross-entropy over vocab shards
+        parts = gathered.view(n, 2, -1)
+        lse, target = torch.logsumexp(parts[:, 0], dim=0), parts[:, 1].sum(dim=0)
+        valid = targets != ignore_index
+        count = valid.sum()
+        ctx.save_for_backward(logits, lse, local, owned, valid, count)
+        return ((lse - target) * valid).sum() / count
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        logits, lse, local, owned, valid, count = ctx.saved_tensors
+        out = torch.exp(logits - lse.unsqueeze(1))
+        out.scatter_add_(1, local.unsqueeze(1), -owned.to(out.dtype).unsqueeze(1))
+        out.mul_((valid.to(out.dtype) * grad / count).unsqueeze(1))
+        return out, None, None, None

@@ -29,7 +29,9 @@ Algorithm:
    forward, all-reduce backward), one per value, shared by its consumers.
 5. Sizes: size-valued nodes get their (global, local) values; size arguments
    of the other nodes that must change are recorded (tp_shapes.py).
-6. The graph output: every tensor is made R (all-gather / all-reduce).
+6. The graph output: every tensor is made R (all-gather / all-reduce); with
+   `loss_parallel` (the default loss), logits sharded along their last dim stay
+   sharded and their loss's all-gather is recorded instead (tp_loss.py).
 7. Write each node's `ParcMeta` (compiler/node_meta.py): tp, tp_rewrite,
    tp_grad (the value needs a gradient), sharded, collectives (each
    conversion step's costs from its row of compiler/conversions.py).
@@ -66,6 +68,7 @@ from .placement import (
 )
 from .tp_context import Decision, Misaligned, NotDivisible, OpContext
 from .tp_dims import output_metas
+from .tp_loss import kept_logits, loss_collectives
 from .tp_params import col_blocks, param_placements
 from .tp_rules import METADATA_OPS, PARTIAL_RULES, RULES, TRANSPARENT_OPS
 from .tp_shapes import SizeError, evaluate, size_fixes
@@ -82,20 +85,26 @@ _LOWER = {
 
 
 def analyse_tensor_parallel(
-    gm: torch.fx.GraphModule, plan: Plan, spec: Spec | None = None, *, strict: bool = False
+    gm: torch.fx.GraphModule,
+    plan: Plan,
+    spec: Spec | None = None,
+    *,
+    strict: bool = False,
+    loss_parallel: bool = False,
 ) -> list[PlanWarning]:
     """Write every node's tensor-parallel placement and rewrite record; return the warnings.
 
     `gm` must be shape-propagated (`node.meta["tensor_meta"]`, global shapes).
     `spec` locates errors and warnings at its `shard` lines. With `strict`, an
     op that must all-gather a sharded input is a CompileError instead of a warning.
+    `loss_parallel`: the loss is the default cross-entropy, which takes vocab shards.
     """
     # Step 1
     if plan.tp_axis is None or plan.tp == 1:
         for node in gm.graph.nodes:
             _write(node, R, None, [])
         return []
-    walk = _Walk(gm, plan, spec, strict)
+    walk = _Walk(gm, plan, spec, strict, loss_parallel)
     for node in gm.graph.nodes:  # Steps 3-6
         walk.visit(node)
     for node in gm.graph.nodes:  # Step 7
@@ -141,8 +150,11 @@ def _numel(node: torch.fx.Node) -> int:
 class _Walk:
     """Steps 2-6: the state of one pass over the graph."""
 
-    def __init__(self, gm: torch.fx.GraphModule, plan: Plan, spec: Spec | None, strict: bool):
+    def __init__(
+        self, gm: torch.fx.GraphModule, plan: Plan, spec: Spec | None, strict: bool, loss: bool
+    ):
         self.gm, self.plan, self.spec, self.strict = gm, plan, spec, strict
+        self.loss_parallel = loss
         self.tp = plan.tp
         self.canonical = canonical_names(gm)
         # Step 2
@@ -376,9 +388,15 @@ class _Walk:
         return Lowering(kind, tuple(uses))
 
     def _output(self, node: torch.fx.Node) -> None:
-        """Step 6: the program's outputs are whole on every rank."""
+        """Step 6: the program's outputs are whole on every rank, but logits kept for loss
+        parallel."""
+        kept = kept_logits(node, self.place) if self.loss_parallel else None
+        if kept is not None:
+            self._add(node, loss_collectives(kept, self.tp))
         converts = []
         for value in node.all_input_nodes:
+            if value is kept:
+                continue
             steps = plan_conversion(self.place[value], R, enter=False) if _is_tensor(value) else ()
             if steps:
                 converts.append((value.name, steps))

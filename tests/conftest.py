@@ -19,6 +19,8 @@ under `thorough`. CI keeps at least one row of every kind a test covers:
 - test_checkpoint.py: resume for every layout under one optimizer, both optimizers
   (5 of 9 rows).
 - test_clip.py: every layout, ZeRO level and precision (7 of 9 rows).
+- test_mixed_precision.py: every layout, ZeRO level, reduce format, optimizer and model
+  (9 of 11 rows).
 """
 
 from __future__ import annotations

@@ -40,10 +40,12 @@ _DEFAULT = (
 
 @dataclass(frozen=True, slots=True)
 class VocabShards:
-    """The output's last dim split in `parts` equal contiguous parts over `axis`."""
+    """The output's last dim, `classes` in all, split in `parts` equal contiguous parts
+    over `axis`."""
 
     axis: str
     parts: int
+    classes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +55,8 @@ class DefaultLoss:
     `check_range=False` leaves the targets' range to the caller (`check_range_of`,
     e.g. once per step on the host's batch: the check reads the targets' values, a
     device sync per call on a GPU). `vocab`: the output holds this rank's part of the
-    classes (loss parallel); None: all of them.
+    classes (loss parallel); None: all of them. Given all of them anyway (a caller
+    that all-gathers the logits), it computes the same loss on them.
     """
 
     path: str
@@ -66,13 +69,18 @@ class DefaultLoss:
         # Any integer dtype is a class index; cross_entropy takes int64 only.
         flat = targets.reshape(-1).long()
         logits = output.reshape(-1, output.shape[-1])
-        if self.vocab is not None:
+        if self.vocab is not None and self.classes(output) != output.shape[-1]:
             return tp_vocab_cross_entropy(logits, flat, self.vocab.axis, IGNORE_INDEX)
         return F.cross_entropy(logits, flat)
 
     def classes(self, output: torch.Tensor) -> int:
-        """The number of classes: the output's last dim (× the parts under loss parallel)."""
-        return output.shape[-1] * (self.vocab.parts if self.vocab is not None else 1)
+        """The number of classes: the output's last dim, or its share of `vocab.classes`."""
+        return self.classes_of(output.shape[-1])
+
+    def classes_of(self, last_dim: int) -> int:
+        """The number of classes of an output whose last dim is `last_dim` on this rank."""
+        v = self.vocab
+        return v.classes if v is not None and last_dim * v.parts == v.classes else last_dim
 
     def _error(self, message: str, other: str) -> ModelError:
         return ModelError(message, file=self.path, hint=_FIX.format(path=self.path, other=other))
@@ -113,7 +121,7 @@ class DefaultLoss:
         """Every target in [0, classes) or the ignore index, else a ModelError; `last_dim`:
         the size of the output's last dim as this rank holds it (a vocab shard under loss
         parallel)."""
-        classes = last_dim * (self.vocab.parts if self.vocab is not None else 1)
+        classes = self.classes_of(last_dim)
         wanted = _wanted(classes)
         # One fused check (one read of the targets): out of range is an IndexError on
         # the CPU and a device-side assert on a GPU.

@@ -41,7 +41,9 @@ def loss_on_shards(loss_fn: Any, gm: torch.fx.GraphModule, plan: Any) -> Any:
     """`loss_fn` told the logits' parts when the analysed `gm` keeps them sharded."""
     if not (takes_shards(loss_fn) and plan.tp_axis is not None and sharded_logits(gm)):
         return loss_fn
-    return dataclasses.replace(loss_fn, vocab=VocabShards(plan.tp_axis, plan.tp))
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    classes = output.args[0].meta["tensor_meta"].shape[-1]
+    return dataclasses.replace(loss_fn, vocab=VocabShards(plan.tp_axis, plan.tp, classes))
 
 
 def kept_logits(output: torch.fx.Node, place: Mapping[torch.fx.Node, Any]) -> torch.fx.Node | None:

@@ -128,3 +128,23 @@ def test_interleaved_1f1b_matches_single_device(
     spec = f"mesh {mesh}\n{stages}microbatches {microbatches}\nschedule interleaved\n{extra}"
     result, _ = check_equivalent(gloo_pool, spec, model, env=env, batch=batch, steps=3)
     assert result.ok, f"{spec}: {result.describe()}\n{result.rows}"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "extra",
+    [
+        "grad_accum 2\n",  # two passes of the interleaved pipeline per step
+        "recompute layers.*\n",  # every block recomputed in its backward chunk
+        # The mixed-precision recipe against its one-device twin, at its own tolerance
+        # (runtime/tolerances.py: params atol 2.4e-3); measured 2.4e-4.
+        "precision bf16\n",
+    ],
+)
+def test_interleaved_1f1b_with_other_statements_matches_single_device(
+    gloo_pool: Any, extra: str
+) -> None:
+    # Measured: parameters within 7.5e-9 for grad_accum and recompute (fp32 bounds as above).
+    spec = f"mesh pp=2\n{_gpt_stage_lines(4)}microbatches 4\nschedule interleaved\n{extra}"
+    result, _ = check_equivalent(gloo_pool, spec, GPT, env=_gpt_env(4, True), batch=16, steps=3)
+    assert result.ok, f"{spec}: {result.describe()}\n{result.rows}"

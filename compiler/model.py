@@ -36,11 +36,13 @@ from parc.errors import ModelError
 from .data_context import DataContext, epoch_batches
 from .default_loss import DefaultLoss
 from .init_tables import import_library_tables, replaced_everywhere
+from .model_batch import Batch, BatchSignature, TensorKind, check_pair, describe, off_batch
 from .model_output import targets_given
 
 __all__ = [
     "BatchSignature",
     "ModelSource",
+    "TensorKind",
     "check_pair",
     "default_loss",
     "load_model",
@@ -48,53 +50,7 @@ __all__ = [
     "owns_loss",
 ]
 
-Batch = tuple[Any, torch.Tensor]
 _FINITE_CHUNK = 1 << 16  # elements checked at once for NaN or inf (isfinite makes ~8 B each)
-
-
-def off_batch(tensor: torch.Tensor, batch: int) -> bool:
-    """Whether `tensor` is not a batch of `batch`: parc splits every batch along dim 0.
-
-    The one rule for `sample_batch`'s results (ModelSource.batch) and for the
-    batches a compiled program steps on (runtime/program.py).
-    """
-    return tensor.dim() == 0 or tensor.shape[0] != batch
-
-
-def check_pair(result: Any, call: str, batch_size: int, path: str) -> Batch:
-    """`result` of `call` (e.g. `sample_batch(8, 0)`) as (inputs, targets), each with
-    `batch_size` rows; a ModelError naming `call` otherwise. The one check of a model's
-    batches: sample_batch's, the data hook's (runtime/data.py checks each rank's share,
-    where what a rank does not need may be None)."""
-    if not (isinstance(result, tuple | list) and len(result) == 2):
-        raise ModelError(
-            f"{call} returned {_describe(result)}; it must return a pair (inputs, targets)",
-            file=path,
-            hint="end sample_batch with `return inputs, targets`"
-            if call.startswith("sample_batch")
-            else "yield `inputs, targets` pairs",
-        )
-    inputs, targets = result
-    for what, value in (("inputs", inputs), ("targets", targets)):
-        tensors = _tensors_of(value) if what == "inputs" else (value,)
-        bad = [t for t in tensors if not isinstance(t, torch.Tensor)]
-        if bad or not tensors:
-            raise ModelError(
-                f"{call} returned {what} as {_describe(value)}; "
-                f"{what} must be a tensor (inputs: or a tuple or a dict of tensors)",
-                file=path,
-                hint="build them with torch.tensor(...) or torch.stack(...)",
-            )
-        wrong = [t for t in tensors if off_batch(t, batch_size)]
-        if wrong:
-            raise ModelError(
-                f"{call} returned {what} of shape "
-                f"{tuple(wrong[0].shape)}; dim 0 must be the batch size {batch_size}",
-                file=path,
-                hint="parc splits every batch along dim 0 across data-parallel "
-                "ranks and microbatches",
-            )
-    return inputs, targets
 
 
 def default_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -104,23 +60,6 @@ def default_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def _default_optimizer(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=3e-4)
-
-
-TensorKind = tuple[tuple[int, ...], torch.dtype]  # a tensor's shape and dtype
-
-
-@dataclass(frozen=True, slots=True)
-class BatchSignature:
-    """The shapes and dtypes of an example batch: what every later batch must match
-    (beyond dim 0, the batch)."""
-
-    inputs: tuple[TensorKind, ...]  # in the model's input order (a dict's values)
-    targets: TensorKind
-
-    @classmethod
-    def of(cls, inputs: Any, targets: torch.Tensor) -> BatchSignature:
-        kinds = tuple((tuple(t.shape), t.dtype) for t in _tensors_of(inputs))
-        return cls(kinds, (tuple(targets.shape), targets.dtype))
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +94,7 @@ class ModelSource:
             raise self._error_in("build_model()", exc) from exc
         if not isinstance(model, torch.nn.Module):
             raise ModelError(
-                f"build_model() returned {_describe(model)}; it must return a torch.nn.Module",
+                f"build_model() returned {describe(model)}; it must return a torch.nn.Module",
                 file=self.path,
                 hint="end build_model() with `return MyModel(...)`",
             )
@@ -264,31 +203,10 @@ def _keeper() -> Callable[..., torch.Tensor]:
     return keep
 
 
-def _tensors_of(inputs: Any) -> tuple[Any, ...]:
-    """The inputs' tensors: one, a tuple's or list's items, or a dict's values (kwargs)."""
-    if isinstance(inputs, dict):
-        if not all(isinstance(k, str) for k in inputs):
-            return (inputs,)  # reported as not tensors
-        return tuple(inputs.values())
-    return tuple(inputs) if isinstance(inputs, tuple | list) else (inputs,)
-
-
 def owns_loss(source: ModelSource, inputs: Any, targets: Any) -> bool:
     """Whether the loss the model computes is the training loss (compiler/model_output.py):
     the file defines no loss_fn and sample_batch passes the targets to forward too."""
     return isinstance(source.loss_fn, DefaultLoss) and targets_given(inputs, targets)
-
-
-def _describe(value: object) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {tuple(value.shape)}"
-    if isinstance(value, tuple | list):
-        return f"a {type(value).__name__} of {len(value)} items"
-    return _a(type(value).__name__)
-
-
-def _a(noun: str) -> str:
-    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
 
 
 def _user_frame(exc: BaseException, path: str) -> str | None:
@@ -347,7 +265,7 @@ def _function(module: ModuleType, name: str, path: str, required: bool) -> Any:
         return None
     if not callable(fn):
         raise ModelError(
-            f"`{name}` is {_describe(fn)}, not a function",
+            f"`{name}` is {describe(fn)}, not a function",
             file=path,
             hint=f"define it with `def {name}(...)`",
         )

@@ -154,7 +154,8 @@ def _tp_collectives(
         _add(totals, with_bytes(node, meta_of(node).collectives))
     purpose = {
         CommKind.ALL_REDUCE: "tensor-parallel partial sums, forward + backward",
-        CommKind.ALL_GATHER: "tensor-parallel gathers (fallbacks and local slices' backward)",
+        CommKind.ALL_GATHER: "tensor-parallel gathers (fallbacks, local slices' backward, "
+        "a loss on vocab shards)",
         CommKind.REDUCE_SCATTER: "tensor-parallel partial sums to shards",
     }
     return [

@@ -16,6 +16,7 @@ parallel.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,7 @@ RTOL, ATOL = 1e-5, 1e-7
 VOCAB, BATCH, SEQ = 96, 2, 8
 ENV = {"GPT_LAYERS": "1", "GPT_DIM": "8", "GPT_HEADS": "2", "GPT_VOCAB": str(VOCAB),
        "GPT_SEQ": str(SEQ), "GPT_TIE": "0"}  # fmt: skip
-SPEC = "mesh tp=2\nshard wte vocab tp\nshard lm_head col tp\n"
+SPEC = "mesh tp={tp}\nshard wte vocab tp\nshard lm_head col tp\n"
 
 
 def _sharded_loss(tp: int, seed: int) -> dict[str, Any]:
@@ -94,8 +95,9 @@ class _LastDims(TorchDispatchMode):
         return out
 
 
-def _step_shapes(spec: str, model: str, env: dict[str, str]) -> dict[str, Any]:
-    """One rank: one training step under `_LastDims`; its loss function; what it sent."""
+def _step_shapes(spec: str, model: str, env: dict[str, str], watch: bool = True) -> dict[str, Any]:
+    """One rank: one training step (under `_LastDims` with `watch`); its loss function; what
+    it sent."""
     import torch.distributed as dist
 
     from parc.api import compile as parc_compile
@@ -105,7 +107,7 @@ def _step_shapes(spec: str, model: str, env: dict[str, str]) -> dict[str, Any]:
         source = load_model(model)
         program = parc_compile(spec, source, batch=BATCH)
         inputs, targets = source.batch(BATCH, 0)
-        with _LastDims(VOCAB) as seen:
+        with _LastDims(VOCAB) if watch else contextlib.nullcontext(_LastDims(0)) as seen:
             program.step(inputs, targets)
     loss_fn = program.parts.loss_fn
     vocab = loss_fn.vocab if isinstance(loss_fn, DefaultLoss) else None
@@ -113,9 +115,10 @@ def _step_shapes(spec: str, model: str, env: dict[str, str]) -> dict[str, Any]:
             "bytes": program.comm_bytes()}  # fmt: skip
 
 
-def test_loss_parallel_never_makes_the_whole_logits_on_any_rank(gloo_pool: Any) -> None:
-    for got in gloo_pool(2).run(_step_shapes, SPEC, GPT, ENV):
-        assert got["vocab"] is not None and got["vocab"].parts == 2
+@pytest.mark.parametrize("tp", [2, 4])
+def test_loss_parallel_never_makes_the_whole_logits_on_any_rank(gloo_pool: Any, tp: int) -> None:
+    for got in gloo_pool(tp).run(_step_shapes, SPEC.format(tp=tp), GPT, ENV):
+        assert got["vocab"] is not None and got["vocab"].parts == tp
         assert got["seen"] == 0, got["rank"]  # not even (batch, seq, vocab) once
 
 
@@ -126,22 +129,26 @@ def test_a_model_file_loss_gets_the_gathered_logits(gloo_pool: Any, tmp_path: Pa
         + "\n\ndef loss_fn(output, targets):\n"
         + "    return F.cross_entropy(output.reshape(-1, output.shape[-1]), targets.reshape(-1))\n"
     )
-    for got in gloo_pool(2).run(_step_shapes, SPEC, str(model), ENV):
+    for got in gloo_pool(2).run(_step_shapes, SPEC.format(tp=2), str(model), ENV):
         assert got["vocab"] is None
         assert got["seen"] == BATCH * SEQ * VOCAB, got["rank"]  # the all-gathered logits
 
 
 @pytest.mark.parametrize(
     "spec",
-    [SPEC, SPEC + "shard *.mlp.fc1 col tp\nshard *.mlp.fc2 row tp\n",
+    [SPEC.format(tp=2), SPEC.format(tp=4) + "shard *.mlp.fc1 col tp\nshard *.mlp.fc2 row tp\n",
      "mesh dp=2 tp=2\nzero 1\nshard lm_head col tp\n"],
 )  # fmt: skip
 def test_loss_parallel_sends_the_estimated_bytes(gloo_pool: Any, spec: str) -> None:
     with model_env(ENV):
-        estimate = analyse(spec, GPT, batch=BATCH).estimate
+        analysis = analyse(spec, GPT, batch=BATCH)
     expected: dict[Any, int] = {}
-    for c in dict(estimate.collectives)[0]:
-        expected[(c.kind, c.axis)] = expected.get((c.kind, c.axis), 0) + c.bytes
-    for got in gloo_pool(world_size(spec)).run(_step_shapes, spec, GPT, ENV):
+    by_stage: dict[int, dict[Any, int]] = {}
+    for stage, comms in analysis.estimate.collectives:
+        for c in comms:
+            expected = by_stage.setdefault(stage, {})
+            expected[(c.kind, c.axis)] = expected.get((c.kind, c.axis), 0) + c.bytes
+    for got in gloo_pool(world_size(spec)).run(_step_shapes, spec, GPT, ENV, False):
+        stage = analysis.plan.mesh.coords(got["rank"]).get("pp", 0)
         assert got["vocab"] is not None
-        assert got["bytes"] == expected, got["rank"]
+        assert got["bytes"] == by_stage[stage], got["rank"]

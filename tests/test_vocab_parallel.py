@@ -165,3 +165,15 @@ def test_vocab_shards_it_cannot_compile_are_refused(
     with pytest.raises(PlanError) as info:
         _resolve(f"mesh tp=4\n{line}\n", module)
     assert said in str(info.value)
+
+
+@pytest.mark.parametrize("model", [GPT, LLAMA])
+def test_vocab_sharded_embedding_and_loss_under_bf16_match_one_device(
+    gloo_pool: Any, model: str
+) -> None:
+    # The bf16 recipe's reference and tolerance (parc/runtime/equivalence.py): the loss
+    # runs in fp32 on the upcast logit shards, as on one device on the whole logits.
+    env = _env(model, 2, 32, tie=model == GPT)
+    spec = _spec(model, tp=2, head=True, blocks=True) + "precision bf16\n"
+    result, _ = check_equivalent(gloo_pool, spec, model, env=env, steps=3, batch=2, seed=1)
+    assert result.ok, f"{spec!r} on {model} {env}: {result.describe()}\n{result.rows}"

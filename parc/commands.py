@@ -200,10 +200,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     source = _model_with_schedule(args.model, schedule, args.lr)
     analysis = analyse(_spec(args, quiet=True), source, batch=args.batch)
     if args.data:  # the file and tokenizer every rank reads, checked once here
+        from parc.compiler.input_vocab import input_vocab
         from parc.runtime.text_data import text_hook
 
         example = source.batch(analysis.plan.batch.global_batch, 0)
-        text_hook(args.data, tokenizer=args.tokenizer, example=example)
+        vocab = input_vocab(analysis.gm)
+        text_hook(args.data, tokenizer=args.tokenizer, example=example, vocab=vocab)
     # Every rank's MFU reads the estimator's FLOPs (runtime/metrics.py); they inherit it.
     os.environ[_FLOPS_ENV] = str(sum(c.flops_per_sample for c in analysis.estimate.stages))
     if args.weights:

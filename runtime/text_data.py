@@ -180,11 +180,21 @@ class TextData:
             hint="give a longer text file, or a smaller --batch or sequence length",
         )
 
+    def _check_tokenizer_size(self, size: int) -> None:
+        if self.vocab is not None and size > self.vocab:
+            raise ParcError(
+                f"--tokenizer {self.tokenizer} has {size} token ids and the model takes ids "
+                f"below {self.vocab} (the rows of the embedding its inputs index)",
+                hint=f"use a tokenizer of at most {self.vocab} ids, or a model whose "
+                f"vocabulary is at least {size}",
+            )
+
     def _check_ids(self, top: int) -> None:
         if self.vocab is not None and top >= self.vocab:
             raise ParcError(
                 f"--data {self.path}: its token ids ({self._level()}) reach {top}, and the "
-                f"model's output has {self.vocab} classes (token ids must be below it)",
+                f"model takes ids below {self.vocab} (the rows of the embedding its inputs "
+                "index)",
                 hint=f"use a model whose vocabulary is at least {top + 1} (bytes need "
                 f"{_BYTES}), or a --tokenizer whose vocabulary fits the model",
             )
@@ -207,15 +217,21 @@ def text_hook(
     """The `data(ctx)` hook for the text file `path`, packed to `example`'s sequence length.
 
     `example` is the model's traced (inputs, targets) at the global batch; `vocab`
-    (optional) the model's number of classes, when the caller knows it, so a token
-    id it cannot take is an error before training instead of at the loss.
+    (optional) the ids the model's inputs may hold (compiler/input_vocab.py), so a
+    token id it cannot take is an error here (a tokenizer with more ids, bytes past
+    a smaller vocabulary) instead of inside the embedding at the first step.
     """
     form = batch_form(example)
     data = TextData(_checked_file(Path(path)), form, _tokenizer_file(tokenizer), vocab)
     if data.tokenizer is not None:
-        _load_tokenizer(data.tokenizer)  # a broken tokenizer fails here, before any step
-    elif (size := data.path.stat().st_size) // (form.seq + 1) < form.batch:
-        raise data._too_short(size, form.batch)  # bytes: the size is the token count
+        # A broken tokenizer fails here, before any step; so does one with more ids than
+        # the model takes (it may produce any of them).
+        data._check_tokenizer_size(_load_tokenizer(data.tokenizer).get_vocab_size())
+    else:
+        if (size := data.path.stat().st_size) // (form.seq + 1) < form.batch:
+            raise data._too_short(size, form.batch)  # bytes: the size is the token count
+        if vocab is not None and vocab < _BYTES:
+            data._check_ids(_top(*_cache_key(data.path, None)))
     return data
 
 

@@ -133,3 +133,32 @@ def test_data_flags_are_checked_before_any_rank_starts(
     missing = str(tmp_path / "missing.txt")
     code, _ = parc_main(tmp_path, "dp2.par", DP2, "run", str(DATA_MLP), "--data", missing)
     assert code == 2 and f"--data {missing}: no such file" in capsys.readouterr().err
+
+
+_SMALL_VOCAB = """\
+import torch
+
+
+def build_model():
+    return torch.nn.Sequential(torch.nn.Embedding(100, 8), torch.nn.Linear(8, 100))
+
+
+def sample_batch(batch_size, step):
+    ids = torch.randint(0, 100, (batch_size, 4), generator=torch.Generator().manual_seed(step))
+    return ids, ids
+"""
+
+
+def test_a_corpus_with_ids_the_model_cannot_take_is_refused_before_any_rank_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from helpers import parc_main
+
+    model = tmp_path / "small_vocab.py"
+    model.write_text(_SMALL_VOCAB)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes("naïve café — ".encode() * 20)  # bytes up to 0xe2 = 226
+    code, _ = parc_main(tmp_path, "dp2.par", DP2, "run", str(model), "--data", str(corpus))
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "reach 226, and the model takes ids below 100" in err and "Traceback" not in err

@@ -352,8 +352,9 @@ def test_a_tokenized_corpus_shorter_than_one_global_batch_is_refused(tmp_path: P
 
 def test_token_ids_the_model_cannot_take_are_refused_before_training(tmp_path: Path) -> None:
     path = _corpus(tmp_path, b"abc\xe2\x80\x94" * 20)  # an em dash: bytes up to 0xe2 = 226
-    with pytest.raises(ParcError, match="reach 226, and the model's output has 128 classes"):
-        text_hook(path, example=_example(), vocab=128)(_ctx())
+    # Bytes past a smaller vocabulary: found when the hook is made, before any rank trains.
+    with pytest.raises(ParcError, match="reach 226, and the model takes ids below 128"):
+        text_hook(path, example=_example(), vocab=128)
     assert list(text_hook(path, example=_example(), vocab=227)(_ctx()))
     narrow = _example(dtype=torch.int8)
     with pytest.raises(ParcError, match=r"reach 226, beyond what .*torch\.int8"):
@@ -378,7 +379,20 @@ def test_bytes_are_scanned_for_their_largest_id_only_when_a_limit_is_below_256(
     list(text_hook(path, example=_example(dtype=torch.uint8))(_ctx()))
     assert scanned == []  # a memory-mapped corpus is read only where windows are taken
     list(text_hook(path, example=_example(), vocab=255)(_ctx()))
-    assert scanned == [path.resolve()]
+    # Once when the hook is made, once on its call (the real `_top` caches: one read).
+    assert scanned == [path.resolve()] * 2
+
+
+def test_a_tokenizer_with_more_ids_than_the_model_takes_is_refused(tmp_path: Path) -> None:
+    pytest.importorskip("tokenizers", reason="tokenizers comes with transformers (test extra)")
+    folder = _tokenizer(tmp_path)
+    from tokenizers import Tokenizer
+
+    size = Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab_size()
+    path = _corpus(tmp_path, " ".join(LINES * 4).encode())
+    with pytest.raises(ParcError, match=rf"has {size} token ids and the model takes ids below"):
+        text_hook(path, tokenizer=folder, example=_example(), vocab=size - 1)
+    assert text_hook(path, tokenizer=folder, example=_example(), vocab=size).vocab == size
 
 
 def test_a_missing_or_broken_tokenizer_is_an_error(tmp_path: Path) -> None:

@@ -183,8 +183,8 @@ def _add_data(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tokenizer",
         metavar="PATH",
-        help="with --data: tokenize with this tokenizer (a Hugging Face name or directory) "
-        "instead of reading bytes",
+        help="with --data: tokenize with this local Hugging Face tokenizer (a directory "
+        "holding tokenizer.json, or the file; nothing is downloaded) instead of reading bytes",
     )
 
 

@@ -117,8 +117,7 @@ def _tie_conflict(param: str, first: str, second: str, plan: Plan) -> PlanError:
         None,
         hint="a tied weight must be split the same way by every module that uses it: e.g. "
         "shard the Embedding `col` and the tied LM head `row`, or the Embedding `vocab` and "
-        "the head `col`, or untie them"
-        + (f" (spec line {line})" if line else ""),
+        "the head `col`, or untie them" + (f" (spec line {line})" if line else ""),
         names=(param, first, second),
     )
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import GPT, LLAMA, check_equivalent, examples
+from helpers import GPT, LLAMA, check_equivalent, examples, thorough
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -81,18 +81,23 @@ def test_vocab_sharded_embedding_matches_one_device(
     assert result.ok, f"{spec!r} on {model} {env}: {result.describe()}\n{result.rows}"
 
 
+# World <= 4 in CI; dp=2 x tp=4 (world 8) under the thorough profile.
+TP_WITH_DP = [2, 4] if thorough() else [2]
+
+
 @examples(4)
 @given(
     model=st.sampled_from([GPT, LLAMA]),
+    tp=st.sampled_from(TP_WITH_DP),
     zero=st.integers(0, 3),
     tie=st.booleans(),
     seed=st.integers(0, 3),
 )
 def test_vocab_sharded_embedding_with_dp_and_zero_matches_one_device(
-    gloo_pool: Any, model: str, zero: int, tie: bool, seed: int
+    gloo_pool: Any, model: str, tp: int, zero: int, tie: bool, seed: int
 ) -> None:
-    env = _env(model, 2, 24, tie)
-    spec = _spec(model, tp=2, dp=2, zero=zero, head=True, blocks=True)
+    env = _env(model, tp, 12 * tp, tie)
+    spec = _spec(model, tp=tp, dp=2, zero=zero, head=True, blocks=True)
     result, _ = check_equivalent(gloo_pool, spec, model, env=env, steps=3, batch=4, seed=seed)
     assert result.ok, f"{spec!r} on {model} {env}: {result.describe()}\n{result.rows}"
 

@@ -148,3 +148,39 @@ def test_interleaved_1f1b_with_other_statements_matches_single_device(
     spec = f"mesh pp=2\n{_gpt_stage_lines(4)}microbatches 4\nschedule interleaved\n{extra}"
     result, _ = check_equivalent(gloo_pool, spec, GPT, env=_gpt_env(4, True), batch=16, steps=3)
     assert result.ok, f"{spec}: {result.describe()}\n{result.rows}"
+
+
+class _Work:
+    """A gloo-like handle: counts its waits (a real gloo receive's second wait hangs)."""
+
+    def __init__(self) -> None:
+        self.waits = 0
+
+    def wait(self) -> None:
+        self.waits += 1
+
+
+def test_a_compute_waits_for_its_own_receives_and_each_handle_once() -> None:
+    # A steady batch of interleaved 1F1B: [SEND_F, SEND_B, RECV_F, RECV_B], one handle per
+    # op as gloo gives. The forward waits for RECV_F alone, not the backward's gradient.
+    from parc.runtime.pipeline.executor import _Posted
+
+    works = [_Work() for _ in range(4)]
+    batch = _Posted(list(works), 4)
+    recv_f, recv_b = batch.part([2]), batch.part([3])
+    recv_f.wait()
+    assert [w.waits for w in works] == [0, 0, 1, 0]
+    batch.wait()  # the sends, when the next batch is posted
+    recv_b.wait()
+    assert [w.waits for w in works] == [1, 1, 1, 1]
+
+
+def test_a_batch_with_one_handle_is_waited_as_a_whole() -> None:
+    from parc.runtime.pipeline.executor import _Posted
+
+    work = _Work()
+    batch = _Posted([work], 4)  # NCCL: one handle for the coalesced batch
+    assert batch.part([2]) is batch
+    batch.part([3]).wait()
+    batch.wait()
+    assert work.waits == 1

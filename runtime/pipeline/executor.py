@@ -4,8 +4,9 @@ The executor follows the rules of `parc.compiler.schedule_sim`: the rank's
 lowered action list runs in order; a maximal run of consecutive comm actions is
 one `batch_isend_irecv`, posted together. It waits later than the simulator
 (so transfers overlap compute): a receive right before the compute that reads
-it, a send when the rank posts its next batch or ends the round (its tensor
-kept alive until then). Waiting later only lets a rank go on sooner, so a
+it (under gloo that receive's own ops, not the rest of its batch; NCCL gives
+one handle per batch), a send when the rank posts its next batch or ends the
+round (its tensor kept alive until then). Waiting later only lets a rank go on sooner, so a
 schedule the simulator proves runs here too, with the same transfers. A rank may
 run several stages (virtual stages): what a microbatch keeps lives per (stage,
 microbatch), and a comm action talks to the rank of its peer stage
@@ -242,7 +243,7 @@ class StageExecutor:
         """Post one batch of sends and receives, each to the rank of its peer stage; then
         wait for the previous batches' sends (this batch's are waited at the next one)."""
         ops: list[tuple[CommKind, torch.Tensor, int]] = []
-        received: list[tuple[MicroState, list[torch.Tensor], ActionKind]] = []
+        received: list[tuple[MicroState, list[torch.Tensor], ActionKind, int]] = []
         for action in batch:
             state = states[(action.stage, action.microbatch)]
             peer = self.rank_of_stage[peer_stage(action)]
@@ -255,13 +256,15 @@ class StageExecutor:
                 forward = action.kind is ActionKind.RECV_F
                 contract = state.stage.recv if forward else state.stage.send
                 bufs = _buffers(contract, self.device)
+                received.append((state, bufs, action.kind, len(ops)))
                 ops += [(CommKind.RECV, b, peer) for b in bufs]
-                received.append((state, bufs, action.kind))
         if not ops:
             return
-        posted = _Posted(self.comm.post_p2p(ops, AXIS_PP))
-        for state, bufs, kind in received:
-            state.receiving[kind] = posted
+        posted = _Posted(self.comm.post_p2p(ops, AXIS_PP), len(ops))
+        for state, bufs, kind, at in received:
+            # Each compute waits for its own receives only: a batch of interleaved 1F1B
+            # carries the next forward's input and the next backward's gradient.
+            state.receiving[kind] = posted.part(range(at, at + len(bufs)))
             if kind is ActionKind.RECV_F:
                 state.received = bufs
             else:
@@ -277,15 +280,28 @@ class StageExecutor:
 
 
 class _Posted:
-    """The handles of one posted batch, waited for as a whole: gloo gives one per op,
-    NCCL one for the coalesced batch, so a single op cannot be waited for alone."""
+    """The handles of one posted batch of `ops` ops: gloo gives one per op, so `part`
+    can wait for some ops alone; NCCL one for the coalesced batch, waited as a whole.
+    Each handle is waited for once: a gloo receive's second wait never returns."""
 
-    def __init__(self, works: list[Any]) -> None:
-        self._works = works
+    def __init__(self, works: list[Any], ops: int) -> None:
+        self._works: list[Any] = works
+        self._per_op = len(works) == ops
+
+    def part(self, indices: Sequence[int]) -> _Posted:
+        """The handles of the ops at `indices`, moved out of this batch's (which then
+        waits for the others only); the batch itself where it has one handle."""
+        if not self._per_op:
+            return self
+        taken = [self._works[i] for i in indices]
+        for i in indices:
+            self._works[i] = None
+        return _Posted(taken, len(taken))
 
     def wait(self) -> None:
         for work in self._works:
-            work.wait()
+            if work is not None:
+                work.wait()
         self._works = []
 
 

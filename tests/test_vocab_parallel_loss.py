@@ -137,7 +137,8 @@ def test_a_model_file_loss_gets_the_gathered_logits(gloo_pool: Any, tmp_path: Pa
 @pytest.mark.parametrize(
     "spec",
     [SPEC.format(tp=2), SPEC.format(tp=4) + "shard *.mlp.fc1 col tp\nshard *.mlp.fc2 row tp\n",
-     "mesh dp=2 tp=2\nzero 1\nshard lm_head col tp\n"],
+     "mesh dp=2 tp=2\nzero 1\nshard lm_head col tp\n",
+     "mesh pp=2 tp=2\nstage auto\nmicrobatches 2\nshard lm_head col tp\n"],
 )  # fmt: skip
 def test_loss_parallel_sends_the_estimated_bytes(gloo_pool: Any, spec: str) -> None:
     with model_env(ENV):

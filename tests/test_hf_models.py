@@ -4,7 +4,8 @@ The matrix: tiny `LlamaForCausalLM` (GQA), `Qwen2ForCausalLM` (q/k/v biases),
 `MistralForCausalLM` (a sliding window shorter than the sequence),
 `MixtralForCausalLM` (4 experts, top-2 routing) and `GPT2LMHeadModel` (Conv1D)
 from tests/models/hf/, each under `mesh dp=2`, `zero 3`, a Megatron TP plan in
-the model's own module names, `pp=2` with `stage auto`, and `pp=2 dp=2 tp=2`.
+the model's own module names, `pp=2` with `stage auto`, and `pp=2 dp=2 tp=2` (CI runs
+17 of the 24 cells, see CI_CELLS; the thorough profile all).
 Without `labels` every model trains on `output['logits']` with parc's default
 cross-entropy; one cell passes `labels` and trains on the loss the model
 computes (`output['loss']`, HF shifts the labels inside).
@@ -26,7 +27,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import ROOT, check_equivalent
+from helpers import ROOT, check_equivalent, ci_rows
 
 from parc.compiler.aten_raise import RAISES, histc
 from parc.compiler.cost import node_costs
@@ -74,6 +75,7 @@ QWEN2 = HFModel("qwen2", LLAMA_NAMES)
 MISTRAL = HFModel("mistral", LLAMA_NAMES)
 MIXTRAL = HFModel("mixtral", ATTENTION_ONLY)  # its experts stay replicated (see below)
 GPT2 = HFModel("gpt2_tiny", GPT2_NAMES)
+FAMILIES = (LLAMA, QWEN2, MISTRAL, MIXTRAL, GPT2)
 
 SPECS = {
     "dp2": "mesh dp=2\n",
@@ -82,12 +84,19 @@ SPECS = {
     "pp2_auto": AUTO,
     "3d": "mesh pp=2 dp=2 tp=2\n{tp}stage auto\nmicrobatches 2\n",
 }
-CELLS = [
-    (model, spec)
-    for model in (LLAMA, QWEN2, MISTRAL, MIXTRAL, GPT2)
-    for spec in SPECS
-    if not (model is GPT2 and spec == "tp2")  # tests/test_hf_gpt2_tp.py
-]
+# CI keeps zero3, pp2_auto and 3d (world 8: dp, tp and pp at once) for every family, and
+# dp2 and tp2 on Llama (each a part of 3d); the other families' dp2 and tp2 are thorough.
+CI_CELLS = {(model, spec) for model in FAMILIES for spec in ("zero3", "pp2_auto", "3d")}
+CI_CELLS |= {(LLAMA, "dp2"), (LLAMA, "tp2")}
+CELLS = ci_rows(
+    (
+        (model, spec)
+        for model in FAMILIES
+        for spec in SPECS
+        if not (model is GPT2 and spec == "tp2")  # tests/test_hf_gpt2_tp.py
+    ),
+    CI_CELLS,
+)
 
 
 @pytest.mark.multiprocess

@@ -13,6 +13,7 @@ is bitwise the saved one. A bf16 export is the masters cast by `Tensor.to`.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -66,13 +67,14 @@ def train_and_save(spec: str, optimizer: str, directory: str) -> dict[str, Any]:
         return _rank0(program.state_dict())
 
 
-def load_only(spec: str, optimizer: str, directory: str) -> dict[str, Any]:
+def load_only(spec: str, optimizer: str, directory: str, again: str) -> dict[str, Any]:
     """A fresh program loads the checkpoint: its full model as loaded, and whether every
-    compute tensor its graphs read is its master rounded to bf16 (under bf16)."""
+    compute tensor its graphs read is its master rounded to bf16 (under bf16); saved `again`
+    as this spec holds it."""
     with model_env(GPT_ENV):
         program = _compile(spec, load_model(GPT), optimizer)
         load_checkpoint(program, directory)
-        save_checkpoint(program, Path(directory) / "again", HALF)  # as this spec holds it
+        save_checkpoint(program, again, HALF)
         return {"params": _rank0(program.state_dict()), "rounded": _computes_rounded(program)}
 
 
@@ -145,6 +147,27 @@ def test_a_bf16_run_resumes_exactly(
 
 # ------------------------------------------------------------ resharding
 
+Saved = Callable[[tuple[str, str]], tuple[Path, dict[str, Any]]]
+RESHARD_OPTIMIZER = "adamw"  # its state (exp_avg, exp_avg_sq) reshards with the masters
+
+
+@pytest.fixture(scope="module")
+def saved(gloo_pool: Any, tmp_path_factory: pytest.TempPathFactory) -> Saved:
+    """`saved((layout, precision))`: a checkpoint after `train_and_save` under that spec and
+    the full model as saved; trained once a module (two rows load the same save)."""
+    done: dict[tuple[str, str], tuple[Path, dict[str, Any]]] = {}
+
+    def save(saved_as: tuple[str, str]) -> tuple[Path, dict[str, Any]]:
+        if saved_as not in done:
+            spec = LAYOUTS[saved_as[0]] + saved_as[1]
+            directory = tmp_path_factory.mktemp("saved")
+            pool = gloo_pool(world_size(spec))
+            params = pool.run(train_and_save, spec, RESHARD_OPTIMIZER, str(directory))[0]
+            done[saved_as] = directory, params
+        return done[saved_as]
+
+    return save
+
 
 @pytest.mark.parametrize(
     ("saved_as", "loaded_as"),
@@ -164,20 +187,23 @@ def test_a_bf16_run_resumes_exactly(
     ],
 )
 def test_a_checkpoint_loads_its_fp32_values_under_any_spec(
-    gloo_pool: Any, tmp_path: Path, saved_as: tuple[str, str], loaded_as: tuple[str, str]
+    gloo_pool: Any,
+    saved: Saved,
+    tmp_path: Path,
+    saved_as: tuple[str, str],
+    loaded_as: tuple[str, str],
 ) -> None:
-    save_spec, load_spec = (LAYOUTS[layout] + bf16 for layout, bf16 in (saved_as, loaded_as))
-    optimizer = "adamw"
-    saved = gloo_pool(world_size(save_spec)).run(
-        train_and_save, save_spec, optimizer, str(tmp_path)
+    directory, params = saved(saved_as)
+    load_spec = LAYOUTS[loaded_as[0]] + loaded_as[1]
+    loaded = gloo_pool(world_size(load_spec)).run(
+        load_only, load_spec, RESHARD_OPTIMIZER, str(directory), str(tmp_path / "again")
     )
-    loaded = gloo_pool(world_size(load_spec)).run(load_only, load_spec, optimizer, str(tmp_path))
     what = f"{saved_as} -> {loaded_as}"
-    _assert_equal(loaded[0]["params"], saved[0], what)
+    _assert_equal(loaded[0]["params"], params, what)
     assert all(r["rounded"] for r in loaded), "the bf16 compute copies are not the masters'"
     # Saved again under the new spec: the same fp32 masters and optimizer state, bitwise.
     again = _contents(tmp_path / "again" / f"step-{HALF}")
-    first = _contents(tmp_path / f"step-{HALF}")
+    first = _contents(directory / f"step-{HALF}")
     assert sorted(again) == sorted(first), what
     assert any(key.startswith("optim.exp_avg_sq.") for key in first), "AdamW's state is saved"
     for key, value in first.items():
@@ -188,25 +214,28 @@ def test_a_checkpoint_loads_its_fp32_values_under_any_spec(
 # ------------------------------------------------------------ export
 
 
-def _mlp_bf16(tmp_path: Path) -> tuple[Any, dict[str, torch.Tensor]]:
-    """A single-process bf16 program after 2 AdamW steps, checkpointed; its masters."""
+@pytest.fixture(scope="module")
+def mlp_bf16(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path, dict[str, Any]]:
+    """A single-process bf16 program after 2 AdamW steps, its checkpoint and its masters
+    (compiled and trained once for both export tests)."""
+    ckpt = tmp_path_factory.mktemp("mlp") / "ckpt"
     with model_env(MLP_ENV):
         source = load_model(MLP)
         program = _compile(LAYOUTS["single"] + BF16, source, "adamw")
         _train(program, source, range(2))
-        save_checkpoint(program, tmp_path / "ckpt", 2)
+        save_checkpoint(program, ckpt, 2)
     masters = program.state_dict()
     assert all(t.dtype == torch.float32 for t in masters.values())
-    return program, masters
+    return program, ckpt, masters
 
 
-def test_export_writes_the_fp32_masters_or_with_dtype_bf16_their_cast(tmp_path: Path) -> None:
-    program, masters = _mlp_bf16(tmp_path)
+def test_export_writes_the_fp32_masters_or_with_dtype_bf16_their_cast(
+    tmp_path: Path, mlp_bf16: tuple[Any, Path, dict[str, Any]]
+) -> None:
+    program, ckpt, masters = mlp_bf16
     with model_env(MLP_ENV):
-        fp32 = torch.load(export_state_dict(tmp_path / "ckpt", MLP, tmp_path / "a.pt"))
-        bf16 = torch.load(
-            export_state_dict(tmp_path / "ckpt", MLP, tmp_path / "b.pt", dtype="bf16")
-        )
+        fp32 = torch.load(export_state_dict(ckpt, MLP, tmp_path / "a.pt"))
+        bf16 = torch.load(export_state_dict(ckpt, MLP, tmp_path / "b.pt", dtype="bf16"))
         live = export_program(program, tmp_path / "c.pt", dtype="bf16")
         live32 = export_program(program, tmp_path / "d.pt")
     assert live is not None and live32 is not None
@@ -220,15 +249,17 @@ def test_export_writes_the_fp32_masters_or_with_dtype_bf16_their_cast(tmp_path: 
 
 
 def test_parc_export_dtype_bf16_writes_bf16_safetensors(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    mlp_bf16: tuple[Any, Path, dict[str, Any]],
 ) -> None:
     from safetensors import safe_open
 
-    _, masters = _mlp_bf16(tmp_path)
     from parc.cli import main
 
+    _, ckpt, masters = mlp_bf16
     out = tmp_path / "hf"
-    args = ["export", str(tmp_path / "ckpt"), MLP, "-o", str(out), "--format", "hf"]
+    args = ["export", str(ckpt), MLP, "-o", str(out), "--format", "hf"]
     with model_env(MLP_ENV):
         assert main([*args, "--dtype", "bf16"]) == 0
     assert "wrote" in capsys.readouterr().out

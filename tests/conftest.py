@@ -16,9 +16,18 @@ under `thorough`. CI keeps at least one row of every kind a test covers:
   layout in at least one format and every format at least once (10 of 15 rows; 3D in
   bf16 only); bf16 peaks for dp, ZeRO-1 and ZeRO-2 under reduce fp32; the wide model at
   ZeRO 0 and 2.
+- test_bf16_checkpoint.py: every row (each a layout, or a resharding between
+  precisions); the resharding rows train each saved spec once (a module fixture: 4 saves
+  for 5 rows) and the export tests share one trained program.
 - test_checkpoint.py: resume for every layout under one optimizer, both optimizers
   (5 of 9 rows).
 - test_clip.py: every layout, ZeRO level and precision (7 of 9 rows).
+- test_hf_gpt2_tp.py: dp2-tp2-zero3 (1 of 4 training rows); tp2 runs in CI in the
+  weights test, dp2-zero3 and dp x tp as test_hf_models.py's gpt2_tiny-zero3 and -3d.
+- test_hf_models.py: zero3, pp2_auto and 3d for every model family, dp2 and tp2 on
+  Llama (17 of 24 cells).
+- test_hf_weights.py: every layout and both models once (3 of 6 load rows; one pair of
+  reference runs per model, a module fixture).
 - test_mixed_precision.py: every layout, ZeRO level, reduce format, optimizer and model
   (9 of 11 rows).
 """

@@ -50,6 +50,18 @@ def ci_rows(values: Iterable[Any], ci: Container[Any]) -> list[Any]:
     return rows
 
 
+def gpt_env(layers: int, tie: bool) -> dict[str, str]:
+    """examples/gpt.py's sizes for a small pipeline case: width 16, 2 heads, vocab 48, seq 8."""
+    return {
+        "GPT_LAYERS": str(layers),
+        "GPT_DIM": "16",
+        "GPT_HEADS": "2",
+        "GPT_VOCAB": "48",
+        "GPT_SEQ": "8",
+        "GPT_TIE": "1" if tie else "0",
+    }
+
+
 def parc_main(
     tmp_path: Path, spec_file: str, spec_text: str, command: str, *args: str
 ) -> tuple[int, Path]:

@@ -21,29 +21,10 @@ thorough profile (`pytest --hypothesis-profile=thorough`).
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
-from helpers import GPT, LLAMA, check_equivalent
-from hypothesis import settings
-
-# As tests/helpers.py's `examples` tells the thorough profile: by its example count.
-_THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough" or settings().max_examples > 100
-thorough_only = pytest.mark.skipif(
-    not _THOROUGH, reason="thorough profile only: run `pytest --hypothesis-profile=thorough`"
-)
-
-
-def _gpt_env(layers: int, tie: bool) -> dict[str, str]:
-    return {
-        "GPT_LAYERS": str(layers),
-        "GPT_DIM": "16",
-        "GPT_HEADS": "2",
-        "GPT_VOCAB": "48",
-        "GPT_SEQ": "8",
-        "GPT_TIE": "1" if tie else "0",
-    }
+from helpers import GPT, LLAMA, check_equivalent, gpt_env
 
 
 def _llama_env(layers: int, tie: bool) -> dict[str, str]:
@@ -74,20 +55,20 @@ def _auto(virtual: int) -> str:
 # (id, model, env, mesh, stage text, microbatches, extra statements, batch)
 ROWS: list[Any] = [
     # Explicit stage lines naming 4 stages on pp=2; the tied wte/lm_head on ranks 0 and 1.
-    pytest.param(GPT, _gpt_env(4, True), "pp=2", _gpt_stage_lines(4), 4, "", 8, id="gpt-tied-V2"),
-    pytest.param(GPT, _gpt_env(6, False), "pp=2", _auto(3), 4, "", 8, id="gpt-untied-auto-V3"),
+    pytest.param(GPT, gpt_env(4, True), "pp=2", _gpt_stage_lines(4), 4, "", 8, id="gpt-tied-V2"),
+    pytest.param(GPT, gpt_env(6, False), "pp=2", _auto(3), 4, "", 8, id="gpt-untied-auto-V3"),
     # m == pp: a single group of microbatches, all forwards warm up (Megatron's rule).
     pytest.param(LLAMA, _llama_env(4, False), "pp=2", _auto(2), 2, "", 4, id="llama-auto-V2-m2"),
     pytest.param(LLAMA, _llama_env(6, True), "pp=2", _auto(3), 6, "", 12, id="llama-tied-V3"),
     pytest.param(
-        GPT, _gpt_env(4, True), "dp=2 pp=2", _gpt_stage_lines(4), 4, "zero 1\n", 16, id="gpt-dp2-z1"
+        GPT, gpt_env(4, True), "dp=2 pp=2", _gpt_stage_lines(4), 4, "zero 1\n", 16, id="gpt-dp2-z1"
     ),
     pytest.param(
         LLAMA, _llama_env(4, False), "dp=2 pp=2", _auto(2), 4, "zero 3\n", 16, id="llama-dp2-z3"
     ),
     pytest.param(
         GPT,
-        _gpt_env(4, False),
+        gpt_env(4, False),
         "pp=2 tp=2",
         _gpt_stage_lines(4),
         4,
@@ -96,7 +77,15 @@ ROWS: list[Any] = [
         id="gpt-tp2",
     ),
     pytest.param(
-        GPT, _gpt_env(8, True), "pp=4", _auto(2), 8, "", 16, id="gpt-pp4-V2", marks=thorough_only
+        GPT,
+        gpt_env(8, True),
+        "pp=4",
+        _auto(2),
+        8,
+        "",
+        16,
+        id="gpt-pp4-V2",
+        marks=pytest.mark.thorough,
     ),
     pytest.param(
         LLAMA,
@@ -108,7 +97,7 @@ ROWS: list[Any] = [
         "shard layers.*.mlp.down row tp\n",
         16,
         id="llama-dp2-tp2-V3",
-        marks=thorough_only,
+        marks=pytest.mark.thorough,
     ),
 ]
 
@@ -146,7 +135,7 @@ def test_interleaved_1f1b_with_other_statements_matches_single_device(
 ) -> None:
     # Measured: parameters within 7.5e-9 for grad_accum and recompute (fp32 bounds as above).
     spec = f"mesh pp=2\n{_gpt_stage_lines(4)}microbatches 4\nschedule interleaved\n{extra}"
-    result, _ = check_equivalent(gloo_pool, spec, GPT, env=_gpt_env(4, True), batch=16, steps=3)
+    result, _ = check_equivalent(gloo_pool, spec, GPT, env=gpt_env(4, True), batch=16, steps=3)
     assert result.ok, f"{spec}: {result.describe()}\n{result.rows}"
 
 

@@ -13,24 +13,13 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import GPT, MLP, check_equivalent, examples
+from helpers import GPT, MLP, check_equivalent, examples, gpt_env
 from hypothesis import given
 from hypothesis import strategies as st
 
 from parc.runtime.equivalence import model_env
 
 pytestmark = pytest.mark.multiprocess
-
-
-def _gpt_env(layers: int, tie: bool) -> dict[str, str]:
-    return {
-        "GPT_LAYERS": str(layers),
-        "GPT_DIM": "16",
-        "GPT_HEADS": "2",
-        "GPT_VOCAB": "48",
-        "GPT_SEQ": "8",
-        "GPT_TIE": "1" if tie else "0",
-    }
 
 
 def _explicit_stages(model: str, layers: int, pp: int) -> str:
@@ -67,7 +56,7 @@ def test_pipeline_matches_single_device(
 ) -> None:
     model = GPT if use_gpt else MLP
     layers = pp + 1
-    env = _gpt_env(layers, tie) if use_gpt else {"MLP_LAYERS": str(layers), "MLP_DIM": "8"}
+    env = gpt_env(layers, tie) if use_gpt else {"MLP_LAYERS": str(layers), "MLP_DIM": "8"}
     stages = "stage auto\n" if auto else _explicit_stages(model, layers, pp)
     spec = f"mesh pp={pp}\n{stages}microbatches {microbatches}\nschedule {schedule}\n"
     result, _ = check_equivalent(gloo_pool, spec, model, env=env, batch=microbatches * 2)
@@ -77,7 +66,7 @@ def test_pipeline_matches_single_device(
 @pytest.mark.parametrize("zero", [0, 1, 3])
 def test_pipeline_with_data_parallel_matches_single_device(gloo_pool: Any, zero: int) -> None:
     spec = f"mesh dp=2 pp=2\nstage auto\nmicrobatches 2\nschedule 1f1b\nzero {zero}\n"
-    result, stats = check_equivalent(gloo_pool, spec, GPT, env=_gpt_env(2, True), batch=8)
+    result, stats = check_equivalent(gloo_pool, spec, GPT, env=gpt_env(2, True), batch=8)
     assert result.ok, result.describe()
     # The tied embedding / head copies are summed once per step, over pp.
     assert stats["stats"][-1][("all_reduce", "pp")][0] == 1
@@ -85,7 +74,7 @@ def test_pipeline_with_data_parallel_matches_single_device(gloo_pool: Any, zero:
 
 def test_tied_copies_never_drift(gloo_pool: Any) -> None:
     spec = "mesh pp=2\nstage wte, wpe, layers[0:1] -> 0\nstage layers[1:2], ln_f, lm_head -> 1\n"
-    result, _ = check_equivalent(gloo_pool, spec, GPT, env=_gpt_env(2, True), steps=3, batch=4)
+    result, _ = check_equivalent(gloo_pool, spec, GPT, env=gpt_env(2, True), steps=3, batch=4)
     assert result.ok, result.describe()
 
 
@@ -140,7 +129,7 @@ def peak_saved(spec_text: str, env: dict[str, str], batch: int) -> dict[str, int
 def test_saved_activations_are_bounded_by_the_schedule(gloo_pool: Any, schedule: str) -> None:
     pp, m = 2, 6
     spec = f"mesh pp={pp}\nstage auto\nmicrobatches {m}\nschedule {schedule}\n"
-    results = gloo_pool(pp).run(peak_saved, spec, _gpt_env(4, False), 2 * m)
+    results = gloo_pool(pp).run(peak_saved, spec, gpt_env(4, False), 2 * m)
     for r in results:
         bound = m if schedule == "gpipe" else min(pp - r["stage"], m)
         assert r["peak"] <= bound * r["per_mb"]
@@ -170,5 +159,5 @@ def mismatched_batch(spec_text: str, env: dict[str, str]) -> str:
 
 def test_a_batch_that_breaks_the_boundary_contract_fails_on_every_rank(gloo_pool: Any) -> None:
     spec = "mesh pp=2\nstage auto\nmicrobatches 2\n"
-    messages = gloo_pool(2).run(mismatched_batch, spec, _gpt_env(2, True))
+    messages = gloo_pool(2).run(mismatched_batch, spec, gpt_env(2, True))
     assert all("(4, 5)" in m and "(4, 8)" in m for m in messages), messages

@@ -190,6 +190,13 @@ HOST_TENSORS = {
     ("runtime/probes.py", "nudge_outputs.nudge"): "the reference run's noise, one process",
     ("runtime/schedules.py", "check_schedule"): "a probe parameter for the model's "
     "configure_scheduler, in the launcher before any world",
+    # A rank's data is made on the host, as a DataLoader's is: Program.step_local moves
+    # its share to the rank's device before any compute or collective reads it.
+    ("runtime/data.py", "DataStream._checked"): "a batch check's probe, on the host data",
+    ("runtime/text_data.py", "TextData.__call__"): "the rank's window indices (host data)",
+    ("runtime/text_data.py", "TextData._batches"): "window offsets into the host tokens",
+    ("runtime/text_data.py", "_encode"): "token ids of the text file, host data",
+    ("runtime/text_data.py", "_tokens"): "the text file's token stream, host data",
 }
 
 

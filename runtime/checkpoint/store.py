@@ -64,8 +64,6 @@ another optimizer class is a `ParcError` on every rank, before anything is read.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import io
 import os
 import shutil
 import warnings
@@ -73,26 +71,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
     Metadata,
-    MetadataIndex,
-    TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import (
-    LoadPlan,
-    ReadItem,
-    SavePlan,
-    TensorWriteData,
-    WriteItem,
-    WriteItemType,
-)
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from parc.errors import ParcError
 
@@ -101,14 +85,14 @@ from .entries import EntryKind, check_entries
 from .find import LATEST, checkpoint_path, latest_checkpoint
 from .integrity import (
     SafeReader,
-    load_bytes_safely,
     read_info,
     reading,
     record_manifest,
 )
-from .layout import MODEL, OPTIM, Piece, model_pieces, rank_layout
+from .layout import MODEL, OPTIM, model_pieces, rank_layout
 from .manifest import write_manifest
 from .optim import GROUPS, OptimizerLoad, StateSpec, hyperparameters, optimizer_pieces
+from .planners import PieceLoadPlanner, PieceSavePlanner
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
@@ -169,7 +153,7 @@ def save_checkpoint(
         dcp.save(
             objects,
             storage_writer=dcp.FileSystemWriter(tmp),
-            planner=_PieceSavePlanner(pieces),
+            planner=PieceSavePlanner(pieces),
             no_dist=not _distributed(),
         )
     # DCP's last collective already waits for every rank's files; this says so.
@@ -230,7 +214,7 @@ def load_checkpoint(
         dcp.load(
             state,
             storage_reader=reader,
-            planner=_PieceLoadPlanner(pieces),
+            planner=PieceLoadPlanner(pieces),
             no_dist=not _distributed(),
         )
     optimizer.install(state.get(GROUPS), str(path))
@@ -300,75 +284,6 @@ def _optimizer_states(
         first = next(iter(entries.values()))
         specs.append(StateSpec(kind, first.properties.dtype, scalar))
     return specs
-
-
-class _PieceSavePlanner(DefaultSavePlanner):
-    """DCP's planner (dedup, validation, metadata) plus one shard write item per piece."""
-
-    def __init__(self, pieces: list[Piece]) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self._pieces = {(p.key, p.offsets): p.local for p in pieces}
-        self._items = [_write_item(p) for p in pieces]
-
-    def create_local_plan(self) -> SavePlan:
-        plan = super().create_local_plan()
-        self.plan = dataclasses.replace(plan, items=[*plan.items, *self._items])
-        return self.plan
-
-    def resolve_data(self, write_item: WriteItem) -> Any:
-        index = write_item.index
-        found = self._pieces.get((index.fqn, tuple(index.offset or ())))
-        return found if found is not None else super().resolve_data(write_item)
-
-
-def _write_item(piece: Piece) -> WriteItem:
-    offsets = torch.Size(piece.offsets)
-    return WriteItem(
-        index=MetadataIndex(piece.key, offsets),
-        type=WriteItemType.SHARD,
-        tensor_data=TensorWriteData(
-            chunk=ChunkStorageMetadata(offsets=offsets, sizes=piece.local.size()),
-            properties=TensorProperties.create_from_tensor(piece.local),
-            size=torch.Size(piece.shape),
-        ),
-    )
-
-
-class _PieceLoadPlanner(DefaultLoadPlanner):
-    """DCP's planner for plain objects, plus reads of each piece's overlap with the checkpoint."""
-
-    def __init__(self, pieces: list[Piece]) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self._pieces = {(p.key, p.offsets): p.local for p in pieces}
-        self._chunks: dict[str, list[ChunkStorageMetadata]] = {}
-        for p in pieces:
-            chunk = ChunkStorageMetadata(offsets=torch.Size(p.offsets), sizes=p.local.size())
-            self._chunks.setdefault(p.key, []).append(chunk)
-
-    def create_local_plan(self) -> LoadPlan:
-        plan = super().create_local_plan()
-        assert self.metadata is not None
-        saved = self.metadata.state_dict_metadata
-        items = list(plan.items)
-        for key, chunks in self._chunks.items():
-            entry = saved[key]
-            assert isinstance(entry, TensorStorageMetadata)
-            items += create_read_items_for_chunk_list(key, entry, chunks)
-        return dataclasses.replace(plan, items=items)
-
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        # DCP's default unpickles with weights_only=False: a crafted file would run code.
-        key = read_item.dest_index.fqn
-        self.state_dict[key] = load_bytes_safely(value, key)
-
-    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        index = read_item.dest_index
-        local = self._pieces.get((index.fqn, tuple(index.offset or ())))
-        if local is None:
-            return super().resolve_tensor(read_item)
-        for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
-            local = local.narrow(dim, start, length)
-        return local
 
 
 def _publish(root: Path, tmp: Path, final: Path) -> None:

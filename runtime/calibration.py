@@ -136,7 +136,7 @@ class Calibration:
     noise_mult: float = NOISE_MULT
     # Leave out of the parameters' distances the elements whose step-0 gradient changed
     # sign between the runs (rounding at bf16 flips near-zero gradients; the module
-    # docstring); buffers then within the twin's bound too, tied aliases equal.
+    # docstring).
     excuse_flips: bool = False
     # Bound each step's loss by the twin's largest relative difference so far, not the
     # step's own: at bf16 the twin's per-step distance swings 60x between steps.
@@ -222,9 +222,9 @@ def same_sign(
 def _bad_buffer(
     ref: dict[str, Any], twin: dict[str, Any], par: dict[str, Any], cal: Calibration
 ) -> str | None:
-    """Under excused flips: the first buffer that is missing, of another dtype, unequal
-    (integer ones), not its parameter (a tied alias: equal to one in the reference), or
-    past the twin's bound (other floating-point ones)."""
+    """The first buffer that is missing, of another dtype, unequal (integer ones), not its
+    parameter (a tied alias: equal to one in the reference; the parameter itself is held
+    to its own bound), or past the twin's bound (other floating-point ones)."""
     params, steps = ref["params"], len(ref["losses"])
     for name, expected in ref["buffers"].items():
         got = par["params"].get(name)
@@ -290,10 +290,11 @@ def calibrated_compare(
 
     `ref` and `twin` are `reference_run` results (with step-0 "grads"), `par` a
     `parallel_case` result, `par_grads` the parameters of a one-step
-    `GradientProbe` parallel run. Buffers are compared as `compare_runs` does.
+    `GradientProbe` parallel run. Buffers are held to the twin's bound as parameters are
+    (a tied alias: to being its parameter).
     """
     steps, cal = len(ref["losses"]), CALIBRATIONS[precision]
-    base = compare_runs(ref, par, Tolerance())  # losses are redone below; buffers kept
+    base = compare_runs(ref, par, Tolerance())  # losses, parameters, buffers redone below
     rows, first_bad = _loss_rows(ref["losses"], twin["losses"], par["losses"], cal)
     keep = same_sign(ref["grads"], twin["grads"], par_grads) if cal.excuse_flips else None
     params = tensor_bounds(
@@ -305,7 +306,7 @@ def calibrated_compare(
     bad_param = next((t.name for t in params if t.ratio > 1), None)
     bad_grad = next((t.name for t in grads if t.ratio > 1), None)
     ok = first_bad is None and bad_param is None and bad_grad is None
-    bad_buffer = _bad_buffer(ref, twin, par, cal) if cal.excuse_flips else base.bad_buffer
+    bad_buffer = _bad_buffer(ref, twin, par, cal)
     return dataclasses.replace(
         base,
         ok=ok and bad_buffer is None,

@@ -28,7 +28,7 @@ from .deferred_init import DeferredModel, record_build
 from .dropout import dropout_warnings
 from .estimate import Estimate, estimate
 from .memory_model import memory_model_of
-from .model import ModelSource, load_model, owns_loss
+from .model import BatchSignature, ModelSource, load_model, owns_loss
 from .model_output import ModelLoss, input_tensors
 from .model_state import (
     batch_statistics_warnings,
@@ -59,6 +59,9 @@ class Analysis:
     plan: Plan
     estimate: Estimate
     saved: SavedTensors
+    example: BatchSignature
+    """The traced example batch's shapes and dtypes (at the micro-batch size): what every
+    later batch must match beyond dim 0 (runtime/program.py, runtime/data.py)."""
     deferred: DeferredModel | None = None
     """With `analyse(deferred=True)`: the model's initial values, one tensor at a time."""
 
@@ -127,6 +130,7 @@ def _analyse(
     built, deferred = how.build(source)
     versions = buffer_versions(built)
     sample, targets = source.batch(batch_plan.micro, 0)
+    example = BatchSignature.of(sample, targets)
     own = owns_loss(source, sample, targets)
     # The capture and the fake forward at the run's compute dtype (resolve refuses fp16),
     # on the inputs as the run feeds them (floating ones cast to it: saved.cast_inputs).
@@ -163,7 +167,7 @@ def _analyse(
     )
     memory = memory_model_of(source.configure_optimizer, plan.precision, plan.reduce)
     costs = estimate(plan, gm, built, saved, memory=memory)
-    return Analysis(spec, source, built, gm, plan, costs, saved, deferred)
+    return Analysis(spec, source, built, gm, plan, costs, saved, example, deferred)
 
 
 def _check_module_state_dtypes(gm: torch.fx.GraphModule, compute: torch.dtype | None) -> None:

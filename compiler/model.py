@@ -23,7 +23,7 @@ import inspect
 import sys
 import traceback
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -76,8 +76,6 @@ class ModelSource:
     configure_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
     # Optional: each rank's share of the data (compiler/data_context.py, runtime/data.py).
     data: Callable[[DataContext], Iterable[Any]] | None = None
-    # batch size -> the shapes and dtypes of the example batch `batch` last returned.
-    seen: dict[int, BatchSignature] = field(default_factory=dict, compare=False, repr=False)
 
     def build(self, *, device: torch.device | str | None = None) -> torch.nn.Module:
         """Call `build_model()` (under `device` when given, e.g. "meta") and check the result."""
@@ -138,9 +136,7 @@ class ModelSource:
         else:
             call = "data(ctx)"
             result = self._data_batch(batch_size, step)
-        inputs, targets = check_pair(result, call, batch_size, self.path)
-        self.seen[batch_size] = BatchSignature.of(inputs, targets)
-        return inputs, targets
+        return check_pair(result, call, batch_size, self.path)
 
     def _data_batch(self, batch_size: int, step: int) -> Any:
         """The `step`-th batch of the data hook on one device."""
@@ -164,12 +160,6 @@ class ModelSource:
                     "smaller than one global batch (a sampler drops an incomplete last batch)?",
                 )
         raise AssertionError("unreachable: every epoch yields a batch")
-
-    def signature(self, batch_size: int) -> BatchSignature:
-        """The shapes and dtypes of example batch 0 of `batch_size` rows (as traced)."""
-        if batch_size not in self.seen:
-            self.batch(batch_size, 0)
-        return self.seen[batch_size]
 
     @property
     def digest(self) -> str:

@@ -42,6 +42,7 @@ from parc.dsl.ast import AXIS_DP, AXIS_PP
 from .estimate import stage_units
 from .frontend import Analysis
 from .layout import FlatUnit, ParamSlice, canonical_names, param_slices, stage_params
+from .model import BatchSignature
 from .model_state import state_names
 from .passes.pipeline_split import StageGraph, pipeline_split
 from .passes.recompute import recompute_modules
@@ -93,6 +94,8 @@ class RankProgram:
     """Every key of the model's state_dict(), in order -> its canonical parameter or buffer."""
     input_shapes: tuple[Shape, ...]
     """The traced model inputs' shapes at the micro-batch size."""
+    example: BatchSignature
+    """The traced example batch's shapes and dtypes (Analysis.example)."""
     buffers: BufferLayout
     """The model's persistent buffers and the stage holding each."""
 
@@ -150,6 +153,7 @@ def compile_rank(
         dtypes={canonical[n]: p.dtype for n, p in named},
         names=names,
         input_shapes=tuple(tuple(n.meta["tensor_meta"].shape) for n in inputs),
+        example=analysis.example,
         buffers=buffers,
     )
 

@@ -104,7 +104,7 @@ def assemble(
         dtypes=program.dtypes,
         buffers=buffers,
         names=program.names,
-        example=source.signature(plan.batch.micro),
+        example=program.example,
     )
 
 

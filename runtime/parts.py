@@ -41,6 +41,10 @@ class ProgramParts:
     optimizer: torch.optim.Optimizer
     device: torch.device
     input_shapes: tuple[tuple[int, ...], ...]  # traced model inputs at the micro-batch size
+    # The traced example batch's shapes and dtypes, at the micro-batch size: what the
+    # data a rank loads must match, and what rank 0 counts tokens by (it may hold no
+    # targets).
+    example: BatchSignature
     full_shapes: dict[str, tuple[int, ...]]  # canonical parameter name -> full shape
     local_params: dict[str, torch.nn.Parameter]  # canonical name -> this rank's tensor
     slices: dict[str, ParamSlice]
@@ -53,10 +57,6 @@ class ProgramParts:
     buffers: Buffers = field(default_factory=Buffers)  # persistent buffers (buffers.py)
     # Every key of the model's state_dict(), in order -> its canonical parameter or buffer.
     names: dict[str, str] = field(default_factory=dict)
-    # The traced example batch's shapes and dtypes, at the micro-batch size: what the
-    # data a rank loads must match, and what rank 0 counts tokens by (it may hold no
-    # targets).
-    example: BatchSignature | None = None
 
     @property
     def stage(self) -> StageGraph:

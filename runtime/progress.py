@@ -8,6 +8,10 @@ import time
 from typing import TYPE_CHECKING, TextIO
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    import torch
+
     from parc.compiler.plan import Plan
 
     from .metrics import StepMetrics
@@ -61,13 +65,12 @@ def _clock(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
-def counted_items(targets: object) -> tuple[int, str]:
-    """Tokens for integer targets with a sequence dim (language models), else samples."""
-    import torch
-
-    if isinstance(targets, torch.Tensor) and targets.dim() >= 2 and not targets.is_floating_point():
-        return targets.shape[0] * targets.shape[1], "tokens"
-    return (targets.shape[0] if isinstance(targets, torch.Tensor) else 1), "samples"
+def counted_items(shape: Sequence[int], dtype: torch.dtype) -> tuple[int, str]:
+    """What a batch of targets of `shape` and `dtype` counts: tokens for integer targets
+    with a sequence dim (language models), else samples."""
+    if len(shape) >= 2 and not dtype.is_floating_point:
+        return shape[0] * shape[1], "tokens"
+    return shape[0], "samples"
 
 
 def print_summary(

@@ -140,13 +140,8 @@ def train_steps(
 def _items_per_step(program: Program) -> tuple[int, str]:
     """Tokens (or samples) in a global batch, from the traced example's targets: on
     rank 0 under pp > 1 there are no targets to count."""
-    import torch
-
-    example = program.parts.example
-    assert example is not None, "parc.compile records the traced example batch"
-    shape, dtype = example.targets
-    whole = (program.plan.batch.global_batch, *shape[1:])
-    return counted_items(torch.empty(whole, dtype=dtype, device="meta"))
+    shape, dtype = program.parts.example.targets
+    return counted_items((program.plan.batch.global_batch, *shape[1:]), dtype)
 
 
 def _mfu(program: Program, flops: int | None, peak: float | None, seconds: float) -> float | None:

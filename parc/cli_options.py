@@ -102,12 +102,28 @@ def add_precision(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_check_options(p: argparse.ArgumentParser) -> None:
-    """The arguments of `parc check` (runtime/check.py)."""
+def _add_spec_and_steps(p: argparse.ArgumentParser, steps: int) -> None:
+    """What `parc check` and `parc run` train: the spec, the model, steps and batch."""
     p.add_argument("spec", help="the .par spec file")
     p.add_argument("model", help="the model file")
-    p.add_argument("--steps", type=positive, default=3, help="training steps (default 3)")
+    p.add_argument(
+        "--steps", type=positive, default=steps, help=f"training steps (default {steps})"
+    )
     p.add_argument("--batch", type=positive, help="global batch size")
+
+
+def _add_recipe(p: argparse.ArgumentParser) -> None:
+    """How `parc check` and `parc run` train: precision, lr schedule, clipping (and the
+    hidden fault injection of the tests)."""
+    add_precision(p)
+    add_schedule_arguments(p)  # parc check: both sides step it (runtime/schedules.py)
+    add_clip(p)
+    p.add_argument("--inject-fault", help=argparse.SUPPRESS)
+
+
+def add_check_options(p: argparse.ArgumentParser) -> None:
+    """The arguments of `parc check` (runtime/check.py)."""
+    _add_spec_and_steps(p, steps=3)
     p.add_argument(
         "--optimizer",
         choices=["model", "sgd", "adamw"],
@@ -123,18 +139,12 @@ def add_check_options(p: argparse.ArgumentParser) -> None:
         "save_pretrained writes it) instead of the model's initialisation",
     )
     p.add_argument("--timeout", type=seconds, default=300.0, help="seconds per collective")
-    add_precision(p)
-    add_schedule_arguments(p)  # both sides step it (runtime/schedules.py)
-    add_clip(p)
-    p.add_argument("--inject-fault", help=argparse.SUPPRESS)
+    _add_recipe(p)
 
 
 def add_run_options(p: argparse.ArgumentParser) -> None:
     """The arguments of `parc run` (runtime/launch.py)."""
-    p.add_argument("spec", help="the .par spec file")
-    p.add_argument("model", help="the model file")
-    p.add_argument("--steps", type=positive, default=100, help="training steps (default 100)")
-    p.add_argument("--batch", type=positive, help="global batch size")
+    _add_spec_and_steps(p, steps=100)
     p.add_argument(
         "--lr", type=learning_rate, help="learning rate (overrides configure_optimizer's)"
     )
@@ -165,10 +175,7 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
         help="skip the update of a step whose loss or gradients are NaN/inf (on every rank) "
         "instead of stopping",
     )
-    add_precision(p)
-    add_schedule_arguments(p)
-    add_clip(p)
-    p.add_argument("--inject-fault", help=argparse.SUPPRESS)
+    _add_recipe(p)
 
 
 def _add_data(p: argparse.ArgumentParser) -> None:

@@ -43,10 +43,9 @@ def _say(text: str = "") -> None:
 def run_demo(out: Path, *, steps: int = 150, batch: int = 16) -> int:
     from parc.compiler.frontend import analyse
     from parc.compiler.report import format_report
-    from parc.demo_model import LR, corpus_bytes
+    from parc.demo_model import LR
     from parc.plots import loss_curve_svg
     from parc.runtime.check import format_check, run_check
-    from parc.runtime.launch import launch
     from parc.runtime.schedules import Schedule, ScheduleKind
     from parc.schedule_views import schedule_grid, write_timeline
 
@@ -68,12 +67,41 @@ def run_demo(out: Path, *, steps: int = 150, batch: int = 16) -> int:
     )
     write_timeline(analysis.plan, out / "timeline.svg")
     log = out / "metrics.jsonl"
+    _train(spec, model, out, log, steps=steps, batch=batch, world=analysis.plan.mesh.world_size)
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    points = [(r["step"], r["loss"]) for r in rows]
+    (out / "loss.svg").write_text(
+        loss_curve_svg(points, title=f"parc demo: training loss, {analysis.plan.mesh}")
+    )
+    _say(f"\nLoss {points[0][1]:.3f} -> {points[-1][1]:.3f} over {len(points)} steps.")
+    _say(_metrics_summary(rows, log))
+    _say(
+        "Equivalence: the same 3 steps on one device and on the 4-process program "
+        "(same seed, batches, the model's optimizer, warmup + cosine lr, clipping):\n"
+    )
+    schedule = Schedule(kind=ScheduleKind.COSINE, steps=3, warmup=1, min_lr=LR / 10)
+    result = run_check(str(spec), model, steps=3, batch=batch, clip=CLIP, lr_schedule=schedule)
+    _say(format_check(result))
+    _say(
+        f"Pictures: {out / 'loss.svg'}, {out / 'timeline.svg'}   "
+        f"(demo took {time.perf_counter() - began:.0f} s)"
+    )
+    return 0 if result.ok else 1
+
+
+def _train(
+    spec: Path, model: str, out: Path, log: Path, *, steps: int, batch: int, world: int
+) -> None:
+    """`parc run` as a real job runs: the text file, warmup + cosine, clipping, a log."""
+    from parc.demo_model import LR, corpus_bytes
+    from parc.runtime.launch import launch
+
     log.unlink(missing_ok=True)
     corpus = out / "corpus.txt"
     corpus.write_bytes(corpus_bytes())
     warmup = max(1, steps // 10)
     _say(
-        f"Training {steps} steps on {analysis.plan.mesh.world_size} processes (torchrun, "
+        f"Training {steps} steps on {world} processes (torchrun, "
         f"gloo) on {corpus} ({corpus.stat().st_size:,} bytes; each rank reads its own "
         f"share), lr: {warmup} warmup steps then cosine to a tenth, gradients clipped to "
         f"norm {CLIP:g}:"
@@ -99,27 +127,8 @@ def run_demo(out: Path, *, steps: int = 150, batch: int = 16) -> int:
         "--log",
         str(log),
     ]
-    if launch(argv, analysis.plan.mesh.world_size) != 0:
+    if launch(argv, world) != 0:
         raise ParcError("the demo's training run failed; its error is printed above")
-    rows = [json.loads(line) for line in log.read_text().splitlines()]
-    points = [(r["step"], r["loss"]) for r in rows]
-    (out / "loss.svg").write_text(
-        loss_curve_svg(points, title=f"parc demo: training loss, {analysis.plan.mesh}")
-    )
-    _say(f"\nLoss {points[0][1]:.3f} -> {points[-1][1]:.3f} over {len(points)} steps.")
-    _say(_metrics_summary(rows, log))
-    _say(
-        "Equivalence: the same 3 steps on one device and on the 4-process program "
-        "(same seed, batches, the model's optimizer, warmup + cosine lr, clipping):\n"
-    )
-    schedule = Schedule(kind=ScheduleKind.COSINE, steps=3, warmup=1, min_lr=LR / 10)
-    result = run_check(str(spec), model, steps=3, batch=batch, clip=CLIP, lr_schedule=schedule)
-    _say(format_check(result))
-    _say(
-        f"Pictures: {out / 'loss.svg'}, {out / 'timeline.svg'}   "
-        f"(demo took {time.perf_counter() - began:.0f} s)"
-    )
-    return 0 if result.ok else 1
 
 
 def _metrics_summary(rows: list[dict[str, Any]], log: Path) -> str:

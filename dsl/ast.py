@@ -40,6 +40,7 @@ __all__ = [
     "Schedule",
     "ScheduleKind",
     "Segment",
+    "SequenceParallel",
     "Shard",
     "ShardKind",
     "Span",
@@ -334,6 +335,19 @@ class Reduce:
         return f"reduce {self.kind}"
 
 
+@dataclass(frozen=True, slots=True)
+class SequenceParallel:
+    """`sequence_parallel AXIS`: activations between tensor-parallel blocks sharded along the
+    sequence on AXIS (docs/architecture.md, tensor_parallel)."""
+
+    axis: str
+    span: Span = _span()
+    axis_span: Span = _span()
+
+    def __str__(self) -> str:
+        return f"sequence_parallel {self.axis}"
+
+
 Statement: TypeAlias = (
     Mesh
     | Shard
@@ -347,6 +361,7 @@ Statement: TypeAlias = (
     | Recompute
     | PrecisionStmt
     | Reduce
+    | SequenceParallel
 )
 
 
@@ -431,6 +446,11 @@ class Spec:
         """The `reduce` format written, if any (the plan's default is the precision's)."""
         found: Reduce | None = self._one(Reduce)
         return found.kind if found else None
+
+    @property
+    def sequence_parallel(self) -> SequenceParallel | None:
+        found: SequenceParallel | None = self._one(SequenceParallel)
+        return found
 
     def statement(self, kind: type) -> Statement | None:
         """The first statement of `kind`, for error locations."""

@@ -41,6 +41,7 @@ from parc.dsl.ast import (
     Schedule,
     ScheduleKind,
     Segment,
+    SequenceParallel,
     Shard,
     ShardKind,
     Span,
@@ -74,6 +75,7 @@ _SINGLETONS = (
     StageAuto,
     PrecisionStmt,
     Reduce,
+    SequenceParallel,
 )
 _MAX_DIGITS = 18  # int() refuses very long digit strings; no real spec needs more
 # Parsing and resolving take ~0.5 ms a line; a real spec has a few dozen lines
@@ -298,6 +300,10 @@ class _Builder(Transformer[Token, Any]):
     def reduce(self, meta: Meta, children: list[Token]) -> Reduce:
         kind = self._choice(children[1], Precision, "a reduction format")
         return Reduce(kind, _meta_span(meta), kind_span=token_span(children[1]))
+
+    def sequence_parallel(self, meta: Meta, children: list[Token]) -> SequenceParallel:
+        axis = children[1]
+        return SequenceParallel(str(axis), _meta_span(meta), axis_span=token_span(axis))
 
     # Segments return tuples because `name[i]` is sugar for two segments.
     def pattern(self, meta: Meta, children: list[Any]) -> Pattern:

@@ -38,6 +38,7 @@ STATEMENT_KEYWORDS = (
     "precision",
     "reduce",
     "virtual_stages",
+    "sequence_parallel",
 )
 
 

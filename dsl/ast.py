@@ -77,6 +77,7 @@ class ScheduleKind(str, Enum):
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
     INTERLEAVED = "interleaved"  # Megatron's interleaved 1F1B over virtual stages
+    ZB1 = "zb1"  # zero bubble ZB-H1 (Qi et al., 2023): backward split into B and W
 
     def __str__(self) -> str:
         return self.value

@@ -26,12 +26,12 @@ from parc.dsl.ast import ScheduleKind
 from .plan import Plan
 from .schedule import (
     Action,
-    ActionKind,
     Schedule,
     ScheduleError,
     Timeline,
     bubble_fraction,
     generate,
+    held_step,
     is_lowered,
     lower,
     lower_comms,
@@ -39,6 +39,7 @@ from .schedule import (
 )
 from .schedule_interleaved import interleaved_bubble
 from .schedule_sim import simulate, validate
+from .schedule_zero_bubble import zb1_bubble
 
 __all__ = [
     "HandSchedule",
@@ -102,8 +103,8 @@ def plan_in_flight(plan: Plan) -> tuple[int, ...]:
     m, n = plan.microbatches, plan.num_stages
     if plan.pp == 1:
         return (1,)  # one stage runs each backward right after its forward
-    if plan.hand_schedule is not None or n > plan.pp:
-        # Several stages per rank, or a schedule by hand: count along its lists.
+    if plan.hand_schedule is not None or n > plan.pp or plan.schedule is ScheduleKind.ZB1:
+        # Several stages per rank, a schedule by hand, or held until W: count along its lists.
         return stage_in_flight(compute_schedule(plan), n)
     if plan.schedule is ScheduleKind.GPIPE:
         return (m,) * n
@@ -112,10 +113,13 @@ def plan_in_flight(plan: Plan) -> tuple[int, ...]:
 
 def plan_bubble(plan: Plan) -> float:
     """Idle share of the pipeline: (p-1)/(m+p-1) with one stage per rank, interleaved
-    1F1B's (p-1)/(V·m+p-1) with V stages per rank, else simulated (F and B alike)."""
+    1F1B's (p-1)/(V·m+p-1) with V stages per rank, ZB-H1's `zb1_bubble` ((p-1)/(3m+p-1)
+    for m ≥ p, F, B and W alike), else simulated (F and B alike)."""
     p, m = plan.pp, plan.microbatches
     if p == 1:
         return 0.0
+    if plan.hand_schedule is None and plan.schedule is ScheduleKind.ZB1:
+        return zb1_bubble(p, m)
     if plan.hand_schedule is None and plan.num_stages == p:
         return (p - 1) / (m + p - 1)
     if plan.hand_schedule is None and plan.schedule is ScheduleKind.INTERLEAVED:
@@ -126,14 +130,18 @@ def plan_bubble(plan: Plan) -> float:
 def rank_held(plan: Plan, stored: Sequence[int]) -> tuple[int, ...]:
     """Per pp rank, the most activation bytes its stages hold at once along its list:
     the sum of ``stored[s]`` (bytes one microbatch keeps on stage s) over the (stage,
-    microbatch) pairs whose F has run and whose B has not. With one stage per rank it
+    microbatch) pairs whose F has run and whose B has not (in a split schedule: whose W
+    has not, since the executor keeps a microbatch's autograd graph, and so all of
+    its saved tensors, from its B until its W). With one stage per rank it
     is that stage's ``stored × in-flight``; with several it can be less than the sum of
     each stage's own peak, which need not coincide (interleaved 1F1B's warm-up holds
     the first chunk's microbatches while the last chunk's start)."""
     held = [0] * plan.pp
-    for rank, actions in compute_schedule(plan).items():
+    schedule = compute_schedule(plan)
+    step = held_step(schedule)
+    for rank, actions in schedule.items():
         live = 0
         for a in actions:
-            live += {ActionKind.F: 1, ActionKind.B: -1}.get(a.kind, 0) * stored[a.stage]
+            live += step.get(a.kind, 0) * stored[a.stage]
             held[rank] = max(held[rank], live)
     return tuple(held)

@@ -200,7 +200,12 @@ def bytes_by_axis(est: Estimate) -> dict[str, int]:
 def _pipeline_lines(plan: Plan, est: Estimate, grid: str | None) -> list[str]:
     if plan.pp == 1:
         return []
-    if plan.hand_schedule is None and plan.num_stages == plan.pp:
+    if plan.hand_schedule is None and plan.schedule is ScheduleKind.ZB1:
+        how = (
+            f"ZB-H1 (T-3m)/T, T=max(3m+p-1, 2m+2p-1) with p={plan.pp}, m={plan.microbatches}, "
+            "F, B and W alike"
+        )
+    elif plan.hand_schedule is None and plan.num_stages == plan.pp:
         how = f"(p-1)/(m+p-1) with p={plan.pp}, m={plan.microbatches}"
     elif plan.hand_schedule is None and plan.schedule is ScheduleKind.INTERLEAVED:
         v = plan.num_stages // plan.pp

@@ -4,8 +4,9 @@ Stage s runs on pp rank ``stage_to_rank[s]``: one stage per rank by default (sta
 on rank s), or several (virtual stages, ``stage_to_rank = (0, 1, 0, 1)``). A schedule
 is a ``dict[rank, list[Action]]`` and every step over it is a pure function:
 
-1. `generate` (`gpipe`, `one_f_one_b`, and `interleaved` from
-   `parc.compiler.schedule_interleaved`) gives each rank its compute actions, F and B.
+1. `generate` (`gpipe`, `one_f_one_b`, `interleaved` from
+   `parc.compiler.schedule_interleaved` and `zb1` from `parc.compiler.schedule_zero_bubble`)
+   gives each rank its compute actions, F and B (and W, where the backward is split).
 2. `lower_comms` adds the sends and receives between neighbouring stages; `lower`
    does it the way each generated kind runs (interleaved 1F1B: in units, `lower_units`).
 3. `parc.compiler.schedule_sim.simulate` runs a schedule under the executor's rules and
@@ -46,16 +47,19 @@ from .schedule_actions import (
     Units,
     execution_items,
     is_lowered,
+    is_split,
     lower_comms,
     lower_units,
     num_stages,
     peer_rank,
     peer_stage,
+    releases,
     stage_map,
 )
 from .schedule_grid import format_grid
 from .schedule_interleaved import interleaved_units
 from .schedule_sim import simulate, validate
+from .schedule_zero_bubble import zb1
 
 __all__ = [
     "Action",
@@ -70,7 +74,9 @@ __all__ = [
     "format_grid",
     "generate",
     "gpipe",
+    "held_step",
     "is_lowered",
+    "is_split",
     "lower",
     "lower_comms",
     "num_stages",
@@ -145,7 +151,13 @@ _GENERATORS: dict[ScheduleKind, Callable[[int, int], Schedule]] = {
     # One stage per rank: a single chunk to interleave, which is 1F1B (the spec refuses
     # `schedule interleaved` there, compiler/schedule_spec.py; direct calls get 1F1B).
     ScheduleKind.INTERLEAVED: one_f_one_b,
+    # Zero bubble (ZB-H1): one stage per rank only (the spec refuses more,
+    # compiler/schedule_spec.py; `generate` refuses direct calls with a stage map).
+    ScheduleKind.ZB1: zb1,
 }
+
+# Generators defined for one stage per rank only.
+_ONE_STAGE_PER_RANK = frozenset({ScheduleKind.ZB1})
 
 
 # Generators that give each rank its compute in units (pp, stages per rank, microbatches).
@@ -190,6 +202,12 @@ def generate(
         names = ", ".join(k.value for k in _GENERATORS)
         raise ScheduleError(f"{kind!r} is not a pipeline schedule; expected one of {names}")
     ranks = stage_map(stage_to_rank, stages)
+    if kind in _ONE_STAGE_PER_RANK and ranks != tuple(range(stages)):
+        raise ScheduleError(
+            f"schedule {kind} runs one stage per pp rank; got stage_to_rank {list(ranks)}",
+            hint="use `schedule interleaved` for several stages per rank, or as many pp "
+            "ranks as stages",
+        )
     if kind in _UNIT_GENERATORS and ranks != tuple(range(stages)):
         units = _units(ScheduleKind(kind), stages, microbatches, ranks)
         return {
@@ -235,34 +253,44 @@ def lower(
     return lower_comms(generate(kind, stages, microbatches, ranks), ranks)
 
 
+def held_step(schedule: Mapping[int, Sequence[Action]]) -> dict[ActionKind, int]:
+    """How each action changes the microbatches a stage holds: +1 at F, -1 at the action
+    that frees them (`releases`: B, or W in a split schedule, whose W reads what B kept)."""
+    return {ActionKind.F: 1, releases(schedule): -1}
+
+
 def peak_in_flight(schedule: Mapping[int, Sequence[Action]]) -> dict[int, int]:
-    """Per rank, the most (stage, microbatch) pairs whose F has run and whose B has not.
+    """Per rank, the most (stage, microbatch) pairs whose F has run and whose B (in a
+    split schedule: W) has not.
 
     This bounds the activations a rank holds: GPipe keeps all m, 1F1B at most
-    ``min(stages - stage, m)``; a rank with several stages counts each stage's.
+    ``min(stages - stage, m)``, ZB-H1 ``min(stages, m)`` on every rank; a rank with
+    several stages counts each stage's.
     """
+    step = held_step(schedule)
     peaks: dict[int, int] = {}
     for rank, actions in schedule.items():
         live = peak = 0
         for a in actions:
-            live += {ActionKind.F: 1, ActionKind.B: -1}.get(a.kind, 0)
+            live += step.get(a.kind, 0)
             peak = max(peak, live)
         peaks[rank] = peak
     return peaks
 
 
 def stage_in_flight(schedule: Mapping[int, Sequence[Action]], stages: int) -> tuple[int, ...]:
-    """Per stage, the most of its microbatches whose F has run and whose B has not, along
-    the list of the rank that runs it (with one stage per rank: `peak_in_flight`).
+    """Per stage, the most of its microbatches whose F has run and whose B (split: W) has
+    not, along the list of the rank that runs it (with one stage per rank: `peak_in_flight`).
 
     >>> stage_in_flight(generate(ScheduleKind.GPIPE, 4, 2, stage_to_rank=(0, 1, 0, 1)), 4)
     (2, 2, 2, 2)
     """
+    step = held_step(schedule)
     peaks = [0] * stages
     live = [0] * stages
     for actions in schedule.values():
         for a in actions:
-            live[a.stage] += {ActionKind.F: 1, ActionKind.B: -1}.get(a.kind, 0)
+            live[a.stage] += step.get(a.kind, 0)
             peaks[a.stage] = max(peaks[a.stage], live[a.stage])
     return tuple(peaks)
 
@@ -270,7 +298,8 @@ def stage_in_flight(schedule: Mapping[int, Sequence[Action]], stages: int) -> tu
 def bubble_fraction(timeline: Timeline) -> float:
     """Idle share of ranks × makespan in a simulated timeline.
 
-    With equal F and B costs, GPipe and 1F1B both give (p - 1) / (m + p - 1).
+    With equal F and B costs, GPipe and 1F1B both give (p - 1) / (m + p - 1); with equal
+    F, B and W costs ZB-H1 gives `parc.compiler.schedule_zero_bubble.zb1_bubble`.
     Simulate with ``backward_cost=2`` for the usual B ≈ 2F estimate.
     """
     total = len(timeline.slots) * timeline.makespan

@@ -36,12 +36,14 @@ __all__ = [
     "Units",
     "execution_items",
     "is_lowered",
+    "is_split",
     "lower_comms",
     "lower_units",
     "num_stages",
     "one_at_a_time",
     "peer_rank",
     "peer_stage",
+    "releases",
     "stage_map",
 ]
 
@@ -68,7 +70,8 @@ class ActionKind(str, Enum):
     """What a rank does at one step of a pipeline schedule."""
 
     F = "F"  # forward of one microbatch through one stage
-    B = "B"  # backward of one microbatch through one stage
+    B = "B"  # backward of one microbatch through one stage (its input gradient only, if split)
+    W = "W"  # the weight gradient of a split backward (zero bubble): after its B, no transfer
     SEND_F = "SEND_F"  # send the forward output (activation) to stage + 1
     RECV_F = "RECV_F"  # receive the forward input from stage - 1
     SEND_B = "SEND_B"  # send the input gradient to stage - 1
@@ -79,7 +82,7 @@ class ActionKind(str, Enum):
 
     @property
     def is_compute(self) -> bool:
-        return self in (ActionKind.F, ActionKind.B)
+        return self in (ActionKind.F, ActionKind.B, ActionKind.W)
 
     @property
     def is_send(self) -> bool:
@@ -203,6 +206,17 @@ def is_lowered(schedule: Mapping[int, Sequence[Action]]) -> bool:
     return any(not a.kind.is_compute for actions in schedule.values() for a in actions)
 
 
+def is_split(schedule: Mapping[int, Sequence[Action]]) -> bool:
+    """Whether the schedule splits its backwards into B and W (a zero-bubble schedule)."""
+    return any(a.kind is ActionKind.W for actions in schedule.values() for a in actions)
+
+
+def releases(schedule: Mapping[int, Sequence[Action]]) -> ActionKind:
+    """The action after which a microbatch's activations on a stage are no longer kept:
+    its W in a split schedule (W reads what B kept), else its B."""
+    return ActionKind.W if is_split(schedule) else ActionKind.B
+
+
 def num_stages(schedule: Mapping[int, Sequence[Action]]) -> int:
     """Stages of the pipeline as far as the schedule shows: the highest rank or stage
     named, plus one (one stage per rank unless a stage map says otherwise)."""
@@ -243,17 +257,31 @@ def lower_comms(
     the action after), back to back: one batch of the executor. In 1F1B's steady
     state stage s posts {SEND_F m, RECV_B m-w} while stage s+1 posts
     {SEND_B m-w, RECV_F m}: the two batches match each other exactly.
-    This is `lower_units` with every action a unit of its own.
+    This is `lower_units` with every action a unit of its own, except that a W (which
+    sends and receives nothing) joins the unit of the compute action after it: the
+    transfers around it stay one batch, posted before it, as without the W (the ops
+    are posted in the same order, so channels pair the same transfers).
 
     >>> lower_comms({0: [Action.parse("0F0"), Action.parse("0B0")],
     ...              1: [Action.parse("1F0"), Action.parse("1B0")]})
     {0: [0F0, 0SEND_F0, 0RECV_B0, 0B0], 1: [1RECV_F0, 1F0, 1B0, 1SEND_B0]}
     """
     if is_lowered(schedule):
-        raise ScheduleError("lower_comms takes a compute schedule (F and B only); got comms")
+        raise ScheduleError("lower_comms takes a compute schedule (F, B and W only); got comms")
     stages = len(stage_to_rank) if stage_to_rank is not None else num_stages(schedule)
-    units = {rank: [(a,) for a in actions] for rank, actions in schedule.items()}
-    return lower_units(units, stages)
+    return lower_units({rank: _units_of(actions) for rank, actions in schedule.items()}, stages)
+
+
+def _units_of(actions: Sequence[Action]) -> list[tuple[Action, ...]]:
+    """Each compute action a unit, a run of W's joined to the action after it."""
+    units: list[tuple[Action, ...]] = []
+    waiting: tuple[Action, ...] = ()
+    for a in actions:
+        waiting = (*waiting, a)
+        if a.kind is not ActionKind.W:
+            units.append(waiting)
+            waiting = ()
+    return units + ([waiting] if waiting else [])
 
 
 Units: TypeAlias = Mapping[int, Sequence[Sequence[Action]]]
@@ -276,18 +304,17 @@ def lower_units(units: Units, stages: int) -> Schedule:
     def exists(action: Action) -> bool:
         return 0 <= peer_stage(action) < stages
 
+    def comms(a: Action, i: int) -> list[Action]:
+        if a.kind not in _LOWERING:  # a W has no transfers
+            return []
+        c = Action(a.stage, _LOWERING[a.kind][i], a.microbatch)
+        return [c] if exists(c) else []
+
     lowered: Schedule = {}
     for rank, rank_units in units.items():
         out: list[Action] = []
         for unit in rank_units:
-            recvs, sends = (
-                [
-                    c
-                    for a in unit
-                    if exists(c := Action(a.stage, _LOWERING[a.kind][i], a.microbatch))
-                ]
-                for i in (0, 1)
-            )
+            recvs, sends = ([c for a in unit for c in comms(a, i)] for i in (0, 1))
             out += [*recvs, *unit, *sends]
         lowered[rank] = out
     return lowered
@@ -311,18 +338,23 @@ def execution_items(actions: Sequence[Action]) -> list[tuple[int, ...]]:
 
 def one_at_a_time(actions: Sequence[Action]) -> list[Action]:
     """A single stage's compute actions with each microbatch's backward right after its
-    forward, microbatches in the order of their forwards (the order GPipe and 1F1B
-    accumulate gradients in).
+    forward (and its W right after that, in a split schedule), microbatches in the order
+    of their forwards (the order GPipe and 1F1B accumulate gradients in).
 
     >>> one_at_a_time([Action.parse(a) for a in "0F0 0F1 0F2 0B0 0B1 0B2".split()])
     [0F0, 0B0, 0F1, 0B1, 0F2, 0B2]
+    >>> one_at_a_time([Action.parse(a) for a in "0F0 0F1 0B0 0B1 0W0 0W1".split()])
+    [0F0, 0B0, 0W0, 0F1, 0B1, 0W1]
     """
     assert all(a.kind.is_compute for a in actions), "a single stage sends nothing"
-    backward = {a.microbatch: a for a in actions if a.kind is ActionKind.B}
+    after = {(a.kind, a.microbatch): a for a in actions if a.kind in (ActionKind.B, ActionKind.W)}
     out: list[Action] = []
     for a in actions:
         if a.kind is ActionKind.F:
             out.append(a)
-            if a.microbatch in backward:
-                out.append(backward.pop(a.microbatch))
-    return out + list(backward.values())
+            out += [
+                after.pop(k)
+                for kind in (ActionKind.B, ActionKind.W)
+                if (k := (kind, a.microbatch)) in after
+            ]
+    return out + list(after.values())

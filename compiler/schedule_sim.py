@@ -6,7 +6,7 @@ The rules, which the pipeline executor follows (with later waits, below):
    Each rank runs its list in order, one item at a time, whichever stages it names.
 2. A maximal run of consecutive comm actions (SEND_F, RECV_F, SEND_B, RECV_B) is one
    *batch*: the rank posts all of its ops together (one ``batch_isend_irecv``), waits for
-   all of them, and only then goes on. A compute action (F, B) is an item of its own.
+   all of them, and only then goes on. A compute action (F, B, W) is an item of its own.
    `parc.compiler.schedule_actions.execution_items` does this grouping for the executor.
 3. SEND_F of stage s goes to the rank of stage s+1, which takes it with RECV_F of stage
    s+1; SEND_B of stage s goes to the rank of stage s-1 (RECV_B of stage s-1). The
@@ -15,8 +15,13 @@ The rules, which the pipeline executor follows (with later waits, below):
    the two must be the same transfer (same stages, direction and microbatch).
 4. An op is *matched* once it and its pair have both been posted (sends are not buffered:
    a send waits for its receive). A batch completes when every op in it is matched.
-5. Time: F takes `forward_cost` units, B `backward_cost`; comms take no time. A batch
-   posted at t completes at the latest of t and its pairs' post times.
+5. Time: F takes `forward_cost` units, B `backward_cost`, W `weight_cost` (a split
+   backward's weight gradient: it needs only its own B, on its own rank, and moves no
+   data); comms take no time. A batch posted at t completes at the latest of t and its
+   pairs' post times.
+   One exception, for split backwards: the W actions right after a batch run while it is
+   in flight (from its post time), since a W reads nothing a transfer brings; the batch
+   is waited for before the next F, B or batch, as the executor does.
 6. A compute schedule (no comm actions at all) is simulated with free, buffered
    transfers instead: F(s, m) starts once F(s-1, m) has finished, B(s, m) once
    B(s+1, m) has.
@@ -67,6 +72,7 @@ from .schedule_actions import (
     Timeline,
     execution_items,
     is_lowered,
+    is_split,
     lower_comms,
     num_stages,
     peer_stage,
@@ -95,6 +101,7 @@ def simulate(
     stage_to_rank: StageMap | None = None,
     forward_cost: int = 1,
     backward_cost: int = 1,
+    weight_cost: int = 1,
 ) -> Timeline:
     """Run `schedule` under the rules above and return when each action ran.
 
@@ -106,7 +113,7 @@ def simulate(
     ranks = stage_map(stage_to_rank, stages)
     check_placement(schedule, ranks)
     pairs = pair_channels(schedule, ranks)
-    costs = {ActionKind.F: forward_cost, ActionKind.B: backward_cost}
+    costs = {ActionKind.F: forward_cost, ActionKind.B: backward_cost, ActionKind.W: weight_cost}
     sim = _Simulation(schedule, ranks, pairs, costs)
     sim.run()
     if any(sim.items[r][sim.pos[r] :] for r in schedule):
@@ -131,6 +138,10 @@ class _Simulation:
     slots: dict[int, list[Slot]] = field(default_factory=lambda: defaultdict(list))
     buffered: bool = field(init=False)  # a compute schedule: transfers are free (rule 6)
     last: int = field(init=False)  # the last stage
+    # rank -> W items run past its posted, unfinished batch, and when they end (rule 2's
+    # exception: W runs while the batch is in flight).
+    early: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    early_end: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.items = {r: execution_items(actions) for r, actions in self.schedule.items()}
@@ -172,14 +183,34 @@ class _Simulation:
         cells = [(rank, i) for i in item]
         if cells[0] not in self.posted:  # step 1: post every op of the batch together
             self.posted.update(dict.fromkeys(cells, self.clock[rank]))
+            self.early_end[rank] = self.clock[rank]
+            return True
+        if self._run_early_w(rank):
             return True
         peers = [self.posted.get(self.pairs[c]) for c in cells]
         if None in peers:
             return False
         done = max([self.clock[rank], *(t for t in peers if t is not None)])
         self.slots[rank] += [Slot(self.schedule[rank][i], self.clock[rank], done) for i in item]
-        self.clock[rank] = done
-        self.pos[rank] += 1
+        self.clock[rank] = max(done, self.early_end[rank])
+        self.pos[rank] += 1 + self.early[rank]
+        self.early[rank] = 0
+        return True
+
+    def _run_early_w(self, rank: int) -> bool:
+        """Run the W right after the rank's posted batch (and those already run), if any."""
+        nxt = self.pos[rank] + 1 + self.early[rank]
+        if nxt == len(self.items[rank]):
+            return False
+        action = self.schedule[rank][self.items[rank][nxt][0]]
+        if action.kind is not ActionKind.W:
+            return False
+        start = self.early_end[rank]
+        end = start + self.costs[action.kind]
+        self.slots[rank].append(Slot(action, start, end))
+        self.finished.setdefault(action, end)
+        self.early_end[rank] = end
+        self.early[rank] += 1
         return True
 
     def _upstream(self, action: Action) -> Action | None:
@@ -244,10 +275,11 @@ def validate(
     offending cells marked. The checks, in order:
 
     1. Ranks are those of `stage_to_rank` and every action sits on its stage's rank.
-    2. Completeness: one F and one B per (stage, microbatch) and, once lowered, exactly
-       the comms `lower_comms` adds; no duplicates, nothing else.
-    3. Order on each rank: F before B, a receive before the compute that needs it, a
-       compute before the send that ships its result.
+    2. Completeness: one F and one B per (stage, microbatch), and one W each too if the
+       schedule splits its backwards (any W: `is_split`), and, once lowered, exactly the
+       comms `lower_comms` adds; no duplicates, nothing else.
+    3. Order on each rank: F before B before W, a receive before the compute that needs
+       it, a compute before the send that ships its result.
     4. Each channel's sends pair with its receives in order, for the same transfer.
     5. `simulate` completes: F(s, m) after F(s-1, m), B(s, m) after B(s+1, m), no deadlock.
     6. A compute schedule is checked again after `lower_comms`, since that is what runs.
@@ -271,7 +303,7 @@ def validate(
     full = {r: list(schedule.get(r, ())) for r in range(pp)}
     check_placement(full, ranks)
     lowered = is_lowered(full)
-    _check_complete(full, ranks, microbatches, lowered)
+    _check_complete(full, ranks, microbatches, lowered, is_split(full))
     _check_local_order(full)
     simulate(full, stage_to_rank=ranks)
     if lowered or stages == 1:
@@ -291,11 +323,12 @@ _OPPOSITE = {
 
 
 def _check_complete(
-    schedule: _Plan, stage_to_rank: tuple[int, ...], microbatches: int, lowered: bool
+    schedule: _Plan, stage_to_rank: tuple[int, ...], microbatches: int, lowered: bool, split: bool
 ) -> None:
-    # The set of actions: one F and one B per (stage, microbatch), and their comms.
+    # The set of actions: one F and one B (and W) per (stage, microbatch), and their comms.
+    kinds = (ActionKind.F, ActionKind.B) + ((ActionKind.W,) if split else ())
     every = {
-        s: [Action(s, k, m) for k in (ActionKind.F, ActionKind.B) for m in range(microbatches)]
+        s: [Action(s, k, m) for k in kinds for m in range(microbatches)]
         for s in range(len(stage_to_rank))
     }
     expected = {
@@ -321,7 +354,9 @@ def _check_complete(
     if missing:
         a, more = missing[0], f" ({len(missing) - 1} more missing)" if len(missing) > 1 else ""
         if a.kind.is_compute:
-            why = "every microbatch needs one F and one B on every stage"
+            why = "every microbatch needs one F and one B on every stage" + (
+                ", and one W after its B since the schedule splits its backwards" if split else ""
+            )
         else:
             pair = Action(peer_stage(a), _OPPOSITE[a.kind], a.microbatch)
             why = f"so {pair} has no matching {'receive' if pair.kind.is_send else 'send'}"
@@ -341,6 +376,7 @@ _BEFORE: dict[ActionKind, tuple[tuple[ActionKind, str], ...]] = {
         (ActionKind.F, "a backward needs the activations of its forward"),
         (ActionKind.RECV_B, "a backward needs the output gradient from the next stage"),
     ),
+    ActionKind.W: ((ActionKind.B, "a weight gradient reads what its input-gradient B kept"),),
     ActionKind.SEND_F: ((ActionKind.F, "a send ships what its forward computed"),),
     ActionKind.SEND_B: ((ActionKind.B, "a send ships what its backward computed"),),
 }

@@ -9,6 +9,7 @@ from the `stage` lines' ids, or `stage auto` with `virtual_stages V`). Each mist
 2. `schedule interleaved` needs a pp axis and more stages than pp ranks.
 3. `schedule interleaved` runs microbatches in groups of pp: their number must be a
    multiple of pp (the error names the nearest that are).
+4. `schedule zb1` (zero bubble, ZB-H1) runs one stage per pp rank.
 """
 
 from __future__ import annotations
@@ -31,6 +32,24 @@ def check_pipeline_statements(spec: Spec, stages: int) -> None:
     _check_virtual(spec, stages, pp)
     if spec.schedule is ScheduleKind.INTERLEAVED:
         _check_interleaved(spec, stages, pp)
+    if spec.schedule is ScheduleKind.ZB1:
+        _check_zero_bubble(spec, stages, pp)
+
+
+def _check_zero_bubble(spec: Spec, stages: int, pp: int) -> None:
+    # Step 4
+    stmt = spec.statement(Schedule)
+    assert stmt is not None  # the schedule is zb1 only when a statement says so
+    if stages <= max(pp, 1):
+        return
+    raise PlanError(
+        f"`schedule zb1` runs one stage per pp rank, but the spec makes {stages} stages on "
+        f"pp={pp} ({stages // pp} per rank); zero bubble over virtual stages (ZB-V) is not "
+        "implemented",
+        spec.locate(stmt.span),
+        hint="use `schedule interleaved` for several stages per rank, or name one stage per "
+        "pp rank (leave out `virtual_stages`)",
+    )
 
 
 def _check_virtual(spec: Spec, stages: int, pp: int) -> None:

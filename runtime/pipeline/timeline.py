@@ -1,8 +1,8 @@
 """Draw a simulated pipeline `Timeline` as a standalone SVG (plain string building).
 
-One row per rank, one box per compute action (forward and backward in different
-colours, labelled with the microbatch), idle time left blank, and the bubble
-fraction in the title.
+One row per rank, one box per compute action (forward, backward and, for a split
+backward, its weight gradient W in different colours, labelled with the
+microbatch), idle time left blank, and the bubble fraction in the title.
 
     >>> from parc.compiler.schedule import one_f_one_b
     >>> from parc.compiler.schedule_sim import simulate
@@ -19,8 +19,9 @@ from parc.compiler.schedule import ActionKind, Slot, Timeline, bubble_fraction
 
 __all__ = ["timeline_svg"]
 
-_FILL = {ActionKind.F: "#4e79a7", ActionKind.B: "#f28e2b"}  # blue forward, orange backward
-_NAME = {ActionKind.F: "forward", ActionKind.B: "backward"}
+# Blue forward, orange backward (B), green weight gradient (W) of a split backward.
+_FILL = {ActionKind.F: "#4e79a7", ActionKind.B: "#f28e2b", ActionKind.W: "#59a14f"}
+_NAME = {ActionKind.F: "forward", ActionKind.B: "backward", ActionKind.W: "weight gradient"}
 _LEFT = 64  # room for the "rank N" labels
 _TOP = 36  # room for the title
 _ROW = 30  # height of one rank's row; boxes leave a 4-pixel gap between rows
@@ -44,7 +45,8 @@ def timeline_svg(timeline: Timeline, *, title: str = "pipeline schedule", unit: 
         y = _TOP + row * _ROW
         parts.append(f'<text x="8" y="{y + 17}">rank {rank}</text>')
         parts += [_box(slot, y, unit) for slot in timeline.compute(rank)]
-    parts += _legend(_TOP + len(ranks) * _ROW + 20)
+    drawn = {s.action.kind for r in ranks for s in timeline.compute(r)}
+    parts += _legend(_TOP + len(ranks) * _ROW + 20, [k for k in _FILL if k in drawn])
     parts.append("</svg>")
     return "\n".join(parts)
 
@@ -62,10 +64,10 @@ def _box(slot: Slot, y: int, unit: int) -> str:
     )
 
 
-def _legend(y: int) -> list[str]:
+def _legend(y: int, kinds: list[ActionKind]) -> list[str]:
     parts = []
-    for i, kind in enumerate(_FILL):
-        x = _LEFT + i * 110
+    for i, kind in enumerate(kinds):
+        x = _LEFT + i * 140
         parts.append(f'<rect x="{x}" y="{y - 10}" width="12" height="12" fill="{_FILL[kind]}"/>')
         parts.append(f'<text x="{x + 18}" y="{y}">{_NAME[kind]}</text>')
     return parts

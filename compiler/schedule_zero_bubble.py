@@ -1,0 +1,77 @@
+"""Zero-bubble ZB-H1 (Qi et al., 2023, "Zero Bubble Pipeline Parallelism"), as data.
+
+Each backward splits in two: B, the gradient of the stage's input (what the previous
+stage waits for), and W, the gradient of its weights (what nobody waits for). Only B
+sits on the critical path, so the backward chain crosses a stage in one B instead of
+B + W, and the W's fill the idle time at the end. One stage per pp rank; rank r's list:
+
+1. Warm-up: ``min(p - r - 1, m)`` forwards, as 1F1B.
+2. For each microbatch j in order: the next forward (while any is left), then B_j, then
+   W_{j - r} once j ≥ r. Rank r keeps r W's back: the later a rank, the further its
+   B's run ahead of its W's, so no rank's B waits behind a W on the way down.
+3. Cool-down: the r W's kept back.
+
+A microbatch's activations stay until its W (W reads what B kept), so a stage holds at
+most ``min(p, m)`` microbatches at once: 1F1B's peak (that of its rank 0) on every rank
+(ZB-H1's memory bound in the paper), where 1F1B's rank r holds ``min(p - r, m)``.
+
+The bubble (`zb1_bubble`), with F, B and W one unit each: every rank is busy 3m units;
+the makespan is the larger of two bounds the schedule meets exactly (proved for
+p ≤ 4, m ≤ 16 by simulation in tests/test_zero_bubble_schedule.py):
+
+- ``3m + p - 1``: the last rank waits p - 1 forwards before its first, then works
+  without a gap (the paper's (p - 1)(T_F + T_B - T_W) idle per rank, §3.1, ZB-H1);
+- ``2m + 2p - 1``: rank 0's first B can start only after p forwards and p - 1 B's
+  down the chain, and m B's and m W's are left to it then (binding when m < p).
+
+So the bubble is ``1 - 3m / max(3m + p - 1, 2m + 2p - 1)``, i.e. (p - 1)/(3m + p - 1)
+for m ≥ p: about a third of 1F1B's (p - 1)/(m + p - 1) when m ≫ p.
+
+    >>> zb1(2, 2)
+    {0: [0F0, 0F1, 0B0, 0W0, 0B1, 0W1], 1: [1F0, 1B0, 1F1, 1B1, 1W0, 1W1]}
+    >>> round(zb1_bubble(4, 8), 4), round((4 - 1) / (8 + 4 - 1), 4)
+    (0.1111, 0.2727)
+"""
+
+from __future__ import annotations
+
+from .schedule_actions import Action, ActionKind, Schedule, ScheduleError
+
+__all__ = ["zb1", "zb1_bubble"]
+
+
+def zb1(stages: int, microbatches: int) -> Schedule:
+    """ZB-H1's compute schedule, one stage per rank (stage s on rank s); see the module."""
+    if stages < 1 or microbatches < 1:
+        raise ScheduleError(
+            f"a pipeline schedule needs at least 1 stage and 1 microbatch; "
+            f"got stages={stages}, microbatches={microbatches}"
+        )
+    p, m = stages, microbatches
+    schedule: Schedule = {}
+    for r in range(p):
+        warm = min(p - r - 1, m)
+        actions = [Action(r, ActionKind.F, i) for i in range(warm)]  # Step 1
+        weights = 0
+        for j in range(m):  # Step 2
+            if warm + j < m:
+                actions.append(Action(r, ActionKind.F, warm + j))
+            actions.append(Action(r, ActionKind.B, j))
+            if j >= r:
+                actions.append(Action(r, ActionKind.W, weights))
+                weights += 1
+        actions += [Action(r, ActionKind.W, i) for i in range(weights, m)]  # Step 3
+        schedule[r] = actions
+    return schedule
+
+
+def zb1_bubble(stages: int, microbatches: int) -> float:
+    """Idle share of `zb1` with F, B and W one unit each:
+    (T - 3m) / T for the makespan T = max(3m + p - 1, 2m + 2p - 1).
+
+    >>> zb1_bubble(4, 4), zb1_bubble(1, 8)
+    (0.2, 0.0)
+    """
+    p, m = stages, microbatches
+    makespan = max(3 * m + p - 1, 2 * m + 2 * p - 1)
+    return (makespan - 3 * m) / makespan

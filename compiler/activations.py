@@ -9,6 +9,8 @@ plan's node stages and, when the tensor-parallel analysis ran, each node's
 2. A tensor-parallel rank keeps 1/tp of a storage that belongs to a sharded
    value: the value it is an output of, or, for a tensor an op made for itself
    (LayerNorm's statistics, attention's log-sum-exp), the op's own output.
+   Under `sequence_parallel` a value the saving op converts first is saved as
+   converted: a col layer keeps the whole all-gathered input of a sequence shard.
 3. A recomputed region keeps its inputs (tensors from outside it; parameters
    and buffers are resident anyway) instead of what its nodes saved. While a
    region recomputes in backward, what it saves exists again on top of that:
@@ -25,7 +27,9 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
+from .conversions import CONVERSIONS
 from .node_meta import meta_of
+from .passes.placement import Shard
 from .passes.recompute import recompute_regions
 from .plan import Plan
 from .saved import SavedTensors
@@ -48,6 +52,15 @@ class StageActivations:
         return self.stored * in_flight + self.recompute
 
 
+def _as_saved(saver: torch.fx.Node, value: str) -> bool | None:
+    """Whether `saver` holds `value` sharded once it has converted it; None: not converted."""
+    rewrite = meta_of(saver).tp_rewrite
+    for name, steps in rewrite.converts if rewrite is not None else ():
+        if name == value and steps:
+            return isinstance(CONVERSIONS[steps[-1].kind].result(steps[-1]), Shard)
+    return None
+
+
 def stage_activations(
     plan: Plan, gm: torch.fx.GraphModule, saved: SavedTensors
 ) -> tuple[StageActivations, ...]:
@@ -56,9 +69,10 @@ def stage_activations(
     nodes = {n.name: n for n in gm.graph.nodes}
     regions = recompute_regions(gm, plan.recompute) if plan.recompute else {}
 
-    def share(nbytes: int, node: str) -> int:
+    def share(nbytes: int, node: str, saver: str | None = None) -> int:
         # Step 2
-        sharded = plan.tp > 1 and meta_of(nodes[node]).sharded
+        seen = _as_saved(nodes[saver], node) if plan.sequence_parallel and saver else None
+        sharded = plan.tp > 1 and (meta_of(nodes[node]).sharded if seen is None else seen)
         return nbytes // plan.tp if sharded else nbytes
 
     stored: list[dict[int, int]] = [{} for _ in range(plan.num_stages)]
@@ -68,7 +82,7 @@ def stage_activations(
         s = stage_of.get(t.node)
         if s is None:
             continue
-        size = share(t.nbytes, t.producer or t.node)
+        size = share(t.nbytes, t.producer or t.node, t.node if t.producer else None)
         if t.node in regions:
             again.setdefault((regions[t.node], s), {})[t.storage] = size
         else:

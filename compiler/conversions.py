@@ -39,6 +39,7 @@ from .ops.collectives import (
     tp_all_gather,
     tp_all_reduce,
     tp_enter,
+    tp_gather_enter,
     tp_reduce_scatter,
     tp_slice,
 )
@@ -62,6 +63,7 @@ class ConvKind(str, Enum):
     ALL_GATHER = "all_gather"
     SLICE = "slice"
     REDUCE_SCATTER = "reduce_scatter"
+    GATHER_ENTER = "gather_enter"
 
     def __str__(self) -> str:
         return self.value
@@ -150,13 +152,24 @@ _ROWS = (
         "Partial→Shard: reduce-scatter (all-gather backward)",
         forward=CommKind.REDUCE_SCATTER,
         backward=CommKind.ALL_GATHER,
-    ),  # sequence parallel; plan_conversion does not choose it yet (see there)
+    ),  # sequence parallel: a row layer's partial sums onto the sequence shards
+    PlacementChange(
+        ConvKind.GATHER_ENTER,
+        Shard,
+        Replicate,
+        tp_gather_enter,
+        "Shard→rank-local use: all-gather (reduce-scatter backward)",
+        forward=CommKind.ALL_GATHER,
+        backward=CommKind.REDUCE_SCATTER,
+    ),  # sequence parallel: a col layer's input; all-gather then enter, in one collective each way
 )
 
 #: Every conversion kind's row.
 CONVERSIONS: Mapping[ConvKind, PlacementChange] = MappingProxyType({r.kind: r for r in _ROWS})
 
-_BY_CHANGE = {(r.source, r.target): r.kind for r in _ROWS}
+# The one-step change between two placements; GATHER_ENTER (also Shard → Replicate) is the
+# fused form of ALL_GATHER then ENTER, which plan_conversion chooses with `scatter`.
+_BY_CHANGE = {(r.source, r.target): r.kind for r in _ROWS if r.kind is not ConvKind.GATHER_ENTER}
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,15 +189,23 @@ class ConvStep:
 Conversion: TypeAlias = tuple[ConvStep, ...]
 
 
-def plan_conversion(have: Placement, want: Placement, *, enter: bool) -> Conversion:
+def plan_conversion(
+    have: Placement, want: Placement, *, enter: bool, scatter: bool = False
+) -> Conversion:
     """The steps from `have` to `want`; `enter` adds Megatron's f to a replicated result.
 
     Every change goes through Replicate: P→S is an all-reduce then a local
-    slice, S(0)→S(1) an all-gather then a slice. The one-collective P→S row
-    (REDUCE_SCATTER) is not chosen here yet: it changes what existing plans
-    issue and is for the sequence-parallel rules that will ask for it.
+    slice, S(0)→S(1) an all-gather then a slice. With `scatter` (a plan with
+    `sequence_parallel`) P→S is one reduce-scatter and S→R with `enter` one
+    GATHER_ENTER (all-gather forward, reduce-scatter backward): the same values
+    and gradients with one collective each way; without it, plans issue what
+    they did before sequence parallel existed.
     """
     steps: list[ConvStep] = []
+    if scatter and isinstance(have, Partial) and isinstance(want, Shard):
+        return (ConvStep(ConvKind.REDUCE_SCATTER, want.dim, want.blocks),)
+    if scatter and enter and isinstance(have, Shard) and isinstance(want, Replicate):
+        return (ConvStep(ConvKind.GATHER_ENTER, have.dim, have.blocks),)
     if have != want:
         if not isinstance(have, Replicate):
             steps.append(_step(have, Replicate()))

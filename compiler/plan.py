@@ -140,6 +140,8 @@ class Plan:
     """`precision`: FP32, or BF16 (bf16 compute copies and activations, fp32 master)."""
     reduce: Precision = Precision.FP32
     """The format gradients are accumulated and reduced in (`reduce`; BF16 only under BF16)."""
+    sequence_parallel: bool = False
+    """`sequence_parallel tp`: activations between blocks sharded along the sequence on tp."""
 
     @property
     def mixed(self) -> bool:
@@ -212,6 +214,7 @@ class Plan:
             "capture": self.capture,
             "precision": str(self.precision),
             "reduce": str(self.reduce),
+            "sequence_parallel": self.sequence_parallel,
             **(
                 {"hand_schedule": [[str(a) for a in actions] for actions in self.hand_schedule]}
                 if self.hand_schedule
@@ -232,6 +235,8 @@ class Plan:
                 f"precision {self.precision} (fp32 master weights), gradients reduced in "
                 f"{self.reduce}"
             )
+        if self.sequence_parallel:
+            lines.append(f"sequence  parallel over {self.tp_axis} (between blocks)")
         for shard in self.shards:
             lines.append(
                 f"shard     {shard.module:<28} {shard.kind!s:<4} {shard.axis:<4} "

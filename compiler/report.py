@@ -62,7 +62,13 @@ def _placement_lines(plan: Plan) -> list[str]:
         for (line, kind, axis, mtype), names in groups.items()
     ]
     header = ["modules", "kind", "axis", "type", "spec line"]
-    return ["Placements (everything else replicated)", *table(header, rows)]
+    sequence = [
+        f"Sequence parallel over {plan.tp_axis}: activations between blocks sharded along the "
+        "sequence (norms, residual adds, dropout on the shard; reduce-scatter after a row "
+        "layer and all-gather before a col layer instead of all-reduces)"
+    ]
+    lines = ["Placements (everything else replicated)", *table(header, rows)]
+    return lines + sequence * plan.sequence_parallel
 
 
 def group_names(names: list[str]) -> str:

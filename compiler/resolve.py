@@ -39,6 +39,7 @@ from parc.errors import PlanError, clip
 from .layout import param_slices
 from .linear_forms import linear_form
 from .match import match_modules
+from .passes.tp_sequence_checks import check_sequence_parallel
 from .plan import BatchPlan, MeshPlan, ModuleShard, Plan, PlanWarning
 
 __all__ = ["check_batch", "match_modules", "resolve"]
@@ -80,6 +81,7 @@ def resolve(spec: Spec, model: torch.nn.Module, gm: torch.fx.GraphModule, *, bat
         warnings=tuple(warnings),
         precision=precision,
         reduce=reduce,
+        sequence_parallel=check_sequence_parallel(spec, tp_axis),
     )
     _check_ties(spec, plan, model)
     return plan

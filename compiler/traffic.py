@@ -10,7 +10,8 @@ issues, so tests compare them with the counted collectives exactly:
   reduce-scatters its gradient.
 - tp: what the tensor-parallel analysis recorded per node, per micro-step; the
   forward ones of recomputed regions once more.
-- pp: activations sent forward and gradients sent back across each boundary;
+- pp: activations sent forward and gradients sent back across each boundary
+  (a rank's part of a sharded one: sequence parallel's residual stream);
   one all-reduce per weight tied across stages.
 
 Each `Collective` also has its `bytes`, the elements times the element size of
@@ -37,6 +38,7 @@ from .cost import output_numel, tensor_metas
 from .layout import FlatUnit
 from .node_meta import meta_of
 from .ops.collectives import CommKind
+from .passes.placement import Shard
 from .plan import Plan
 from .stages import activation_nodes
 
@@ -154,9 +156,10 @@ def _tp_collectives(
         _add(totals, with_bytes(node, meta_of(node).collectives))
     purpose = {
         CommKind.ALL_REDUCE: "tensor-parallel partial sums, forward + backward",
-        CommKind.ALL_GATHER: "tensor-parallel gathers (fallbacks, local slices' backward, "
-        "a loss on vocab shards)",
-        CommKind.REDUCE_SCATTER: "tensor-parallel partial sums to shards",
+        CommKind.ALL_GATHER: "tensor-parallel gathers (sequence shards, fallbacks, local "
+        "slices' backward, a loss on vocab shards)",
+        CommKind.REDUCE_SCATTER: "tensor-parallel partial sums to sequence shards, forward + "
+        "backward",
     }
     return [
         Collective(
@@ -236,12 +239,12 @@ def _pp_collectives(
         return []
     acts = activation_nodes(gm)
     sent = {
-        n.name: _numel_bytes(n)
+        n.name: _numel_bytes(n, plan.tp)
         for n in gm.graph.nodes
         if n.name in acts and stage_of[n.name] == s and any(stage_of[u.name] > s for u in n.users)
     }
     received = {
-        a.name: _numel_bytes(a)
+        a.name: _numel_bytes(a, plan.tp)
         for n in gm.graph.nodes
         if stage_of[n.name] == s
         for a in n.all_input_nodes
@@ -267,5 +270,8 @@ def output_bytes(node: torch.fx.Node) -> int:
     return sum(math.prod(m.shape) * m.dtype.itemsize for m in tensor_metas(node))
 
 
-def _numel_bytes(node: torch.fx.Node) -> tuple[int, int]:
-    return output_numel(node), output_bytes(node)
+def _numel_bytes(node: torch.fx.Node, tp: int) -> tuple[int, int]:
+    """Elements and bytes of one rank's part of `node`'s output: 1/tp of a sharded value
+    (a sequence-sharded residual stream crossing a stage boundary)."""
+    parts = tp if isinstance(meta_of(node).tp, Shard) else 1
+    return output_numel(node) // parts, output_bytes(node) // parts

@@ -49,6 +49,7 @@ COSTS = {
     ConvKind.ALL_GATHER: ((AG,), (AG,)),  # all-gather forward, local slice backward
     ConvKind.SLICE: ((AG,), ()),  # local slice forward, all-gather backward
     ConvKind.REDUCE_SCATTER: ((RS, AG), (RS,)),  # reduce-scatter forward, all-gather back
+    ConvKind.GATHER_ENTER: ((AG, RS), (AG,)),  # all-gather forward, reduce-scatter back
 }
 
 

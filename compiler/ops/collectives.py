@@ -38,6 +38,7 @@ __all__ = [
     "tp_all_gather",
     "tp_all_reduce",
     "tp_enter",
+    "tp_gather_enter",
     "tp_reduce_scatter",
     "tp_slice",
 ]
@@ -197,10 +198,12 @@ def _dim_function(name: str, forward: DimOp, backward: DimOp) -> type[torch.auto
     return type(name, (torch.autograd.Function,), body)
 
 
-# Each placement op with its adjoint: all-gather <-> slice, reduce-scatter -> all-gather.
+# Each placement op with its adjoint: all-gather <-> slice, reduce-scatter <-> all-gather
+# (sequence parallel's pair: a row layer's output scattered, a col layer's input gathered).
 _AllGather = _dim_function("_AllGather", _gather_dim, _slice_dim)
 _Slice = _dim_function("_Slice", _slice_dim, _gather_dim)
 _ReduceScatter = _dim_function("_ReduceScatter", _scatter_dim, _gather_dim)
+_GatherEnter = _dim_function("_GatherEnter", _gather_dim, _scatter_dim)
 
 
 def tp_enter(x: torch.Tensor, axis: str) -> torch.Tensor:
@@ -221,6 +224,16 @@ def tp_all_gather(x: torch.Tensor, dim: int, axis: str, blocks: int = 1) -> torc
 def tp_slice(x: torch.Tensor, dim: int, axis: str, blocks: int = 1) -> torch.Tensor:
     """Replicate → Shard(dim, blocks): local slice forward, all-gather backward."""
     return _Slice.apply(x, dim, axis, blocks)
+
+
+def tp_gather_enter(x: torch.Tensor, dim: int, axis: str, blocks: int = 1) -> torch.Tensor:
+    """Shard(dim, blocks) → a rank-local use of the whole value: all-gather forward,
+    reduce-scatter of the (partial) gradient backward.
+
+    The same values and gradients as `tp_enter(tp_all_gather(x, dim, axis, blocks), axis)`,
+    with a reduce-scatter backward instead of an all-reduce (Megatron's sequence parallel).
+    """
+    return _GatherEnter.apply(x, dim, axis, blocks)
 
 
 def tp_reduce_scatter(x: torch.Tensor, dim: int, axis: str, blocks: int = 1) -> torch.Tensor:

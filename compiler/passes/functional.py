@@ -40,6 +40,7 @@ from .placement import (
     Shard,
 )
 from .tp_dims import output_metas
+from .tp_sequence_lower import SEQUENCE_LOWERINGS, emit_sequence, entered_param
 from .tp_shapes import local_shape
 
 __all__ = [
@@ -117,18 +118,24 @@ def emit_lowered(
     node: torch.fx.Node,
     lowering: Lowering,
     x: torch.fx.Node,
-    module: torch.nn.Module,
+    module: torch.nn.Module | None,
     axis: str,
     tp: int,
     index: int = 0,
 ) -> torch.fx.Node:
     """The functional form of sharded module call `node` on input `x`, appended to `graph`;
-    `index`: this rank's on the axis (a vocab-sharded Embedding's first row depends on it)."""
+    `index`: this rank's on the axis (a vocab-sharded Embedding's first row depends on it).
+    A sequence-parallel norm or dropout (`module` None for a function call) is
+    tp_sequence_lower.emit_sequence's."""
     before = next(reversed(graph.nodes), None)
-    w, b = _param_nodes(graph, lowering, linear_form(module))
     place, meta = meta_of(node).tp, node.meta.get("tensor_meta")
     # The analysis placed every module call it lowers, and a module call has one output.
     assert place is not None and not isinstance(place, tuple), node.name
+    if lowering.kind in SEQUENCE_LOWERINGS:
+        out = emit_sequence(graph, node, lowering, x, module, axis, tp)
+        return _finish(out, before, node, place, meta, tp)
+    assert module is not None
+    w, b = _param_nodes(graph, lowering, linear_form(module))
     if lowering.kind is LowerKind.EMBEDDING_COL:
         assert isinstance(module, torch.nn.Embedding)
         args: tuple[Any, ...] = (x, w, *embedding_options(module))
@@ -144,14 +151,50 @@ def emit_lowered(
     elif b is None:
         out = graph.create_node("call_function", F.linear, (x, w), name=node.name)
     else:
-        partial = graph.create_node("call_function", F.linear, (x, w), name=f"{node.name}_partial")
-        _annotate(partial, Partial(), meta, tp)
-        step, grad = ConvStep(ConvKind.ALL_REDUCE), meta_of(node).tp_grad
-        reduced = emit_conversion(
-            graph, partial, step, axis, name=node.name, meta=meta, tp=tp, grad=grad
-        )
-        out = graph.create_node("call_function", operator.add, (reduced, b), name=node.name)
-        set_comment(out, "row Linear: the bias is added once, after the all-reduce")
+        out = _row_with_bias(graph, node, lowering, (x, w, b), module, axis, tp)
+    return _finish(out, before, node, place, meta, tp)
+
+
+def _row_with_bias(
+    graph: torch.fx.Graph,
+    node: torch.fx.Node,
+    lowering: Lowering,
+    xwb: tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node],
+    module: torch.nn.Module,
+    axis: str,
+    tp: int,
+) -> torch.fx.Node:
+    """A row Linear's partial sums all-reduced, or reduce-scattered onto the sequence shard
+    (LINEAR_ROW_SCATTER), then its bias added once (entered on the shard: its gradient
+    covers the rank's rows)."""
+    x, w, b = xwb
+    meta, place = node.meta.get("tensor_meta"), meta_of(node).tp
+    partial = graph.create_node("call_function", F.linear, (x, w), name=f"{node.name}_partial")
+    _annotate(partial, Partial(), meta, tp)
+    step, grad = ConvStep(ConvKind.ALL_REDUCE), meta_of(node).tp_grad
+    if lowering.kind is LowerKind.LINEAR_ROW_SCATTER:
+        assert isinstance(place, Shard)
+        step = ConvStep(ConvKind.REDUCE_SCATTER, place.dim)
+        form = linear_form(module)
+        bias = getattr(module, form.bias if form is not None and form.bias else "bias")
+        b = entered_param(graph, b, bias, axis, tp)
+    reduced = emit_conversion(
+        graph, partial, step, axis, name=node.name, meta=meta, tp=tp, grad=grad
+    )
+    out = graph.create_node("call_function", operator.add, (reduced, b), name=node.name)
+    set_comment(out, f"row Linear: the bias is added once, after the {step.kind}")
+    return out
+
+
+def _finish(
+    out: torch.fx.Node,
+    before: torch.fx.Node | None,
+    node: torch.fx.Node,
+    place: Any,
+    meta: Any,
+    tp: int,
+) -> torch.fx.Node:
+    """Place and locate every node made for `node` (after `before`)."""
     _annotate(out, place, meta, tp)
     made = out
     while made is not before and made.op != "root":

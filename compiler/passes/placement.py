@@ -111,6 +111,11 @@ class LowerKind(str, Enum):
     LINEAR_ROW = "linear_row"  # F.linear(x, w[:, cols]) → all-reduce → + b
     EMBEDDING_COL = "embedding_col"  # F.embedding(idx, w[:, cols])
     EMBEDDING_VOCAB = "embedding_vocab"  # tp_vocab_lookup(idx, w[rows], first row): P
+    # sequence parallel (compiler/passes/tp_sequence_lower.py): on the sequence shard
+    LINEAR_ROW_SCATTER = "linear_row_scatter"  # F.linear(x, w[:, cols]) → reduce-scatter → + b
+    LAYER_NORM = "layer_norm"  # F.layer_norm(x, shape, enter(w), enter(b), eps)
+    RMS_NORM = "rms_norm"  # F.rms_norm(x, shape, enter(w), eps)
+    SEQ_DROPOUT = "seq_dropout"  # the whole mask drawn, the rank's rows of it applied
 
     def __str__(self) -> str:
         return self.value

@@ -120,7 +120,7 @@ class _Rewriter:
             assert isinstance(x, torch.fx.Node)
             for use in rewrite.lowering.params:
                 self._param(use)
-            module = self.gm.get_submodule(str(node.target))
+            module = self.gm.get_submodule(str(node.target)) if node.op == "call_module" else None
             new = emit_lowered(
                 self.graph, node, rewrite.lowering, inputs.get(x.name) or self.env[x],
                 module, self.axis, self.tp, self.index,

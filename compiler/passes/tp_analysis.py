@@ -35,6 +35,13 @@ Algorithm:
 7. Write each node's `ParcMeta` (compiler/node_meta.py): tp, tp_rewrite,
    tp_grad (the value needs a gradient), sharded, collectives (each
    conversion step's costs from its row of compiler/conversions.py).
+
+With `sequence_parallel`, steps 3-6 run twice: the first walk's placements give
+the sequence-sharded region (tp_sequence.py), and the second places its nodes
+`Shard(seq)`: partial sums reduce-scattered into it, replicated activations
+sliced into it, its values all-gathered where they leave it (a col layer's
+input: all-gather forward, reduce-scatter backward), norms and dropout lowered
+to run on the shard.
 """
 
 from __future__ import annotations
@@ -57,7 +64,6 @@ from ..ops.collectives import CommKind
 from ..plan import ModuleShard, Plan, PlanWarning
 from . import tp_messages as msg
 from .placement import (
-    Lowering,
     LowerKind,
     NodeRewrite,
     ParamUse,
@@ -69,19 +75,21 @@ from .placement import (
 from .tp_context import Decision, Misaligned, NotDivisible, OpContext
 from .tp_dims import output_metas
 from .tp_loss import kept_logits, loss_collectives
+from .tp_lowering import module_lowering
 from .tp_params import col_blocks, param_placements
-from .tp_rules import METADATA_OPS, PARTIAL_RULES, RULES, TRANSPARENT_OPS
+from .tp_rules import METADATA_OPS, PARTIAL_RULES, RULES
+from .tp_sequence import (
+    SeqRegion,
+    region_decision,
+    sequence_costs,
+    sequence_lowering,
+    sequence_region,
+)
 from .tp_shapes import SizeError, evaluate, size_fixes
 
 __all__ = ["analyse_tensor_parallel"]
 
 R = Replicate()
-_LOWER = {
-    (torch.nn.Linear, ShardKind.COL): LowerKind.LINEAR_COL,
-    (torch.nn.Linear, ShardKind.ROW): LowerKind.LINEAR_ROW,
-    (torch.nn.Embedding, ShardKind.COL): LowerKind.EMBEDDING_COL,
-    (torch.nn.Embedding, ShardKind.VOCAB): LowerKind.EMBEDDING_VOCAB,
-}  # a module with a linear form (compiler/linear_forms.py) is lowered as nn.Linear
 
 
 def analyse_tensor_parallel(
@@ -107,6 +115,11 @@ def analyse_tensor_parallel(
     walk = _Walk(gm, plan, spec, strict, loss_parallel)
     for node in gm.graph.nodes:  # Steps 3-6
         walk.visit(node)
+    if plan.sequence_parallel:  # again, with the sequence-sharded region
+        region = sequence_region(gm, plan, spec, walk.place)
+        walk = _Walk(gm, plan, spec, strict, loss_parallel, region)
+        for node in gm.graph.nodes:
+            walk.visit(node)
     for node in gm.graph.nodes:  # Step 7
         comms = walk.collectives.get(node, [])
         _write(node, walk.place[node], walk.rewrites.get(node), comms, walk.grad[node])
@@ -151,10 +164,16 @@ class _Walk:
     """Steps 2-6: the state of one pass over the graph."""
 
     def __init__(
-        self, gm: torch.fx.GraphModule, plan: Plan, spec: Spec | None, strict: bool, loss: bool
+        self,
+        gm: torch.fx.GraphModule,
+        plan: Plan,
+        spec: Spec | None,
+        strict: bool,
+        loss: bool,
+        region: SeqRegion | None = None,
     ):
         self.gm, self.plan, self.spec, self.strict = gm, plan, spec, strict
-        self.loss_parallel = loss
+        self.loss_parallel, self.region = loss, region
         self.tp = plan.tp
         self.canonical = canonical_names(gm)
         # Step 2
@@ -225,13 +244,19 @@ class _Walk:
         decision = self._decide(node, ins, shard)
         converts = self._convert(node, ins, decision, shard)
         sizes = self._sizes(node, decision)
-        lowering = self._lowering(node, shard) if shard else None
+        lowering = (
+            module_lowering(self.gm, node, shard, self.canonical, self.params) if shard else None
+        )
         moved = (self.origin[n] for n, p in ins.items() if not isinstance(p, Replicate))
         origin = shard.module if shard else next(moved, None)
         module_grad = node.op == "call_module" and any(
             p.requires_grad for p in self.gm.get_submodule(str(node.target)).parameters()
         )
         grad = module_grad or any(self.grad.get(n, False) for n in node.all_input_nodes)
+        if self.region is not None and self.region.holds(node):
+            lowering = sequence_lowering(self.gm, node, self.region, self.canonical, lowering)
+            if lowering is not None:
+                self._add(node, sequence_costs(self.gm, node, lowering, grad))
         row = lowering is not None and lowering.kind is LowerKind.LINEAR_ROW
         if row and isinstance(decision.output, Replicate):  # the all-reduce before its bias
             self._add(node, CONVERSIONS[ConvKind.ALL_REDUCE].costs(_numel(node), grad=grad))
@@ -259,12 +284,16 @@ class _Walk:
         key = self._key(node, shard)
         if key in METADATA_OPS or (key is getattr and not _is_tensor(node)):
             return Decision(R, passive=tuple(ins))  # sizes of the local tensor, as they are
+        if self.region is not None and self.region.holds(node):
+            return region_decision(self.gm, node, ins, self.region, self.tp)
         if any(isinstance(p, Partial) for p in ins.values()) and key in PARTIAL_RULES:
             found = PARTIAL_RULES[key](self._context(node, ins, shard))
             if found is not None:
                 return found
-        seen = {n: R if isinstance(p, Partial) else p for n, p in ins.items()}
-        reduce = tuple((n, R) for n, p in ins.items() if isinstance(p, Partial))
+        # Partial sums, and values leaving the sequence shard, are made whole first.
+        whole = {n for n, p in ins.items() if isinstance(p, Partial) or self._on_shard(n)}
+        seen = {n: R if n in whole else p for n, p in ins.items()}
+        reduce = tuple((n, R) for n in ins if n in whole)
         if shard is None and all(isinstance(p, Replicate) for p in seen.values()):
             return Decision(_like(node, R), reduce)
         rule = RULES.get(key)
@@ -275,6 +304,9 @@ class _Walk:
             return replace(decision, wants=decision.wants + extra)
         gather = tuple((n, R) for n, p in seen.items() if isinstance(p, Shard))
         return Decision(_like(node, R), gather + reduce)
+
+    def _on_shard(self, value: torch.fx.Node) -> bool:
+        return self.region is not None and self.region.holds(value)
 
     def _context(
         self, node: torch.fx.Node, ins: dict[torch.fx.Node, Any], shard: ModuleShard | None
@@ -319,7 +351,7 @@ class _Walk:
                 continue
             want = wants.get(value, have)
             enter = local_out and isinstance(want, Replicate) and self.grad[value]
-            steps = plan_conversion(have, want, enter=enter)
+            steps = plan_conversion(have, want, enter=enter, scatter=self.plan.sequence_parallel)
             if steps:
                 converts.append((value.name, steps))
                 self._count(node, value, steps)
@@ -348,26 +380,16 @@ class _Walk:
         shard: ModuleShard | None,
     ) -> None:
         kinds = {s.kind for s in steps}
-        if ConvKind.ALL_GATHER in kinds and node.op != "output":
+        if ConvKind.ALL_GATHER in kinds and node.op != "output" and not self._on_shard(value):
             origin = self.origin.get(value)
             warning = msg.gather_warning(node, self.gm, value, have, origin, self._span(origin))
             if self.strict:
                 raise msg.strict_error(warning, node)
             self.warnings.append(warning)
         elif shard and shard.kind is ShardKind.ROW and isinstance(have, Replicate):
-            producer = self._producer(value)
+            producer = msg.producer_of(self.gm, value)
             span = self._span(shard.module)
             self.warnings.append(msg.row_slice_warning(node, value, producer, self.plan, span))
-
-    def _producer(self, value: torch.fx.Node) -> str | None:
-        """The Linear whose output reaches `value` through layout-keeping ops, if any."""
-        while value.op != "call_module" and value.target in TRANSPARENT_OPS:
-            value = _node(value)
-        linear = (
-            value.op == "call_module"
-            and linear_form(self.gm.get_submodule(str(value.target))) is not None
-        )
-        return str(value.target) if linear else None
 
     def _sizes(self, node: torch.fx.Node, decision: Decision) -> tuple:
         if node in self.values:
@@ -376,16 +398,6 @@ class _Walk:
             return size_fixes(node, self.values, decision.sizes, self.tp)
         except SizeError as exc:
             raise msg.size_error(node, str(exc)) from None
-
-    def _lowering(self, node: torch.fx.Node, shard: ModuleShard) -> Lowering:
-        module = self.gm.get_submodule(str(node.target))
-        cls = torch.nn.Linear if linear_form(module) is not None else type(module)
-        kind = next(v for (c, k), v in _LOWER.items() if issubclass(cls, c) and k is shard.kind)
-        uses = []
-        for attr, _ in module.named_parameters(recurse=False):
-            name = self.canonical[f"{node.target}.{attr}"]
-            uses.append(ParamUse(attr, name, self.params.get(name)))
-        return Lowering(kind, tuple(uses))
 
     def _output(self, node: torch.fx.Node) -> None:
         """Step 6: the program's outputs are whole on every rank, but logits kept for loss

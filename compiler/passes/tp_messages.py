@@ -222,3 +222,15 @@ def size_error(node: torch.fx.Node, detail: str) -> CompileError:
         source=node_source(node),
         hint="compute sizes from a replicated tensor (e.g. the block's input) or use -1",
     )
+
+
+def producer_of(gm: torch.fx.GraphModule, value: torch.fx.Node) -> str | None:
+    """The Linear whose output reaches `value` through layout-keeping ops, if any."""
+    from .tp_rules import TRANSPARENT_OPS  # tp_rules' table is built from the rules
+
+    while value.op != "call_module" and value.target in TRANSPARENT_OPS:
+        first = value.args[0]
+        assert isinstance(first, torch.fx.Node)
+        value = first
+    linear = value.op == "call_module" and linear_form(gm.get_submodule(str(value.target)))
+    return str(value.target) if linear else None

@@ -9,7 +9,10 @@ from the `stage` lines' ids, or `stage auto` with `virtual_stages V`). Each mist
 2. `schedule interleaved` needs a pp axis and more stages than pp ranks.
 3. `schedule interleaved` runs microbatches in groups of pp: their number must be a
    multiple of pp (the error names the nearest that are).
-4. `schedule zb1` (zero bubble, ZB-H1) runs one stage per pp rank.
+4. `schedule zb1` (zero bubble, ZB-H1) runs one stage per pp rank, and not with
+   `recompute`: a recomputed region's saved tensors are rebuilt once per backward
+   call and B and W are two (torch.utils.checkpoint), so the region would run three
+   times per microbatch and its collectives with it, which the plan does not price.
 """
 
 from __future__ import annotations
@@ -40,6 +43,15 @@ def _check_zero_bubble(spec: Spec, stages: int, pp: int) -> None:
     # Step 4
     stmt = spec.statement(Schedule)
     assert stmt is not None  # the schedule is zb1 only when a statement says so
+    recompute = spec.recomputes
+    if recompute:
+        raise PlanError(
+            "`schedule zb1` with `recompute` is not implemented: B and W are two backward "
+            "calls, and torch's checkpoint recomputes a region for each (three forwards per "
+            "microbatch, its collectives too)",
+            spec.locate(recompute[0].span),
+            hint="leave out `recompute`, or use `schedule 1f1b` with it",
+        )
     if stages <= max(pp, 1):
         return
     raise PlanError(

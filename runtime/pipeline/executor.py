@@ -18,10 +18,14 @@ and keeps the unscaled loss on the device (no host sync per microbatch: the
 Program reads the step's losses once, in its global loss reduction).
 Backward: the last stage calls `backward` on its scaled loss, the others on
 their sent tensors with the gradients received for them; the gradients of the
-received tensors are sent back. A sent tensor is its boundary's contract (the
-receiver allocated that shape and dtype): a floating value computed in another
-floating dtype is cast to it inside autograd, any other difference raises
-(`_as_contract`).
+received tensors are sent back. In a split schedule (zero bubble: W actions)
+B computes only those input gradients and W, later, the weight gradients
+(`parc.runtime.pipeline.backward_split`, read off the autograd graph); the
+gradient sync is armed before the rank's last W then, where the weights'
+gradients of the step's last microbatches accumulate, instead of its last B.
+A sent tensor is its boundary's contract (the receiver allocated that shape and
+dtype): a floating value computed in another floating dtype is cast to it inside
+autograd, any other difference raises (`_as_contract`).
 
 A single stage (pp=1, one stage) has nothing to overlap: whatever the schedule, each
 microbatch's backward runs right after its forward (`one_at_a_time`), so only
@@ -49,6 +53,8 @@ from parc.compiler.schedule_actions import (
 from parc.dsl.ast import AXIS_PP
 from parc.errors import ModelError, RuntimeFault
 from parc.runtime.collectives import Comm, CommKind
+
+from .backward_split import PendingWeights, backward_input
 
 __all__ = [
     "ForwardContext",
@@ -111,6 +117,7 @@ class MicroState:
     grads_out: list[torch.Tensor] = field(default_factory=list)
     # The posted batches receiving into `received` (RECV_F) and `grads_in` (RECV_B).
     receiving: dict[ActionKind, _Posted] = field(default_factory=dict)
+    weights: PendingWeights | None = None  # a split backward's W, between its B and W
 
     def wait_for(self, kind: ActionKind) -> None:
         """Wait for the receives the compute action `kind` (F or B) reads."""
@@ -178,7 +185,11 @@ class StageExecutor:
             for m in range(len(inputs))
         }
         losses: list[torch.Tensor] = []
-        last_b = max((i for i, a in enumerate(actions) if a.kind is ActionKind.B), default=-1)
+        # The weights' gradients accumulate at B, or at W in a split schedule: the sync is
+        # armed before the last of those (gradient hooks of earlier ones must not reduce).
+        split = any(a.kind is ActionKind.W for a in actions)
+        accumulates = ActionKind.W if split else ActionKind.B
+        last = max((i for i, a in enumerate(actions) if a.kind is accumulates), default=-1)
         for item in execution_items(actions):
             first = actions[item[0]]
             state = states[(first.stage, first.microbatch)]
@@ -189,10 +200,13 @@ class StageExecutor:
                 loss = self._forward(state, inputs[m], targets[m], scale)
                 if loss is not None:
                     losses.append(loss)
-            elif first.kind is ActionKind.B:
-                if last_round and item[0] == last_b and self.before_last_backward:
+            elif first.kind.is_compute:
+                if last_round and item[0] == last and self.before_last_backward:
                     self.before_last_backward()
-                self._backward(state)
+                if first.kind is ActionKind.W:
+                    self._weights(state)
+                else:
+                    self._backward(state, split)
             else:
                 self._communicate([actions[i] for i in item], states)
         self._wait_sends()
@@ -222,20 +236,37 @@ class StageExecutor:
             return loss.detach()
         return None
 
-    def _backward(self, state: MicroState) -> None:
-        if state.loss is not None:
+    def _backward(self, state: MicroState, split: bool) -> None:
+        """B: the whole backward, or in a split schedule the input gradients only."""
+        if split:
+            roots, grads = (
+                ([state.loss], [None])
+                if state.loss is not None
+                else (state.sent, list(state.grads_in))
+            )
+            found, state.weights = backward_input(roots, grads, state.received)
+        elif state.loss is not None:
             state.loss.backward()
         else:
             pairs = [(t, g) for t, g in zip(state.sent, state.grads_in) if t.requires_grad]
             if pairs:
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        if not split:
+            found = [r.grad for r in state.received]
         if state.stage.stage > 0:
             state.grads_out = [
-                r.grad if r.grad is not None else torch.zeros_like(r) for r in state.received
+                g if g is not None else torch.zeros_like(r)
+                for g, r in zip(found, state.received, strict=True)
             ]
         state.sent, state.loss, state.grads_in = [], None, []
         if state.stage.stage == 0:
             state.received = []
+
+    def _weights(self, state: MicroState) -> None:
+        """W: the weight gradients of a split backward whose B ran (`backward_split`)."""
+        assert state.weights is not None, "a W runs after its microbatch's B"
+        state.weights.run()
+        state.weights = None
 
     def _communicate(
         self, batch: list[Action], states: Mapping[tuple[int, int], MicroState]

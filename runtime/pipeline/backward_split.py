@@ -1,0 +1,233 @@
+"""A stage's backward split in two, from its autograd graph: B (input gradients), W (weights).
+
+Zero-bubble schedules (compiler/schedule_zero_bubble.py) run each microbatch's backward
+as B, the gradients of the tensors the stage received (what the previous stage waits
+for), and later W, the gradients of everything else the graph reaches (the weights,
+what nobody waits for). Nothing here knows the model: the split is read off the
+autograd graph of one microbatch, between its roots (the scaled loss on the last stage,
+else the sent tensors with the gradients received for them) and its inputs:
+
+1. Walk the graph from the roots. A node is *on the input path* when an input's
+   gradient node is reachable from it; every other node reached leads to weights only,
+   and the part of the graph below it (its *weight region*) holds no input path node.
+2. The *frontier*: input-path nodes with a child outside the path (a matmul's
+   backward, whose child is its weight's transpose). Its *entries* are those edges.
+3. B: `torch.autograd.grad` of the input-path roots w.r.t. the inputs only; autograd
+   then runs just the input path (each frontier node computes its input-side outputs
+   only), and a pre-hook keeps the output gradients each frontier node was given.
+4. W, later: each frontier node runs again from its kept gradients for its entries
+   only (`torch.autograd.grad` to those edges), the results are summed per entry,
+   and one `torch.autograd.backward` from all entries (and the roots off the input
+   path, such as every root of a first stage, which receives no gradients) runs the
+   weight regions: each node of them once, accumulating into `.grad` through autograd's
+   own AccumulateGrad, so `.grad` views, post-accumulate hooks (gradient sync) and
+   ZeRO-3's reduce-scatter see what they see under an unsplit backward.
+
+W redoes no work of B: step 4 runs a frontier node for its weight outputs only and
+nothing above it. Two graphs cannot be split so (`Split.whole_w`), and then W runs
+the whole backward for the weights, repeating the input path: a frontier node whose
+entry is also reached through the input path below it (a weight used twice along
+the path, e.g. one layer applied twice), and a frontier node that is a Python
+autograd Function (running its backward again would repeat what it does, such as a
+collective). Gradients are those of the unsplit backward up to the order floating
+point additions are made in (tests/test_zero_bubble.py).
+
+B keeps the whole graph alive until W (``retain_graph``): what W needs is the frontier
+nodes' saved tensors and the weight regions, but autograd frees no part of a graph
+kept for a later call. The plan prices a microbatch's activations as held until W
+(`parc.compiler.plan_schedule.rank_held`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+__all__ = ["PendingWeights", "backward_input"]
+
+_Edge = tuple[Node, int]
+
+
+@dataclass
+class _Graph:
+    """The walk of one microbatch's graph (steps 1 and 2)."""
+
+    order: list[Node]  # every node reached, parents before children
+    on_path: dict[Node, bool]  # step 1
+    entries: dict[Node, list[_Edge]] = field(default_factory=dict)  # frontier -> entries
+
+    @property
+    def frontier(self) -> list[Node]:
+        return list(self.entries)
+
+
+def _walk(roots: Sequence[Node], inputs: set[Node]) -> _Graph:
+    """Step 1 and 2: the nodes reached from `roots`, which are on the input path, the
+    frontier and its entries. Iterative: a deep model's graph is deeper than Python's
+    recursion limit."""
+    post: list[Node] = []
+    seen: set[Node] = set()
+    for root in roots:
+        if root in seen:
+            continue
+        seen.add(root)
+        stack: list[tuple[Node, Any]] = [(root, iter(root.next_functions))]
+        while stack:
+            node, children = stack[-1]
+            child = next((c for c, _ in children if c is not None and c not in seen), None)
+            if child is None:
+                post.append(node)
+                stack.pop()
+                continue
+            seen.add(child)
+            stack.append((child, iter(child.next_functions)))
+    on_path: dict[Node, bool] = {}
+    for node in post:  # children before parents
+        on_path[node] = node in inputs or any(
+            on_path[c] for c, _ in node.next_functions if c is not None
+        )
+    graph = _Graph(post[::-1], on_path)
+    for node in graph.order:
+        if not on_path[node]:
+            continue
+        out = [(c, k) for c, k in node.next_functions if c is not None and not on_path[c]]
+        if out:
+            graph.entries[node] = out
+    return graph
+
+
+def _whole_w(graph: _Graph) -> bool:
+    """Whether step 4 cannot run the weights alone (see the module): a frontier node that
+    is a Python Function, or whose entry node is reached again along the input path."""
+    if any(isinstance(n, torch.autograd.function.BackwardCFunction) for n in graph.frontier):
+        return True
+    bit = {c: 1 << i for i, c in enumerate({c for es in graph.entries.values() for c, _ in es})}
+    mine = {n: _mask(bit, es) for n, es in graph.entries.items()}
+    below: dict[Node, int] = {}  # input-path node -> entry nodes reached under its children
+    for node in reversed(graph.order):
+        if not graph.on_path[node]:
+            continue
+        reach = 0
+        for c, _ in node.next_functions:
+            if c is not None and graph.on_path[c]:
+                reach |= mine.get(c, 0) | below[c]
+        below[node] = reach
+        if mine.get(node, 0) & reach:
+            return True
+    return False
+
+
+def _mask(bit: dict[Node, int], edges: list[_Edge]) -> int:
+    out = 0
+    for c, _ in edges:
+        out |= bit[c]
+    return out
+
+
+@dataclass
+class PendingWeights:
+    """What a microbatch's W needs once its B ran (step 4); `run` it once."""
+
+    graph: _Graph | None  # None once run
+    kept: dict[Node, tuple[torch.Tensor | None, ...]]  # frontier node -> its output grads
+    off_path: list[tuple[GradientEdge, torch.Tensor]]  # roots off the input path
+    whole: tuple[list[Any], list[torch.Tensor], list[torch.Tensor]] | None  # `whole_w`
+
+    def run(self) -> None:
+        """Accumulate the weight gradients into `.grad`, as the unsplit backward would."""
+        graph, self.graph = self.graph, None
+        assert graph is not None, "a microbatch's W runs once"
+        if self.whole is not None:
+            roots, grads, weights = self.whole
+            if weights:
+                torch.autograd.backward(roots, grads, inputs=weights)
+            return
+        sums: dict[_Edge, torch.Tensor] = {}
+        for node, entries in graph.entries.items():
+            given = self.kept.get(node)
+            if given is None:  # B gave this node no gradient: nothing reaches its weights
+                continue
+            outs = [(GradientEdge(node, i), g) for i, g in enumerate(given) if g is not None]
+            if not outs:
+                continue
+            got = torch.autograd.grad(
+                [e for e, _ in outs],
+                [GradientEdge(c, k) for c, k in entries],
+                grad_outputs=[g for _, g in outs],
+                retain_graph=True,
+                allow_unused=True,
+            )
+            for edge, g in zip(entries, got, strict=True):
+                if g is not None:
+                    sums[edge] = sums[edge] + g if edge in sums else g
+        roots = [*(e for e, _ in self.off_path), *(GradientEdge(c, k) for c, k in sums)]
+        grads = [*(g for _, g in self.off_path), *sums.values()]
+        self.kept, self.off_path = {}, []
+        if roots:
+            torch.autograd.backward(roots, grads)
+
+
+def backward_input(
+    roots: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+    inputs: Sequence[torch.Tensor],
+) -> tuple[list[torch.Tensor | None], PendingWeights]:
+    """B of one microbatch (step 3): the gradients of `inputs` (None where none reaches
+    one) from `roots` given `grads` (None: a scalar root's gradient 1), and the W left."""
+    pairs = [(t, g) for t, g in zip(roots, grads, strict=True) if t.requires_grad]
+    wanted = [x for x in inputs if x.requires_grad]
+    input_nodes = {get_gradient_edge(x).node for x in wanted}
+    root_edges = [(get_gradient_edge(t), t, g) for t, g in pairs]
+    graph = _walk([e.node for e, _, _ in root_edges], input_nodes)
+    on = [(t, g) for e, t, g in root_edges if graph.on_path[e.node]]
+    off = [
+        (e, g if g is not None else torch.ones_like(t))
+        for e, t, g in root_edges
+        if not graph.on_path[e.node]
+    ]
+    kept: dict[Node, tuple[torch.Tensor | None, ...]] = {}
+    whole = None
+    if _whole_w(graph):
+        weights = [n.variable for n in graph.order if _is_weight(n, graph)]
+        whole = ([t for t, _ in pairs], [g for _, g in pairs], weights)
+        handles = []
+    else:
+        handles = [n.register_prehook(_keeper(kept, n)) for n in graph.frontier]
+    try:
+        found = _input_grads(on, wanted)
+    finally:
+        for h in handles:
+            h.remove()
+    by_input = dict(zip(map(id, wanted), found, strict=True))
+    return [by_input.get(id(x)) for x in inputs], PendingWeights(graph, kept, off, whole)
+
+
+def _input_grads(
+    on: list[tuple[torch.Tensor, torch.Tensor | None]], wanted: list[torch.Tensor]
+) -> list[torch.Tensor | None]:
+    if not on or not wanted:
+        return [None] * len(wanted)
+    got = torch.autograd.grad(
+        [t for t, _ in on],
+        wanted,
+        grad_outputs=[g for _, g in on],
+        retain_graph=True,
+        allow_unused=True,
+    )
+    return list(got)
+
+
+def _is_weight(node: Node, graph: _Graph) -> bool:
+    """An AccumulateGrad node off the input path: a leaf W accumulates into."""
+    return not graph.on_path[node] and hasattr(node, "variable")
+
+
+def _keeper(kept: dict[Node, Any], node: Node) -> Any:
+    def hook(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+        kept[node] = grad_outputs
+
+    return hook

@@ -1,0 +1,226 @@
+"""Zero bubble (`schedule zb1`, ZB-H1) trains the one-device model, and its split is exact.
+
+`schedule zb1` splits each backward into B (the gradients of what the stage received)
+and W (its weights' gradients, later), read off the autograd graph
+(runtime/pipeline/backward_split.py). Each equivalence case trains 3 SGD steps on a
+gloo pool and compares with one device (tests/helpers.py check_equivalent): GPT and
+LLaMA, tied and untied, with dp, ZeRO 1/2/3, tp and grad_accum.
+
+Tolerances: the current ones, unchanged (docs/architecture.md, Equivalence;
+runtime/equivalence.py Tolerance.for_optimizer): losses rtol 1e-5, parameters after
+3 SGD steps rtol 1e-4 / atol 1e-6, step 0's gradients by their calibrated bound. The
+split changes no gradient (the exact tests below: B and W give 1F1B's bitwise on
+these models), and every stage accumulates its microbatches in microbatch order as
+1F1B does, so the sums differ from one device's only as under 1F1B.
+
+Rows with world ≤ 4 run in CI; the rest under the thorough profile.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from helpers import GPT, LLAMA, check_equivalent, gpt_env
+
+
+def _llama_env(layers: int, tie: bool) -> dict[str, str]:
+    return {
+        "LLAMA_LAYERS": str(layers),
+        "LLAMA_DIM": "16",
+        "LLAMA_HEADS": "2",
+        "LLAMA_KV_HEADS": "1",
+        "LLAMA_VOCAB": "48",
+        "LLAMA_SEQ": "8",
+        "LLAMA_FFN": "32",
+        "LLAMA_TIE": "1" if tie else "0",
+    }
+
+
+_GPT_TP = "shard layers.*.mlp.fc1 col tp\nshard layers.*.mlp.fc2 row tp\n"
+_LLAMA_TP = (
+    "shard layers.*.mlp.gate col tp\nshard layers.*.mlp.up col tp\nshard layers.*.mlp.down row tp\n"
+)
+
+# (model, env, mesh, microbatches, extra statements, batch)
+ROWS: list[Any] = [
+    pytest.param(GPT, gpt_env(4, True), "pp=2", 4, "", 8, id="gpt-tied-pp2"),
+    pytest.param(LLAMA, _llama_env(4, False), "pp=2", 4, "grad_accum 2\n", 16, id="llama-accum"),
+    pytest.param(GPT, gpt_env(4, False), "dp=2 pp=2", 4, "zero 1\n", 16, id="gpt-dp2-z1"),
+    pytest.param(LLAMA, _llama_env(4, True), "dp=2 pp=2", 4, "zero 3\n", 16, id="llama-z3"),
+    pytest.param(GPT, gpt_env(4, True), "pp=2 tp=2", 4, _GPT_TP, 8, id="gpt-tp2"),
+    pytest.param(
+        GPT,
+        gpt_env(4, True),
+        "dp=2 pp=2",
+        4,
+        "zero 2\n",
+        16,
+        id="gpt-dp2-z2",
+        marks=pytest.mark.thorough,
+    ),
+    pytest.param(
+        LLAMA,
+        _llama_env(4, True),
+        "dp=2 pp=2",
+        4,
+        "",
+        16,
+        id="llama-dp2",
+        marks=pytest.mark.thorough,
+    ),
+    pytest.param(
+        GPT, gpt_env(4, False), "pp=4", 8, "", 16, id="gpt-pp4", marks=pytest.mark.thorough
+    ),
+    pytest.param(
+        LLAMA,
+        _llama_env(4, True),
+        "dp=2 pp=2 tp=2",
+        4,
+        "zero 3\n" + _LLAMA_TP,
+        16,
+        id="llama-dp2-tp2-z3",
+        marks=pytest.mark.thorough,
+    ),
+]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("model, env, mesh, microbatches, extra, batch", ROWS)
+def test_zero_bubble_matches_single_device(
+    gloo_pool: Any,
+    model: str,
+    env: dict[str, str],
+    mesh: str,
+    microbatches: int,
+    extra: str,
+    batch: int,
+) -> None:
+    spec = f"mesh {mesh}\nstage auto\nmicrobatches {microbatches}\nschedule zb1\n{extra}"
+    result, _ = check_equivalent(gloo_pool, spec, model, env=env, batch=batch, steps=3)
+    assert result.ok, f"{spec}: {result.describe()}\n{result.rows}"
+
+
+# ---------------------------------------------------------------- B + W = the backward
+
+
+def _stage_programs(model: str, env: dict[str, str], pp: int) -> tuple[Any, list[Any]]:
+    """A batch of 2 samples and every stage graph of a `pp`-stage pipeline, on the CPU."""
+    from parc.compiler.frontend import analyse
+    from parc.compiler.layout import DEFAULT_BUCKET_ELEMS
+    from parc.compiler.model import load_model
+    from parc.compiler.rank_program import compile_rank
+    from parc.runtime.equivalence import model_env
+
+    with model_env(env):
+        source = load_model(model)
+        spec = f"mesh pp={pp}\nstage auto\nmicrobatches 2\nschedule zb1\n"
+        analysis = analyse(spec, source, batch=4, device="cpu", seed=0)
+        stages = [
+            stage
+            for r in range(pp)
+            for stage in compile_rank(
+                analysis, {"pp": r}, bucket_elems=DEFAULT_BUCKET_ELEMS
+            ).stages.values()
+        ]
+        batch = source.batch(2, 0)
+    return batch, stages
+
+
+def _run_stage(stage: Any, inputs: list[Any], targets: Any, grads: list[Any]) -> Any:
+    """Forward of one stage on fresh leaves: (received leaves, roots, root gradients)."""
+    import torch.nn.functional as F
+
+    received = [
+        torch.randn(b.shape, generator=torch.Generator().manual_seed(7)).requires_grad_()
+        for b in stage.recv
+    ]
+    outs = list(stage.gm.forward(*received, *(inputs[i] for i in stage.model_inputs)))
+    if stage.is_last:
+        loss = F.cross_entropy(outs[0].flatten(0, -2), targets.flatten())
+        return received, [loss], [None]
+    return received, outs, grads
+
+
+@pytest.mark.parametrize(
+    "model, env",
+    [
+        pytest.param(GPT, gpt_env(4, True), id="gpt-tied"),
+        pytest.param(LLAMA, _llama_env(4, False), id="llama-untied"),
+    ],
+)
+def test_b_then_w_give_the_unsplit_backward_bitwise(model: str, env: dict[str, str]) -> None:
+    """On every stage of a 3-stage pipeline: B's input gradients and B + W's weight
+    gradients equal one `torch.autograd.backward` of the same graph, bitwise; B alone
+    leaves every weight gradient untouched, and W needs no fallback on these models."""
+    from parc.compiler.model_output import input_tensors
+    from parc.runtime.pipeline.backward_split import backward_input
+
+    (given, targets), stages = _stage_programs(model, env, 3)
+    inputs = list(input_tensors(given))
+    for stage in stages:
+        params = list(stage.gm.parameters())
+        for p in params:  # a weight tied across stages is one Parameter here: start clean
+            p.grad = None
+        seed = torch.Generator().manual_seed(3)
+        grads = [torch.randn(b.shape, generator=seed) for b in stage.send]
+        received, roots, root_grads = _run_stage(stage, inputs, targets, grads)
+        torch.autograd.backward(roots, None if stage.is_last else root_grads)
+        want_in = [r.grad for r in received]
+        want = [p.grad.clone() for p in params]
+        for p in params:
+            p.grad = None
+        received, roots, root_grads = _run_stage(stage, inputs, targets, grads)
+        got_in, pending = backward_input(roots, root_grads, received)
+        assert all(p.grad is None for p in params), f"stage {stage.stage}: B touched a weight"
+        assert pending.whole is None, f"stage {stage.stage}: W fell back to the whole backward"
+        pending.run()
+        assert all(torch.equal(a, b) for a, b in zip(got_in, want_in, strict=True))
+        for p, w in zip(params, want, strict=True):
+            assert p.grad is not None and torch.equal(p.grad, w), f"stage {stage.stage}"
+
+
+class _Twice(torch.nn.Module):
+    """One linear layer applied twice along the input path: W cannot run it alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(6, 6)
+        self.norm = torch.nn.LayerNorm(6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.lin(torch.tanh(self.lin(x))))
+
+
+def test_a_weight_used_twice_on_the_input_path_falls_back_to_the_whole_backward_in_w() -> None:
+    # Running the second use's frontier node for its weight would run the path back to
+    # the first use again and count it twice; W then runs the whole backward for the
+    # weights instead, and the gradients are still the unsplit ones.
+    from parc.runtime.pipeline.backward_split import backward_input
+
+    torch.manual_seed(0)
+    model, x, g = _Twice(), torch.randn(3, 6), torch.randn(3, 6)
+    leaf = x.clone().requires_grad_()
+    model(leaf).backward(g)
+    want = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad(set_to_none=True)
+    leaf2 = x.clone().requires_grad_()
+    got_in, pending = backward_input([model(leaf2)], [g], [leaf2])
+    assert pending.whole is not None
+    assert all(p.grad is None for p in model.parameters())
+    pending.run()
+    assert leaf.grad is not None and got_in[0] is not None
+    torch.testing.assert_close(got_in[0], leaf.grad, rtol=0, atol=0)
+    for p, w in zip(model.parameters(), want, strict=True):
+        torch.testing.assert_close(p.grad, w, rtol=0, atol=0)
+
+
+def test_w_runs_once() -> None:
+    from parc.runtime.pipeline.backward_split import backward_input
+
+    lin, x = torch.nn.Linear(2, 2), torch.randn(1, 2, requires_grad=True)
+    _, pending = backward_input([lin(x).sum()], [None], [x])
+    pending.run()
+    with pytest.raises(AssertionError, match="runs once"):
+        pending.run()

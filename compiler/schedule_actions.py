@@ -347,7 +347,9 @@ def one_at_a_time(actions: Sequence[Action]) -> list[Action]:
     [0F0, 0B0, 0W0, 0F1, 0B1, 0W1]
     """
     assert all(a.kind.is_compute for a in actions), "a single stage sends nothing"
-    after = {(a.kind, a.microbatch): a for a in actions if a.kind in (ActionKind.B, ActionKind.W)}
+    after: dict[tuple[ActionKind, int], Action] = {
+        (a.kind, a.microbatch): a for a in actions if a.kind in (ActionKind.B, ActionKind.W)
+    }
     out: list[Action] = []
     for a in actions:
         if a.kind is ActionKind.F:

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
@@ -135,7 +135,8 @@ class PendingWeights:
     graph: _Graph | None  # None once run
     kept: dict[Node, tuple[torch.Tensor | None, ...]]  # frontier node -> its output grads
     off_path: list[tuple[GradientEdge, torch.Tensor]]  # roots off the input path
-    whole: tuple[list[Any], list[torch.Tensor], list[torch.Tensor]] | None  # `whole_w`
+    # `_whole_w`: (roots, their gradients, the weights) for one backward of the weights.
+    whole: tuple[list[torch.Tensor], list[torch.Tensor | None], list[torch.Tensor]] | None
 
     def run(self) -> None:
         """Accumulate the weight gradients into `.grad`, as the unsplit backward would."""
@@ -146,6 +147,15 @@ class PendingWeights:
             if weights:
                 torch.autograd.backward(roots, grads, inputs=weights)
             return
+        sums = self._entry_grads(graph)
+        edges = [*(e for e, _ in self.off_path), *(GradientEdge(c, k) for c, k in sums)]
+        given = [*(g for _, g in self.off_path), *sums.values()]
+        self.kept, self.off_path = {}, []
+        if edges:
+            torch.autograd.backward(edges, given)
+
+    def _entry_grads(self, graph: _Graph) -> dict[_Edge, torch.Tensor]:
+        """Each frontier node run again for its entries only; their gradients, summed."""
         sums: dict[_Edge, torch.Tensor] = {}
         for node, entries in graph.entries.items():
             given = self.kept.get(node)
@@ -164,11 +174,7 @@ class PendingWeights:
             for edge, g in zip(entries, got, strict=True):
                 if g is not None:
                     sums[edge] = sums[edge] + g if edge in sums else g
-        roots = [*(e for e, _ in self.off_path), *(GradientEdge(c, k) for c, k in sums)]
-        grads = [*(g for _, g in self.off_path), *sums.values()]
-        self.kept, self.off_path = {}, []
-        if roots:
-            torch.autograd.backward(roots, grads)
+        return sums
 
 
 def backward_input(
@@ -192,7 +198,7 @@ def backward_input(
     kept: dict[Node, tuple[torch.Tensor | None, ...]] = {}
     whole = None
     if _whole_w(graph):
-        weights = [n.variable for n in graph.order if _is_weight(n, graph)]
+        weights = [cast(Any, n).variable for n in graph.order if _is_weight(n, graph)]
         whole = ([t for t, _ in pairs], [g for _, g in pairs], weights)
         handles = []
     else:

@@ -14,6 +14,9 @@ Loss parallel: with `vocab` set (the front end sets it when the tensor-parallel
 analysis keeps the logits sharded along their last dim, compiler/passes/tp_analysis.py),
 the output is this rank's `1/vocab.parts` of the classes and the loss is computed on
 the shards (compiler/ops/vocab.py `tp_vocab_cross_entropy`), equal to the whole one.
+A number of classes the parts do not divide is padded (compiler/layout.py): each rank
+holds `vocab.local` columns, the ones past `vocab.classes` padding, which the sharded
+loss leaves out.
 """
 
 from __future__ import annotations
@@ -41,11 +44,16 @@ _DEFAULT = (
 @dataclass(frozen=True, slots=True)
 class VocabShards:
     """The output's last dim, `classes` in all, split in `parts` equal contiguous parts
-    over `axis`."""
+    of `local` over `axis` (the last ones padded when `parts` does not divide `classes`)."""
 
     axis: str
     parts: int
     classes: int
+
+    @property
+    def local(self) -> int:
+        """Columns per rank: ceil(classes / parts)."""
+        return -(-self.classes // self.parts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,8 +77,9 @@ class DefaultLoss:
         # Any integer dtype is a class index; cross_entropy takes int64 only.
         flat = targets.reshape(-1).long()
         logits = output.reshape(-1, output.shape[-1])
-        if self.vocab is not None and self.classes(output) != output.shape[-1]:
-            return tp_vocab_cross_entropy(logits, flat, self.vocab.axis, IGNORE_INDEX)
+        v = self.vocab
+        if v is not None and self.classes(output) != output.shape[-1]:
+            return tp_vocab_cross_entropy(logits, flat, v.axis, IGNORE_INDEX, v.classes)
         return F.cross_entropy(logits, flat)
 
     def classes(self, output: torch.Tensor) -> int:
@@ -80,7 +89,7 @@ class DefaultLoss:
     def classes_of(self, last_dim: int) -> int:
         """The number of classes of an output whose last dim is `last_dim` on this rank."""
         v = self.vocab
-        return v.classes if v is not None and last_dim * v.parts == v.classes else last_dim
+        return v.classes if v is not None and v.parts > 1 and last_dim == v.local else last_dim
 
     def _error(self, message: str, other: str) -> ModelError:
         return ModelError(message, file=self.path, hint=_FIX.format(path=self.path, other=other))

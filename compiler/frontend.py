@@ -151,9 +151,11 @@ def _analyse(
     if plan.tp_axis is not None and plan.tp > 1:
         from .passes.tp_analysis import analyse_tensor_parallel
         from .passes.tp_loss import loss_on_shards, takes_shards
+        from .passes.tp_padding import check_padding
 
         shards = takes_shards(source.loss_fn)  # loss parallel: the default cross-entropy
         found = analyse_tensor_parallel(gm, plan, spec, strict=strict, loss_parallel=shards)
+        check_padding(gm, plan, spec)  # a padded vocabulary's columns reach no user's code
         plan = dataclasses.replace(plan, warnings=plan.warnings + tuple(found))
         source = dataclasses.replace(source, loss_fn=loss_on_shards(source.loss_fn, gm, plan))
     batch_stats = batch_statistics_warnings(built, plan, spec)

@@ -7,6 +7,11 @@ memory and traffic the report predicts are the ones a run has.
   (Linear col: weight and bias dim 0; Linear row: weight dim 1, the bias stays
   whole and is added once after the reduction; Embedding col: weight dim 1;
   Embedding vocab: weight dim 0, its rows).
+  A vocabulary the axis does not divide (a `vocab` Embedding, a `col` LM head of V
+  outputs) is padded on the device: every rank holds ceil(V/tp) rows (columns of the
+  logits), rank i the true rows [i·c, min((i+1)·c, V)) and zero rows after them
+  (`ParamSlice.padding` in all). The padding exists only in the ranks' local tensors:
+  full shapes, checkpoints and exports have V (`held_range`).
   A linear map whose weight is (in, out) (compiler/linear_forms.py, GPT-2's
   Conv1D) is cut on the other dim of its weight: col dim 1, row dim 0.
 - A parameter used by two stages (a tied embedding and LM head) lives on both.
@@ -39,7 +44,10 @@ __all__ = [
     "ParamSlice",
     "canonical_names",
     "flat_units",
+    "held_range",
+    "local_part",
     "local_shape",
+    "pad_dim",
     "param_slices",
     "stage_params",
     "zero3_owner",
@@ -55,12 +63,22 @@ class ParamSlice:
     """A parameter split along `dim` into `parts` slices over the tp axis.
 
     With `blocks` = k > 1 the dim is k equal blocks (a fused q/k/v weight) and each
-    rank keeps its slice of every block.
+    rank keeps its slice of every block. `padding`: zero rows appended along `dim` on
+    the device so it divides by `parts` (a vocabulary tp does not divide; one block).
     """
 
     dim: int
     parts: int
     blocks: int = 1
+    padding: int = 0
+
+    def __post_init__(self) -> None:
+        if self.padding and self.blocks != 1:
+            raise ValueError(f"a padded slice has one block, not {self.blocks}")
+
+    def local(self, size: int) -> int:
+        """The rank's length along `dim` of a full `size` (padding included)."""
+        return (size + self.padding) // self.parts
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,11 +115,14 @@ def param_slices(plan: Plan, model: torch.nn.Module) -> dict[str, ParamSlice]:
 
 def _slice_for(kind: ShardKind, leaf: str, module: torch.nn.Module, tp: int) -> ParamSlice | None:
     if isinstance(module, torch.nn.Embedding):  # vocab: its rows; col: its embedding dim
-        return ParamSlice(0 if kind is ShardKind.VOCAB else 1, tp)
+        if kind is ShardKind.VOCAB:
+            return ParamSlice(0, tp, padding=-module.num_embeddings % tp)
+        return ParamSlice(1, tp)
     form = linear_form(module)
     assert form is not None, f"resolve shards only linear maps and embeddings: {module}"
-    if kind is ShardKind.COL:
-        return ParamSlice(form.out_dim if leaf == form.weight else 0, tp)
+    if kind is ShardKind.COL:  # outputs tp does not divide are padded (an LM head's vocab)
+        pad = -form.out_features % tp
+        return ParamSlice(form.out_dim if leaf == form.weight else 0, tp, padding=pad)
     return ParamSlice(form.in_dim, tp) if leaf == form.weight else None
 
 
@@ -132,11 +153,43 @@ def canonical_names(model: torch.nn.Module) -> dict[str, str]:
 
 
 def local_shape(shape: tuple[int, ...], slice_: ParamSlice | None) -> tuple[int, ...]:
+    """A parameter's shape on one tp rank (padding included)."""
     if slice_ is None:
         return shape
     dims = list(shape)
-    dims[slice_.dim] //= slice_.parts
+    dims[slice_.dim] = slice_.local(dims[slice_.dim])
     return tuple(dims)
+
+
+def held_range(size: int, slice_: ParamSlice, index: int) -> tuple[int, int]:
+    """The true rows [lo, hi) of a full `size` that rank `index` holds (one block); its
+    local rows [0, hi - lo) are them, the rest up to `slice_.local(size)` are padding
+    (none, or every row on a rank past the vocabulary's end)."""
+    each = slice_.local(size)
+    lo = min(index * each, size)
+    return lo, min(lo + each, size)
+
+
+def pad_dim(full: torch.Tensor, dim: int, padding: int) -> torch.Tensor:
+    """`full` with `padding` zero rows appended along `dim` (itself when none)."""
+    if not padding:
+        return full
+    shape = list(full.shape)
+    shape[dim] = padding
+    return torch.cat([full, full.new_zeros(shape)], dim=dim)
+
+
+def local_part(full: torch.Tensor, slice_: ParamSlice, index: int) -> torch.Tensor:
+    """Rank `index`'s part of a full parameter: its slice of each block along `slice_.dim`
+    (padded with zero rows where the layout pads), a new tensor."""
+    padded = pad_dim(full, slice_.dim, slice_.padding)
+    size = padded.shape[slice_.dim]
+    each = size // (slice_.blocks * slice_.parts)
+    pieces = [
+        padded.narrow(slice_.dim, b * slice_.parts * each + index * each, each)
+        for b in range(slice_.blocks)
+    ]
+    return torch.cat(pieces, dim=slice_.dim)
 
 
 def stage_params(plan: Plan, gm: torch.fx.GraphModule, model: torch.nn.Module) -> list[list[str]]:

@@ -39,6 +39,7 @@ from parc.errors import PlanError, clip
 from .layout import param_slices
 from .linear_forms import linear_form
 from .match import match_modules
+from .passes.tp_padding import feeds_only_the_loss
 from .passes.tp_sequence_checks import check_sequence_parallel
 from .plan import BatchPlan, MeshPlan, ModuleShard, Plan, PlanWarning
 
@@ -54,7 +55,7 @@ def resolve(spec: Spec, model: torch.nn.Module, gm: torch.fx.GraphModule, *, bat
     tp_axis = _check_axes(spec)
     mesh = MeshPlan(tuple((a.name, a.size) for a in spec.mesh.axes))
     # Step 2
-    shards = _resolve_shards(spec, modules, warnings)
+    shards = _resolve_shards(spec, modules, warnings, gm)
     # Step 3
     if spec.stage_auto is not None:
         node_stages, stage_modules = auto_stages(spec, gm, modules)
@@ -144,14 +145,17 @@ def _check_axes(spec: Spec) -> str | None:
 
 
 def _resolve_shards(
-    spec: Spec, modules: dict[str, torch.nn.Module], warnings: list[PlanWarning]
+    spec: Spec,
+    modules: dict[str, torch.nn.Module],
+    warnings: list[PlanWarning],
+    gm: torch.fx.GraphModule,
 ) -> tuple[ModuleShard, ...]:
     """Step 2: patterns to modules, kinds checked, split dims divisible."""
     found: dict[str, ModuleShard] = {}
     for shard in spec.shards:
         for name in match_modules(spec, shard.pattern, modules):
             module = modules[name]
-            _check_shardable(spec, shard, name, module)
+            _check_shardable(spec, shard, name, module, feeds_only_the_loss(gm, name))
             previous = found.get(name)
             if previous is not None and previous.kind is not shard.kind:
                 raise PlanError(
@@ -168,7 +172,10 @@ def _resolve_shards(
     return tuple(found.values())
 
 
-def _check_shardable(spec: Spec, shard: Shard, name: str, module: torch.nn.Module) -> None:
+def _check_shardable(
+    spec: Spec, shard: Shard, name: str, module: torch.nn.Module, last: bool
+) -> None:
+    """`last`: no parameter is read after the module (an LM head)."""
     size = spec.mesh.size(shard.axis)
     form = linear_form(module)  # nn.Linear, or a module the capture saw compute x @ W + b
     if shard.kind is ShardKind.VOCAB:
@@ -183,12 +190,16 @@ def _check_shardable(spec: Spec, shard: Shard, name: str, module: torch.nn.Modul
         dim, what = module.embedding_dim, "embedding_dim"
     else:
         raise _not_shardable(spec, shard, name, module)
-    if dim % size:
-        # Padding the vocabulary to a multiple of the axis is not built yet: refused here.
-        padding = " (padding the vocabulary is not supported yet)" * (shard.kind is ShardKind.VOCAB)
+    # A vocabulary the axis does not divide is padded (compiler/layout.py): a `vocab`
+    # Embedding's rows, or the outputs of a `col` layer after which no parameter is read
+    # (an LM head); that its padded outputs reach only the loss or an all-gather is checked
+    # on the analysed graph (compiler/passes/tp_padding.py). Other dims must divide.
+    padded = shard.kind is ShardKind.VOCAB or (
+        form is not None and shard.kind is ShardKind.COL and last
+    )
+    if dim % size and not padded:
         raise PlanError(
-            f"'{name}' has {what}={dim}, which is not divisible by {clip(shard.axis)}={size}"
-            + padding,
+            f"'{name}' has {what}={dim}, which is not divisible by {clip(shard.axis)}={size}",
             spec.locate(shard.pattern.span),
             hint=f"use a {clip(shard.axis)} size that divides {dim}, or leave '{name}' replicated",
             names=(name,),

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from parc.compiler.layout import held_range, local_shape
 from parc.dsl.ast import AXIS_DP, AXIS_PP
 
 if TYPE_CHECKING:
@@ -111,7 +112,8 @@ class _Staging:
         sizes += [_nbytes(s, parts.buffers.dtypes[n]) for n, s in parts.buffers.shapes.items()]
         axis = parts.plan.tp_axis
         tp = parts.comm.size(axis) if axis is not None else 1
-        sliced = [size // tp for n, size in zip(parts.full_shapes, sizes) if _sliced(parts, n)]
+        sliced = [_nbytes(_local_shape(parts, n), parts.dtypes[n]) for n in parts.full_shapes
+                  if _sliced(parts, n) and tp > 1]  # fmt: skip
         piece = max(sliced, default=0)
 
         def buffer(nbytes: int) -> torch.Tensor:
@@ -189,10 +191,8 @@ def _sliced(parts: ProgramParts, name: str) -> bool:
 
 
 def _local_shape(parts: ProgramParts, name: str) -> tuple[int, ...]:
-    """A sliced parameter's shape on one tp rank."""
-    shape, slice_ = list(parts.full_shapes[name]), parts.slices[name]
-    shape[slice_.dim] //= slice_.parts
-    return tuple(shape)
+    """A sliced parameter's shape on one tp rank (a padded vocabulary's padding included)."""
+    return local_shape(parts.full_shapes[name], parts.slices[name])
 
 
 def _join_tp(
@@ -206,11 +206,16 @@ def _join_tp(
     n, me = comm.size(axis), comm.index(axis)
     local = local.contiguous()
     received = staging.view(staging.piece, tuple(local.shape), local.dtype)
-    # Block b of the full tensor is rank 0's part of block b, then rank 1's, ...
+    # Block b of the full tensor is rank 0's part of block b, then rank 1's, ...; a padded
+    # vocabulary (one block) keeps each rank's true rows and drops its padding.
     block = full.shape[dim] // blocks
     width = block // n
     for rank in range(n):
         piece = local if rank == me else received
         _broadcast_from(parts, piece, axis, rank)
+        if slice_.padding:
+            lo, hi = held_range(full.shape[dim], slice_, rank)
+            full.narrow(dim, lo, hi - lo).copy_(piece.narrow(dim, 0, hi - lo))
+            continue
         for b, part in enumerate(piece.chunk(blocks, dim=dim)):
             full.narrow(dim, b * block + rank * width, width).copy_(part)

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from parc.compiler.layout import ParamSlice
+from parc.compiler.layout import ParamSlice, held_range, pad_dim
 from parc.compiler.model_state import persistent_buffers, state_names
 from parc.errors import ModelError, ParcError
 
@@ -261,17 +261,26 @@ class RankWeights(contextlib.AbstractContextManager["RankWeights"]):
         return self._names.get(str(name)) in self._found
 
     def local(self, name: str) -> torch.Tensor:
-        """Parameter `name`'s tp-local value, in the parameter's dtype."""
+        """Parameter `name`'s tp-local value, in the parameter's dtype (a padded
+        vocabulary's true rows, then its zero padding rows: compiler/layout.py)."""
         canonical = self._names[name]
         stored = self._found[canonical]
-        return self._handles.read(stored, self._ranges(canonical)).to(self._dtypes[canonical])
+        value = self._handles.read(stored, self._ranges(canonical)).to(self._dtypes[canonical])
+        cut = self._slices.get(canonical)
+        if cut is None or not cut.padding:
+            return value
+        dim = cut.dim % value.dim()
+        return pad_dim(value, dim, cut.local(self._shapes[canonical][dim]) - value.shape[dim])
 
     def flat(self, name: str, start: int, end: int) -> torch.Tensor:
         """Elements [start, end) of parameter `name`'s tp-local value flattened (a ZeRO-3
         shard's piece): the rows of its dim 0 that cover them, cut to the range."""
         canonical = self._names[name]
         ranges = self._ranges(canonical)
-        if not ranges:  # a 0-dim parameter: one element
+        tp_cut = self._slices.get(canonical)
+        if not ranges or (tp_cut is not None and tp_cut.padding):
+            # A 0-dim parameter (one element), or a padded vocabulary's slice (its zero
+            # rows are not stored): the tp-local value, then the range.
             return self.local(name).reshape(-1)[start:end]
         row = math.prod(_length(r) for r in ranges[1:])
         first, last = start // row, -(-end // row)
@@ -300,7 +309,10 @@ class RankWeights(contextlib.AbstractContextManager["RankWeights"]):
 
 
 def _tp_ranges(size: int, cut: ParamSlice, index: int) -> list[tuple[int, int]]:
-    """Rank `index`'s slice of each of the cut's blocks (as `local_slice` cuts them)."""
+    """Rank `index`'s slice of each of the cut's blocks (as `local_slice` cuts them); of a
+    padded vocabulary, the true rows it holds (maybe none)."""
+    if cut.padding:
+        return [held_range(size, cut, index)]
     each = size // (cut.blocks * cut.parts)
     return [
         (b * cut.parts * each + index * each, b * cut.parts * each + (index + 1) * each)

@@ -51,9 +51,8 @@ from torch.utils import swap_tensors
 
 from parc.compiler.deferred_init import CannotDefer, DeferredModel
 from parc.compiler.freed_memory import release_freed
+from parc.compiler.layout import local_part
 from parc.compiler.model import ModelSource
-from parc.compiler.passes.functional import local_slice
-from parc.compiler.passes.placement import Shard
 from parc.compiler.rank_program import RankProgram
 from parc.dsl.ast import AXIS_DP
 from parc.errors import ModelError
@@ -186,7 +185,7 @@ class _Filler:
         nbytes = full.numel() * full.element_size()
         cut = self.program.slices.get(name)
         if cut is not None:
-            full = local_slice(full, Shard(cut.dim, cut.blocks), self.tp_index, self.tp)
+            full = local_part(full, cut, self.tp_index)  # zero rows where the layout pads
         local = full.to(device or self.device)
         del full
         release_freed(nbytes)

@@ -424,16 +424,6 @@ BAD_SPECS = [
         ("`row` applies to a Linear", "'wpe' is an Embedding", "`shard wpe col tp`"),
     ),
     BadSpec(
-        "a_vocabulary_tp_does_not_divide",
-        "gpt",
-        """
-        mesh tp=3
-        shard wte vocab tp
-        """,
-        "2:7",
-        ("num_embeddings (the vocabulary)=", "not divisible by tp=3", "padding the vocabulary"),
-    ),
-    BadSpec(
         "fp16_is_not_supported",
         "gpt",
         """

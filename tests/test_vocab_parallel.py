@@ -157,8 +157,6 @@ class _Tables(torch.nn.Module):
 @pytest.mark.parametrize(
     ("module", "line", "said"),
     [
-        (_Tables(), "shard emb vocab tp", "num_embeddings (the vocabulary)=10, which is not "
-         "divisible by tp=4 (padding the vocabulary is not supported yet)"),
         (_Tables(), "shard head vocab tp", "`vocab` applies to an Embedding"),
         (_Tables(max_norm=1.0), "shard emb vocab tp", "Embedding with max_norm"),
         (_Tables(scale_grad_by_freq=True), "shard emb vocab tp", "scale_grad_by_freq"),

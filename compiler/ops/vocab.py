@@ -9,13 +9,18 @@ Partial → Replicate all-reduce the analysis inserts) is the whole lookup. The
 masked positions also get no gradient: the mask zeroes it before it reaches
 `F.embedding`'s backward.
 
-`tp_vocab_cross_entropy(logits, targets, axis)` is the default loss on logits whose
-vocabulary dim is split over `axis` (loss parallel, compiler/default_loss.py): the
-whole (N, V) logits are never made on any rank.
+`tp_vocab_cross_entropy(logits, targets, axis, classes=V)` is the default loss on
+logits whose vocabulary dim is split over `axis` (loss parallel,
+compiler/default_loss.py): the whole (N, V) logits are never made on any rank. A
+vocabulary the axis does not divide is padded (compiler/layout.py): each rank holds
+ceil(V/n) columns and the columns past V are padding, masked to -inf before the
+log-sum-exp, so whatever they hold (even a large weight) changes neither the loss nor
+any gradient, and they get a zero gradient themselves (Megatron-LM#1754 is this bug).
 """
 
 from __future__ import annotations
 
+from math import inf
 from typing import Any
 
 import torch
@@ -50,16 +55,22 @@ def tp_vocab_lookup(
 
 
 def tp_vocab_cross_entropy(
-    logits: torch.Tensor, targets: torch.Tensor, axis: str, ignore_index: int = -100
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    axis: str,
+    ignore_index: int = -100,
+    classes: int | None = None,
 ) -> torch.Tensor:
-    """Mean cross-entropy of `logits` (N, V/n): this rank's columns of the vocabulary split
-    over `axis` (n ranks, rank i holding [i·V/n, (i+1)·V/n)), without the whole (N, V).
+    """Mean cross-entropy of `logits` (N, c): this rank's columns of the vocabulary split
+    over `axis` (n ranks, rank i holding [i·c, (i+1)·c)), without the whole (N, V).
 
     F.cross_entropy's value (mean over targets that are not `ignore_index`), from one
     all-gather of 2·N values per rank: each rank's row log-sum-exp and its target logit
-    (zero where another rank owns the target). Needs the active Comm (a step).
+    (zero where another rank owns the target). `classes`: the true V when n·c > V (a
+    padded vocabulary: the columns from V on are left out); None: n·c. Needs the active
+    Comm (a step).
     """
-    out = _VocabCrossEntropy.apply(logits, targets, axis, ignore_index)
+    out = _VocabCrossEntropy.apply(logits, targets, axis, ignore_index, classes)
     assert isinstance(out, torch.Tensor)
     return out
 
@@ -70,11 +81,20 @@ class _VocabCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, logits: torch.Tensor, targets: torch.Tensor, axis: str, ignore_index: int
+        ctx: Any,
+        logits: torch.Tensor,
+        targets: torch.Tensor,
+        axis: str,
+        ignore_index: int,
+        classes: int | None,
     ) -> torch.Tensor:
         comm = active_comm()
         n, cols = comm.size(axis), logits.shape[-1]
-        local = targets - comm.index(axis) * cols
+        first = comm.index(axis) * cols
+        true = cols if classes is None else min(max(classes - first, 0), cols)
+        if true < cols:  # padding columns: out of the log-sum-exp and the softmax
+            logits = logits.masked_fill(torch.arange(cols, device=logits.device) >= true, -inf)
+        local = targets - first
         owned = (local >= 0) & (local < cols)  # the ignore index is below every rank's range
         local = local.masked_fill(~owned, 0)
         picked = logits.gather(1, local.unsqueeze(1)).squeeze(1).masked_fill(~owned, 0.0)
@@ -94,4 +114,4 @@ class _VocabCrossEntropy(torch.autograd.Function):
         out = torch.exp(logits - lse.unsqueeze(1))
         out.scatter_add_(1, local.unsqueeze(1), -owned.to(out.dtype).unsqueeze(1))
         out.mul_((valid.to(out.dtype) * grad / count).unsqueeze(1))
-        return out, None, None, None
+        return out, None, None, None, None

@@ -142,7 +142,7 @@ def emit_lowered(
         out = graph.create_node("call_function", F.embedding, args, name=node.name)
     elif lowering.kind is LowerKind.EMBEDDING_VOCAB:
         assert isinstance(module, torch.nn.Embedding)
-        first = index * (module.num_embeddings // tp)
+        first = index * -(-module.num_embeddings // tp)  # ceil: a padded vocabulary's rows
         args = (x, w, first, module.padding_idx)
         out = graph.create_node("call_function", tp_vocab_lookup, args, name=node.name)
         set_comment(out, f"vocab rows from {first}: other ids give zero rows (Partial)")

@@ -42,11 +42,13 @@ from typing import Any
 import torch
 import torch.fx
 
-from ..conversions import Conversion
-from ..node_meta import meta_of, set_collectives, set_stage, set_tp_rewrite
+from ..conversions import Conversion, ConvKind
+from ..layout import canonical_names, pad_dim, param_slices
+from ..node_meta import meta_of, set_collectives, set_comment, set_stage, set_tp_rewrite
 from ..plan import Plan
 from .functional import emit_conversion, emit_lowered, local_meta, local_slice, where_from
 from .placement import NodeRewrite, ParamUse, SizeOp
+from .tp_padding import padded_values
 from .tp_shapes import get_path, set_path
 
 __all__ = ["tensor_parallel"]
@@ -73,7 +75,7 @@ def tensor_parallel(gm: torch.fx.GraphModule, plan: Plan, *, tp_index: int) -> t
             "tensor_parallel needs the analysed graph: run "
             "parc.compiler.passes.tp_analysis.analyse_tensor_parallel (the front end does)"
         )
-    rewriter = _Rewriter(gm, plan.tp_axis, plan.tp, tp_index)
+    rewriter = _Rewriter(gm, plan, tp_index)
     # Steps 3-5
     for node in gm.graph.nodes:
         rewriter.copy(node)
@@ -92,8 +94,14 @@ class _Rewriter:
     `root` collects what the new GraphModule holds (parameters, modules, buffers).
     """
 
-    def __init__(self, gm: torch.fx.GraphModule, axis: str, tp: int, index: int) -> None:
-        self.gm, self.axis, self.tp, self.index = gm, axis, tp, index
+    def __init__(self, gm: torch.fx.GraphModule, plan: Plan, index: int) -> None:
+        assert plan.tp_axis is not None
+        self.gm, self.axis, self.tp, self.index = gm, plan.tp_axis, plan.tp, index
+        # A vocabulary tp does not divide: padded parameters and the values holding padding
+        # columns (compiler/passes/tp_padding.py); gathered padding is cut off at once.
+        slices, canonical = param_slices(plan, gm), canonical_names(gm)
+        self.pads = {n: slices[c].padding for n, c in canonical.items() if c in slices}
+        self.padded = padded_values(gm, plan)
         self.graph = torch.fx.Graph()
         self.env: dict[torch.fx.Node, torch.fx.Node] = {}
         self.converted: dict[tuple[str, Conversion, Any], torch.fx.Node] = {}
@@ -125,6 +133,7 @@ class _Rewriter:
                 self.graph, node, rewrite.lowering, inputs.get(x.name) or self.env[x],
                 module, self.axis, self.tp, self.index,
             )  # fmt: skip
+            self._pad_meta(node, new)
         else:
             new = self.graph.node_copy(node, lambda n: inputs.get(n.name) or self.env[n])
             new.meta["tensor_meta"] = local_meta(
@@ -133,7 +142,16 @@ class _Rewriter:
             set_tp_rewrite(new, None)
             set_collectives(new, ())
             self._attach(node, new, rewrite)
+            self._pad_meta(node, new)
         self.env[node] = new
+
+    def _pad_meta(self, node: torch.fx.Node, new: torch.fx.Node) -> None:
+        """A value holding padding columns has `local` of them per rank, not size // tp."""
+        dim = self.padded.get(node.name)
+        meta = new.meta.get("tensor_meta")
+        if dim is not None and meta is not None:
+            shape = torch.Size([*meta.shape[:-1], dim.local])
+            new.meta["tensor_meta"] = meta._replace(shape=shape)
 
     def _attach(self, node: torch.fx.Node, new: torch.fx.Node, rewrite: NodeRewrite) -> None:
         """What a copied node reads: its parameters, modules and buffers; local sizes."""
@@ -156,7 +174,8 @@ class _Rewriter:
         if use.shard is None:
             self.root[use.target] = full
             return
-        data = local_slice(full.detach(), use.shard, self.index, self.tp)
+        padded = pad_dim(full.detach(), use.shard.dim, self.pads.get(use.target, 0))
+        data = local_slice(padded, use.shard, self.index, self.tp)
         self.root[use.target] = torch.nn.Parameter(data, requires_grad=full.requires_grad)
 
     def _convert(self, name: str, steps: Conversion, consumer: torch.fx.Node) -> torch.fx.Node:
@@ -172,9 +191,27 @@ class _Rewriter:
                 self.converted[key] = emit_conversion(
                     self.graph, value, step, self.axis, name=name, meta=meta, tp=self.tp, grad=grad
                 )
+                if step.kind is ConvKind.ALL_GATHER and name in self.padded:
+                    self.converted[key] = self._cut_padding(self.converted[key], name)
                 where_from(self.converted[key], consumer)
             value = self.converted[key]
         return value
+
+    def _cut_padding(self, gathered: torch.fx.Node, name: str) -> torch.fx.Node:
+        """The gathered padded value without its padding columns (the true last dim)."""
+        dim = self.padded[name]
+        meta = gathered.meta.get("tensor_meta")
+        if meta is not None:  # what the all-gather makes: every rank's padded columns
+            shape = torch.Size([*meta.shape[:-1], dim.local * dim.parts])
+            gathered.meta["tensor_meta"] = meta._replace(shape=shape)
+        cut = self.graph.call_function(torch.narrow, (gathered, -1, 0, dim.size))
+        cut.meta.update({k: v for k, v in gathered.meta.items() if k != "tensor_meta"})
+        if meta is not None:
+            shape = torch.Size([*meta.shape[:-1], dim.size])
+            cut.meta["tensor_meta"] = meta._replace(shape=shape)
+        set_collectives(cut, ())
+        set_comment(cut, f"cut the {dim.padding} padding columns off the gathered vocabulary")
+        return cut
 
     def _resize(self, new: torch.fx.Node, path: tuple[int | str, ...], op: SizeOp) -> None:
         """Step 4: make one size argument of `new` local (or global)."""

@@ -92,6 +92,8 @@ def param_placements(
             if name not in slices:
                 continue
             placement = Shard(slices[name].dim, blocks.get(node.name, 1))
+            if slices[name].padding and placement.blocks > 1:
+                raise _padded_blocks(node, name, placement.blocks, plan)
             if out.setdefault(name, placement) != placement:
                 raise CompileError(
                     f"parameter '{name}' is used by two sharded calls that cut it into "
@@ -100,3 +102,14 @@ def param_placements(
                     hint="untie the parameter, or leave one of its users replicated",
                 )
     return out
+
+
+def _padded_blocks(node: torch.fx.Node, name: str, blocks: int, plan: Plan) -> CompileError:
+    """A fused col layer (q/k/v, gate/up) whose outputs the axis does not divide: padding
+    each block would put padding inside the heads, which no rule takes."""
+    return CompileError(
+        f"parameter '{name}' is cut into {blocks} blocks (a fused layer) whose outputs "
+        f"{plan.tp_axis}={plan.tp} does not divide; only a vocabulary (one block) is padded",
+        node=node.format_node(),
+        hint=f"use a {plan.tp_axis} size that divides each block, or leave the layer replicated",
+    )

@@ -17,7 +17,9 @@ How a rank's storage maps to boxes of the full tensors:
    partial last row, recursively.
 4. A box of a tensor-parallel slice moves into the full tensor along the slice
    dim: rank i's slice of block b starts at b × full_block + i × local_block
-   (a box crossing a block boundary is cut there).
+   (a box crossing a block boundary is cut there). A padded vocabulary's rows past
+   the full size (compiler/layout.py) are cut off the box: padding is never saved,
+   and loading leaves it as materialised (zero).
 
 What a rank stores is what its optimizer steps (`sync.optimizer_params()`, in
 the order the sync lists them): under `precision fp32` the parameters (zero 0)
@@ -36,7 +38,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from parc.compiler.layout import FlatUnit, ParamSlice, local_shape
+from parc.compiler.layout import FlatUnit, ParamSlice, held_range, local_shape
 from parc.runtime.grad_sync import GradSync
 from parc.runtime.zero3 import Zero3
 
@@ -170,6 +172,9 @@ class RankLayout:
         dim = slice_.dim % len(offsets)
         local_block = self.local_shape(name)[dim] // slice_.blocks
         full_block = local_block * slice_.parts
+        if slice_.padding:  # one block: the true rows this rank holds, not its padding
+            yield from self._true_rows(name, dim, offsets, box)
+            return
         start, end = offsets[dim], offsets[dim] + box.shape[dim]
         while start < end:
             block, within = divmod(start, local_block)
@@ -178,6 +183,18 @@ class RankLayout:
             corner[dim] = block * full_block + self.tp_index * local_block + within
             yield tuple(corner), box.narrow(dim, start - offsets[dim], stop - start)
             start = stop
+
+    def _true_rows(
+        self, name: str, dim: int, offsets: Shape, box: torch.Tensor
+    ) -> Iterator[tuple[Shape, torch.Tensor]]:
+        """A padded slice's local box, cut to the rows below the full size (step 4)."""
+        slice_ = self.slices[name]
+        lo, hi = held_range(self.full_shapes[name][dim], slice_, self.tp_index)
+        start, end = offsets[dim], min(offsets[dim] + box.shape[dim], hi - lo)
+        if start < end:
+            corner = list(offsets)
+            corner[dim] = lo + start
+            yield tuple(corner), box.narrow(dim, 0, end - start)
 
 
 def rank_layout(parts: ProgramParts) -> RankLayout:

@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/pp.py                   # prints the section
     OMP_NUM_THREADS=1 .venv/bin/python bench/pp.py --profile 1f1b    # cProfile, both ranks
+    OMP_NUM_THREADS=1 .venv/bin/python bench/pp.py --only zb1 1f1b   # some schedules only
 
 Every implementation trains examples/gpt.py at GPT_ENV (8 blocks, untied LM
 head) from the same initial weights (seed 0) on the same global batches with
@@ -11,6 +12,11 @@ same number of microbatches:
     parc `mesh pp=2`, explicit stages,    PipelineStage on a stage module built
     `microbatches 4`, `schedule gpipe`    from the same modules + ScheduleGPipe
     ... `schedule 1f1b`                   ... + Schedule1F1B
+    ... `schedule zb1` (zero bubble)      ... + ScheduleInterleavedZeroBubble over
+                                          the rank's one stage (torch's ZB1P; its
+                                          only zero-bubble schedule that takes one
+                                          stage per rank: ScheduleZBVZeroBubble
+                                          needs two, in a V)
 
 The native stage modules hold the model's own modules (embeddings and blocks
 0-3; blocks 4-7, ln_f and the LM head) and run the lines of `GPT.forward` that
@@ -21,21 +27,22 @@ pipeline alone. Native schedules run with `return_outputs=False` (parc returns
 no logits either) and their default `scale_grads=True`, so both average the
 gradients over the microbatches as the single-device loss over the batch does.
 
-Method (as bench/dp.py): one case holds all four implementations and runs
+Method (as bench/dp.py): one case holds all the implementations and runs
 their steps in turn in the same ranks (parc gpipe, native gpipe, parc 1f1b,
-native 1f1b), a barrier before each; WARMUP steps, then STEPS timed ones; a
+native 1f1b, parc zb1, native zb1), a barrier before each; WARMUP steps, then STEPS timed ones; a
 step's time is its slowest rank's wall time; medians. Both sides return the
 global mean loss of every step (the last stage's microbatch losses summed over
 ranks by one all-reduce); they must agree at step 0.
 
-Idle fraction: in each rank the compute actions are timed (parc: the
-executor's `_forward` (stage forward + loss) and `_backward`; native: the
-stage's `forward_one_chunk` + the schedule's `_compute_loss`, and
-`backward_one_chunk`). Idle = 1 − busy / time per rank and step, over the
-rank's whole step (optimizer step and loss all-reduce included) and over the
-pipeline's span (the longest of the ranks' schedules: parc's `executor.run`,
-native's `schedule.step`), the figure to set next to the analytic bubble
-(p−1)/(m+p−1).
+Idle fraction: in each rank the compute actions are timed (parc: the executor's
+`_forward` (stage forward + loss), `_backward` and `_weights` (W); native: the
+stage's `forward_one_chunk` + the schedule's `_compute_loss`,
+`backward_one_chunk` and `backward_weight_one_chunk`). Idle = 1 − busy / time
+per rank and step, over the rank's whole step (optimizer step and loss
+all-reduce included) and over the pipeline's span (the longest of the ranks'
+schedules: parc's `executor.run`, native's `schedule.step`), the figure to set
+next to the analytic bubble (p−1)/(m+p−1), for zb1 ZB-H1's with F, B and W alike
+(`parc.compiler.schedule_zero_bubble.zb1_bubble`).
 """
 
 from __future__ import annotations
@@ -88,10 +95,15 @@ __all__ = ["main"]
 class Schedule(str, Enum):
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
+    ZB1 = "zb1"
 
 
-SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B)
-_NATIVE_NAME = {Schedule.GPIPE: "ScheduleGPipe", Schedule.ONE_F_ONE_B: "Schedule1F1B"}
+SCHEDULES = tuple(Schedule)
+_NATIVE_NAME = {
+    Schedule.GPIPE: "ScheduleGPipe",
+    Schedule.ONE_F_ONE_B: "Schedule1F1B",
+    Schedule.ZB1: "ScheduleInterleavedZeroBubble",
+}
 
 
 def _spec(schedule: Schedule) -> str:
@@ -105,8 +117,13 @@ def _spec(schedule: Schedule) -> str:
     )
 
 
-def analytic_bubble(p: int = WORLD, m: int = MICROBATCHES) -> float:
-    """GPipe's and 1F1B's idle fraction with equal stage times: (p−1)/(m+p−1)."""
+def analytic_bubble(schedule: Schedule, p: int = WORLD, m: int = MICROBATCHES) -> float:
+    """The idle fraction with equal stage times: GPipe's and 1F1B's (p−1)/(m+p−1); zb1's
+    ZB-H1 figure with F, B and W alike ((p−1)/(3m+p−1) for m ≥ p)."""
+    if schedule is Schedule.ZB1:
+        from parc.compiler.schedule_zero_bubble import zb1_bubble
+
+        return zb1_bubble(p, m)
     return (p - 1) / (m + p - 1)
 
 
@@ -162,6 +179,7 @@ class _Parc:
         executor = self.program.executor
         self.clock.time_method(executor, "_forward")
         self.clock.time_method(executor, "_backward")
+        self.clock.time_method(executor, "_weights")
         self.clock.time_method(executor, "run", field="window")  # Program.step calls it
 
     def step(self, x: Any, y: Any) -> float:
@@ -208,19 +226,31 @@ class _Native:
     def __init__(self, schedule: Schedule) -> None:
         import torch
         import torch.distributed as dist
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleavedZeroBubble,
+        )
 
         source = _source()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(0)  # parc.compile builds from the same seed
         module = _stage_module(source.build(), self.rank)
         self.stage = PipelineStage(module, self.rank, self.world, torch.device("cpu"))
-        kind = ScheduleGPipe if schedule is Schedule.GPIPE else Schedule1F1B
-        self.schedule = kind(self.stage, n_microbatches=MICROBATCHES, loss_fn=source.loss_fn)
+        loss_fn = source.loss_fn
+        if schedule is Schedule.ZB1:  # a multi-stage schedule, over this rank's one stage
+            self.schedule: Any = ScheduleInterleavedZeroBubble(
+                [self.stage], n_microbatches=MICROBATCHES, loss_fn=loss_fn
+            )
+        else:
+            kind = ScheduleGPipe if schedule is Schedule.GPIPE else Schedule1F1B
+            self.schedule = kind(self.stage, n_microbatches=MICROBATCHES, loss_fn=loss_fn)
         self.opt = _adamw(module.parameters())
         self.clock = _Clock()
         self.clock.time_method(self.stage, "forward_one_chunk")
         self.clock.time_method(self.stage, "backward_one_chunk")
+        self.clock.time_method(self.stage, "backward_weight_one_chunk")
         self.clock.time_method(self.schedule, "_compute_loss")
 
     def step(self, x: Any, y: Any) -> float:
@@ -242,7 +272,8 @@ class _Native:
         return float(total.item()) / MICROBATCHES
 
 
-_SIDES = tuple((f"{side} {s.value}", side, s) for s in SCHEDULES for side in ("parc", "native"))
+def _sides(schedules: tuple[Schedule, ...]) -> list[tuple[str, str, Schedule]]:
+    return [(f"{side} {s.value}", side, s) for s in schedules for side in ("parc", "native")]
 
 
 def _build(side: str, schedule: Schedule) -> Any:
@@ -254,9 +285,9 @@ def _batches() -> list[Any]:
     return [source.batch(BATCH, s) for s in range(WARMUP + STEPS)]
 
 
-def time_all() -> dict[str, Any]:
-    """Case: the four implementations, steps in turn; times, busy times, losses."""
-    impls = {name: _build(side, s) for name, side, s in _SIDES}
+def time_all(schedules: tuple[Schedule, ...] = SCHEDULES) -> dict[str, Any]:
+    """Case: parc and native for each schedule, steps in turn; times, busy times, losses."""
+    impls = {name: _build(side, s) for name, side, s in _sides(schedules)}
     keys = ("wall", "cpu", "losses", "busy", "window")
     out: dict[str, Any] = {name: {k: [] for k in keys} for name in impls}
     for batch in _batches():
@@ -300,9 +331,9 @@ def _loss_check(ranks: list[dict[str, Any]], parc: str, native: str) -> str:
     return f"{a[0]:.6f} / {b[0]:.6f}, {verdict}; all {len(a)} steps within {max(rel):.0e}"
 
 
-def _time_table(ranks: list[dict[str, Any]]) -> str:
+def _time_table(ranks: list[dict[str, Any]], schedules: tuple[Schedule, ...]) -> str:
     rows = []
-    for s in SCHEDULES:
+    for s in schedules:
         p, n = f"parc {s.value}", f"native {s.value}"
         parc, native = _per_step(ranks, p, "wall"), _per_step(ranks, n, "wall")
         ratio = median(parc) / median(native)
@@ -355,9 +386,9 @@ def _outside_schedule(rank: dict[str, Any], name: str) -> float:
     return median(w - s for w, s in zip(rec["wall"][WARMUP:], rec["window"][WARMUP:]))
 
 
-def _idle_table(ranks: list[dict[str, Any]]) -> str:
+def _idle_table(ranks: list[dict[str, Any]], schedules: tuple[Schedule, ...]) -> str:
     rows = []
-    for name, _side, _schedule in _SIDES:
+    for name, _side, schedule in _sides(schedules):
         step, window = _idle(ranks, name, "wall"), _idle(ranks, name, "span")
         busy = [median(r[name]["busy"][WARMUP:]) for r in ranks]
         tail = [_outside_schedule(r, name) for r in ranks]
@@ -370,7 +401,7 @@ def _idle_table(ranks: list[dict[str, Any]]) -> str:
                 f"{sum(step) / len(step):.1%}",
                 " / ".join(f"{x:.1%}" for x in window),
                 f"{sum(window) / len(window):.1%}",
-                f"{analytic_bubble():.1%}",
+                f"{analytic_bubble(schedule):.1%}",
             ]
         )
     header = [
@@ -381,23 +412,55 @@ def _idle_table(ranks: list[dict[str, Any]]) -> str:
         "mean",
         "idle over the pipeline span: rank 0 / 1",
         "mean",
-        "analytic bubble (p−1)/(m+p−1)",
+        "analytic bubble",
     ]
     return md_table(header, rows)
 
 
-def _measure() -> list[dict[str, Any]]:
+def _own_table(ranks: list[dict[str, Any]], schedules: tuple[Schedule, ...]) -> str:
+    """zb1 against parc's own 1f1b and native zero bubble against native 1F1B."""
+    base, zb = Schedule.ONE_F_ONE_B, Schedule.ZB1
+    if base not in schedules or zb not in schedules:
+        return ""
+    rows = []
+    for side in ("parc", "native"):
+        mine, one = (
+            _per_step(ranks, f"{side} zb1", "wall"),
+            _per_step(ranks, f"{side} 1f1b", "wall"),
+        )
+        idle = [_idle(ranks, f"{side} {s.value}", "span") for s in (zb, base)]
+        rows.append(
+            [
+                f"{side}: zero bubble / 1F1B",
+                f"{median(mine) / median(one):.2f}",
+                f"{median(a / b for a, b in zip(mine, one)):.2f}",
+                " vs ".join(f"{sum(x) / len(x):.1%}" for x in idle),
+                f"{analytic_bubble(zb):.1%} vs {analytic_bubble(base):.1%}",
+            ]
+        )
+    header = [
+        "pair",
+        "step time ratio",
+        "paired",
+        "idle over the span: zero bubble vs 1F1B",
+        "analytic",
+    ]
+    return md_table(header, rows)
+
+
+def _measure(schedules: tuple[Schedule, ...]) -> list[dict[str, Any]]:
     from parc.testing.pool import WorkerPool
 
+    names = ", ".join(s.value for s in schedules)
     with WorkerPool(WORLD, timeout=_CASE_TIMEOUT_S) as pool:
-        print("pp: timing gpipe and 1f1b, parc and native", file=sys.stderr, flush=True)
-        return pool.run(time_all)
+        print(f"pp: timing {names}, parc and native", file=sys.stderr, flush=True)
+        return pool.run(time_all, schedules)
 
 
-def main() -> str:
+def main(schedules: tuple[Schedule, ...] = SCHEDULES) -> str:
     """Run the measurements; return the markdown section for bench/RESULTS.md."""
     load = os.getloadavg()[0]
-    ranks = _measure()
+    ranks = _measure(schedules)
     size = " ".join(f"{k}={v}" for k, v in GPT_ENV.items())
     last = int(GPT_ENV["GPT_LAYERS"])
     return "\n\n".join(
@@ -408,31 +471,35 @@ def main() -> str:
             f"AdamW(lr={LR}) on both sides, one thread per rank. Stage 0: `wte`, `wpe`, "
             f"`layers[0:{SPLIT}]`; stage 1: `layers[{SPLIT}:{last}]`, `ln_f`, `lm_head`. parc: "
             f"`mesh pp=2`, those two `stage` lines, `microbatches {MICROBATCHES}`, `schedule "
-            "gpipe|1f1b`. Native: `PipelineStage` on a module holding the same modules, "
-            "`ScheduleGPipe` / `Schedule1F1B` with the same microbatches "
-            "(`return_outputs=False`). The four run their steps in turn in the same ranks, "
+            "gpipe|1f1b|zb1`. Native: `PipelineStage` on a module holding the same modules, "
+            "`ScheduleGPipe` / `Schedule1F1B` / `ScheduleInterleavedZeroBubble` (over the "
+            "rank's one stage) with the same microbatches (`return_outputs=False`). All run "
+            "their steps in turn in the same ranks, "
             f"a barrier before each; {WARMUP} warm-up steps, then {STEPS} timed ones; a step's "
             "time is its slowest rank's. Ratios are parc/native, lower is better: "
             "*parc/native* divides the median wall times (the target's measure); *paired* "
             "is the median of per-step ratios; *CPU* divides the median CPU seconds per step "
             f"of a rank (all threads). 1-minute load average before the run: {load:.2f} on "
             f"{os.cpu_count()} cores.",
-            _time_table(ranks),
-            "Pipeline idle, measured: each rank times its compute actions (parc: the "
-            "executor's `_forward`, which includes the loss on the last stage, and "
-            "`_backward`; native: `forward_one_chunk` + `_compute_loss` and "
-            "`backward_one_chunk`). Idle = 1 − busy / time, per rank, the median over the "
-            "timed steps. *Over the step*: the rank's whole step (batch slicing, optimizer "
-            "step and the loss all-reduce count as idle). *Over the pipeline span*: the "
-            "longest of the ranks' schedules in that step (parc: `executor.run`; native: "
-            "`schedule.step`; both ranks start them together after the barrier), so the "
-            "mean over ranks is the figure to set next to the analytic bubble of a pipeline "
-            "whose stages take equal time. *step − schedule*: the rest of a rank's step "
-            "(batch slicing, gradient checks, the optimizer step, the loss all-reduce and "
-            "waiting in it for the other rank).",
-            _idle_table(ranks),
+            _time_table(ranks, schedules),
+            "Pipeline idle, measured: each rank times its compute actions (parc: the executor's "
+            "`_forward`, which includes the loss on the last stage, `_backward` and `_weights`; "
+            "native: `forward_one_chunk` + `_compute_loss`, `backward_one_chunk` and "
+            "`backward_weight_one_chunk`). Idle = 1 − busy / time, per rank, the median over the "
+            "timed steps. *Over the step*: the rank's whole step (batch slicing, optimizer step "
+            "and the loss all-reduce count as idle). *Over the pipeline span*: the longest of the"
+            " ranks' schedules in that step (parc: `executor.run`; native: `schedule.step`; both "
+            "ranks start them together after the barrier), so the mean over ranks is the figure "
+            "to set next to the analytic bubble of a pipeline whose stages take equal time. *step"
+            " − schedule*: the rest of a rank's step (batch slicing, gradient checks, the "
+            "optimizer step, the loss all-reduce and waiting in it for the other rank).",
+            _idle_table(ranks, schedules),
+            "Zero bubble against 1F1B, each side against its own (analytic bubbles with "
+            "F, B and W alike; zb1 (T−3m)/T, T = max(3m+p−1, 2m+2p−1)):",
+            _own_table(ranks, schedules),
             "Reproduce: `OMP_NUM_THREADS=1 .venv/bin/python bench/pp.py`; "
-            "`... bench/pp.py --profile gpipe|1f1b` prints a cProfile of both sides per rank.",
+            "`... bench/pp.py --profile gpipe|1f1b|zb1` prints a cProfile of both sides per "
+            "rank; `--only zb1 1f1b` times those schedules only.",
         ]
     )
 
@@ -451,5 +518,8 @@ if __name__ == "__main__":
 
     if "--profile" in sys.argv:
         pp._profile(sys.argv[sys.argv.index("--profile") + 1])
+    elif "--only" in sys.argv:
+        names = sys.argv[sys.argv.index("--only") + 1 :]
+        print(pp.main(tuple(s for s in pp.SCHEDULES if s.value in names)))
     else:
         print(pp.main())

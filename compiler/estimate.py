@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.fx
@@ -35,6 +36,7 @@ from .layout import (
     stage_params,
     zero3_owner,
 )
+from .loss_memory import LossMemory, loss_memory
 from .memory_model import ADAMW, MemoryModel
 from .node_meta import meta_of
 from .passes.placement import Partial, Shard
@@ -87,6 +89,12 @@ class Estimate:
     memory_model: MemoryModel = ADAMW
     # Host bytes while compiling, one record per pp index (compiler/host_memory.py).
     host: tuple[HostMemory, ...] = field(default=())
+    # What the default loss holds per microbatch on a last-stage rank (compiler/loss_memory.py;
+    # not in `memory`, which is the graph's): the logits' memory with or without loss parallel.
+    loss: LossMemory | None = None
+    # Parameters padded on the device (a vocabulary tp does not divide, compiler/layout.py):
+    # (canonical name, true size, padded size along the split dim).
+    padding: tuple[tuple[str, int, int], ...] = field(default=())
 
 
 def estimate(
@@ -97,6 +105,7 @@ def estimate(
     *,
     bucket_elems: int = DEFAULT_BUCKET_ELEMS,
     memory: MemoryModel = ADAMW,
+    loss_fn: Any = None,
 ) -> Estimate:
     """Per-stage costs, memory for every rank, and collectives per stage.
 
@@ -110,6 +119,9 @@ def estimate(
         zero 3: params P·p/dp, grads P·g/dp, optimizer P·o/dp
     The master weights and the step's fp32 gradient (bf16, reduce bf16) lie on
     the optimizer's elements (N, or P/dp).
+
+    `loss_fn` (the model's, as the front end resolved it) prices the loss's memory
+    (`Estimate.loss`, compiler/loss_memory.py); None: not priced.
 
     Host bytes per rank while compiling (`Estimate.host`, compiler/host_memory.py):
         its parameter slices (zero 3: unit shards) and buffers in their dtypes
@@ -164,7 +176,21 @@ def estimate(
     by_rank = RankMemories(plan.mesh, ranks)
     host = host_memories(plan, gm, model, per_stage, all_units)
     bubble = plan_bubble(plan)
-    return Estimate(tuple(stages), by_rank, tuple(comms), bubble, in_flight, memory, host)
+    loss = loss_memory(gm, loss_fn) if loss_fn is not None else None
+    return Estimate(
+        tuple(stages), by_rank, tuple(comms), bubble, in_flight, memory, host, loss,
+        _padding(plan, model),
+    )  # fmt: skip
+
+
+def _padding(plan: Plan, model: torch.nn.Module) -> tuple[tuple[str, int, int], ...]:
+    """(parameter, true size, padded size) of every parameter the layout pads."""
+    shapes = dict(model.named_parameters())
+    return tuple(
+        (n, shapes[n].shape[c.dim], shapes[n].shape[c.dim] + c.padding)
+        for n, c in param_slices(plan, model).items()
+        if c.padding
+    )
 
 
 # params, grads, optimizer, activations, buffers, peak_grads, master, step (RankMemory's order)

@@ -168,7 +168,7 @@ def _analyse(
         + tuple(optimizer_warnings(source.configure_optimizer, plan, spec)),
     )
     memory = memory_model_of(source.configure_optimizer, plan.precision, plan.reduce)
-    costs = estimate(plan, gm, built, saved, memory=memory)
+    costs = estimate(plan, gm, built, saved, memory=memory, loss_fn=source.loss_fn)
     return Analysis(spec, source, built, gm, plan, costs, saved, example, deferred)
 
 

@@ -18,6 +18,8 @@ from .report_memory import (
     buffer_lines,
     host_json,
     host_lines,
+    loss_json,
+    loss_lines,
     memory_json,
     memory_lines,
     precision_json,
@@ -256,6 +258,7 @@ def format_report(
         _recompute_lines(plan, est),
         memory_lines(est),
         buffer_lines(est),
+        loss_lines(plan, est),
         host_lines(plan, est),
         _collective_lines(plan, est),
         _pipeline_lines(plan, est, grid),
@@ -312,6 +315,7 @@ def report_json(plan: Plan, est: Estimate) -> dict[str, Any]:
         "bytes_by_axis": bytes_by_axis(est),
         "precision": precision_json(est),
         "bubble": est.bubble,
+        "loss_memory": loss_json(est),
         # Host bytes per rank while compiling, one entry per pp index (host_memory.py).
         "host_memory": host_json(plan, est),
     }

@@ -17,6 +17,8 @@ __all__ = [
     "buffer_lines",
     "host_json",
     "host_lines",
+    "loss_json",
+    "loss_lines",
     "memory_json",
     "memory_lines",
     "precision_json",
@@ -86,6 +88,46 @@ def buffer_lines(est: Estimate) -> list[str]:
             "everything resident and the fp32 gradient cast from the bf16 reduction"
         )
     return lines
+
+
+def loss_lines(plan: Plan, est: Estimate) -> list[str]:
+    """The logits' memory the default loss holds on a last-stage rank (compiler/loss_memory.py),
+    and the parameters padded on the device."""
+    lines = [
+        f"Vocab padding  {name}: {size} -> {padded} along its split dim ({padded // plan.tp} "
+        f"per rank)\n  the {padded - size} padding rows live on the device only (zero, never "
+        "read by the loss), never in a checkpoint or export"
+        for name, size, padded in est.padding
+    ]
+    loss = est.loss
+    if loss is None or not loss.priced:
+        return lines
+    if loss.parallel:
+        how = (
+            f"loss parallel: {loss.columns} of the {loss.classes} vocabulary columns per rank, "
+            "no (batch, seq, vocab) tensor on any rank"
+        )
+    else:
+        how = f"the whole {loss.positions} x {loss.classes} logits on every last-stage rank"
+    flight = est.in_flight[-1] if est.in_flight else 1
+    return [
+        *lines,
+        f"Loss memory per microbatch on a last-stage rank (default cross-entropy): held "
+        f"{human_bytes(loss.held)} until its backward (x{flight} in flight), peak "
+        f"{human_bytes(loss.peak)} while it runs; not in the table above",
+        f"  {how}",
+    ]
+
+
+def loss_json(est: Estimate) -> dict[str, Any] | None:
+    """The loss's memory as plain data (None when the model computes its own)."""
+    loss = est.loss
+    if loss is None:
+        return None
+    fields = ("positions", "classes", "columns", "parallel", "held", "peak", "priced")
+    return {f: getattr(loss, f) for f in fields} | {
+        "padding": [{"param": n, "size": s, "padded": p} for n, s, p in est.padding]
+    }
 
 
 def precision_lines(est: Estimate) -> list[str]:

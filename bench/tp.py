@@ -14,6 +14,14 @@ GPT (examples/gpt.py): qkv and fc1 col, proj and fc2 row. LLaMA
 (examples/llama.py): q, k, v, gate, up col, o and down row. Embeddings, norms
 and the LM head are replicated on both sides.
 
+The `+SP` pairs add sequence parallelism (Korthikanti et al., 2022) on both
+sides: parc's `sequence_parallel tp`, next to torchtitan's plan with
+`SequenceParallel()` on every norm, `PrepareModuleInput(Shard(1) → Replicate)`
+before attention and the MLP, `RowwiseParallel(output_layouts=Shard(1))` on the
+row layers, the embeddings' sum sliced onto the sequence before block 0
+(`PrepareModuleInput(Replicate → Shard(1))`) and gathered before the replicated
+LM head.
+
 What the native side needs that parc does not (torchtitan does the same to its
 model): with `use_local_output=True` the attention sees local tensors, so
 (1) the attention's head counts become local (`attn.n_head //= tp`, and
@@ -69,6 +77,9 @@ class Pair:
     batch: int  # global; with tp only, every rank runs all of it
     spec: str  # parc's .par text
     plan: dict[str, str] = field(default_factory=dict)  # module suffix -> "col" | "row"
+    # Sequence parallel: each block's norm -> the module it feeds; the final norm.
+    sp_norms: dict[str, str] = field(default_factory=dict)  # empty: no sequence parallel
+    final_norm: str = ""
 
 
 _GPT_PLAN = {"attn.qkv": "col", "attn.proj": "row", "mlp.fc1": "col", "mlp.fc2": "row"}
@@ -83,22 +94,23 @@ _LLAMA_PLAN = {
 }
 
 
-def _spec(plan: dict[str, str]) -> str:
-    return "mesh tp=2\n" + "".join(f"shard *.{m} {kind} tp\n" for m, kind in plan.items())
+def _spec(plan: dict[str, str], sp: bool = False) -> str:
+    shards = "".join(f"shard *.{m} {kind} tp\n" for m, kind in plan.items())
+    return "mesh tp=2\n" + shards + "sequence_parallel tp\n" * sp
 
+
+_GPT_ENV = {"GPT_LAYERS": "4", "GPT_DIM": "256", "GPT_HEADS": "4", "GPT_VOCAB": "256",
+            "GPT_SEQ": "64"}  # fmt: skip
+_LLAMA_ENV = {"LLAMA_LAYERS": "4", "LLAMA_DIM": "256", "LLAMA_HEADS": "4",
+              "LLAMA_KV_HEADS": "2", "LLAMA_FFN": "704", "LLAMA_VOCAB": "256",
+              "LLAMA_SEQ": "64"}  # fmt: skip
 
 PAIRS = (
     # ~140 ms per rank-step on an idle core: 4 blocks of width 256, 8 sequences of 64 tokens.
     Pair(
         name="GPT",
         model="gpt.py",
-        env={
-            "GPT_LAYERS": "4",
-            "GPT_DIM": "256",
-            "GPT_HEADS": "4",
-            "GPT_VOCAB": "256",
-            "GPT_SEQ": "64",
-        },
+        env=_GPT_ENV,
         batch=8,
         spec=_spec(_GPT_PLAN),
         plan=_GPT_PLAN,
@@ -108,18 +120,31 @@ PAIRS = (
     Pair(
         name="LLaMA",
         model="llama.py",
-        env={
-            "LLAMA_LAYERS": "4",
-            "LLAMA_DIM": "256",
-            "LLAMA_HEADS": "4",
-            "LLAMA_KV_HEADS": "2",
-            "LLAMA_FFN": "704",
-            "LLAMA_VOCAB": "256",
-            "LLAMA_SEQ": "64",
-        },
+        env=_LLAMA_ENV,
         batch=8,
         spec=_spec(_LLAMA_PLAN),
         plan=_LLAMA_PLAN,
+    ),
+    # The same models with sequence parallelism.
+    Pair(
+        name="GPT+SP",
+        model="gpt.py",
+        env=_GPT_ENV,
+        batch=8,
+        spec=_spec(_GPT_PLAN, sp=True),
+        plan=_GPT_PLAN,
+        sp_norms={"ln_1": "attn", "ln_2": "mlp"},
+        final_norm="ln_f",
+    ),
+    Pair(
+        name="LLaMA+SP",
+        model="llama.py",
+        env=_LLAMA_ENV,
+        batch=8,
+        spec=_spec(_LLAMA_PLAN, sp=True),
+        plan=_LLAMA_PLAN,
+        sp_norms={"attn_norm": "attn", "mlp_norm": "mlp"},
+        final_norm="norm",
     ),
 )
 
@@ -197,7 +222,7 @@ def _interleave_fused(linear: Any, parts: int, tp: int) -> None:
 
 def _localise_attention(pair: Pair, block: Any, tp: int) -> None:
     attn = block.attn
-    if pair.name == "GPT":
+    if pair.model == "gpt.py":
         _interleave_fused(attn.qkv, 3, tp)
         attn.n_head //= tp
         attn.forward = types.MethodType(_gpt_local_attention, attn)
@@ -231,7 +256,9 @@ class _Native:
         for block in model.layers:
             _localise_attention(pair, block, tp)
             plan = {name: style[kind]() for name, kind in pair.plan.items()}
-            parallelize_module(block, mesh, plan)
+            parallelize_module(block, mesh, plan | _block_sequence_plan(pair))
+        if pair.sp_norms:
+            parallelize_module(model, mesh, _model_sequence_plan(pair))
         self.model = model
         self.opt = _adamw(model.parameters())
 
@@ -241,6 +268,45 @@ class _Native:
         loss.backward()
         self.opt.step()
         return float(loss.detach())
+
+
+def _block_sequence_plan(pair: Pair) -> dict[str, Any]:
+    """torchtitan's sequence-parallel plan of a block: norms on Shard(1), the input of
+    attention and the MLP gathered, the row layers' outputs reduce-scattered to Shard(1)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    plan: dict[str, Any] = {}
+    for norm, consumer in pair.sp_norms.items():
+        plan[norm] = SequenceParallel()
+        plan[consumer] = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+        )
+    for name, kind in pair.plan.items():
+        if pair.sp_norms and kind == "row":
+            plan[name] = RowwiseParallel(output_layouts=Shard(1))
+    return plan
+
+
+def _model_sequence_plan(pair: Pair) -> dict[str, Any]:
+    """Around the blocks: the embeddings' sum sliced onto the sequence before block 0, the
+    final norm on Shard(1), its output gathered for the replicated LM head."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
+
+    return {
+        "layers.0": PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True
+        ),
+        pair.final_norm: SequenceParallel(),
+        "lm_head": PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+        ),
+    }
 
 
 def _build(side: str, pair: Pair) -> Any:
@@ -400,10 +466,16 @@ def main() -> str:
             "`CommDebugMode` over one more step. ColwiseParallel all-reduces each col "
             "layer's input gradient on its own, so LLaMA's q, k, v and gate, up cost 3 + 2 "
             "backward all-reduces per block where parc's shared `enter` node (one per "
-            "replicated input, docs/architecture.md, tensor_parallel) costs 1 + 1.",
+            "replicated input, docs/architecture.md, tensor_parallel) costs 1 + 1. The "
+            "`+SP` rows add sequence parallelism: parc's `sequence_parallel tp` next to "
+            "torchtitan's plan (`SequenceParallel()` on the norms, `PrepareModuleInput` "
+            "Shard(1) → Replicate before attention and the MLP, `RowwiseParallel("
+            "output_layouts=Shard(1))`, the embeddings' sum sliced before block 0 and "
+            "gathered before the replicated LM head).",
             _time_table(timing),
             "Reproduce: `OMP_NUM_THREADS=1 .venv/bin/python bench/tp.py`; "
-            "`... bench/tp.py --profile gpt|llama` prints a cProfile of both sides (rank 0).",
+            "`... bench/tp.py --profile gpt|llama|gpt+sp|llama+sp` prints a cProfile of both "
+            "sides (rank 0).",
         ]
     )
 
@@ -411,7 +483,7 @@ def main() -> str:
 def _profile(which: str) -> None:
     from parc.testing.pool import WorkerPool
 
-    index = {"gpt": 0, "llama": 1}[which]
+    index = {"gpt": 0, "llama": 1, "gpt+sp": 2, "llama+sp": 3}[which]
     with WorkerPool(WORLD, timeout=_CASE_TIMEOUT_S) as pool:
         print(pool.run(profile_pair, index, 5)[0])
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import GPT, LLAMA, check_equivalent, examples, thorough
+from helpers import GPT, LLAMA, check_equivalent, ci_rows, examples, thorough
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -136,7 +136,7 @@ def _with_dropout(tmp_path: Path, p: float) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", ci_rows([2, 4], ci={2}))
 def test_dropout_on_the_sequence_shard_draws_one_devices_masks(
     gloo_pool: Any, tmp_path: Path, tp: int
 ) -> None:
@@ -174,3 +174,15 @@ def test_the_region_is_the_activations_between_blocks() -> None:
            for m in ("ln_1", "ln_2", "attn_proj", "mlp_fc2")]
     )  # fmt: skip
     assert place["layers_0_mlp_fc1"] == Shard(2) and place["lm_head"] != Shard(1)
+
+
+def test_every_norm_is_on_the_shard_behind_a_replicated_embedding() -> None:
+    """LLaMA's first RMSNorm reads the embedding's replicated output and feeds only col
+    layers: it still runs on the shard (its output's `enter` all-reduce becomes the col
+    inputs' reduce-scatter), so every norm's `x.pow(2)` is on Shard(1)."""
+    env = env_of(LLAMA, 2, tie=False)
+    with model_env(env):
+        analysis = analyse(spec_of(LLAMA, tp=2), LLAMA, batch=2)
+    pows = [n for n in analysis.gm.graph.nodes if n.op == "call_method" and n.target == "pow"]
+    assert len(pows) == 2 * int(env["LLAMA_LAYERS"]) + 1
+    assert {meta_of(n).tp for n in pows} == {Shard(1)}

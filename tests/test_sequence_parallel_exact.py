@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import GPT, LLAMA, world_size
+from helpers import GPT, LLAMA, ci_rows, world_size
 from test_sequence_parallel import env_of, spec_of
 
 from parc.compiler.frontend import analyse
@@ -75,7 +75,7 @@ def _tp(stats: dict[Any, tuple[int, int]], kind: CommKind) -> tuple[int, int]:
     return stats.get((kind, "tp"), (0, 0))
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", ci_rows([2, 4], ci={2}))
 def test_each_all_reduce_becomes_a_reduce_scatter_and_an_all_gather_of_it(
     gloo_pool: Any, tp: int
 ) -> None:
@@ -137,7 +137,9 @@ def _split(saved: list[tuple[tuple[int, ...], int]], tp: int) -> dict[str, int]:
     return out
 
 
-@pytest.mark.parametrize(("model", "tp"), [(GPT, 2), (LLAMA, 2), (LLAMA, 4)])
+@pytest.mark.parametrize(
+    ("model", "tp"), ci_rows([(GPT, 2), (LLAMA, 2), (LLAMA, 4)], ci={(GPT, 2), (LLAMA, 4)})
+)
 def test_activations_saved_between_blocks_are_one_tp_th(
     gloo_pool: Any, model: str, tp: int
 ) -> None:

@@ -37,11 +37,8 @@ Algorithm:
    conversion step's costs from its row of compiler/conversions.py).
 
 With `sequence_parallel`, steps 3-6 run twice: the first walk's placements give
-the sequence-sharded region (tp_sequence.py), and the second places its nodes
-`Shard(seq)`: partial sums reduce-scattered into it, replicated activations
-sliced into it, its values all-gathered where they leave it (a col layer's
-input: all-gather forward, reduce-scatter backward), norms and dropout lowered
-to run on the shard.
+the sequence-sharded region (tp_sequence.py), the second places it `Shard(seq)`
+(partial sums reduce-scattered in, values all-gathered out).
 """
 
 from __future__ import annotations
@@ -80,6 +77,7 @@ from .tp_params import col_blocks, param_placements
 from .tp_rules import METADATA_OPS, PARTIAL_RULES, RULES
 from .tp_sequence import (
     SeqRegion,
+    entered_values,
     region_decision,
     sequence_costs,
     sequence_lowering,
@@ -116,7 +114,7 @@ def analyse_tensor_parallel(
     for node in gm.graph.nodes:  # Steps 3-6
         walk.visit(node)
     if plan.sequence_parallel:  # again, with the sequence-sharded region
-        region = sequence_region(gm, plan, spec, walk.place)
+        region = sequence_region(gm, plan, spec, walk.place, entered_values(gm, walk.rewrites))
         walk = _Walk(gm, plan, spec, strict, loss_parallel, region)
         for node in gm.graph.nodes:
             walk.visit(node)
@@ -321,18 +319,9 @@ class _Walk:
     ) -> Decision | None:
         try:
             return rule(self._context(node, seen, shard))
-        except NotDivisible as exc:
-            origin = next((self.origin[n] for n, p in seen.items() if isinstance(p, Shard)), None)
-            span = self._span(origin)
-            raise msg.not_divisible_error(node, self.gm, exc, origin, self.plan, span) from None
-        except Misaligned as exc:
-            x = node.args[0]
-            origin = self.origin.get(x) if isinstance(x, torch.fx.Node) else None
-            form = linear_form(self.gm.get_submodule(str(node.target)))
-            assert form is not None  # only a row linear map raises Misaligned
-            in_features = form.in_features
-            span = self._span(str(node.target))
-            raise msg.misaligned_error(node, exc, origin, in_features, self.plan, span) from None
+        except (NotDivisible, Misaligned) as exc:
+            where = (self.gm, self.plan, self.spec)
+            raise msg.rule_error(exc, node, seen, self.origin, *where) from None
 
     # ---------------------------------------------------------------- Steps 4-6
 

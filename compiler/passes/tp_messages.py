@@ -7,6 +7,8 @@ of the spec that caused it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.fx
 
@@ -16,7 +18,7 @@ from parc.errors import CompileError, PlanError, SourceSpan
 from ..linear_forms import linear_form
 from ..plan import Plan, PlanWarning
 from ..trace import node_source
-from .placement import Placement
+from .placement import Placement, Shard
 from .tp_context import Misaligned, NotDivisible
 
 __all__ = [
@@ -234,3 +236,25 @@ def producer_of(gm: torch.fx.GraphModule, value: torch.fx.Node) -> str | None:
         value = first
     linear = value.op == "call_module" and linear_form(gm.get_submodule(str(value.target)))
     return str(value.target) if linear else None
+
+
+def rule_error(
+    exc: NotDivisible | Misaligned,
+    node: torch.fx.Node,
+    seen: Mapping[torch.fx.Node, Placement],
+    origin: Mapping[torch.fx.Node, str | None],
+    gm: torch.fx.GraphModule,
+    plan: Plan,
+    spec: Spec | None,
+) -> PlanError:
+    """A rule's NotDivisible or Misaligned at `node` as the user's error at the shard line
+    (`origin`: the module each sharded value comes from)."""
+    if isinstance(exc, NotDivisible):
+        first = next((origin[n] for n, p in seen.items() if isinstance(p, Shard)), None)
+        return not_divisible_error(node, gm, exc, first, plan, shard_span(spec, plan, first))
+    x = node.args[0]
+    first = origin.get(x) if isinstance(x, torch.fx.Node) else None
+    form = linear_form(gm.get_submodule(str(node.target)))
+    assert form is not None  # only a row linear map raises Misaligned
+    span = shard_span(spec, plan, str(node.target))
+    return misaligned_error(node, exc, first, form.in_features, plan, span)

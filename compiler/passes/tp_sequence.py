@@ -26,8 +26,11 @@ Algorithm:
    as `Shard(seq)`, keeps its output on `Shard(seq)`; an input sharded another
    way drops it.
 4. Connected groups of candidates are kept when one of them replaces an
-   all-reduce (a row Linear, or a partial activation reduce-scattered into it):
-   elsewhere sharding the sequence would only add a slice and a gather.
+   all-reduce: a row Linear's or a partial activation's (reduce-scattered into
+   it), or the backward one of `enter` where the first walk entered one of its
+   values into rank-local work (a col layer's input: all-gathered into it,
+   reduce-scattered back). Elsewhere sharding the sequence would only add a
+   slice and a gather.
 """
 
 from __future__ import annotations
@@ -47,13 +50,14 @@ from ..dropout import dropout_sites
 from ..linear_forms import linear_form
 from ..node_meta import Collectives
 from ..plan import Plan
-from .placement import Lowering, LowerKind, ParamUse, Partial, Replicate, Shard
+from .placement import Lowering, LowerKind, NodeRewrite, ParamUse, Partial, Replicate, Shard
 from .tp_context import Decision, OpContext
 from .tp_sequence_rules import SEQ_DROPOUT, SEQ_MODULES, SEQ_RULES
 
 __all__ = [
     "SEQ_DIM",
     "SeqRegion",
+    "entered_values",
     "region_decision",
     "seq_key",
     "sequence_costs",
@@ -83,9 +87,14 @@ class SeqRegion:
 
 
 def sequence_region(
-    gm: torch.fx.GraphModule, plan: Plan, spec: Spec | None, place: dict[torch.fx.Node, Any]
+    gm: torch.fx.GraphModule,
+    plan: Plan,
+    spec: Spec | None,
+    place: dict[torch.fx.Node, Any],
+    entered: set[torch.fx.Node],
 ) -> SeqRegion:
-    """The sequence-sharded region of `gm`, from the first walk's placements `place`."""
+    """The sequence-sharded region of `gm`, from the first walk's placements `place` and the
+    values it converted through `enter` (`entered`)."""
     lead = _token_shape(gm, plan, spec)  # Step 1
     rows = {n for n in gm.graph.nodes if _row_before_bias(plan, n, place) and _activation(n, lead)}
     sites = {s.node: s for s in dropout_sites(gm)}
@@ -100,7 +109,7 @@ def sequence_region(
         changed, found = stay != found, stay
     kept = set()
     for group in _groups(found):  # Step 4
-        if any(n in rows or _scatters_into(n, place, lead) for n in group):
+        if any(n in rows or n in entered or _scatters_into(n, place, lead) for n in group):
             kept |= group
     dropouts = {n.name for n in kept if n.name in sites}
     return SeqRegion(
@@ -109,6 +118,15 @@ def sequence_region(
         frozenset(n.name for n in kept & rows),
         frozenset(dropouts),
     )
+
+
+def entered_values(
+    gm: torch.fx.GraphModule, rewrites: dict[torch.fx.Node, NodeRewrite]
+) -> set[torch.fx.Node]:
+    """The values some consumer converts through `enter`, in a walk's `rewrites`."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    converts = (c for r in rewrites.values() for c in r.converts)
+    return {by_name[n] for n, steps in converts if steps and steps[-1].kind is ConvKind.ENTER}
 
 
 def _shardable(gm: torch.fx.GraphModule, node: torch.fx.Node, sites: dict[str, Any]) -> bool:

@@ -29,14 +29,14 @@ gradients over the microbatches as the single-device loss over the batch does.
 
 Method (as bench/dp.py): one case holds all the implementations and runs
 their steps in turn in the same ranks (parc gpipe, native gpipe, parc 1f1b,
-native 1f1b, parc zb1, native zb1), a barrier before each; WARMUP steps, then STEPS timed ones; a
-step's time is its slowest rank's wall time; medians. Both sides return the
+native 1f1b, parc zb1, native zb1), a barrier before each; WARMUP steps, then
+STEPS timed ones; a step's time is its slowest rank's wall time; medians. Both sides return the
 global mean loss of every step (the last stage's microbatch losses summed over
 ranks by one all-reduce); they must agree at step 0.
 
 Idle fraction: in each rank the compute actions are timed (parc: the executor's
-`_forward` (stage forward + loss), `_backward` and `_weights` (W); native: the
-stage's `forward_one_chunk` + the schedule's `_compute_loss`,
+`_forward` (stage forward + loss), `_backward` (zb1: `_backward_input`) and
+`_weights` (W); native: the stage's `forward_one_chunk` + the schedule's `_compute_loss`,
 `backward_one_chunk` and `backward_weight_one_chunk`). Idle = 1 − busy / time
 per rank and step, over the rank's whole step (optimizer step and loss
 all-reduce included) and over the pipeline's span (the longest of the ranks'
@@ -179,6 +179,7 @@ class _Parc:
         executor = self.program.executor
         self.clock.time_method(executor, "_forward")
         self.clock.time_method(executor, "_backward")
+        self.clock.time_method(executor, "_backward_input")  # B of a split schedule (zb1)
         self.clock.time_method(executor, "_weights")
         self.clock.time_method(executor, "run", field="window")  # Program.step calls it
 
@@ -483,7 +484,8 @@ def main(schedules: tuple[Schedule, ...] = SCHEDULES) -> str:
             f"{os.cpu_count()} cores.",
             _time_table(ranks, schedules),
             "Pipeline idle, measured: each rank times its compute actions (parc: the executor's "
-            "`_forward`, which includes the loss on the last stage, `_backward` and `_weights`; "
+            "`_forward`, which includes the loss on the last stage, `_backward` (zb1: "
+            "`_backward_input`) and `_weights`; "
             "native: `forward_one_chunk` + `_compute_loss`, `backward_one_chunk` and "
             "`backward_weight_one_chunk`). Idle = 1 − busy / time, per rank, the median over the "
             "timed steps. *Over the step*: the rank's whole step (batch slicing, optimizer step "

@@ -205,8 +205,10 @@ class StageExecutor:
                     self.before_last_backward()
                 if first.kind is ActionKind.W:
                     self._weights(state)
+                elif split:
+                    self._backward_input(state)
                 else:
-                    self._backward(state, split)
+                    self._backward(state)
             else:
                 self._communicate([actions[i] for i in item], states)
         self._wait_sends()
@@ -236,23 +238,26 @@ class StageExecutor:
             return loss.detach()
         return None
 
-    def _backward(self, state: MicroState, split: bool) -> None:
-        """B: the whole backward, or in a split schedule the input gradients only."""
-        if split:
-            roots, grads = (
-                ([state.loss], [None])
-                if state.loss is not None
-                else (state.sent, list(state.grads_in))
-            )
-            found, state.weights = backward_input(roots, grads, state.received)
-        elif state.loss is not None:
+    def _backward(self, state: MicroState) -> None:
+        """B: the whole backward (the weights' gradients too)."""
+        if state.loss is not None:
             state.loss.backward()
         else:
             pairs = [(t, g) for t, g in zip(state.sent, state.grads_in) if t.requires_grad]
             if pairs:
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-        if not split:
-            found = [r.grad for r in state.received]
+        self._after_backward(state, [r.grad for r in state.received])
+
+    def _backward_input(self, state: MicroState) -> None:
+        """B of a split schedule: the received tensors' gradients only; W keeps the rest."""
+        roots, grads = (
+            ([state.loss], [None]) if state.loss is not None else (state.sent, list(state.grads_in))
+        )
+        found, state.weights = backward_input(roots, grads, state.received)
+        self._after_backward(state, found)
+
+    def _after_backward(self, state: MicroState, found: Sequence[torch.Tensor | None]) -> None:
+        """Keep the gradients to send back (zeros where none reached a received tensor)."""
         if state.stage.stage > 0:
             state.grads_out = [
                 g if g is not None else torch.zeros_like(r)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from helpers import GPT, LLAMA, check_equivalent, ci_rows, examples, thorough
 from hypothesis import given
 from hypothesis import strategies as st
@@ -186,3 +187,24 @@ def test_every_norm_is_on_the_shard_behind_a_replicated_embedding() -> None:
     pows = [n for n in analysis.gm.graph.nodes if n.op == "call_method" and n.target == "pow"]
     assert len(pows) == 2 * int(env["LLAMA_LAYERS"]) + 1
     assert {meta_of(n).tp for n in pows} == {Shard(1)}
+
+
+def test_hf_gpt2_with_sequence_parallel_matches_one_device(gloo_pool: Any) -> None:
+    """Hugging Face GPT-2 (captured by torch.export; Conv1D layers read as linear maps):
+    its LayerNorms, residual adds and (rate 0) dropouts between blocks on the shard."""
+    pytest.importorskip("transformers")
+    model = str(Path(__file__).resolve().parent / "models" / "hf" / "gpt2_tiny.py")
+    spec = "mesh tp=2\nsequence_parallel tp\n" + "".join(
+        f"shard *.{m} tp\n" for m in ("attn.c_attn col", "attn.c_proj row", "mlp.c_fc col",
+                                       "mlp.c_proj row")
+    )  # fmt: skip
+    analysis = analyse(spec, model, batch=2)
+    gm = analysis.gm
+    norms = [
+        n
+        for n in gm.graph.nodes
+        if n.target is torch.nn.functional.layer_norm
+        or (n.op == "call_module" and isinstance(gm.get_submodule(n.target), torch.nn.LayerNorm))
+    ]
+    assert len(norms) == 2 * 2 + 1 and {meta_of(n).tp for n in norms} == {Shard(1)}
+    _check(gloo_pool, spec, model, {}, batch=2, seed=0)

@@ -57,6 +57,7 @@ class _Graph:
     """The walk of one microbatch's graph (steps 1 and 2)."""
 
     order: list[Node]  # every node reached, parents before children
+    edges: dict[Node, list[_Edge]]  # node -> its edges to children (read once: a C++ call)
     on_path: dict[Node, bool]  # step 1
     entries: dict[Node, list[_Edge]] = field(default_factory=dict)  # frontier -> entries
 
@@ -70,32 +71,27 @@ def _walk(roots: Sequence[Node], inputs: set[Node]) -> _Graph:
     frontier and its entries. Iterative: a deep model's graph is deeper than Python's
     recursion limit."""
     post: list[Node] = []
-    seen: set[Node] = set()
+    edges: dict[Node, list[_Edge]] = {}
     for root in roots:
-        if root in seen:
+        if root in edges:
             continue
-        seen.add(root)
-        stack: list[tuple[Node, Any]] = [(root, iter(root.next_functions))]
+        edges[root] = [(c, k) for c, k in root.next_functions if c is not None]
+        stack: list[tuple[Node, Any]] = [(root, iter(edges[root]))]
         while stack:
             node, children = stack[-1]
-            child = next((c for c, _ in children if c is not None and c not in seen), None)
+            child = next((c for c, _ in children if c not in edges), None)
             if child is None:
                 post.append(node)
                 stack.pop()
                 continue
-            seen.add(child)
-            stack.append((child, iter(child.next_functions)))
+            edges[child] = [(c, k) for c, k in child.next_functions if c is not None]
+            stack.append((child, iter(edges[child])))
     on_path: dict[Node, bool] = {}
     for node in post:  # children before parents
-        on_path[node] = node in inputs or any(
-            on_path[c] for c, _ in node.next_functions if c is not None
-        )
-    graph = _Graph(post[::-1], on_path)
+        on_path[node] = node in inputs or any(on_path[c] for c, _ in edges[node])
+    graph = _Graph(post[::-1], edges, on_path)
     for node in graph.order:
-        if not on_path[node]:
-            continue
-        out = [(c, k) for c, k in node.next_functions if c is not None and not on_path[c]]
-        if out:
+        if on_path[node] and (out := [(c, k) for c, k in edges[node] if not on_path[c]]):
             graph.entries[node] = out
     return graph
 
@@ -112,8 +108,8 @@ def _whole_w(graph: _Graph) -> bool:
         if not graph.on_path[node]:
             continue
         reach = 0
-        for c, _ in node.next_functions:
-            if c is not None and graph.on_path[c]:
+        for c, _ in graph.edges[node]:
+            if graph.on_path[c]:
                 reach |= mine.get(c, 0) | below[c]
         below[node] = reach
         if mine.get(node, 0) & reach:

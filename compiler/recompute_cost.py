@@ -58,6 +58,8 @@ def forward_tp_collectives(gm: torch.fx.GraphModule) -> dict[str, list[tuple[Com
         row = lowering is not None and lowering.kind is LowerKind.LINEAR_ROW
         if row and isinstance(meta_of(node).tp, Replicate):  # a row Linear's, before its bias
             found += CONVERSIONS[ConvKind.ALL_REDUCE].costs(_numel(node), grad=False)
+        if lowering is not None and lowering.kind is LowerKind.LINEAR_ROW_SCATTER:
+            found += CONVERSIONS[ConvKind.REDUCE_SCATTER].costs(_numel(node), grad=False)
         if found:
             out[node.name] = found
     return out

@@ -106,6 +106,10 @@ ESTIMATED = [
     spec_of(LLAMA, tp=2, head="col", vocab=True),
     spec_of(GPT, tp=2, dp=2, zero=1, head="col"),
     spec_of(LLAMA, tp=2, pp=2, head="col"),
+    spec_of(GPT, tp=2, head="col") + "recompute layers[*]\n",
+    # bf16 without loss parallel: the loss's own all-gather sends fp32 there, which the
+    # estimate (compiler/passes/tp_loss.py) counts at bf16.
+    spec_of(LLAMA, tp=2, vocab=True) + "precision bf16\n",
 ]
 
 

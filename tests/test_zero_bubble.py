@@ -17,7 +17,9 @@ CI rows: parameters after 3 steps within 1.5e-8 (gpt-tp2), losses within a relat
 twin at that recipe's tolerance (runtime/tolerances.py: params atol 2.4e-3): measured
 3.1e-4 (gpt-bf16) and 1.9e-4 (bf16 with `reduce fp32`, ZeRO-3).
 
-Rows with world ≤ 4 run in CI; the rest under the thorough profile.
+Rows with world ≤ 4 run in CI; the rest under the thorough profile. A Hypothesis test
+draws more (pp ≤ 4, microbatches, model, tying, dp/ZeRO or tp, world ≤ 8): 1 example
+in CI, 10 under the thorough profile.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import GPT, LLAMA, check_equivalent, gpt_env
+from helpers import GPT, LLAMA, check_equivalent, examples, gpt_env
+from hypothesis import given
+from hypothesis import strategies as st
 
 
 def _llama_env(layers: int, tie: bool) -> dict[str, str]:
@@ -115,6 +119,40 @@ def test_zero_bubble_matches_single_device(
     spec = f"mesh {mesh}\nstage auto\nmicrobatches {microbatches}\nschedule zb1\n{extra}"
     result, _ = check_equivalent(gloo_pool, spec, model, env=env, batch=batch, steps=3)
     assert result.ok, f"{spec}: {result.describe()}\n{result.rows}"
+
+
+# A layout beside the pipeline: (mesh axes, statements).
+_LAYOUTS = {
+    "none": ("", ""),
+    "dp2-zero0": ("dp=2 ", ""),
+    "dp2-zero1": ("dp=2 ", "zero 1\n"),
+    "dp2-zero2": ("dp=2 ", "zero 2\n"),
+    "dp2-zero3": ("dp=2 ", "zero 3\n"),
+    "tp2": ("tp=2 ", "tp"),
+}
+
+
+@pytest.mark.multiprocess
+@examples(1)
+@given(
+    pp=st.sampled_from([2, 3, 4]),
+    microbatches=st.sampled_from([1, 2, 4, 8]),
+    use_gpt=st.booleans(),
+    tie=st.booleans(),
+    layout=st.sampled_from(sorted(_LAYOUTS)),
+)
+def test_drawn_zero_bubble_pipelines_match_single_device(
+    gloo_pool: Any, pp: int, microbatches: int, use_gpt: bool, tie: bool, layout: str
+) -> None:
+    axes, extra = _LAYOUTS[layout]
+    if extra == "tp":
+        extra = _GPT_TP if use_gpt else _LLAMA_TP
+    model, env = (GPT, gpt_env(pp + 1, tie)) if use_gpt else (LLAMA, _llama_env(pp + 1, tie))
+    dp = 2 if axes.startswith("dp") else 1
+    spec = f"mesh {axes}pp={pp}\nstage auto\nmicrobatches {microbatches}\nschedule zb1\n{extra}"
+    batch = dp * microbatches * 2
+    result, _ = check_equivalent(gloo_pool, spec, model, env=env, batch=batch, steps=3)
+    assert result.ok, f"{spec}{env}: {result.describe()}\n{result.rows}"
 
 
 # ---------------------------------------------------------------- B + W = the backward

@@ -7,7 +7,9 @@ differ from the ones one device draws for the whole batch and model. Each (dp
 replica, pipeline stage) has its own stream (parc/api.py), so replicas and
 stages draw independent masks; the ranks of one tp group share a stream, so a
 dropout on a replicated activation drops the same elements on all of them (a
-dropout on a tp-sharded activation draws the same pattern on each shard). The run
+dropout on a tp-sharded activation draws the same pattern on each shard, except
+on a sequence shard, where each rank draws the whole value's mask and keeps its
+rows: compiler/ops/sequence.py). The run
 trains a model with the same dropout rate but other masks; `parc check` cannot
 call it equivalent. `dropout_sites` finds the dropout the graph applies
 (analysis only: nothing is rewritten), `dropout_warnings` says so at compile
@@ -31,6 +33,8 @@ import torch.nn.functional as F
 
 from parc.dsl.ast import Spec
 
+from .node_meta import meta_of
+from .passes.placement import LowerKind, Replicate
 from .plan import Plan, PlanWarning
 from .trace import module_path, node_source
 
@@ -132,12 +136,28 @@ def _arg(node: torch.fx.Node, position: int, keyword: str, default: Any) -> Any:
     return node.args[position] if len(node.args) > position else default
 
 
+def _as_one_device(gm: torch.fx.GraphModule, plan: Plan, sites: list[DropoutSite]) -> bool:
+    """Tensor parallelism alone (one forward over the whole batch, the single-device random
+    stream) with every dropout on a replicated value or drawn whole on a sequence shard:
+    the masks are one device's."""
+    if plan.mesh.world_size != plan.tp or plan.microbatches * plan.grad_accum != 1:
+        return False
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for site in sites:
+        meta = meta_of(nodes[site.node])
+        lowering = meta.tp_rewrite.lowering if meta.tp_rewrite is not None else None
+        drawn_whole = lowering is not None and lowering.kind is LowerKind.SEQ_DROPOUT
+        if not (drawn_whole or isinstance(meta.tp, Replicate)):
+            return False
+    return True
+
+
 def dropout_warnings(gm: torch.fx.GraphModule, plan: Plan, spec: Spec) -> list[PlanWarning]:
     """A warning naming the dropout a layout with more than one rank draws differently."""
     if plan.mesh.world_size * plan.microbatches * plan.grad_accum == 1:
         return []  # one forward over the whole batch on one rank, as one device
     sites = dropout_sites(gm)
-    if not sites:
+    if not sites or _as_one_device(gm, plan, sites):
         return []
     shown = ", ".join(str(s) for s in sites[:4])
     more = f", and {len(sites) - 4} more" if len(sites) > 4 else ""

@@ -208,3 +208,19 @@ def test_hf_gpt2_with_sequence_parallel_matches_one_device(gloo_pool: Any) -> No
     ]
     assert len(norms) == 2 * 2 + 1 and {meta_of(n).tp for n in norms} == {Shard(1)}
     _check(gloo_pool, spec, model, {}, batch=2, seed=0)
+
+
+def test_dropout_is_not_warned_about_where_tp_alone_draws_one_devices_masks(
+    tmp_path: Path,
+) -> None:
+    model = _with_dropout(tmp_path, 0.2)
+    env = env_of(GPT, 2, tie=True)
+
+    def warned(spec: str) -> bool:
+        with model_env(env):
+            plan = analyse(spec, model, batch=4).plan
+        return any("applies dropout" in str(w) for w in plan.warnings)
+
+    assert not warned(spec_of(GPT, tp=2))  # every dropout on the sequence shard, drawn whole
+    assert warned(spec_of(GPT, tp=2, dp=2))  # replica 1 draws its own stream's masks
+    assert warned(spec_of(GPT, tp=2) + "microbatches 2\n")  # masks of half the batch

@@ -21,6 +21,7 @@ from parc.dsl import (
     Reduce,
     Schedule,
     ScheduleKind,
+    SequenceParallel,
     Shard,
     ShardKind,
     Span,
@@ -169,6 +170,14 @@ def test_stage_with_several_patterns_and_its_spans() -> None:
     assert [p.span for p in stage.patterns] == [Span(1, 7, 10), Span(1, 12, 15), Span(1, 17, 28)]
 
 
+def test_sequence_parallel_names_its_axis_and_prints_as_typed() -> None:
+    spec = parse_spec("mesh tp=2\n  sequence_parallel tp\n")
+    statement = spec.sequence_parallel
+    assert statement is not None and statement.axis_span == Span(2, 21, 23)
+    assert str(spec) == "mesh tp=2\nsequence_parallel tp\n"
+    assert parse_spec("mesh tp=2\n").sequence_parallel is None
+
+
 def test_stage_zero_and_tight_arrow() -> None:
     assert one("stage a->0") == Stage((P(Name("a")),), 0)
 
@@ -194,6 +203,7 @@ def test_stage_auto() -> None:
         ("precision bf16", PrecisionStmt(Precision.BF16)),
         ("precision fp32", PrecisionStmt(Precision.FP32)),
         ("reduce fp32", Reduce(Precision.FP32)),
+        ("sequence_parallel tp", SequenceParallel("tp")),
     ],
 )
 def test_single_value_statements(text: str, expected: object) -> None:

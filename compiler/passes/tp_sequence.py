@@ -51,7 +51,7 @@ from ..linear_forms import linear_form
 from ..node_meta import Collectives
 from ..plan import Plan
 from .placement import Lowering, LowerKind, NodeRewrite, ParamUse, Partial, Replicate, Shard
-from .tp_context import Decision, OpContext
+from .tp_context import Decision, Misaligned, NotDivisible, OpContext
 from .tp_sequence_rules import SEQ_DROPOUT, SEQ_MODULES, SEQ_RULES
 
 __all__ = [
@@ -131,10 +131,13 @@ def entered_values(
 
 def _shardable(gm: torch.fx.GraphModule, node: torch.fx.Node, sites: dict[str, Any]) -> bool:
     """The op has a rule on the shard; a dropout also a rate known at compile time (its mask
-    is drawn whole) and an elementwise mask."""
+    is drawn whole), an elementwise mask and no in-place write."""
     key = seq_key(gm, node)
     if node.name in sites:
-        return key in SEQ_DROPOUT and sites[node.name].p is not None
+        module = gm.get_submodule(str(node.target)) if node.op == "call_module" else None
+        inplace = getattr(module, "inplace", None) or node.kwargs.get("inplace", False)
+        inplace = inplace or (len(node.args) > 3 and node.args[3] is True)
+        return key in SEQ_DROPOUT and sites[node.name].p is not None and not inplace
     return key in SEQ_RULES
 
 
@@ -208,7 +211,7 @@ def _keeps(
     rule = SEQ_RULES[seq_key(owner, node)]
     try:
         decision = rule(OpContext(node, seen, tp))
-    except Exception:  # a rule that cannot split the shape (NotDivisible): not on the shard
+    except (NotDivisible, Misaligned):  # a shape the rule cannot split: not on the shard
         return False
     return decision is not None and decision.output == Shard(SEQ_DIM)
 

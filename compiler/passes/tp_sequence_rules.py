@@ -26,7 +26,7 @@ from .tp_context import Decision, OpContext, Rule
 from .tp_rules import RULES, binary, layer_norm, unary
 from .tp_view_rules import reduction, reshape
 
-__all__ = ["SEQ_MODULES", "SEQ_RULES", "norm_module"]
+__all__ = ["SEQ_DROPOUT", "SEQ_MODULES", "SEQ_RULES", "norm_module"]
 
 
 def norm_module(ctx: OpContext) -> Decision | None:

@@ -1,6 +1,7 @@
 """Interleaved 1F1B on 2 CPU ranks: parc next to torch's ScheduleInterleaved1F1B.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/pp_interleaved.py     # prints the section
+    OMP_NUM_THREADS=1 .venv/bin/python bench/pp_interleaved.py            # prints the section
+    OMP_NUM_THREADS=1 .venv/bin/python bench/pp_interleaved.py --profile  # cProfile, both ranks
 
 The model, batches, optimizer and timing method are bench/pp.py's (examples/gpt.py,
 8 blocks of width 256, untied LM head, AdamW, global batch 8 in 4 microbatches, one
@@ -28,7 +29,15 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import pp as base
-from _common import md_table, median, slowest_rank, spread, timed_step
+from _common import (
+    alternate_profiles,
+    md_table,
+    median,
+    slowest_rank,
+    spread,
+    timed_step,
+    write_profile,
+)
 
 WORLD, VIRTUAL = base.WORLD, 2
 STAGES = WORLD * VIRTUAL
@@ -167,6 +176,20 @@ def time_all() -> dict[str, Any]:
     return out
 
 
+def profile_pair(steps: int) -> str:
+    """Case: cProfile `steps` steps of parc and native interleaved on every rank."""
+    import io
+
+    import torch.distributed as dist
+
+    sides = {name: _build(name) for name in _NAMES[:2]}
+    profilers = alternate_profiles(sides, base._batches()[: WARMUP + steps], WARMUP)
+    report = io.StringIO()
+    for name, profiler in profilers.items():
+        write_profile(report, f"rank {dist.get_rank()}: {name}, {steps} steps", profiler)
+    return report.getvalue()
+
+
 # --------------------------------------------------------------------------- in the owner
 
 
@@ -273,4 +296,11 @@ if __name__ == "__main__":
     # Cases must pickle as `pp_interleaved.<name>`, importable in the ranks.
     import pp_interleaved
 
-    print(pp_interleaved.main())
+    if "--profile" in sys.argv:
+        from parc.testing.pool import WorkerPool
+
+        with WorkerPool(WORLD, timeout=base._CASE_TIMEOUT_S) as pool:
+            for text in pool.run(pp_interleaved.profile_pair, 5):
+                print(text)
+    else:
+        print(pp_interleaved.main())

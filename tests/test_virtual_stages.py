@@ -119,7 +119,7 @@ def test_each_pp_rank_holds_its_stages_and_runs_their_actions() -> None:
         assert compute == HAND_WRITTEN[rank]
     # Stage 2 (rank 0) receives from stage 1 and sends on to stage 3, both on rank 1.
     kinds = {a.kind for a in programs[0].actions if a.stage == 2}
-    assert kinds == set(ActionKind)
+    assert kinds == set(ActionKind) - {ActionKind.W}  # W: only where backwards are split
 
 
 def test_the_report_says_which_stages_each_pp_rank_runs() -> None:

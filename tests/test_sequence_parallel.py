@@ -26,6 +26,7 @@ import torch
 from helpers import GPT, LLAMA, check_equivalent, ci_rows, examples, thorough
 from hypothesis import given
 from hypothesis import strategies as st
+from test_tp_equivalence import cases as tp_cases
 
 from parc.compiler.frontend import analyse
 from parc.compiler.node_meta import meta_of
@@ -224,3 +225,15 @@ def test_dropout_is_not_warned_about_where_tp_alone_draws_one_devices_masks(
     assert not warned(spec_of(GPT, tp=2))  # every dropout on the sequence shard, drawn whole
     assert warned(spec_of(GPT, tp=2, dp=2))  # replica 1 draws its own stream's masks
     assert warned(spec_of(GPT, tp=2) + "microbatches 2\n")  # masks of half the batch
+
+
+@examples(2)
+@given(case=tp_cases().filter(lambda c: c.model != "mlp.py"))
+def test_random_tensor_parallel_specs_with_sequence_parallel_match_one_device(
+    gloo_pool: Any, case: Any
+) -> None:
+    """tests/test_tp_equivalence.py's random specs (some layers col only, a row head, ties),
+    `sequence_parallel tp` added: whatever the region is, the run is one device's."""
+    spec = case.spec + "sequence_parallel tp\n"
+    model = str(Path(GPT).parent / case.model)
+    _check(gloo_pool, spec, model, case.env, batch=2, seed=7)

@@ -24,18 +24,19 @@ else the sent tensors with the gradients received for them) and its inputs:
    ZeRO-3's reduce-scatter see what they see under an unsplit backward.
 
 W redoes no work of B: step 4 runs a frontier node for its weight outputs only and
-nothing above it. Two graphs cannot be split so (`Split.whole_w`), and then W runs
-the whole backward for the weights, repeating the input path: a frontier node whose
-entry is also reached through the input path below it (a weight used twice along
-the path, e.g. one layer applied twice), and a frontier node that is a Python
-autograd Function (running its backward again would repeat what it does, such as a
-collective). Gradients are those of the unsplit backward up to the order floating
+nothing above it. Two kinds of graph cannot be split so (`_whole_w`), and then W runs
+the whole backward for the weights, repeating the input path: one with a frontier
+node whose entry is also reached through the input path below it (a weight used
+twice along the path, e.g. one layer applied twice), and one with a frontier node
+that is a Python autograd Function (running its backward again would repeat what it
+does, such as a collective). Gradients are those of the unsplit backward up to the order floating
 point additions are made in (tests/test_zero_bubble.py).
 
 B keeps the whole graph alive until W (``retain_graph``): what W needs is the frontier
 nodes' saved tensors and the weight regions, but autograd frees no part of a graph
 kept for a later call. The plan prices a microbatch's activations as held until W
-(`parc.compiler.plan_schedule.rank_held`).
+(`parc.compiler.plan_schedule.rank_held`); the frontier's kept output gradients come
+on top and are not priced (docs/architecture.md, Pipeline schedules).
 """
 
 from __future__ import annotations

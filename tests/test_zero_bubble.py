@@ -277,3 +277,38 @@ def test_w_runs_once() -> None:
     pending.run()
     with pytest.raises(AssertionError, match="runs once"):
         pending.run()
+
+
+class _Mul(torch.autograd.Function):
+    """x * w as a Python Function: its backward gives both gradients at once."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, w = ctx.saved_tensors
+        return g * w, (g * x).sum(0)
+
+
+def test_a_python_function_on_the_frontier_falls_back_to_the_whole_backward_in_w() -> None:
+    # Running its backward again for the weight alone would repeat all it does (a
+    # collective, say), so W runs the whole backward for the weights.
+    from parc.runtime.pipeline.backward_split import backward_input
+
+    torch.manual_seed(0)
+    lin, w, x = torch.nn.Linear(4, 4), torch.nn.Parameter(torch.randn(4)), torch.randn(2, 4)
+    leaf = x.clone().requires_grad_()
+    _Mul.apply(lin(leaf), w).sum().backward()
+    want = [p.grad.clone() for p in (*lin.parameters(), w) if p.grad is not None]
+    for p in (*lin.parameters(), w):
+        p.grad = None
+    leaf2 = x.clone().requires_grad_()
+    got_in, pending = backward_input([_Mul.apply(lin(leaf2), w).sum()], [None], [leaf2])
+    assert pending.whole is not None and w.grad is None
+    pending.run()
+    torch.testing.assert_close(got_in[0], leaf.grad, rtol=0, atol=0)
+    for p, g in zip((*lin.parameters(), w), want, strict=True):
+        torch.testing.assert_close(p.grad, g, rtol=0, atol=0)

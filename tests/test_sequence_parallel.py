@@ -110,13 +110,18 @@ def test_sequence_parallel_with_dp_and_zero_matches_one_device(
 
 
 @examples(3)
-@given(model=st.sampled_from([GPT, LLAMA]), tie=st.booleans(), seed=st.integers(0, 3))
+@given(
+    model=st.sampled_from([GPT, LLAMA]),
+    tp=st.sampled_from(TP_WITH_DP),
+    tie=st.booleans(),
+    seed=st.integers(0, 3),
+)
 def test_sequence_parallel_with_pp_matches_one_device(
-    gloo_pool: Any, model: str, tie: bool, seed: int
+    gloo_pool: Any, model: str, tp: int, tie: bool, seed: int
 ) -> None:
     # The residual stream crosses the stage boundary on its sequence shard (1/tp of it).
-    spec = spec_of(model, tp=2, pp=2, head="col", vocab=tie)
-    _check(gloo_pool, spec, model, env_of(model, 2, tie=tie), batch=4, seed=seed)
+    spec = spec_of(model, tp=tp, pp=2, head="col", vocab=tie)
+    _check(gloo_pool, spec, model, env_of(model, tp, tie=tie), batch=4, seed=seed)
 
 
 def _with_dropout(tmp_path: Path, p: float) -> str:

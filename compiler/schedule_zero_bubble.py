@@ -11,6 +11,9 @@ B + W, and the W's fill the idle time at the end. One stage per pp rank; rank r'
    B's run ahead of its W's, so no rank's B waits behind a W on the way down.
 3. Cool-down: the r W's kept back.
 
+A single stage has no bubble to fill and no one waiting for its B: there zb1 does not
+split (F, B per microbatch, as 1F1B), so the executor runs plain backwards.
+
 A microbatch's activations stay until its W (W reads what B kept), so a stage holds at
 most ``min(p, m)`` microbatches at once: 1F1B's peak (that of its rank 0) on every rank
 (ZB-H1's memory bound in the paper), where 1F1B's rank r holds ``min(p - r, m)``.
@@ -48,6 +51,8 @@ def zb1(stages: int, microbatches: int) -> Schedule:
             f"got stages={stages}, microbatches={microbatches}"
         )
     p, m = stages, microbatches
+    if p == 1:  # nothing to overlap: unsplit, as 1F1B
+        return {0: [Action(0, k, i) for i in range(m) for k in (ActionKind.F, ActionKind.B)]}
     schedule: Schedule = {}
     for r in range(p):
         warm = min(p - r - 1, m)

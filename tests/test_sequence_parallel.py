@@ -85,7 +85,7 @@ def test_sequence_parallel_matches_one_device(
     gloo_pool: Any, model: str, tp: int, tie: bool, head: str, vocab: bool, seed: int
 ) -> None:
     # A tied head reads the embedding's rows: vocab-sharded with a col head, or neither.
-    vocab = vocab and head == "col" if tie else vocab
+    vocab = head == "col" if tie else vocab
     spec = spec_of(model, tp=tp, head=head, vocab=vocab)
     _check(gloo_pool, spec, model, env_of(model, tp, tie=tie), batch=2, seed=seed)
 

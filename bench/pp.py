@@ -52,20 +52,21 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import (
-    ROOT,
-    alternate_profiles,
-    md_table,
-    median,
-    slowest_rank,
-    spread,
-    timed_step,
-    write_profile,
+from _common import ROOT, alternate_profiles, timed_step, write_profile
+from _pp_tables import (
+    MICROBATCHES,
+    SCHEDULES,
+    WARMUP,
+    WORLD,
+    Schedule,
+    idle_table,
+    own_table,
+    sides,
+    time_table,
 )
 
 MODEL = ROOT / "examples" / "gpt.py"
@@ -79,31 +80,13 @@ GPT_ENV = {
     "GPT_SEQ": "64",
     "GPT_TIE": "0",
 }
-WORLD = 2  # pp
 SPLIT = 4  # blocks [0, SPLIT) on stage 0, [SPLIT, GPT_LAYERS) on stage 1
-MICROBATCHES = 4
 BATCH = 8  # global: microbatches of 2
 LR = 3e-4
-WARMUP, STEPS = 3, 20
-TARGET_RATIO = 1.0  # parc's step time must not exceed the native one
-LOSS_RTOL = 1e-5  # docs/architecture.md, Equivalence: fp32 losses of equivalent runs
+STEPS = 20  # timed, after bench/_pp_tables.py's WARMUP
 _CASE_TIMEOUT_S = 300.0
 
 __all__ = ["main"]
-
-
-class Schedule(str, Enum):
-    GPIPE = "gpipe"
-    ONE_F_ONE_B = "1f1b"
-    ZB1 = "zb1"
-
-
-SCHEDULES = tuple(Schedule)
-_NATIVE_NAME = {
-    Schedule.GPIPE: "ScheduleGPipe",
-    Schedule.ONE_F_ONE_B: "Schedule1F1B",
-    Schedule.ZB1: "ScheduleInterleavedZeroBubble",
-}
 
 
 def _spec(schedule: Schedule) -> str:
@@ -115,16 +98,6 @@ def _spec(schedule: Schedule) -> str:
         f"microbatches {MICROBATCHES}\n"
         f"schedule {schedule.value}\n"
     )
-
-
-def analytic_bubble(schedule: Schedule, p: int = WORLD, m: int = MICROBATCHES) -> float:
-    """The idle fraction with equal stage times: GPipe's and 1F1B's (p−1)/(m+p−1); zb1's
-    ZB-H1 figure with F, B and W alike ((p−1)/(3m+p−1) for m ≥ p)."""
-    if schedule is Schedule.ZB1:
-        from parc.compiler.schedule_zero_bubble import zb1_bubble
-
-        return zb1_bubble(p, m)
-    return (p - 1) / (m + p - 1)
 
 
 # --------------------------------------------------------------------------- in a rank
@@ -273,10 +246,6 @@ class _Native:
         return float(total.item()) / MICROBATCHES
 
 
-def _sides(schedules: tuple[Schedule, ...]) -> list[tuple[str, str, Schedule]]:
-    return [(f"{side} {s.value}", side, s) for s in schedules for side in ("parc", "native")]
-
-
 def _build(side: str, schedule: Schedule) -> Any:
     return _Parc(schedule) if side == "parc" else _Native(schedule)
 
@@ -288,7 +257,7 @@ def _batches() -> list[Any]:
 
 def time_all(schedules: tuple[Schedule, ...] = SCHEDULES) -> dict[str, Any]:
     """Case: parc and native for each schedule, steps in turn; times, busy times, losses."""
-    impls = {name: _build(side, s) for name, side, s in _sides(schedules)}
+    impls = {name: _build(side, s) for name, side, s in sides(schedules)}
     keys = ("wall", "cpu", "losses", "busy", "window")
     out: dict[str, Any] = {name: {k: [] for k in keys} for name in impls}
     for batch in _batches():
@@ -319,134 +288,6 @@ def profile_pair(schedule: Schedule, steps: int) -> str:
 
 
 # --------------------------------------------------------------------------- in the owner
-
-
-def _per_step(ranks: list[dict[str, Any]], name: str, kind: str) -> list[float]:
-    return slowest_rank([r[name][kind][WARMUP:] for r in ranks])
-
-
-def _loss_check(ranks: list[dict[str, Any]], parc: str, native: str) -> str:
-    a, b = ranks[0][parc]["losses"], ranks[0][native]["losses"]
-    rel = [abs(x - y) / abs(y) for x, y in zip(a, b)]
-    verdict = "agree" if rel[0] <= LOSS_RTOL else f"DIFFER (rtol {LOSS_RTOL:.0e})"
-    return f"{a[0]:.6f} / {b[0]:.6f}, {verdict}; all {len(a)} steps within {max(rel):.0e}"
-
-
-def _time_table(ranks: list[dict[str, Any]], schedules: tuple[Schedule, ...]) -> str:
-    rows = []
-    for s in schedules:
-        p, n = f"parc {s.value}", f"native {s.value}"
-        parc, native = _per_step(ranks, p, "wall"), _per_step(ranks, n, "wall")
-        ratio = median(parc) / median(native)
-        paired = median(a / b for a, b in zip(parc, native))
-        cpu = median(_per_step(ranks, p, "cpu")) / median(_per_step(ranks, n, "cpu"))
-        rows.append(
-            [
-                f"`schedule {s.value}` vs {_NATIVE_NAME[s]}",
-                spread(parc),
-                spread(native),
-                f"{ratio:.2f}",
-                f"{paired:.2f}",
-                f"{cpu:.2f}",
-                f"≤ {TARGET_RATIO:.1f}: {'met' if ratio <= TARGET_RATIO else 'missed'}",
-                _loss_check(ranks, p, n),
-            ]
-        )
-    header = [
-        "schedule",
-        "parc step: median (range)",
-        "native step",
-        "parc/native",
-        "paired",
-        "CPU",
-        "target",
-        "loss at step 0: parc / native",
-    ]
-    return md_table(header, rows)
-
-
-def _idle(ranks: list[dict[str, Any]], name: str, over: str) -> list[float]:
-    """Per rank, the median over the timed steps of 1 − busy / `over`.
-
-    over="wall": the rank's own step. over="span": the pipeline's span, the longest
-    of the ranks' schedules in that step (they start together after the barrier), so
-    a rank that leaves the schedule early is counted idle until the pipeline ends.
-    """
-    recs = [r[name] for r in ranks]
-    spans = slowest_rank([rec["window"][WARMUP:] for rec in recs])
-    out = []
-    for rec in recs:
-        total = rec["wall"][WARMUP:] if over == "wall" else spans
-        out.append(median(1 - b / t for b, t in zip(rec["busy"][WARMUP:], total)))
-    return out
-
-
-def _outside_schedule(rank: dict[str, Any], name: str) -> float:
-    """Median seconds of a step spent outside the pipeline schedule on one rank."""
-    rec = rank[name]
-    return median(w - s for w, s in zip(rec["wall"][WARMUP:], rec["window"][WARMUP:]))
-
-
-def _idle_table(ranks: list[dict[str, Any]], schedules: tuple[Schedule, ...]) -> str:
-    rows = []
-    for name, _side, schedule in _sides(schedules):
-        step, window = _idle(ranks, name, "wall"), _idle(ranks, name, "span")
-        busy = [median(r[name]["busy"][WARMUP:]) for r in ranks]
-        tail = [_outside_schedule(r, name) for r in ranks]
-        rows.append(
-            [
-                name,
-                " / ".join(f"{b * 1e3:.1f} ms" for b in busy),
-                " / ".join(f"{t * 1e3:.1f} ms" for t in tail),
-                " / ".join(f"{x:.1%}" for x in step),
-                f"{sum(step) / len(step):.1%}",
-                " / ".join(f"{x:.1%}" for x in window),
-                f"{sum(window) / len(window):.1%}",
-                f"{analytic_bubble(schedule):.1%}",
-            ]
-        )
-    header = [
-        "implementation",
-        "busy per step: rank 0 / 1",
-        "step − schedule: rank 0 / 1",
-        "idle over the step: rank 0 / 1",
-        "mean",
-        "idle over the pipeline span: rank 0 / 1",
-        "mean",
-        "analytic bubble",
-    ]
-    return md_table(header, rows)
-
-
-def _own_table(ranks: list[dict[str, Any]], schedules: tuple[Schedule, ...]) -> str:
-    """zb1 against parc's own 1f1b and native zero bubble against native 1F1B."""
-    base, zb = Schedule.ONE_F_ONE_B, Schedule.ZB1
-    if base not in schedules or zb not in schedules:
-        return ""
-    rows = []
-    for side in ("parc", "native"):
-        mine, one = (
-            _per_step(ranks, f"{side} zb1", "wall"),
-            _per_step(ranks, f"{side} 1f1b", "wall"),
-        )
-        idle = [_idle(ranks, f"{side} {s.value}", "span") for s in (zb, base)]
-        rows.append(
-            [
-                f"{side}: zero bubble / 1F1B",
-                f"{median(mine) / median(one):.2f}",
-                f"{median(a / b for a, b in zip(mine, one)):.2f}",
-                " vs ".join(f"{sum(x) / len(x):.1%}" for x in idle),
-                f"{analytic_bubble(zb):.1%} vs {analytic_bubble(base):.1%}",
-            ]
-        )
-    header = [
-        "pair",
-        "step time ratio",
-        "paired",
-        "idle over the span: zero bubble vs 1F1B",
-        "analytic",
-    ]
-    return md_table(header, rows)
 
 
 def _measure(schedules: tuple[Schedule, ...]) -> list[dict[str, Any]]:
@@ -482,7 +323,7 @@ def main(schedules: tuple[Schedule, ...] = SCHEDULES) -> str:
             "is the median of per-step ratios; *CPU* divides the median CPU seconds per step "
             f"of a rank (all threads). 1-minute load average before the run: {load:.2f} on "
             f"{os.cpu_count()} cores.",
-            _time_table(ranks, schedules),
+            time_table(ranks, schedules),
             "Pipeline idle, measured: each rank times its compute actions (parc: the executor's "
             "`_forward`, which includes the loss on the last stage, `_backward` (zb1: "
             "`_backward_input`) and `_weights`; "
@@ -495,10 +336,10 @@ def main(schedules: tuple[Schedule, ...] = SCHEDULES) -> str:
             "to set next to the analytic bubble of a pipeline whose stages take equal time. *step"
             " − schedule*: the rest of a rank's step (batch slicing, gradient checks, the "
             "optimizer step, the loss all-reduce and waiting in it for the other rank).",
-            _idle_table(ranks, schedules),
+            idle_table(ranks, schedules),
             "Zero bubble against 1F1B, each side against its own (analytic bubbles with "
             "F, B and W alike; zb1 (T−3m)/T, T = max(3m+p−1, 2m+2p−1)):",
-            _own_table(ranks, schedules),
+            own_table(ranks, schedules),
             "Reproduce: `OMP_NUM_THREADS=1 .venv/bin/python bench/pp.py`; "
             "`... bench/pp.py --profile gpipe|1f1b|zb1` prints a cProfile of both sides per "
             "rank; `--only zb1 1f1b` times those schedules only.",

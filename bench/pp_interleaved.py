@@ -28,6 +28,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import _pp_tables as tables
 import pp as base
 from _common import (
     alternate_profiles,
@@ -209,7 +210,7 @@ def _time_table(ranks: list[dict[str, Any]]) -> str:
         f"{ratio:.2f}",
         f"{paired:.2f}",
         f"≤ {TARGET_RATIO:.1f}: {'met' if ratio <= TARGET_RATIO else 'missed'}",
-        base._loss_check(ranks, "parc interleaved", "native interleaved"),
+        tables.loss_check(ranks, "parc interleaved", "native interleaved"),
         f"{spread(flat)} ({median(parc) / median(flat):.2f}×)",
     ]
     header = [
@@ -228,7 +229,7 @@ def _time_table(ranks: list[dict[str, Any]]) -> str:
 def _idle_table(ranks: list[dict[str, Any]]) -> str:
     rows = []
     for name in _NAMES:
-        span = base._idle(ranks, name, "span")
+        span = tables.idle(ranks, name, "span")
         virtual = 1 if name == "parc 1f1b" else VIRTUAL
         bubble = analytic_bubble(virtual)
         mean = sum(span) / len(span)

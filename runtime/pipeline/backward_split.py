@@ -77,19 +77,28 @@ def _walk(roots: Sequence[Node], inputs: set[Node]) -> _Graph:
         if root in edges:
             continue
         edges[root] = [(c, k) for c, k in root.next_functions if c is not None]
-        stack: list[tuple[Node, Any]] = [(root, iter(edges[root]))]
+        stack = [(root, 0)]  # (node, index of its next child to look at)
         while stack:
-            node, children = stack[-1]
-            child = next((c for c, _ in children if c not in edges), None)
-            if child is None:
+            node, i = stack[-1]
+            children = edges[node]
+            while i < len(children) and children[i][0] in edges:
+                i += 1
+            if i == len(children):
                 post.append(node)
                 stack.pop()
                 continue
+            stack[-1] = (node, i + 1)
+            child = children[i][0]
             edges[child] = [(c, k) for c, k in child.next_functions if c is not None]
-            stack.append((child, iter(edges[child])))
+            stack.append((child, 0))
     on_path: dict[Node, bool] = {}
     for node in post:  # children before parents
-        on_path[node] = node in inputs or any(on_path[c] for c, _ in edges[node])
+        found = node in inputs
+        for c, _ in edges[node]:
+            if found:
+                break
+            found = on_path[c]
+        on_path[node] = found
     graph = _Graph(post[::-1], edges, on_path)
     for node in graph.order:
         if on_path[node] and (out := [(c, k) for c, k in edges[node] if not on_path[c]]):

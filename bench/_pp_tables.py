@@ -155,13 +155,13 @@ def own_table(ranks: list[dict[str, Any]], schedules: tuple[Schedule, ...]) -> s
             per_step(ranks, f"{side} zb1", "wall"),
             per_step(ranks, f"{side} 1f1b", "wall"),
         )
-        idle = [idle(ranks, f"{side} {s.value}", "span") for s in (zb, base)]
+        idles = [idle(ranks, f"{side} {s.value}", "span") for s in (zb, base)]
         rows.append(
             [
                 f"{side}: zero bubble / 1F1B",
                 f"{median(mine) / median(one):.2f}",
                 f"{median(a / b for a, b in zip(mine, one)):.2f}",
-                " vs ".join(f"{sum(x) / len(x):.1%}" for x in idle),
+                " vs ".join(f"{sum(x) / len(x):.1%}" for x in idles),
                 f"{analytic_bubble(zb):.1%} vs {analytic_bubble(base):.1%}",
             ]
         )

@@ -32,9 +32,10 @@ that is a Python autograd Function (running its backward again would repeat what
 does, such as a collective). Gradients are those of the unsplit backward up to the order floating
 point additions are made in (tests/test_zero_bubble.py).
 
-B keeps the whole graph alive until W (``retain_graph``): what W needs is the frontier
-nodes' saved tensors and the weight regions, but autograd frees no part of a graph
-kept for a later call. The plan prices a microbatch's activations as held until W
+B keeps the graph below the frontier alive until W (``retain_graph``; the nodes above
+its topmost node go with the roots): what W needs is the frontier nodes' saved tensors
+and the weight regions, but autograd frees no part of a graph kept for a later call.
+The plan prices a microbatch's activations as held until W
 (`parc.compiler.plan_schedule.rank_held`); the frontier's kept output gradients come
 on top and are not priced (docs/architecture.md, Pipeline schedules).
 """
@@ -138,7 +139,9 @@ def _mask(bit: dict[Node, int], edges: list[_Edge]) -> int:
 class PendingWeights:
     """What a microbatch's W needs once its B ran (step 4); `run` it once."""
 
-    graph: _Graph | None  # None once run
+    # Frontier node -> its entries; None once run. Only these (and the roots off the input
+    # path) are kept: the nodes above the frontier are freed with their saved tensors.
+    entries: dict[Node, list[_Edge]] | None
     kept: dict[Node, tuple[torch.Tensor | None, ...]]  # frontier node -> its output grads
     off_path: list[tuple[GradientEdge, torch.Tensor]]  # roots off the input path
     # `_whole_w`: (roots, their gradients, the weights) for one backward of the weights.
@@ -146,24 +149,24 @@ class PendingWeights:
 
     def run(self) -> None:
         """Accumulate the weight gradients into `.grad`, as the unsplit backward would."""
-        graph, self.graph = self.graph, None
-        assert graph is not None, "a microbatch's W runs once"
+        entries, self.entries = self.entries, None
+        assert entries is not None, "a microbatch's W runs once"
         if self.whole is not None:
             roots, grads, weights = self.whole
             if weights:
                 torch.autograd.backward(roots, grads, inputs=weights)
             return
-        sums = self._entry_grads(graph)
+        sums = self._entry_grads(entries)
         edges = [*(e for e, _ in self.off_path), *(GradientEdge(c, k) for c, k in sums)]
         given = [*(g for _, g in self.off_path), *sums.values()]
         self.kept, self.off_path = {}, []
         if edges:
             torch.autograd.backward(edges, given)
 
-    def _entry_grads(self, graph: _Graph) -> dict[_Edge, torch.Tensor]:
+    def _entry_grads(self, frontier: dict[Node, list[_Edge]]) -> dict[_Edge, torch.Tensor]:
         """Each frontier node run again for its entries only; their gradients, summed."""
         sums: dict[_Edge, torch.Tensor] = {}
-        for node, entries in graph.entries.items():
+        for node, entries in frontier.items():
             given = self.kept.get(node)
             if given is None:  # B gave this node no gradient: nothing reaches its weights
                 continue
@@ -215,7 +218,8 @@ def backward_input(
         for h in handles:
             h.remove()
     by_input = dict(zip(map(id, wanted), found, strict=True))
-    return [by_input.get(id(x)) for x in inputs], PendingWeights(graph, kept, off, whole)
+    pending = PendingWeights(graph.entries, kept, off, whole)
+    return [by_input.get(id(x)) for x in inputs], pending
 
 
 def _input_grads(

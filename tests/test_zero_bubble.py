@@ -312,3 +312,18 @@ def test_a_python_function_on_the_frontier_falls_back_to_the_whole_backward_in_w
     torch.testing.assert_close(got_in[0], leaf.grad, rtol=0, atol=0)
     for p, g in zip((*lin.parameters(), w), want, strict=True):
         torch.testing.assert_close(p.grad, g, rtol=0, atol=0)
+
+
+@pytest.mark.multiprocess
+def test_a_hand_written_split_schedule_matches_single_device(gloo_pool: Any) -> None:
+    # W's in another order than their B's, the last one not the last microbatch's: the
+    # gradient sync is armed before the list's last W, whichever microbatch it is.
+    schedule = {
+        0: ["0F0", "0F1", "0B0", "0B1", "0W1", "0W0"],
+        1: ["1F0", "1B0", "1F1", "1B1", "1W1", "1W0"],
+    }
+    spec = "mesh dp=2 pp=2\nstage auto\nmicrobatches 2\nzero 1\n"
+    result, _ = check_equivalent(
+        gloo_pool, spec, GPT, env=gpt_env(4, False), batch=8, steps=3, schedule=schedule
+    )
+    assert result.ok, f"{spec}: {result.describe()}\n{result.rows}"

@@ -36,7 +36,7 @@ from .layout import (
     stage_params,
     zero3_owner,
 )
-from .loss_memory import LossMemory, loss_memory
+from .loss_memory import LossMemory, loss_memory, padded_params
 from .memory_model import ADAMW, MemoryModel
 from .node_meta import meta_of
 from .passes.placement import Partial, Shard
@@ -107,7 +107,8 @@ def estimate(
     memory: MemoryModel = ADAMW,
     loss_fn: Any = None,
 ) -> Estimate:
-    """Per-stage costs, memory for every rank, and collectives per stage.
+    """Per-stage costs, memory for every rank, collectives per stage; with the model's
+    `loss_fn`, the loss's bytes (`Estimate.loss`, compiler/loss_memory.py).
 
     Bytes held per rank, with N the rank's local parameter elements, P = Σ
     units padded to a multiple of dp, and p, g, o the bytes per element of
@@ -119,9 +120,6 @@ def estimate(
         zero 3: params P·p/dp, grads P·g/dp, optimizer P·o/dp
     The master weights and the step's fp32 gradient (bf16, reduce bf16) lie on
     the optimizer's elements (N, or P/dp).
-
-    `loss_fn` (the model's, as the front end resolved it) prices the loss's memory
-    (`Estimate.loss`, compiler/loss_memory.py); None: not priced.
 
     Host bytes per rank while compiling (`Estimate.host`, compiler/host_memory.py):
         its parameter slices (zero 3: unit shards) and buffers in their dtypes
@@ -148,17 +146,8 @@ def estimate(
             _stage_cost(costs, act, stage_of, regions, split, s, per_stage[s], model, plan)
         )
         summed = _tied_across_ranks(plan, per_stage, tied)
-        traffic = StageTraffic(
-            s,
-            units,
-            summed,
-            saved_params,
-            regions,
-            readers,
-            forward_tp,
-            memory.param_bytes,
-            memory.grad_bytes,
-        )
+        traffic = StageTraffic(s, units, summed, saved_params, regions, readers, forward_tp,
+                               memory.param_bytes, memory.grad_bytes)  # fmt: skip
         comms.append((s, stage_collectives(plan, gm, traffic)))
         walked = _walk_backward(plan, gm, stage_of, s, units, act, readers, tied, memory, scale)
         mem = _rank_memory(
@@ -173,24 +162,11 @@ def estimate(
         )
         for r in range(plan.pp)
     )
-    by_rank = RankMemories(plan.mesh, ranks)
     host = host_memories(plan, gm, model, per_stage, all_units)
-    bubble = plan_bubble(plan)
     loss = loss_memory(gm, loss_fn) if loss_fn is not None else None
-    return Estimate(
-        tuple(stages), by_rank, tuple(comms), bubble, in_flight, memory, host, loss,
-        _padding(plan, model),
-    )  # fmt: skip
-
-
-def _padding(plan: Plan, model: torch.nn.Module) -> tuple[tuple[str, int, int], ...]:
-    """(parameter, true size, padded size) of every parameter the layout pads."""
-    shapes = dict(model.named_parameters())
-    return tuple(
-        (n, shapes[n].shape[c.dim], shapes[n].shape[c.dim] + c.padding)
-        for n, c in param_slices(plan, model).items()
-        if c.padding
-    )
+    by_rank = RankMemories(plan.mesh, ranks)
+    parts = (tuple(stages), by_rank, tuple(comms), plan_bubble(plan), in_flight, memory, host)
+    return Estimate(*parts, loss, padded_params(plan, model))
 
 
 # params, grads, optimizer, activations, buffers, peak_grads, master, step (RankMemory's order)

@@ -30,13 +30,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.fx
 
-from .default_loss import DefaultLoss
+from parc.dsl.ast import AXIS_PP
 
-__all__ = ["LossMemory", "loss_memory"]
+from .default_loss import DefaultLoss
+from .layout import param_slices
+from .plan import Plan
+
+if TYPE_CHECKING:
+    from .estimate import Estimate
+
+__all__ = ["LossMemory", "loss_memory", "padded_params", "peaks_with_loss"]
 
 _FP32 = 4  # the default loss computes in fp32
 
@@ -57,6 +65,11 @@ class LossMemory:
     held: int
     peak: int
     priced: bool = True
+
+    def at_peak(self, in_flight: int) -> int:
+        """Bytes at the loss's peak with `in_flight` microbatches held on the rank: the
+        others' `held` and the last one's `peak`."""
+        return self.held * max(in_flight - 1, 0) + self.peak if self.priced else 0
 
     @property
     def whole_logits(self) -> int:
@@ -85,3 +98,26 @@ def loss_memory(gm: torch.fx.GraphModule, loss_fn: Any) -> LossMemory | None:
     held = _FP32 * positions * c + 14 * positions + 8
     peak = held + _FP32 * positions * c + 2 * _FP32 * positions * vocab.parts
     return LossMemory(positions, classes, c, True, held, peak)
+
+
+def padded_params(plan: Plan, model: torch.nn.Module) -> tuple[tuple[str, int, int], ...]:
+    """(parameter, true size, padded size) of every parameter the layout pads."""
+    shapes = dict(model.named_parameters())
+    return tuple(
+        (n, shapes[n].shape[c.dim], shapes[n].shape[c.dim] + c.padding)
+        for n, c in param_slices(plan, model).items()
+        if c.padding
+    )
+
+
+def peaks_with_loss(est: Estimate, plan: Plan) -> tuple[int, ...]:
+    """Per rank (in `est.memory`'s order), its peak with the default loss's bytes on the
+    last stage's ranks (`LossMemory.at_peak` of the last stage's microbatches in flight):
+    what the planner's `Memory.total` prices."""
+    loss = est.loss.at_peak(est.in_flight[-1] if est.in_flight else 1) if est.loss else 0
+    last = plan.stage_to_rank[plan.num_stages - 1]
+    return tuple(
+        max(m.activation_peak + loss * (plan.mesh.coords(m.rank).get(AXIS_PP, 0) == last),
+            m.step_peak)
+        for m in est.memory
+    )  # fmt: skip

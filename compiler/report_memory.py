@@ -10,6 +10,7 @@ from typing import Any
 
 from .estimate import Estimate, RankMemory
 from .host_memory import HostMemory
+from .loss_memory import peaks_with_loss
 from .plan import Plan
 from .report_table import MAX_RANK_ROWS, human_bytes, table
 
@@ -116,6 +117,8 @@ def loss_lines(plan: Plan, est: Estimate) -> list[str]:
         f"{human_bytes(loss.held)} until its backward (x{flight} in flight), peak "
         f"{human_bytes(loss.peak)} while it runs; not in the table above",
         f"  {how}",
+        f"  a last-stage rank's peak with it: {human_bytes(max(peaks_with_loss(est, plan)))} "
+        "(what `parc plan` prices)",
     ]
 
 

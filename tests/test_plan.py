@@ -17,6 +17,7 @@ from helpers import GPT, LLAMA, MLP, ROOT
 
 from parc.cli import main
 from parc.compiler.frontend import analyse
+from parc.compiler.loss_memory import peaks_with_loss
 from parc.compiler.planner import parse_cluster, plan_model
 from parc.compiler.planner.format import format_plan
 from parc.compiler.planner.search import Family
@@ -157,7 +158,8 @@ def test_the_written_spec_compiles_to_the_same_estimate(tmp_path: Path) -> None:
             spec = tmp_path / "best.par"
             spec.write_text(result.spec_text(ev))
             a = analyse(spec, LLAMA, batch=32)
-            peak = max(m.peak for m in a.estimate.memory)
+            # With the default loss's bytes on the last stage's ranks, as the planner prices.
+            peak = max(peaks_with_loss(a.estimate, a.plan))
             step = estimate_step_time(a.plan, a.estimate, cluster).total
             # The planner sums per-unit numbers (no ZeRO padding, bucket counts from
             # sizes); the compiler costs the whole graph. Measured here: peaks equal to
@@ -190,8 +192,12 @@ def test_70b_plans_and_says_why(tmp_path: Path, capsys: pytest.CaptureFixture) -
     guide = report.split("Decision guide\n")[1].split("\n\n")[0]
     assert "DDP          out of memory" in guide and "ZeRO-1/2     out of memory" in guide
     spec = out.read_text()
-    assert "mesh pp=" in spec and "tp=" in spec and "recompute layers[*]" in spec
+    # Sequence parallel keeps the activations between blocks 1/tp, so tp=8 fits without
+    # a pipeline or recompute; the vocabulary sharded (loss parallel) keeps the logits'
+    # (4096 × 128256) bytes 1/tp too (tests/test_plan_layouts.py).
+    assert "tp=8" in spec and "sequence_parallel tp" in spec
     assert "shard layers[*].attn.q col tp" in spec and "shard layers[*].mlp.down row tp" in spec
+    assert " vocab tp\n" in spec and "shard lm_head col tp" in spec
 
 
 # ----------------------------------------------------------------- the command line

@@ -24,11 +24,10 @@ from parc.compiler.memory_model import ADAMW, MemoryModel, Precision
 from parc.compiler.model import load_model
 from parc.compiler.planner import parse_cluster, plan_model
 from parc.compiler.planner.advise import PlanResult
-from parc.compiler.planner.evaluate import evaluate, stage_sums
+from parc.compiler.planner.evaluate import evaluate, profile_of, stage_sums
 from parc.compiler.planner.format import format_plan
 from parc.compiler.planner.model_profile import ModelProfile, profile_model
 from parc.compiler.planner.search import Family, search
-from parc.dsl.ast import ScheduleKind
 from parc.errors import ParcError
 from parc.runtime.equivalence import model_env
 
@@ -67,10 +66,11 @@ def test_an_fp32_plan_is_priced_at_the_fp32_rate_not_the_bf16_one(top_70b: Model
     best = search(top_70b, h100, batch=512, memory=ADAMW).best
     assert best is not None
     cand = best.candidate
-    stages = stage_sums(top_70b, top_70b.tp[cand.tp], cand.pp, cand.recompute)
+    tpp = profile_of(top_70b, cand)  # its layout's profile (vocab, sequence parallel)
+    stages = stage_sums(top_70b, tpp, cand.pp * cand.virtual, cand.recompute)
     compute = {
         (cluster.text, mem.precision): evaluate(
-            cand, stages, top_70b, cluster, 512, mem, ScheduleKind.ONE_F_ONE_B
+            cand, stages, top_70b, cluster, 512, mem, cand.schedule
         ).time.compute
         for cluster in (h100, as_tf32)
         for mem in (ADAMW, BF16)
@@ -165,8 +165,10 @@ def test_a_nested_70b_llama_plans_like_the_top_level_one(top_70b: ModelProfile) 
         search_seconds=0.0,
     )
     spec = result.spec_text()
-    assert "stage model.tok, model.layers[0:" in spec and "model.norm, lm_head -> " in spec
-    assert "shard model.layers[*].attn.q col tp" in spec and "recompute model.layers[*]" in spec
+    # Sequence parallel and the vocabulary sharded win here (tests/test_plan.py), named
+    # in the nested model's own module names.
+    assert "shard model.layers[*].attn.q col tp" in spec and "sequence_parallel tp" in spec
+    assert "shard model.tok vocab tp" in spec and "shard lm_head col tp" in spec
 
 
 @functools.cache

@@ -9,7 +9,8 @@ compiler/passes/tp_padding.py), so (Megatron-LM#1754 is the bug this guards agai
 
 - training matches one device (Hypothesis, SGD, the repo's tolerances) over GPT and
   LLaMA, tied and untied, tp ∈ {2, 3, 4}, with dp/ZeRO 0-3 and pp;
-- a padding row holding a large weight changes neither the loss nor a gradient;
+- a padding row holding a large weight changes neither the loss nor a gradient nor the
+  clipped gradient norm (padding rows get exactly zero gradients);
 - the gathered `state_dict()`, checkpoints (saved at tp=3, resumed at tp=2) and exports
   have the true V.
 
@@ -125,6 +126,16 @@ def test_padded_vocabulary_with_pp_matches_one_device(
     assert result.ok, f"{spec!r} on {model} {env}: {result.describe()}\n{result.rows}"
 
 
+@pytest.mark.parametrize("model", ci_rows([GPT, LLAMA], {GPT}))
+def test_padded_vocabulary_under_bf16_matches_one_device(gloo_pool: Any, model: str) -> None:
+    # The bf16 recipe's reference and tolerance (runtime/tolerances.py): the loss runs in
+    # fp32 on the upcast shards, the padding columns masked as under fp32.
+    env = _env(model, 3, _vocab(3, 2), tie=model == GPT)
+    spec = _spec(model, tp=3) + "precision bf16\n"
+    result, _ = check_equivalent(gloo_pool, spec, model, env=env, steps=3, batch=2, seed=1)
+    assert result.ok, f"{spec!r} on {model} {env}: {result.describe()}\n{result.rows}"
+
+
 # A model-file loss_fn (all-gathered logits, checked to have the true V) and a loss the
 # model computes in forward (an in-graph cross-entropy after the all-gather).
 OWN_LOSSES = [str(MODELS / "gpt_loss_fn.py"), str(MODELS / "gpt_own_loss.py")]
@@ -149,11 +160,14 @@ def test_a_users_loss_gets_the_true_vocabulary(
 # ------------------------------------------------------------ the padding cannot leak
 
 BIG = 30.0  # a padding row of 30s: a padding logit of 30·Σh, far from every true logit
+CLIP = 0.05  # below every step's norm here: the clip binds, so a wrong norm moves the weights
+NORM_RTOL = 1e-5  # tests/test_clip.py's: fp32 norms summed in another order (measured ≤ 7.2e-8)
 
 
 def _with_big_padding(spec: str, model: str, env: dict[str, str], steps: int) -> dict[str, Any]:
     """One rank: compile, fill every padding row of the rank's padded parameters with BIG,
-    train `steps` SGD steps; the losses, the full model and the padding rows after."""
+    train `steps` SGD steps clipped to CLIP; the losses, each step's gradient norm, the full
+    model and the padding rows after."""
     import torch.distributed as dist
 
     from parc.api import compile as parc_compile
@@ -174,17 +188,21 @@ def _with_big_padding(spec: str, model: str, env: dict[str, str], steps: int) ->
             if cut.padding and rows.numel():
                 rows.fill_(BIG)
                 padding[name] = rows
-        losses = [program.step(*source.batch(4, step)) for step in range(steps)]
+        program.clip = CLIP
+        losses, norms = [], []
+        for step in range(steps):
+            losses.append(program.step(*source.batch(4, step)))
+            norms.append(program.last_grad_norm)
         state = program.state_dict()
     rank = dist.get_rank()
-    return {"losses": losses, "params": state if rank == 0 else {},
+    return {"losses": losses, "params": state if rank == 0 else {}, "grad_norms": norms,
             "padding": {n: r.clone() for n, r in padding.items()}}  # fmt: skip
 
 
 @pytest.mark.parametrize(
     ("model", "tie"), [(GPT, True), (LLAMA, False), (str(MODELS / "gpt_loss_fn.py"), True)]
 )
-def test_a_large_padding_row_changes_neither_the_loss_nor_any_gradient(
+def test_a_large_padding_row_changes_neither_the_loss_nor_the_gradients_nor_their_norm(
     gloo_pool: Any, model: str, tie: bool
 ) -> None:
     # tp=4 at V=21: c=6, rank 3 holds rows 18-20 and 3 padding rows. Unmasked, the first
@@ -192,10 +210,13 @@ def test_a_large_padding_row_changes_neither_the_loss_nor_any_gradient(
     base = LLAMA if model == LLAMA else GPT
     env = _env(base, 4, 21, tie)
     spec = _spec(base, tp=4)
-    ref = reference_run(model, steps=3, batch=4, env=env)
+    ref = reference_run(model, steps=3, batch=4, env=env, clip=CLIP)
     got = gloo_pool(4).run(_with_big_padding, spec, model, env, 3)
     result = compare_runs(ref, got[0], Tolerance.for_optimizer("sgd", 3))
     assert result.ok, f"{result.describe()}\n{result.rows}"
+    assert min(ref["grad_norms"]) > CLIP, ref["grad_norms"]  # the clip binds
+    for step, (norm, want) in enumerate(zip(got[0]["grad_norms"], ref["grad_norms"])):
+        assert norm == pytest.approx(want, rel=NORM_RTOL), step  # padding adds no norm
     held = [r for g in got for r in g["padding"].values()]
     assert held, "no rank holds padding: the case does not test it"
     for rows in held:  # no gradient ever reached them: SGD left them as they were

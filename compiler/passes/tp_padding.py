@@ -41,7 +41,7 @@ from parc.dsl.ast import ShardKind, Spec
 from parc.errors import PlanError
 
 from ..conversions import ConvKind
-from ..layout import canonical_names, param_slices
+from ..layout import ParamSlice, canonical_names, param_slices
 from ..linear_forms import linear_form
 from ..node_meta import meta_of
 from ..plan import Plan
@@ -101,9 +101,13 @@ def padded_values(gm: torch.fx.GraphModule, plan: Plan) -> dict[str, PaddedDim]:
     (steps 1-2); empty without tp or padding."""
     if plan.tp_axis is None or plan.tp == 1:
         return {}
+    slices = param_slices(plan, gm)
+    if not any(cut.padding for cut in slices.values()):
+        return {}
+    canonical = canonical_names(gm)
     out: dict[str, PaddedDim] = {}
     for node in gm.graph.nodes:  # in order: a value's inputs come before it
-        start = _padded_call(node, gm, plan)
+        start = _padded_call(node, gm, plan, slices, canonical)
         if start is not None:
             out[node.name] = start
             continue
@@ -128,7 +132,13 @@ def check_padding(gm: torch.fx.GraphModule, plan: Plan, spec: Spec) -> dict[str,
     return padded
 
 
-def _padded_call(node: torch.fx.Node, gm: torch.fx.GraphModule, plan: Plan) -> PaddedDim | None:
+def _padded_call(
+    node: torch.fx.Node,
+    gm: torch.fx.GraphModule,
+    plan: Plan,
+    slices: dict[str, ParamSlice],
+    canonical: dict[str, str],
+) -> PaddedDim | None:
     """Step 1: a col layer's call whose outputs the layout pads."""
     if node.op != "call_module":
         return None
@@ -137,9 +147,7 @@ def _padded_call(node: torch.fx.Node, gm: torch.fx.GraphModule, plan: Plan) -> P
     form = linear_form(module)
     if shard is None or shard.kind is not ShardKind.COL or form is None:
         return None
-    slices = param_slices(plan, gm)
-    weight = canonical_names(gm)[f"{node.target}.{form.weight}"]
-    cut = slices.get(weight)
+    cut = slices.get(canonical[f"{node.target}.{form.weight}"])
     if cut is None or not cut.padding:
         return None
     return PaddedDim(str(node.target), form.out_features, cut.padding, cut.parts)

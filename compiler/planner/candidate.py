@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from parc.dsl.ast import ScheduleKind
+
 from ..host_memory import HostMemory
 from ..plan import MeshPlan
 from ..report import human_bytes
@@ -36,7 +38,11 @@ class Candidate:
     microbatches: int
     grad_accum: int
     recompute: bool
-    cuts: tuple[int, ...]  # the first unit of stages 1 .. pp-1
+    cuts: tuple[int, ...]  # the first unit of stages 1 .. pp·virtual − 1
+    schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B  # with pp > 1
+    virtual: int = 1  # stages per pp rank (interleaved 1F1B: 2)
+    vocab: bool = False  # the embedding and LM head vocab-parallel (loss parallel)
+    sequence: bool = False  # `sequence_parallel tp` (with the vocabulary's lines, if any)
 
     @property
     def family(self) -> Family:
@@ -57,6 +63,12 @@ class Candidate:
             parts.append(f"zero {self.zero}")
         if self.pp > 1 or self.grad_accum > 1:
             parts.append(f"{self.microbatches} mb × {self.grad_accum} acc")
+        if self.pp > 1 and (self.schedule is not ScheduleKind.ONE_F_ONE_B or self.virtual > 1):
+            parts.append(str(self.schedule) + (f" V={self.virtual}" if self.virtual > 1 else ""))
+        if self.vocab:
+            parts.append("vocab parallel")
+        if self.sequence:
+            parts.append("sequence parallel")
         if self.recompute:
             parts.append("recompute")
         return ", ".join(parts)
@@ -72,16 +84,20 @@ class Memory:
     activations: int
     buffers: int
     step: int = 0  # the optimizer step's fp32 gradient (bf16, reduce bf16)
+    # The default loss on a last-stage rank (compiler/loss_memory.py): the logits' memory,
+    # the whole (N, V) without loss parallel, the rank's columns with it.
+    loss: int = 0
 
     @property
     def total(self) -> int:
         """The more of the activation peak and the optimizer step's peak."""
         held = self.params + self.grads + self.optimizer
-        return max(held + self.activations + self.buffers, held + self.step)
+        return max(held + self.activations + self.buffers + self.loss, held + self.step)
 
     def describe(self) -> str:
         parts: tuple[str, ...] = ("params", "grads", "optimizer", "activations", "buffers")
         parts += ("step",) if self.step else ()
+        parts += ("loss",) if self.loss else ()
         return ", ".join(f"{p} {human_bytes(getattr(self, p))}" for p in parts)
 
 

@@ -11,10 +11,16 @@ candidates cost milliseconds. ZeRO padding (under dp elements a unit) is left ou
 2. `evaluate`: per stage, the peak bytes of one rank and one microbatch's
    seconds (compute, tensor-parallel collectives, pipeline sends); the
    data-parallel traffic after the pipeline; the fullest rank and the step time.
+   With several stages per pp rank (interleaved 1F1B) or `zb1`, a rank's
+   activations are its peak along the generated schedule and its bubble the
+   schedule's (pipeline_cost.py); the last stage's rank adds the default loss's
+   bytes (compiler/loss_memory.py: the whole logits, or the rank's vocabulary
+   columns under loss parallel).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from parc.dsl.ast import ScheduleKind
@@ -28,6 +34,7 @@ from ..rank_memory import zero3_unit_bytes
 from .candidate import Candidate, Evaluation, Memory
 from .cluster import Cluster
 from .model_profile import ModelProfile, TPProfile
+from .pipeline_cost import pipeline_bubble, rank_peaks
 from .time_model import (
     BACKWARD_SHARE,
     LATENCY,
@@ -138,12 +145,12 @@ def evaluate(
     steps = cand.microbatches * cand.grad_accum
     # The profile's bytes are exact at its own precision; another is converted.
     scale = mem.profile_conversion(profile.precision)
-    memory = [
-        _stage_memory(cand, ss, s, micro, mem, schedule, scale) for s, ss in enumerate(st.stages)
-    ]
+    kind = cand.schedule if cand.pp > 1 else schedule
+    memory = _rank_memories(cand, st, micro, mem, kind, scale, profile_of(profile, cand))
     seconds, dp_time, traffic = [], 0.0, {"tp": 0.0, "pp": 0.0, "dp": 0.0}
     for s, ss in enumerate(st.stages):
-        took, sent = _stage_seconds(cand, ss, s, micro, mem, links, cluster, scale)
+        took, sent = _stage_seconds(cand, ss, s == 0 or s == len(st.stages) - 1, micro, mem,
+                                    links, cluster, scale)  # fmt: skip
         seconds.append(took)
         dp_seconds, dp_bytes = _stage_dp(cand, ss, mem, links["dp"], BACKWARD_SHARE * took.compute)
         dp_time = max(dp_time, dp_seconds)
@@ -151,10 +158,12 @@ def evaluate(
             traffic[axis] = max(traffic[axis], b)
     tied = wire_bytes(CommKind.ALL_REDUCE, 2, st.tied * mem.grad_bytes) if cand.pp > 1 else 0.0
     dp_time += _seconds(tied, int(tied > 0), links["pp"])
+    bubble = pipeline_bubble(kind, cand.pp, cand.virtual, cand.microbatches)
+    standard = cand.virtual == 1 and kind is not ScheduleKind.ZB1
     time = StepTime.of(
-        seconds, microbatches=cand.microbatches, grad_accum=cand.grad_accum, dp=dp_time
-    )
-    bubble = (cand.pp - 1) / (cand.microbatches + cand.pp - 1)
+        _per_rank(seconds, cand.pp), microbatches=cand.microbatches, grad_accum=cand.grad_accum,
+        dp=dp_time, bubble_share=None if standard else bubble,
+    )  # fmt: skip
     worst = max(memory, key=lambda m: m.total)
     host = _host(cand, st, profile)
     host_fits = host_budget is None or host.total <= host_budget
@@ -177,23 +186,42 @@ def _seconds(size: float, calls: int, link: tuple[float, bool]) -> float:
     return size / link[0] + calls * LATENCY[link[1]] if size else 0.0
 
 
+def profile_of(profile: ModelProfile, cand: Candidate) -> TPProfile:
+    """The tensor-parallel profile a candidate is costed from: with its vocabulary sharded
+    (`ModelProfile.vocab`), and sequence parallel too (`ModelProfile.sequence`), or not."""
+    if cand.sequence:
+        return profile.sequence[cand.tp]
+    return profile.vocab[cand.tp] if cand.vocab else profile.tp[cand.tp]
+
+
+def _per_rank(seconds: list[StageSeconds], pp: int) -> list[StageSeconds]:
+    """Each pp rank's microbatch seconds: the sum over its stages (s on rank s % pp)."""
+    if len(seconds) == pp:
+        return seconds
+    return [
+        StageSeconds(*(sum(getattr(t, f) for t in seconds[r::pp]) for f in ("compute", "tp", "pp")))
+        for r in range(pp)
+    ]
+
+
 def _stage_seconds(
     cand: Candidate,
     ss: _StageSum,
-    s: int,
+    end: bool,
     micro: int,
     mem: MemoryModel,
     links: dict[str, tuple[float, bool]],
     cluster: Cluster,
     scale: float,
 ) -> tuple[StageSeconds, tuple[float, float]]:
-    """One microbatch on stage `s`, and the (tp, pp) bytes it sends (`scale`: see
+    """One microbatch on a stage (`end`: the first or the last), and the (tp, pp) bytes it
+    sends (`scale`: see
     `MemoryModel.profile_conversion`)."""
     tp_bytes = wire_bytes(CommKind.ALL_REDUCE, cand.tp, ss.tp_reduce * micro * scale)
     tp_bytes += wire_bytes(CommKind.ALL_GATHER, cand.tp, ss.tp_gather * micro * scale)
     pp_bytes = ss.sent * micro * scale if cand.pp > 1 else 0.0
     # A middle stage sends forward and back, on both sides; an end stage on one.
-    pp_calls = (2 - (s in (0, cand.pp - 1))) * 2 if cand.pp > 1 else 0
+    pp_calls = (2 - end) * 2 if cand.pp > 1 else 0
     took = StageSeconds(
         ss.flops * micro / (cluster.rate(mem.precision).tflops * 1e12),
         _seconds(tp_bytes, ss.tp_calls if cand.tp > 1 else 0, links["tp"]),
@@ -224,6 +252,48 @@ def _stage_dp(
     return took, (reduce + gather) * repeat
 
 
+def _rank_memories(
+    cand: Candidate,
+    st: Stages,
+    micro: int,
+    mem: MemoryModel,
+    kind: ScheduleKind,
+    scale: float,
+    tpp: TPProfile,
+) -> list[Memory]:
+    """Peak bytes of a rank at each pp index: its stages' (one, or `virtual` under
+    interleaving) with the activations at its peak along the schedule, and on the last
+    stage's rank the default loss's bytes for the microbatches it holds."""
+    standard = cand.virtual == 1 and kind is not ScheduleKind.ZB1
+    stages = [_stage_memory(cand, ss, s, micro, mem, kind, scale, standard)
+              for s, ss in enumerate(st.stages)]  # fmt: skip
+    last = len(st.stages) - 1
+    if standard:
+        ranks, flight = stages, (cand.microbatches if kind is ScheduleKind.GPIPE else 1)
+    else:
+        stored = [int(ss.stored * micro * scale) for ss in st.stages]
+        peaks = rank_peaks(kind, cand.pp, cand.virtual, cand.microbatches, stored)
+        ranks = [_joined(stages[r :: cand.pp], peak) for r, peak in enumerate(peaks)]
+        marker = [int(s == last) for s in range(len(st.stages))]
+        flight = rank_peaks(kind, cand.pp, cand.virtual, cand.microbatches, marker)[-1]
+    loss = tpp.loss_held * micro * max(flight - 1, 0) + tpp.loss_peak * micro
+    ranks[-1] = dataclasses.replace(ranks[-1], loss=loss)
+    return ranks
+
+
+def _joined(stages: list[Memory], peak: int) -> Memory:
+    """One rank's memory from its stages' (their activations' peak along the schedule
+    given, plus the largest recomputed block of any)."""
+    return Memory(
+        sum(m.params for m in stages),
+        sum(m.grads for m in stages),
+        sum(m.optimizer for m in stages),
+        peak + max(m.activations for m in stages),
+        max(m.buffers for m in stages),
+        sum(m.step for m in stages),
+    )
+
+
 def _stage_memory(
     cand: Candidate,
     ss: _StageSum,
@@ -232,15 +302,18 @@ def _stage_memory(
     mem: MemoryModel,
     schedule: ScheduleKind,
     scale: float,
+    standard: bool = True,
 ) -> Memory:
-    """Peak bytes on a rank of stage `s` (compiler/estimate.py's formulas, padding aside)."""
+    """Peak bytes on a rank of stage `s` (compiler/estimate.py's formulas, padding aside);
+    not `standard` (several stages per rank, or zb1): the activations of a recomputed
+    block only, the schedule's peak is the caller's."""
     n = ss.params
     zero = cand.zero if cand.dp > 1 else 0
     shard = -(-n // cand.dp)
     p, g, o = resident_elements(zero, n, n, shard)
     tp_, tg = transient_elements(zero, n, shard, ss.largest)
-    flight = 1
-    if cand.pp > 1:
+    flight = 1 if standard else 0
+    if cand.pp > 1 and standard:
         gpipe = schedule is ScheduleKind.GPIPE
         flight = cand.microbatches if gpipe else min(cand.pp - s, cand.microbatches)
     acts = (ss.stored * flight + ss.again) * micro * scale

@@ -27,35 +27,37 @@ Algorithm:
 
 from __future__ import annotations
 
+import contextlib
 import gc
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx
 
-from parc.dsl import parse_spec
-from parc.dsl.ast import Precision, ShardKind
+from parc.dsl.ast import Precision
 from parc.errors import ParcError
 
 from ..blocks import Blocks, find_blocks
-from ..cost import node_costs, tensor_metas
+from ..cost import node_costs
 from ..host_memory import HostFacts, host_facts
-from ..layout import ParamSlice, canonical_names, param_slices, zero3_owner
-from ..linear_forms import linear_form
+from ..layout import canonical_names, local_shape, param_slices, zero3_owner
+from ..loss_memory import LossMemory, loss_memory
 from ..model import ModelSource, owns_loss
 from ..model_output import input_tensors
 from ..node_meta import meta_of
 from ..ops.collectives import CommKind
 from ..passes.placement import Partial, Shard
-from ..passes.tp_analysis import analyse_tensor_parallel
+from ..passes.tp_loss import loss_on_shards, takes_shards
 from ..plan import Plan
 from ..recompute_cost import forward_tp_collectives, param_readers
-from ..resolve import resolve
 from ..saved import SavedTensors, compute_dtype, profile_forward
 from ..stages import activation_nodes
 from ..trace import module_path, trace_model
 from ..traffic import output_bytes, with_bytes
+from .shard_layout import SEQUENCE_LINE, analyse_lines, megatron_layout, vocab_lines
+from .shard_layout import shard_lines as blocks_lines
 
 __all__ = ["ModelProfile", "TPProfile", "UnitCost", "profile_model"]
 
@@ -93,6 +95,11 @@ class TPProfile:
     tied: tuple[tuple[int, tuple[int, ...]], ...]  # (local elements, units using it)
     shard_lines: tuple[str, ...]
     warnings: int  # fallback all-gathers the analysis warned about
+    # The default loss's bytes per sample on a last-stage rank (compiler/loss_memory.py):
+    # held until its backward, and alive at once while it runs; 0 for a model's own loss.
+    loss_held: int = 0
+    loss_peak: int = 0
+    loss_parallel: bool = False  # the logits stay sharded into the loss
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +117,11 @@ class ModelProfile:
     host: HostFacts  # for the host memory of compiling (compiler/host_memory.py)
     precision: Precision = Precision.FP32
     """The precision the fake forward ran at: saved bytes and message dtypes are its."""
+    vocab: dict[int, TPProfile] = field(default_factory=dict)
+    """Per tp size, the model with its embedding and LM head vocab-parallel as well (loss
+    parallel with the default loss): shard_layout.vocab_lines added to the blocks' lines."""
+    sequence: dict[int, TPProfile] = field(default_factory=dict)
+    """Per tp size, `sequence_parallel tp` added to those (where the analysis takes it)."""
 
 
 def profile_model(
@@ -145,21 +157,30 @@ def _profile(
     unit_of, units = _units(gm, found)
     blocks = tuple(u in found.blocks for u in units)
     # Step 3
-    layout = _megatron_layout(gm, unit_of, set(u for u, b in zip(units, blocks) if b))
-    shard_lines = _shard_lines(layout, model, found)
+    layout = megatron_layout(gm, unit_of, set(u for u, b in zip(units, blocks) if b))
+    shard_lines = blocks_lines(layout, model, found)
     # Steps 4 and 5
-    base = _Base(gm, model, saved, unit_of, units, found)
-    profiles, rejected = {1: base.at(1, (), 0, {})}, {}
+    base = _Base(gm, model, saved, unit_of, units, found, source.loss_fn)
+    profiles, rejected = {1: base.at(1, (), 0, None)}, {}
+    vocab = vocab_lines(gm)
+    vocab_profiles: dict[int, TPProfile] = {}
+    sequence: dict[int, TPProfile] = {}
     for tp in (d for d in range(2, gpus_per_node + 1) if gpus_per_node % d == 0):
         if not shard_lines:
             rejected[tp] = "no Linear inside a repeated block to split"
             continue
         try:
-            plan, warnings = _analyse_tp(gm, model, shard_lines, tp)
+            plan, warnings = analyse_lines(gm, model, shard_lines, tp)
         except ParcError as exc:
             rejected[tp] = exc.message
             continue
-        profiles[tp] = base.at(tp, shard_lines, warnings, param_slices(plan, model))
+        profiles[tp] = base.at(tp, shard_lines, warnings, plan)
+        variants = ((vocab_profiles, vocab), (sequence, (*vocab, SEQUENCE_LINE)))
+        for into, extra in variants if vocab else variants[1:]:
+            with contextlib.suppress(ParcError):  # e.g. padded logits read sharded: not planned
+                lines = shard_lines + extra
+                plan, warnings = analyse_lines(gm, model, lines, tp, base.loss_parallel)
+                into[tp] = base.at(tp, lines, warnings, plan)
     xs = input_tensors(inputs)
     first = xs[0] if isinstance(xs[0], torch.Tensor) else torch.zeros(1)
     return ModelProfile(
@@ -173,6 +194,8 @@ def _profile(
         rejected_tp=rejected,
         host=host_facts(model, gm, base.unit),
         precision=precision,
+        vocab=vocab_profiles,
+        sequence=sequence,
     )
 
 
@@ -218,61 +241,6 @@ def _recompute_patterns(units: list[str], blocks: tuple[bool, ...]) -> tuple[str
     return tuple(f"{name}[*]" for name in lists)
 
 
-def _megatron_layout(
-    gm: torch.fx.GraphModule, unit_of: dict[str, str], blocks: set[str]
-) -> dict[str, ShardKind]:
-    """Step 3: module name -> col or row for the Linears inside blocks."""
-    layout: dict[str, ShardKind] = {}
-    feeds: dict[torch.fx.Node, frozenset[object]] = {}  # kinds of the nearest Linears
-    for node in gm.graph.nodes:
-        ins = [a for a in node.all_input_nodes if a in feeds]
-        reaching = frozenset().union(*(feeds[a] for a in ins)) if ins else frozenset()
-        linear = (
-            node.op == "call_module" and linear_form(gm.get_submodule(str(node.target))) is not None
-        )
-        if node.op == "placeholder":
-            feeds[node] = frozenset({None})
-        elif linear and unit_of[node.name] in blocks:
-            kind = ShardKind.ROW if reaching == {ShardKind.COL} else ShardKind.COL
-            layout[str(node.target)] = kind
-            feeds[node] = frozenset({kind})
-        elif linear:
-            feeds[node] = frozenset({None})
-        elif node.op != "get_attr" and any(True for _ in tensor_metas(node)):
-            feeds[node] = reaching  # sizes and parameters carry no data between Linears
-    return layout
-
-
-def _shard_lines(
-    layout: dict[str, ShardKind], model: torch.nn.Module, blocks: Blocks
-) -> tuple[str, ...]:
-    """`shard layers[*].attn.q col tp` where every block of a list agrees, else one per module."""
-    by_suffix: dict[tuple[str, str, ShardKind], list[str]] = {}
-    for name, kind in layout.items():
-        block = blocks.block_of(name)
-        assert block is not None  # the layout covers Linears inside blocks only
-        lst, _, index = block.rpartition(".")
-        suffix = name[len(block) + 1 :]
-        by_suffix.setdefault((lst, suffix, kind), []).append(index)
-    lines = []
-    for (lst, suffix, kind), indices in by_suffix.items():
-        container = model.get_submodule(lst)
-        if len(indices) == len(list(container.children())):
-            lines.append(f"shard {lst}[*]{'.' + suffix if suffix else ''} {kind} tp")
-        else:
-            lines += [f"shard {lst}.{i}{'.' + suffix if suffix else ''} {kind} tp" for i in indices]
-    return tuple(lines)
-
-
-def _analyse_tp(
-    gm: torch.fx.GraphModule, model: torch.nn.Module, lines: tuple[str, ...], tp: int
-) -> tuple[Plan, int]:
-    """Step 4: the tensor-parallel analysis at `tp` (writes node.meta); how many warnings."""
-    spec = parse_spec(f"mesh tp={tp}\n" + "".join(f"{line}\n" for line in lines))
-    plan = resolve(spec, model, gm, batch=1)
-    return plan, len(analyse_tensor_parallel(gm, plan, spec))
-
-
 class _Base:
     """Facts that do not depend on the tensor-parallel size, and `at(tp)` for those that do."""
 
@@ -284,8 +252,10 @@ class _Base:
         unit_of: dict[str, str],
         units: list[str],
         blocks: Blocks,
+        loss_fn: Any,
     ) -> None:
         self.gm, self.model, self.saved, self.blocks = gm, model, saved, blocks
+        self.loss_fn, self.loss_parallel = loss_fn, takes_shards(loss_fn)
         index = {u: i for i, u in enumerate(units)}
         self.unit = {n: index[u] for n, u in unit_of.items()}
         self.n = len(units)
@@ -298,7 +268,7 @@ class _Base:
         self.costs = node_costs(gm)
         canonical = canonical_names(model)
         self.canonical = canonical
-        self.numel = {canonical[n]: p.numel() for n, p in model.named_parameters()}
+        self.shapes = {canonical[n]: tuple(p.shape) for n, p in model.named_parameters()}
         self.homes = {
             p: tuple(sorted({self.unit[r] for r in readers}))
             for p, readers in param_readers(gm, canonical).items()
@@ -307,18 +277,30 @@ class _Base:
         # ZeRO-3 units whose parameters autograd saves (gathered again in backward)
         self.saved_owners = {zero3_owner(canonical.get(p, p), blocks) for p in saved.params}
 
-    def at(
-        self, tp: int, lines: tuple[str, ...], warnings: int, slices: dict[str, ParamSlice]
-    ) -> TPProfile:
-        """Per-unit costs with node.meta as the tensor-parallel analysis at `tp` left it."""
+    def at(self, tp: int, lines: tuple[str, ...], warnings: int, plan: Plan | None) -> TPProfile:
+        """Per-unit costs with node.meta as the tensor-parallel analysis at `tp` (of `plan`)
+        left it."""
+        slices = param_slices(plan, self.model) if plan is not None else {}
         nodes = list(self.gm.graph.nodes)
         sharded = {n.name for n in nodes if tp > 1 and meta_of(n).sharded}
         split = {n.name for n in nodes if tp > 1 and _split(meta_of(n).tp)}
         forward = forward_tp_collectives(self.gm) if tp > 1 else {}
-        local = {n: v // slices[n].parts if n in slices else v for n, v in self.numel.items()}
+        local = {n: math.prod(local_shape(v, slices.get(n))) for n, v in self.shapes.items()}
         units = [self._unit(i, tp, sharded, split, local, forward) for i in range(self.n)]
         tied = tuple((local[p], homes) for p, homes in self.homes.items() if len(homes) > 1)
-        return TPProfile(tp, tuple(units), self._sent(tp, sharded), tied, lines, warnings)
+        loss = self._loss(plan)
+        return TPProfile(
+            tp, tuple(units), self._sent(tp, sharded), tied, lines, warnings,
+            loss.held if loss else 0, loss.peak if loss else 0, bool(loss and loss.parallel),
+        )  # fmt: skip
+
+    def _loss(self, plan: Plan | None) -> LossMemory | None:
+        """The default loss's bytes per sample under the analysis `plan` left in node.meta."""
+        loss_fn = self.loss_fn
+        if plan is not None and plan.tp > 1:
+            loss_fn = loss_on_shards(loss_fn, self.gm, plan)
+        found = loss_memory(self.gm, loss_fn)
+        return found if found is not None and found.priced else None
 
     def _unit(
         self,

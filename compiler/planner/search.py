@@ -13,7 +13,12 @@ Algorithm:
    recompute) with each stage's sums.
 3. For each zero level (1-3 only with dp > 1), recompute (of every block) or
    not, microbatches m and grad_accum a (m·a divides the replica's batch; m is
-   1 without a pipeline): the fullest rank's peak bytes and the step time.
+   1 without a pipeline), with tp > 1 the vocabulary replicated or sharded
+   (`vocab` embedding, `col` LM head: loss parallel; `ModelProfile.vocab`) and
+   with `sequence_parallel tp` (`ModelProfile.sequence`), and
+   with a pipeline each schedule of `pipeline_cost.schedules_for` (the requested
+   one, interleaved 1F1B over 2·pp stages, zb1): the fullest rank's peak bytes
+   and the step time.
 4. Candidates that fit (peak ≤ the usable memory and, with a host budget,
    the host bytes of compiling ≤ it: compiler/host_memory.py) ranked by step time. The
    time model is not precise to a few percent: among the candidates within
@@ -26,6 +31,7 @@ Algorithm:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -35,8 +41,9 @@ from ..memory_model import MemoryModel
 from ..report import human_bytes
 from .candidate import Candidate, Evaluation, Family, HostMemory, Memory
 from .cluster import Cluster
-from .evaluate import Stages, evaluate, stage_sums
+from .evaluate import Stages, evaluate, profile_of, stage_sums
 from .model_profile import ModelProfile
+from .pipeline_cost import schedules_for
 
 __all__ = ["TIE", "Candidate", "Evaluation", "Family", "Memory", "Search", "search"]
 
@@ -70,7 +77,7 @@ def search(
     fits: list[Evaluation] = []
     closest: dict[Family, Evaluation] = {}
     evaluated = 0
-    for cand, stages in _candidates(profile, cluster, batch):
+    for cand, stages in _candidates(profile, cluster, batch, schedule):
         ev = evaluate(cand, stages, profile, cluster, batch, memory, schedule, host_budget)
         evaluated += 1
         family = cand.family
@@ -113,26 +120,46 @@ def _divisors(n: int) -> list[int]:
 
 
 def _candidates(
-    profile: ModelProfile, cluster: Cluster, batch: int
+    profile: ModelProfile, cluster: Cluster, batch: int, schedule: ScheduleKind
 ) -> Iterator[tuple[Candidate, Stages]]:
     world, units = cluster.world, len(profile.units)
-    cache: dict[tuple[int, int, bool], Stages] = {}
-    for tp, tpp in sorted(profile.tp.items()):  # Step 1
+    cache: dict[tuple[int, int, bool, bool, bool], Stages] = {}
+    for tp in sorted(profile.tp):  # Step 1
         if world % tp:
             continue
         for pp in (p for p in _divisors(world // tp) if p <= units):
             dp = world // (tp * pp)
             if batch % dp:
                 continue
-            replica = batch // dp
-            for recompute in (False, True) if any(profile.blocks) else (False,):
-                key = (tp, pp, recompute)
-                if key not in cache:
-                    cache[key] = stage_sums(profile, tpp, pp, recompute)  # Step 2
-                stages = cache[key]
-                for m, a in _splits(replica, pp):  # Step 3
-                    for zero in (0, 1, 2, 3) if dp > 1 else (0,):
-                        yield Candidate(tp, pp, dp, zero, m, a, recompute, stages.cuts), stages
+            for recompute, vocab, sequence in _variants(profile, tp):
+                base = Candidate(tp, pp, dp, 0, 1, 1, recompute, (), vocab=vocab, sequence=sequence)
+                tpp = profile_of(profile, base)
+                for m, a in _splits(batch // dp, pp):  # Step 3
+                    for kind, virtual in schedules_for(schedule, pp, units, m, recompute):
+                        key = (tp, pp * virtual, recompute, vocab, sequence)
+                        if key not in cache:  # Step 2
+                            cache[key] = stage_sums(profile, tpp, pp * virtual, recompute)
+                        stages = cache[key]
+                        for zero in (0, 1, 2, 3) if dp > 1 else (0,):
+                            cand = dataclasses.replace(
+                                base, zero=zero, microbatches=m, grad_accum=a,
+                                cuts=stages.cuts, schedule=kind, virtual=virtual,
+                            )  # fmt: skip
+                            yield cand, stages
+
+
+def _variants(profile: ModelProfile, tp: int) -> Iterator[tuple[bool, bool, bool]]:
+    """(recompute, vocab parallel, sequence parallel) a tensor-parallel size is tried with:
+    the vocabulary replicated or sharded, and with sequence parallel (on top of the
+    vocabulary's lines, if any) where the profile has it."""
+    layouts = [(False, False)]
+    if tp > 1 and tp in profile.vocab:
+        layouts.append((True, False))
+    if tp > 1 and tp in profile.sequence:
+        layouts.append((tp in profile.vocab, True))
+    for recompute in (False, True) if any(profile.blocks) else (False,):
+        for vocab, sequence in layouts:
+            yield recompute, vocab, sequence
 
 
 def _splits(replica: int, pp: int) -> Iterator[tuple[int, int]]:

@@ -42,14 +42,16 @@ def spec_text(result: PlanResult, ev: Evaluation, path: str = "SPEC.par") -> str
         f'--cluster "{result.cluster.text}"',
         f"mesh {c.mesh}" if c.mesh.axes else "# one device: no mesh",
     ]
-    if c.tp > 1:
-        lines += list(p.tp[c.tp].shard_lines)
-    if c.pp > 1:
+    if c.tp > 1:  # with the vocabulary: `vocab` embedding and `col` LM head (loss parallel)
+        # and with sequence parallel its statement too (ModelProfile.sequence)
+        layouts = p.sequence if c.sequence else p.vocab if c.vocab else p.tp
+        lines += list(layouts[c.tp].shard_lines)
+    if c.pp > 1:  # stage s runs on pp rank s % pp (interleaved: `virtual` stages per rank)
         bounds = zip((0, *c.cuts), (*c.cuts, len(p.units)))
         lines += [
             f"stage {compress_names(p.units[lo:hi])} -> {s}" for s, (lo, hi) in enumerate(bounds)
         ]
-        lines += [f"microbatches {c.microbatches}", "schedule 1f1b"]
+        lines += [f"microbatches {c.microbatches}", f"schedule {c.schedule}"]
     if c.dp > 1 and c.zero:
         lines.append(f"zero {c.zero}")
     if c.grad_accum > 1:

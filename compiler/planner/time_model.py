@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from parc.dsl.ast import AXIS_DP, AXIS_PP
+from parc.dsl.ast import AXIS_DP, AXIS_PP, ScheduleKind
 
 from ..estimate import Estimate
 from ..ops.collectives import CommKind
@@ -172,9 +172,12 @@ def estimate_step_time(plan: Plan, est: Estimate, cluster: Cluster) -> StepTime:
         stages.append(StageSeconds(compute, tp / micro_steps, pp / micro_steps))
         dp = max(dp, exposed_dp(plan.zero, reduce, gather, BACKWARD_SHARE * compute))
     if plan.num_stages == plan.pp:
+        # zb1 fills the bubble with deferred W's: its own idle share (plan_bubble's).
+        share = est.bubble if plan.schedule is ScheduleKind.ZB1 and plan.pp > 1 else None
         return StepTime.of(
-            stages, microbatches=plan.microbatches, grad_accum=plan.grad_accum, dp=dp
-        )
+            stages, microbatches=plan.microbatches, grad_accum=plan.grad_accum, dp=dp,
+            bubble_share=share,
+        )  # fmt: skip
     # Virtual stages: a pp rank runs each microbatch through all of its stages.
     ranks = [
         StageSeconds(*(sum(getattr(stages[s], k) for s in mine) for k in ("compute", "tp", "pp")))

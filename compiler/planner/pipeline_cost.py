@@ -1,0 +1,89 @@
+"""What a candidate's pipeline schedule costs: its idle share and each rank's activation peak.
+
+A candidate runs `virtual` stages per pp rank (stage s on rank s % pp) under a
+schedule kind; these are the compiler's own numbers for the same sizes, so
+`parc plan` prices what `parc compile` would report:
+
+- `pipeline_bubble`: 0 without a pipeline; 1F1B or GPipe with one stage per rank
+  (p−1)/(m+p−1); interleaved 1F1B (p−1)/(V·m+p−1)
+  (compiler/schedule_interleaved.py); `zb1` ZB-H1's idle share
+  (compiler/schedule_zero_bubble.py), as `compiler/plan_schedule.py` `plan_bubble`.
+- `rank_peaks`: per pp rank, the most activation bytes its stages hold at once
+  along its list, as `plan_schedule.rank_held`: the generated schedule walked,
+  each F adding its stage's bytes and each B (W under zb1, which keeps a
+  microbatch's graph until its W) removing them. Walks are cached by sizes.
+- `schedules_for`: the (kind, V) pairs the search tries for a pipeline: the
+  requested kind with one stage per rank, interleaved with V = 2 when the units
+  allow 2·pp stages and m is a multiple of pp, and zb1 without recompute.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+from parc.dsl.ast import ScheduleKind
+
+from ..schedule import generate, held_step
+from ..schedule_interleaved import interleaved_bubble
+from ..schedule_zero_bubble import zb1_bubble
+
+__all__ = ["pipeline_bubble", "rank_peaks", "schedules_for"]
+
+VIRTUAL = 2  # the interleaved candidates' stages per pp rank (Megatron's usual choice)
+
+
+def pipeline_bubble(kind: ScheduleKind, pp: int, virtual: int, microbatches: int) -> float:
+    """The schedule's idle share (see the module docstring)."""
+    p, m = pp, microbatches
+    if p == 1:
+        return 0.0
+    if kind is ScheduleKind.ZB1:
+        return zb1_bubble(p, m)
+    if kind is ScheduleKind.INTERLEAVED and virtual > 1:
+        return interleaved_bubble(p, virtual, m)
+    return (p - 1) / (m + p - 1)
+
+
+def rank_peaks(
+    kind: ScheduleKind, pp: int, virtual: int, microbatches: int, stored: Sequence[int]
+) -> tuple[int, ...]:
+    """Per pp rank, its activation peak along the schedule; `stored[s]`: the bytes one
+    microbatch keeps on stage s (pp·virtual stages)."""
+    out = []
+    for events in _walk(kind, pp, virtual, microbatches):
+        live = peak = 0
+        for stage, step in events:
+            live += step * stored[stage]
+            peak = max(peak, live)
+        out.append(peak)
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=512)
+def _walk(
+    kind: ScheduleKind, pp: int, virtual: int, microbatches: int
+) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per pp rank, its actions that change what it holds: (stage, +1 or −1)."""
+    stages = pp * virtual
+    schedule = generate(kind, stages, microbatches, tuple(s % pp for s in range(stages)))
+    step = held_step(schedule)
+    return tuple(
+        tuple((a.stage, step[a.kind]) for a in schedule[r] if step.get(a.kind, 0))
+        for r in range(pp)
+    )
+
+
+def schedules_for(
+    kind: ScheduleKind, pp: int, units: int, microbatches: int, recompute: bool
+) -> tuple[tuple[ScheduleKind, int], ...]:
+    """The (schedule kind, stages per pp rank) pairs a pipeline candidate is priced under."""
+    if pp == 1:
+        return ((kind, 1),)
+    first = ScheduleKind.ONE_F_ONE_B if kind is ScheduleKind.INTERLEAVED else kind
+    out: list[tuple[ScheduleKind, int]] = [(first, 1)]
+    if VIRTUAL * pp <= units and microbatches % pp == 0:
+        out.append((ScheduleKind.INTERLEAVED, VIRTUAL))
+    if not recompute and kind is not ScheduleKind.ZB1:
+        out.append((ScheduleKind.ZB1, 1))
+    return tuple(dict.fromkeys(out))

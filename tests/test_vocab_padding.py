@@ -370,3 +370,40 @@ def test_a_col_layer_inside_the_model_keeps_its_divisibility_check() -> None:
     with model_env(env), pytest.raises(PlanError) as info:
         analyse("mesh tp=3\nshard *.mlp.fc1 col tp\n", GPT, batch=2)
     assert "out_features=64, which is not divisible by tp=3" in str(info.value)
+
+
+# ------------------------------------------------------------ Hugging Face weights in
+
+
+def _weights_and_step(spec: str, env: dict[str, str], weights: str) -> dict[str, Any]:
+    """One rank: compile from the safetensors in `weights`, one SGD step; loss and model."""
+    import torch.distributed as dist
+
+    from parc.api import compile as parc_compile
+    from parc.runtime.equivalence import make_optimizer
+
+    with model_env(env):
+        source = load_model(GPT)
+        sgd = make_optimizer("sgd")
+        program = parc_compile(spec, source, batch=4, optimizer=sgd, weights=weights)
+        loss = program.step(*source.batch(4, 0))
+        state = program.state_dict()
+    return {"losses": [loss], "params": state if dist.get_rank() == 0 else {}}
+
+
+@pytest.mark.parametrize(
+    "spec", [_spec(GPT, tp=4), _spec(GPT, tp=2, dp=2, zero=3)], ids=["tp4", "dp2-tp2-zero3"]
+)
+def test_hf_weights_load_into_a_padded_vocabulary(
+    gloo_pool: Any, tmp_path: Path, spec: str
+) -> None:
+    # The files hold the true V rows; each rank reads its true rows and pads with zeros
+    # (runtime/hf_weights.py), a ZeRO-3 rank its shard's range of that padded slice.
+    from test_hf_weights import _saved_state, save_dir
+
+    env = _env(GPT, 4, 21, tie=True)  # 21 = 4·6 − 3 = 2·11 − 1
+    weights = str(save_dir(tmp_path / "hf", _saved_state(GPT, env)))
+    ref = reference_run(GPT, steps=1, batch=4, optimizer="sgd", env=env, weights=weights)
+    got = gloo_pool(world_size(spec)).run(_weights_and_step, spec, env, weights)
+    result = compare_runs(ref, got[0], Tolerance())
+    assert result.ok, f"{result.describe()}\n{result.rows}"

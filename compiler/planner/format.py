@@ -6,6 +6,7 @@ from typing import Any
 
 from ..report import human_bytes, human_count
 from .advise import PlanResult
+from .evaluate import profile_of
 from .search import TIE, Evaluation, Family
 from .spec_out import seconds_text, spec_text
 
@@ -115,7 +116,7 @@ def _chosen(result: PlanResult, best: Evaluation) -> list[str]:
     t = best.time
     parts = ("compute", "tp", "pp", "dp", "bubble")
     spent = " + ".join(f"{name} {seconds_text(getattr(t, name))}" for name in parts)
-    warnings = result.profile.tp[best.candidate.tp].warnings
+    warnings = profile_of(result.profile, best.candidate).warnings
     lines = [
         f"Chosen: {best.candidate}",
         f"  per GPU at the peak: {best.memory.describe()}",
@@ -153,10 +154,14 @@ def plan_json(result: PlanResult, *, top: int = 5, path: str = "SPEC.par") -> di
             "microbatches": c.microbatches,
             "grad_accum": c.grad_accum,
             "recompute": c.recompute,
+            "schedule": str(c.schedule) if c.pp > 1 else None,
+            "virtual_stages": c.virtual,
+            "vocab_parallel": c.vocab,
+            "sequence_parallel": c.sequence,
             "family": str(c.family),
             "memory": {
                 k: getattr(ev.memory, k)
-                for k in ("params", "grads", "optimizer", "activations", "buffers", "total")
+                for k in ("params", "grads", "optimizer", "activations", "buffers", "loss", "total")
             },
             "step_seconds": ev.time.total,
             "time": {k: getattr(ev.time, k) for k in ("compute", "tp", "pp", "dp", "bubble")},

@@ -18,10 +18,16 @@ plan's node stages and, when the tensor-parallel analysis ran, each node's
 4. Without recomputation, each stored storage is freed by the backward of the
    first node (in forward order) that saved it: `freed_at` lists those bytes by
    node, for compiler/grad_buffers.py's walk of the backward.
+5. Under a split backward (`schedule zb1`, or a hand-written schedule with W
+   actions) a microbatch also keeps, from its B to its W, the output gradients
+   compiler/zb_memory.py derives (`kept`); `kept_peak` is what they add to the
+   stage's peak along its rank's list (`parc.compiler.plan_schedule.stage_held`)
+   above ``stored × in-flight``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +38,10 @@ from .node_meta import meta_of
 from .passes.placement import Shard
 from .passes.recompute import recompute_regions
 from .plan import Plan
+from .plan_schedule import compute_schedule, plan_in_flight, stage_held
 from .saved import SavedTensors
+from .schedule_actions import is_split
+from .zb_memory import kept_until_w
 
 __all__ = ["StageActivations", "stage_activations"]
 
@@ -46,10 +55,13 @@ class StageActivations:
     recompute: int  # held at once while the largest recomputed region runs again
     regions: int  # recomputed regions in the stage
     freed_at: tuple[tuple[str, int], ...] = ()  # (node, stored bytes its backward frees)
+    kept: int = 0  # step 5: kept from a microbatch's B to its W (split schedules only)
+    kept_peak: int = 0  # step 5: what `kept` adds to the peak of the schedule's in-flight
 
     def held(self, in_flight: int) -> int:
-        """Bytes at the peak with `in_flight` microbatches stored."""
-        return self.stored * in_flight + self.recompute
+        """Bytes at the peak with `in_flight` microbatches stored (the plan's
+        `plan_in_flight`, which `kept_peak` is counted against)."""
+        return self.stored * in_flight + self.kept_peak + self.recompute
 
 
 def _as_saved(saver: torch.fx.Node, value: str) -> bool | None:
@@ -114,4 +126,20 @@ def stage_activations(
                 freed[saver] = freed.get(saver, 0) + stored[s][storage]
         total = sum(stored[s].values())
         out.append(StageActivations(s, total, max(extra, default=0), count, tuple(freed.items())))
-    return tuple(out)
+    return _with_kept(plan, gm, tuple(out))
+
+
+def _with_kept(
+    plan: Plan, gm: torch.fx.GraphModule, stages: tuple[StageActivations, ...]
+) -> tuple[StageActivations, ...]:
+    """Step 5."""
+    if plan.pp == 1 or not is_split(compute_schedule(plan)):
+        return stages
+    kept = kept_until_w(plan, gm)
+    stored = [a.stored for a in stages]
+    peaks = stage_held(plan, stored, kept)
+    flight = plan_in_flight(plan)
+    return tuple(
+        dataclasses.replace(a, kept=k, kept_peak=peak - a.stored * n)
+        for a, k, peak, n in zip(stages, kept, peaks, flight, strict=True)
+    )

@@ -193,7 +193,7 @@ def _rank_activations(
     rank with one stage (its stage's record already holds them)."""
     if plan.num_stages == plan.pp:
         return (0,) * plan.pp
-    peaks = rank_held(plan, [a.stored for a in activations])
+    peaks = rank_held(plan, [a.stored for a in activations], [a.kept for a in activations])
     again = [
         max(a.recompute for s, a in enumerate(activations) if plan.stage_to_rank[s] == r)
         for r in range(plan.pp)

@@ -12,13 +12,13 @@ after reads the plan's schedule from here:
   generated schedule as its kind runs, `parc.compiler.schedule.lower`; a lowered
   hand-written schedule is kept as written);
 - `plan_timeline`: the schedule simulated, for the grid; `plan_bubble`,
-  `plan_in_flight` and `rank_held`: the figures the estimate and the report quote.
+  `plan_in_flight`, `rank_held` and `stage_held`: the figures the estimate and the report quote.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TypeAlias
 
 from parc.dsl.ast import ScheduleKind
@@ -26,6 +26,7 @@ from parc.dsl.ast import ScheduleKind
 from .plan import Plan
 from .schedule import (
     Action,
+    ActionKind,
     Schedule,
     ScheduleError,
     Timeline,
@@ -49,6 +50,7 @@ __all__ = [
     "plan_timeline",
     "rank_actions",
     "rank_held",
+    "stage_held",
     "with_schedule",
 ]
 
@@ -127,21 +129,45 @@ def plan_bubble(plan: Plan) -> float:
     return bubble_fraction(plan_timeline(plan))
 
 
-def rank_held(plan: Plan, stored: Sequence[int]) -> tuple[int, ...]:
+def rank_held(plan: Plan, stored: Sequence[int], kept: Sequence[int] = ()) -> tuple[int, ...]:
     """Per pp rank, the most activation bytes its stages hold at once along its list:
     the sum of ``stored[s]`` (bytes one microbatch keeps on stage s) over the (stage,
     microbatch) pairs whose F has run and whose B has not (in a split schedule: whose W
     has not, since the executor keeps a microbatch's autograd graph, and so all of
-    its saved tensors, from its B until its W). With one stage per rank it
-    is that stage's ``stored × in-flight``; with several it can be less than the sum of
-    each stage's own peak, which need not coincide (interleaved 1F1B's warm-up holds
-    the first chunk's microbatches while the last chunk's start)."""
+    its saved tensors, from its B until its W), plus in a split schedule ``kept[s]``
+    (compiler/zb_memory.py: the output gradients B keeps for W) over the pairs whose B
+    has run and whose W has not. With one stage per rank and no split it is that
+    stage's ``stored × in-flight``; with several it can be less than the sum of each
+    stage's own peak, which need not coincide (interleaved 1F1B's warm-up holds the
+    first chunk's microbatches while the last chunk's start)."""
     held = [0] * plan.pp
     schedule = compute_schedule(plan)
-    step = held_step(schedule)
     for rank, actions in schedule.items():
-        live = 0
-        for a in actions:
-            live += step.get(a.kind, 0) * stored[a.stage]
-            held[rank] = max(held[rank], live)
+        for live in _live_bytes(schedule, actions, stored, kept):
+            held[rank] = max(held[rank], sum(live))
     return tuple(held)
+
+
+def stage_held(plan: Plan, stored: Sequence[int], kept: Sequence[int]) -> tuple[int, ...]:
+    """Per stage, the most bytes it holds at once along its rank's list: ``stored[s]``
+    per microbatch from F to its release (`rank_held`) and ``kept[s]`` from B to W."""
+    peaks = [0] * plan.num_stages
+    schedule = compute_schedule(plan)
+    for actions in schedule.values():
+        for live in _live_bytes(schedule, actions, stored, kept):
+            peaks = [max(p, b) for p, b in zip(peaks, live, strict=True)]
+    return tuple(peaks)
+
+
+def _live_bytes(
+    schedule: Schedule, actions: Sequence[Action], stored: Sequence[int], kept: Sequence[int]
+) -> Iterator[list[int]]:
+    """Each stage's bytes after each of `actions` (one rank's list of `schedule`)."""
+    step = held_step(schedule)
+    split = step.get(ActionKind.W) is not None
+    live = [0] * len(stored)
+    for a in actions:
+        live[a.stage] += step.get(a.kind, 0) * stored[a.stage]
+        if split and kept and a.kind in (ActionKind.B, ActionKind.W):
+            live[a.stage] += (1 if a.kind is ActionKind.B else -1) * kept[a.stage]
+        yield live

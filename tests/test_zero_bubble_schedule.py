@@ -40,6 +40,7 @@ from parc.compiler.schedule import (
 )
 from parc.compiler.schedule_actions import one_at_a_time
 from parc.compiler.schedule_zero_bubble import zb1, zb1_bubble
+from parc.compiler.zb_memory import kept_until_w
 from parc.dsl import parse_spec
 from parc.errors import PlanError
 from parc.runtime.equivalence import model_env
@@ -238,9 +239,11 @@ def test_activations_are_priced_as_held_until_w() -> None:
     assert rank_held(plan(ScheduleKind.ZB1), [10, 7]) == (20, 14)
     analysis = _analysis("schedule zb1\nmicrobatches 4\n")
     stored = [s.activation_bytes for s in analysis.estimate.stages]
-    held = rank_held(analysis.plan, stored)
+    kept = kept_until_w(analysis.plan, analysis.gm)  # B's gradients for W, B to W
+    held = rank_held(analysis.plan, stored, kept)
     assert [r.activations for r in analysis.estimate.memory] == list(held)
-    assert held == (2 * stored[0], 2 * stored[1])
+    # F to W: two microbatches on each rank; B to W: one on rank 0, two on rank 1.
+    assert held == (2 * stored[0] + kept[0], 2 * stored[1] + 2 * kept[1])
 
 
 def _plan_error(body: str) -> PlanError:

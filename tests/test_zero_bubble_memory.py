@@ -1,0 +1,171 @@
+"""What `schedule zb1` keeps from a microbatch's B to its W, measured, against the estimate.
+
+Each rank counts every storage alive during a step (tests/peak_memory.py's `LiveBytes`),
+and the output gradients runtime/pipeline/backward_split.py keeps for W (the frontier's,
+and the gradients received for roots off the input path) are tagged `kept` as B hands
+them over. The estimate prices them from the graph (compiler/zb_memory.py) along the
+schedule (`parc.compiler.plan_schedule.stage_held`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+from helpers import GPT, LLAMA
+from peak_memory import MODELED, LiveBytes, _resident, _tag_saved, _tag_sync
+
+from parc.compiler.estimate import Estimate, estimate
+from parc.compiler.frontend import analyse
+from parc.compiler.plan_schedule import stage_held
+from parc.compiler.zb_memory import kept_until_w
+from parc.runtime.equivalence import model_env
+
+pytestmark = pytest.mark.multiprocess
+
+GPT_ENV = {
+    "GPT_LAYERS": "2",
+    "GPT_DIM": "64",
+    "GPT_HEADS": "4",
+    "GPT_VOCAB": "256",
+    "GPT_SEQ": "32",
+}
+LLAMA_ENV = {
+    "LLAMA_LAYERS": "2",
+    "LLAMA_DIM": "32",
+    "LLAMA_HEADS": "2",
+    "LLAMA_KV_HEADS": "1",
+    "LLAMA_VOCAB": "64",
+    "LLAMA_SEQ": "16",
+    "LLAMA_FFN": "64",
+    "LLAMA_TIE": "0",
+}
+BATCH = 16
+BUCKET = 2**14
+MODELS = [pytest.param(GPT, GPT_ENV, id="gpt"), pytest.param(LLAMA, LLAMA_ENV, id="llama")]
+
+
+def _spec(schedule: str) -> str:
+    return f"mesh pp=2\nstage auto\nmicrobatches 4\nschedule {schedule}\n"
+
+
+class _KeptBytes(LiveBytes):
+    """`LiveBytes` with a `kept` tag, costed by the estimate (so part of `modeled`)."""
+
+    def _update(self) -> None:
+        self.by_tag.setdefault("kept", 0)
+        self.tag_peaks.setdefault("kept", 0)
+        for tag, n in self.by_tag.items():
+            self.tag_peaks[tag] = max(self.tag_peaks[tag], n)
+        self.peak = max(self.peak, sum(self.by_tag.values()))
+        modeled = sum(self.by_tag[k] for k in (*MODELED, "kept"))
+        if modeled > self.modeled:
+            self.modeled, self.at_modeled = modeled, dict(self.by_tag)
+
+    def mark_kept(self, t: Any) -> None:
+        entry = self._track(t)
+        if entry is not None and entry[2] == "other":
+            self.by_tag["other"] -= entry[1]
+            entry[2] = "kept"
+            self.by_tag["kept"] += entry[1]
+            self._update()
+
+
+def _tag_kept(live: _KeptBytes) -> Any:
+    """Wrap the executor's `backward_input`: what its PendingWeights holds is `kept`."""
+    from parc.runtime.pipeline import executor
+
+    original = executor.backward_input
+
+    @functools.wraps(original)
+    def tagged(*args: Any, **kwargs: Any) -> Any:
+        found, pending = original(*args, **kwargs)
+        grads = [g for gs in pending.kept.values() for g in gs]
+        grads += [g for _, g in pending.off_path]
+        grads += pending.whole[1] if pending.whole is not None else []
+        for g in grads:
+            if g is not None:
+                live.mark_kept(g)
+        return found, pending
+
+    executor.backward_input = tagged
+    return original
+
+
+def measure_kept(spec: str, model: str, env: dict[str, str]) -> dict[str, Any]:
+    """One rank: the modeled peak of the second step (with `kept`) and each tag's peak."""
+    import torch.distributed as dist
+
+    from parc.api import compile as parc_compile
+    from parc.compiler.model import load_model
+    from parc.runtime.pipeline import executor
+
+    with model_env(env):
+        source = load_model(model)
+        program = parc_compile(spec, source, batch=BATCH, bucket_elems=BUCKET)
+        program.step(*source.batch(BATCH, 0))
+        xs, ys = source.batch(BATCH, 1)
+        batch_tensors = list(xs) if isinstance(xs, tuple | list) else [xs]
+        ignore = [*program.parts.stage.gm.buffers(), *batch_tensors, ys]
+        live = _KeptBytes(_resident(program), ignore=ignore)
+        _tag_sync(program.parts.sync, live)
+        _tag_saved(program.executor, live)
+        original = _tag_kept(live)
+        try:
+            with live:
+                program.step(xs, ys)
+        finally:
+            executor.backward_input = original
+    return {"rank": dist.get_rank(), "modeled": live.modeled, "peaks": dict(live.tag_peaks)}
+
+
+def _estimate(spec: str, model: str, env: dict[str, str]) -> Estimate:
+    with model_env(env):
+        a = analyse(spec, model, batch=BATCH)
+    return estimate(
+        a.plan, a.gm, a.model, a.saved, bucket_elems=BUCKET, memory=a.estimate.memory_model
+    )
+
+
+def _kept_alone(spec: str, model: str, env: dict[str, str]) -> tuple[int, ...]:
+    """Per pp rank, the estimate's kept gradients at their own peak along the schedule."""
+    with model_env(env):
+        a = analyse(spec, model, batch=BATCH)
+    kept = kept_until_w(a.plan, a.gm)
+    return stage_held(a.plan, [0] * a.plan.num_stages, kept)
+
+
+@pytest.mark.parametrize(("model", "env"), MODELS)
+def test_zb1_prices_the_gradients_b_keeps_for_w(
+    gloo_pool: Any, model: str, env: dict[str, str]
+) -> None:
+    spec = _spec("zb1")
+    est = _estimate(spec, model, env)
+    kept = _kept_alone(spec, model, env)
+    for got in gloo_pool(2).run(measure_kept, spec, model, env):
+        r, mem = got["rank"], est.memory[got["rank"]]
+        # Exact: each kept gradient is one storage of the op output's shape and dtype.
+        assert got["peaks"]["kept"] == kept[r] > 0, (got, kept)
+        # What the estimate adds above the saved activations × in-flight is those bytes
+        # (one stage per rank, so the kept peak and the activations' peak coincide);
+        # without step 5 of compiler/activations.py this is 0.
+        stored = est.stages[r].activation_bytes * est.in_flight[r]
+        assert mem.activations - stored == kept[r], (mem, stored, kept)
+    first = next(g for g in gloo_pool(2).run(measure_kept, spec, model, env) if g["rank"] == 0)
+    # The first stage's whole modeled peak (resident, saved, buffers, kept) is the
+    # reported one within test_memory_peaks.py's 5% of the activations (measured:
+    # within 0.2%, the fake forward's missing scalars).
+    assert abs(first["modeled"] - est.memory[0].peak) <= 0.05 * est.memory[0].activations
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="runtime: on the last stage W frees only part of a microbatch's saved tensors "
+    "(GPT: 395264 of 594944 B); the rest stays until the step ends, unpriced",
+)
+def test_zb1_last_stage_peak_is_the_reported_one(gloo_pool: Any) -> None:
+    spec = _spec("zb1")
+    est = _estimate(spec, GPT, GPT_ENV)
+    last = next(g for g in gloo_pool(2).run(measure_kept, spec, GPT, GPT_ENV) if g["rank"] == 1)
+    assert abs(last["modeled"] - est.memory[1].peak) <= 0.05 * est.memory[1].activations, last

@@ -329,27 +329,50 @@ def _reform_modules(graph: torch.fx.Graph, model: torch.nn.Module) -> None:
         module = model.get_submodule(name) if name else None
         if module is None or not isinstance(module, form[0]):
             continue
-        if not (_own_params(node, name, module, form[1]) and _same_options(node, module)):
+        if not (_own_params(node, model, name, module, form[1]) and _same_options(node, module)):
             continue
         with graph.inserting_before(node):
             call = graph.call_module(name, (node.args[0],))
         call.meta = dict(node.meta)
         node.replace_all_uses_with(call)
+        read = [a for a in node.args if isinstance(a, torch.fx.Node) and a.op == "get_attr"]
         graph.erase_node(node)
+        for attr in read:  # a tied weight read under the other module's name: now unread
+            if not attr.users:
+                graph.erase_node(attr)
 
 
 def _own_params(
-    node: torch.fx.Node, name: str, module: torch.nn.Module, where: dict[str, int]
+    node: torch.fx.Node,
+    model: torch.nn.Module,
+    name: str,
+    module: torch.nn.Module,
+    where: dict[str, int],
 ) -> bool:
+    """The call reads `module`'s own parameters: under its name, or (a tied weight, which
+    export names once, e.g. Hugging Face's `lm_head.weight` for the input embedding's
+    too) under another name of the same Parameter."""
     for param, index in where.items():
         value = node.args[index] if len(node.args) > index else None
         own = getattr(module, param, None)
         if own is None:
             if value is not None:
                 return False
-        elif not (isinstance(value, torch.fx.Node) and value.target == f"{name}.{param}"):
+        elif not (isinstance(value, torch.fx.Node) and _names(value, model, f"{name}.{param}")):
             return False
     return True
+
+
+def _names(value: torch.fx.Node, model: torch.nn.Module, target: str) -> bool:
+    """Whether `value` reads `model`'s attribute `target`, under that name or another."""
+    if value.target == target:
+        return True
+    if value.op != "get_attr":
+        return False
+    try:
+        return model.get_parameter(str(value.target)) is model.get_parameter(target)
+    except AttributeError:
+        return False
 
 
 def _same_options(node: torch.fx.Node, module: torch.nn.Module) -> bool:

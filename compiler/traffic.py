@@ -39,6 +39,7 @@ from .layout import FlatUnit
 from .node_meta import meta_of
 from .ops.collectives import CommKind
 from .passes.placement import Shard
+from .passes.tp_loss import keeps_logits, loss_bytes
 from .plan import Plan
 from .stages import activation_nodes
 
@@ -220,6 +221,8 @@ def with_bytes(
     those tensors, the one of its element count (the node's own first, then the
     converted values in order), at that tensor's dtype.
     """
+    if keeps_logits(node):  # loss parallel's all-gather, in the loss's dtype
+        return loss_bytes(node, tuple(found))
     rewrite = meta_of(node).tp_rewrite
     names = [name for name, _ in rewrite.converts] if rewrite is not None else []
     inputs = {a.name: a for a in node.all_input_nodes}

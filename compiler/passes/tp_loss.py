@@ -29,7 +29,15 @@ from ..node_meta import meta_of
 from ..ops.collectives import CommKind
 from .placement import Shard
 
-__all__ = ["kept_logits", "loss_collectives", "loss_on_shards", "sharded_logits", "takes_shards"]
+__all__ = [
+    "keeps_logits",
+    "kept_logits",
+    "loss_bytes",
+    "loss_collectives",
+    "loss_on_shards",
+    "sharded_logits",
+    "takes_shards",
+]
 
 
 def takes_shards(loss_fn: Any) -> bool:
@@ -65,9 +73,28 @@ def loss_collectives(logits: torch.fx.Node, tp: int) -> tuple[tuple[CommKind, in
     return ((CommKind.ALL_GATHER, 2 * positions * tp),)
 
 
+def loss_bytes(
+    output: torch.fx.Node, found: tuple[tuple[CommKind, int], ...]
+) -> list[tuple[CommKind, int, int]]:
+    """(kind, elements, bytes) of the loss's collectives recorded at the graph's `output`
+    (`loss_collectives`). The loss runs on logits upcast to fp32 at least
+    (runtime/master_weights.py `upcast`: under `precision bf16` too), so its all-gather
+    of log-sum-exps and target logits sends that dtype, not the logits' own."""
+    value = output.args[0]
+    assert isinstance(value, torch.fx.Node)
+    size = torch.promote_types(value.meta["tensor_meta"].dtype, torch.float32).itemsize
+    return [(kind, numel, numel * size) for kind, numel in found]
+
+
 def sharded_logits(gm: torch.fx.GraphModule) -> bool:
     """Whether the analysed graph hands the loss its logits sharded (loss parallel)."""
-    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    return keeps_logits(next(n for n in reversed(gm.graph.nodes) if n.op == "output"))
+
+
+def keeps_logits(output: torch.fx.Node) -> bool:
+    """Whether `output`, an analysed graph's output node, keeps its logits sharded."""
+    if output.op != "output":
+        return False
     value = output.args[0]
     rewrite = meta_of(output).tp_rewrite
     converted = {name for name, _ in rewrite.converts} if rewrite is not None else set()

@@ -77,6 +77,7 @@ class StageCost:
     activation_bytes: int  # stored per microbatch, at one rank (tensor-parallel slices counted)
     recompute_bytes: int = 0  # held at once while the largest recomputed region runs again
     rank_flops_per_sample: int = 0  # at one rank: tensor-parallel ops do 1/tp of the work
+    kept_for_w: int = 0  # split schedules: kept per microbatch from B to W (zb_memory.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -373,4 +374,5 @@ def _stage_cost(
         act.stored,
         act.recompute,
         (3 * rank_fwd + rank_again) // micro,
+        act.kept,
     )

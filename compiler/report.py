@@ -226,6 +226,9 @@ def _pipeline_lines(plan: Plan, est: Estimate, grid: str | None) -> list[str]:
         f"bubble {est.bubble:.1%} ({how}); "
         f"microbatches in flight per stage: {', '.join(map(str, est.in_flight))}",
     ]
+    if any(c.kept_for_w for c in est.stages):
+        kept = ", ".join(human_bytes(c.kept_for_w) for c in est.stages)
+        lines.append(f"  gradients B keeps for W, per microbatch and stage: {kept}")
     if plan.num_stages > plan.pp:
         lines.append(f"  {plan.num_stages} stages on pp={plan.pp}: {rank_stages_text(plan)}")
         peaks = peak_in_flight(compute_schedule(plan))

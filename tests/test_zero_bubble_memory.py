@@ -19,6 +19,7 @@ from peak_memory import MODELED, LiveBytes, _resident, _tag_saved, _tag_sync
 from parc.compiler.estimate import Estimate, estimate
 from parc.compiler.frontend import analyse
 from parc.compiler.plan_schedule import stage_held
+from parc.compiler.report import format_report, human_bytes
 from parc.compiler.zb_memory import kept_until_w
 from parc.runtime.equivalence import model_env
 
@@ -166,7 +167,7 @@ def test_zb1_prices_the_gradients_b_keeps_for_w(
     reason="runtime leak, not priced: CPU scaled_dot_product_attention's node holds its "
     "saved tensors in a reference cycle that only a backward without retain_graph breaks; "
     "B runs the input path with retain_graph and W never runs it again, so on GPT's last "
-    "stage 199680 B of each microbatch's 594944 B (the first block's LayerNorm, qkv and "
+    "stage 199680 B of each microbatch's 594944 B (its block's LayerNorm, qkv and "
     "attention tensors) outlive the step",
 )
 def test_zb1_frees_every_saved_tensor_and_peaks_where_reported(gloo_pool: Any) -> None:
@@ -175,3 +176,12 @@ def test_zb1_frees_every_saved_tensor_and_peaks_where_reported(gloo_pool: Any) -
     last = next(g for g in gloo_pool(2).run(measure_kept, spec, GPT, GPT_ENV) if g["rank"] == 1)
     assert last["left"] == 0, last
     assert abs(last["modeled"] - est.memory[1].peak) <= 0.05 * est.memory[1].activations, last
+
+
+def test_the_report_shows_what_b_keeps_for_w() -> None:
+    with model_env(GPT_ENV):
+        zb1, one_f_one_b = (analyse(_spec(k), GPT, batch=BATCH) for k in ("zb1", "1f1b"))
+    kept = kept_until_w(zb1.plan, zb1.gm)
+    line = "gradients B keeps for W, per microbatch and stage: " + ", ".join(map(human_bytes, kept))
+    assert line in format_report(zb1.plan, zb1.estimate, title="zb1")
+    assert "B keeps for W" not in format_report(one_f_one_b.plan, one_f_one_b.estimate, title="")

@@ -52,6 +52,7 @@ _VIEWS = frozenset(
     for name in ("view", "reshape", "flatten", "transpose", "permute", "squeeze", "unsqueeze")
 )
 PASS_THROUGH = _ADD | _VIEWS
+_GIVEN = frozenset({"get_attr", "placeholder"})  # values a stage is given, not received
 
 
 class _Stage:
@@ -60,7 +61,7 @@ class _Stage:
     def __init__(self, gm: torch.fx.GraphModule, stage_of: dict[str, int], s: int) -> None:
         params = {name for name, p in gm.named_parameters() if p.requires_grad}
         modules = dict(gm.named_modules())
-        self.nodes = [n for n in gm.graph.nodes if stage_of.get(n.name) == s]
+        self.nodes = [n for n in gm.graph.nodes if stage_of.get(n.name) == s and n.op != "output"]
         self.grad: dict[torch.fx.Node, bool] = {}
         self.path: dict[torch.fx.Node, bool] = {}
         self.reads: dict[torch.fx.Node, str] = {}  # node -> the parameters it reads directly
@@ -76,7 +77,8 @@ class _Stage:
                 p.requires_grad for p in modules[str(n.target)].parameters(recurse=False)
             )
             ins = n.all_input_nodes
-            received = [i for i in ins if i not in mine and i.op != "get_attr" and _floating(i)]
+            # A model input (placeholder) is given to every stage, not received.
+            received = [i for i in ins if i not in mine and i.op not in _GIVEN and _floating(i)]
             self.path[n] = _floating(n) and (
                 bool(received) or any(self.path.get(i, False) for i in ins)
             )

@@ -10,14 +10,19 @@ schedule (`parc.compiler.plan_schedule.stage_held`).
 from __future__ import annotations
 
 import functools
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
+import torch
+import torch.fx
 from helpers import GPT, LLAMA
 from peak_memory import MODELED, LiveBytes, _resident, _tag_saved, _tag_sync
+from torch.fx.passes.shape_prop import ShapeProp
 
 from parc.compiler.estimate import Estimate, estimate
 from parc.compiler.frontend import analyse
+from parc.compiler.plan import Plan
 from parc.compiler.plan_schedule import stage_held
 from parc.compiler.report import format_report, human_bytes
 from parc.compiler.zb_memory import kept_until_w
@@ -185,3 +190,64 @@ def test_the_report_shows_what_b_keeps_for_w() -> None:
     line = "gradients B keeps for W, per microbatch and stage: " + ", ".join(map(human_bytes, kept))
     assert line in format_report(zb1.plan, zb1.estimate, title="zb1")
     assert "B keeps for W" not in format_report(one_f_one_b.plan, one_f_one_b.estimate, title="")
+
+
+class _Block(torch.nn.Module):
+    """A pre-norm residual block with a positional table: frontier ops of each kind."""
+
+    def __init__(self, twice: bool = False, python: bool = False) -> None:
+        super().__init__()
+        self.norm, self.fc1 = torch.nn.LayerNorm(8), torch.nn.Linear(8, 16)
+        self.fc2, self.pos = torch.nn.Linear(16, 8), torch.nn.Embedding(4, 8)
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.w = torch.nn.Parameter(torch.randn(8))
+        self.twice, self.python = twice, python
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self.rest(x + 0, ids)  # stage 0: `x + 0`, what stage 1 receives
+
+    def rest(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        h = h + self.pos(ids)
+        h = h + self.fc2(torch.tanh(self.fc1(self.norm(h))))
+        h = self.a(h) + self.b(h)  # one gradient tensor for both (counted once)
+        h = self.norm(h) if self.twice else h * self.w
+        return _Mul.apply(h, self.w) if self.python else h
+
+
+class _Mul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, w = ctx.saved_tensors
+        return g * w, (g * x).sum((0, 1))
+
+
+@pytest.mark.parametrize(
+    ("twice", "python"),
+    [(False, False), (True, False), (False, True)],
+    ids=["split", "twice", "fn"],
+)
+def test_kept_until_w_is_what_backward_input_keeps(twice: bool, python: bool) -> None:
+    # The fx analysis against the runtime on one graph: the distinct storages B leaves in
+    # PendingWeights, exactly (a layer applied twice, a Python Function: W runs whole).
+    from parc.runtime.pipeline.backward_split import backward_input
+
+    torch.manual_seed(0)
+    model, x, ids = _Block(twice, python), torch.randn(2, 4, 8), torch.arange(4).expand(2, 4)
+    gm = torch.fx.symbolic_trace(model)
+    ShapeProp(gm).propagate(x, ids)
+    stage_of = {n.name: 0 if n.name in ("x", "ids", "add") else 1 for n in gm.graph.nodes}
+    plan = cast(Plan, SimpleNamespace(stage_of=lambda: stage_of, num_stages=2, tp=1))
+    leaf = (x + 0).requires_grad_()
+    loss = (model.rest(leaf, ids) ** 2).sum()  # a loss whose gradient is a whole tensor
+    _, pending = backward_input([loss], [None], [leaf])
+    assert (pending.whole is not None) == (twice or python)
+    grads = [g for gs in pending.kept.values() for g in gs if g is not None]
+    storages = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes() for g in grads}
+    kept = kept_until_w(plan, gm)
+    assert kept == (0, sum(storages.values())), (kept, storages)
+    assert twice or python or kept[1] > 0

@@ -64,6 +64,7 @@ class _StageSum:
     sent: int  # bytes sent forward plus gradients sent back
     modules: int  # ZeRO-3 units
     regathered: int  # ZeRO-3 elements gathered again in backward (their units save params)
+    zb_kept: int = 0  # bytes a microbatch keeps from its B to its W under zb1
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +100,8 @@ def stage_sums(profile: ModelProfile, tpp: TPProfile, pp: int, recompute: bool) 
             sent=(tpp.sent[hi - 1] if hi < len(u) else 0) + (tpp.sent[lo - 1] if lo > 0 else 0),
             modules=sum(u[i].modules for i in rng),
             regathered=sum(u[i].regathered for i in rng),
+            # The first stage receives nothing: B keeps the gradients of what it sent.
+            zb_kept=tpp.sent[hi - 1] if lo == 0 < hi < len(u) else sum(u[i].zb_kept for i in rng),
         )
 
     stages_of = [
@@ -272,7 +275,8 @@ def _rank_memories(
         ranks, flight = stages, (cand.microbatches if kind is ScheduleKind.GPIPE else 1)
     else:
         stored = [int(ss.stored * micro * scale) for ss in st.stages]
-        peaks = rank_peaks(kind, cand.pp, cand.virtual, cand.microbatches, stored)
+        kept = [int(ss.zb_kept * micro * scale) for ss in st.stages]
+        peaks = rank_peaks(kind, cand.pp, cand.virtual, cand.microbatches, stored, kept)
         ranks = [_joined(stages[r :: cand.pp], peak) for r, peak in enumerate(peaks)]
         marker = [int(s == last) for s in range(len(st.stages))]
         flight = rank_peaks(kind, cand.pp, cand.virtual, cand.microbatches, marker)[-1]

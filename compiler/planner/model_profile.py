@@ -28,10 +28,11 @@ Algorithm:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx
@@ -56,6 +57,8 @@ from ..saved import SavedTensors, compute_dtype, profile_forward
 from ..stages import activation_nodes
 from ..trace import module_path, trace_model
 from ..traffic import output_bytes, with_bytes
+from ..zb_memory import kept_until_w
+from .pipeline_cost import UnitsAsStages
 from .shard_layout import SEQUENCE_LINE, analyse_lines, megatron_layout, vocab_lines
 from .shard_layout import shard_lines as blocks_lines
 
@@ -83,6 +86,9 @@ class UnitCost:
     tp_largest: int  # the largest single tensor-parallel message, bytes
     modules: int  # ZeRO-3 units owning parameters here (one gather per unit)
     regathered: int  # local elements of ZeRO-3 units gathered again in backward (saved)
+    # Bytes B keeps for W under zb1 in a stage after the first (compiler/zb_memory.py, the
+    # unit on the input path): its frontier ops' output gradients.
+    zb_kept: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,7 +292,11 @@ class _Base:
         split = {n.name for n in nodes if tp > 1 and _split(meta_of(n).tp)}
         forward = forward_tp_collectives(self.gm) if tp > 1 else {}
         local = {n: math.prod(local_shape(v, slices.get(n))) for n, v in self.shapes.items()}
-        units = [self._unit(i, tp, sharded, split, local, forward) for i in range(self.n)]
+        kept = kept_until_w(cast(Plan, UnitsAsStages(self.unit, self.n, tp)), self.gm)
+        units = [
+            dataclasses.replace(self._unit(i, tp, sharded, split, local, forward), zb_kept=k)
+            for i, k in enumerate(kept)
+        ]
         tied = tuple((local[p], homes) for p, homes in self.homes.items() if len(homes) > 1)
         loss = self._loss(plan)
         return TPProfile(

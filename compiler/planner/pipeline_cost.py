@@ -11,7 +11,12 @@ schedule kind; these are the compiler's own numbers for the same sizes, so
 - `rank_peaks`: per pp rank, the most activation bytes its stages hold at once
   along its list, as `plan_schedule.rank_held`: the generated schedule walked,
   each F adding its stage's bytes and each B (W under zb1, which keeps a
-  microbatch's graph until its W) removing them. Walks are cached by sizes.
+  microbatch's graph until its W) removing them, and under zb1 the output
+  gradients B keeps for W (compiler/zb_memory.py) from each B to its W. Walks are
+  cached by sizes.
+- `UnitsAsStages`: the profile's units as a plan of one stage each, for
+  `zb_memory.kept_until_w`: what B keeps for W in each unit when on the input
+  path (a stage after the first; the first keeps the gradients of what it sends).
 - `schedules_for`: the (kind, V) pairs the search tries for a pipeline: the
   requested kind with one stage per rank, interleaved with V = 2 when the units
   allow 2·pp stages and m is a multiple of pp, and zb1 without recompute.
@@ -21,14 +26,15 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from parc.dsl.ast import ScheduleKind
 
-from ..schedule import generate, held_step
+from ..schedule import ActionKind, generate, held_step
 from ..schedule_interleaved import interleaved_bubble
 from ..schedule_zero_bubble import zb1_bubble
 
-__all__ = ["pipeline_bubble", "rank_peaks", "schedules_for"]
+__all__ = ["UnitsAsStages", "pipeline_bubble", "rank_peaks", "schedules_for"]
 
 VIRTUAL = 2  # the interleaved candidates' stages per pp rank (Megatron's usual choice)
 
@@ -46,15 +52,21 @@ def pipeline_bubble(kind: ScheduleKind, pp: int, virtual: int, microbatches: int
 
 
 def rank_peaks(
-    kind: ScheduleKind, pp: int, virtual: int, microbatches: int, stored: Sequence[int]
+    kind: ScheduleKind,
+    pp: int,
+    virtual: int,
+    microbatches: int,
+    stored: Sequence[int],
+    kept: Sequence[int] = (),
 ) -> tuple[int, ...]:
     """Per pp rank, its activation peak along the schedule; `stored[s]`: the bytes one
-    microbatch keeps on stage s (pp·virtual stages)."""
+    microbatch keeps on stage s (pp·virtual stages) from F to its release; `kept[s]`:
+    from B to W in a split schedule."""
     out = []
     for events in _walk(kind, pp, virtual, microbatches):
         live = peak = 0
-        for stage, step in events:
-            live += step * stored[stage]
+        for stage, step, split in events:
+            live += step * stored[stage] + (split * kept[stage] if kept else 0)
             peak = max(peak, live)
         out.append(peak)
     return tuple(out)
@@ -63,13 +75,20 @@ def rank_peaks(
 @functools.lru_cache(maxsize=512)
 def _walk(
     kind: ScheduleKind, pp: int, virtual: int, microbatches: int
-) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """Per pp rank, its actions that change what it holds: (stage, +1 or −1)."""
+) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+    """Per pp rank, its actions that change what it holds: (stage, ±1 of its stored
+    bytes, ±1 of what B keeps for W: +1 at a B and −1 at a W of a split schedule)."""
     stages = pp * virtual
     schedule = generate(kind, stages, microbatches, tuple(s % pp for s in range(stages)))
     step = held_step(schedule)
+    split = ActionKind.W in step
+    kept = {ActionKind.B: 1, ActionKind.W: -1} if split else {}
     return tuple(
-        tuple((a.stage, step[a.kind]) for a in schedule[r] if step.get(a.kind, 0))
+        tuple(
+            (a.stage, step.get(a.kind, 0), kept.get(a.kind, 0))
+            for a in schedule[r]
+            if step.get(a.kind, 0) or kept.get(a.kind, 0)
+        )
         for r in range(pp)
     )
 
@@ -87,3 +106,16 @@ def schedules_for(
     if not recompute and kind is not ScheduleKind.ZB1:
         out.append((ScheduleKind.ZB1, 1))
     return tuple(dict.fromkeys(out))
+
+
+@dataclass(frozen=True, slots=True)
+class UnitsAsStages:
+    """What `zb_memory.kept_until_w` reads of a plan, with each unit a stage of its own
+    (so every unit but the first is on the input path, as in a stage after the first)."""
+
+    unit: dict[str, int]
+    num_stages: int
+    tp: int
+
+    def stage_of(self) -> dict[str, int]:
+        return self.unit

@@ -66,12 +66,13 @@ class _Stage:
         self.path: dict[torch.fx.Node, bool] = {}
         self.reads: dict[torch.fx.Node, str] = {}  # node -> the parameters it reads directly
         mine = set(self.nodes)
+        for n in gm.graph.find_nodes(op="get_attr"):  # wherever the stage marking put it
+            self.grad[n] = self.path[n] = False
+            if str(n.target) in params:
+                self.grad[n] = True
+                self.reads[n] = str(n.target)
         for n in self.nodes:
             if n.op == "get_attr":
-                self.grad[n] = str(n.target) in params
-                self.path[n] = False
-                if self.grad[n]:
-                    self.reads[n] = str(n.target)
                 continue
             own = n.op == "call_module" and any(
                 p.requires_grad for p in modules[str(n.target)].parameters(recurse=False)
@@ -191,5 +192,7 @@ def _roots(
     return [
         n
         for n in stage.nodes
-        if stage.grad.get(n, False) and any(stage_of.get(u.name, s) > s for u in n.users)
+        if n.op != "get_attr"
+        and stage.grad.get(n, False)
+        and any(stage_of.get(u.name, s) > s for u in n.users)
     ]

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import check_equivalent, examples
+from helpers import check_equivalent, ci_rows, examples
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -89,6 +89,18 @@ def _beside(family: str, layout: str) -> tuple[dict[str, int], str]:
     return dict(axes), tp_lines(family) if extra == "tp" else extra
 
 
+AROUND_TP = ("none", "dp2", "dp2-zero1", "dp2-zero2", "dp2-zero3", "pp2")
+
+
+def _around(beside: str, tp: int) -> tuple[dict[str, int], str]:
+    """A tp layout's mesh axes and statements with `beside` (one of AROUND_TP) next to it:
+    dp=2 with a ZeRO level, or a 1F1B pipeline of 2 stages and 2 microbatches."""
+    if beside == "pp2":
+        return {"tp": tp, "pp": 2}, "stage auto\nmicrobatches 2\n"
+    axes, extra = BESIDE[beside]
+    return {"tp": tp, **axes}, extra
+
+
 @examples(1)
 @given(
     family=st.sampled_from(FAMILIES),
@@ -134,7 +146,7 @@ def test_zero_bubble_matches_one_device(
     tp=st.sampled_from([2, 4]),
     tie=st.booleans(),
     head=st.booleans(),
-    beside=st.sampled_from(["none", "dp2", "dp2-zero1", "dp2-zero2", "dp2-zero3", "pp2"]),
+    beside=st.sampled_from(AROUND_TP),
     seed=st.integers(0, 3),
 )
 def test_sequence_parallel_matches_one_device(
@@ -142,14 +154,10 @@ def test_sequence_parallel_matches_one_device(
 ) -> None:
     # `head`: the LM head `col` (loss parallel) and the embedding's rows split with it
     # (a tied head reads the embedding's weight: both split, or neither).
-    axes: dict[str, int] = {"tp": tp, "pp": 2} if beside == "pp2" else {"tp": tp}
-    extra = ""
-    if beside.startswith("dp"):
-        axes["dp"], extra = BESIDE[beside][0]["dp"], BESIDE[beside][1]
+    axes, extra = _around(beside, tp)
     vocab = f"shard {EMBEDDING[family]} vocab tp\nshard lm_head col tp\n" if head else ""
-    pipe = "stage auto\nmicrobatches 2\n" if beside == "pp2" else ""
-    spec = spec_of(family, axes, "sequence_parallel tp\n", "tp", vocab, extra, pipe)
-    env = env_of(family, layers=2, tp=tp, tie=tie and head)
+    spec = spec_of(family, axes, "sequence_parallel tp\n", "tp", vocab, extra)
+    env = env_of(family, layers=2, tp=tp, tie=tie)
     _check(gloo_pool, spec, env, batch=2 * axes.get("dp", 1) * axes.get("pp", 1), seed=seed)
 
 
@@ -160,21 +168,41 @@ def test_sequence_parallel_matches_one_device(
     vocab=st.integers(97, 127),
     tie=st.booleans(),
     blocks=st.booleans(),
-    beside=st.sampled_from(["none", "dp2", "dp2-zero1", "dp2-zero2", "dp2-zero3", "pp2"]),
+    beside=st.sampled_from(AROUND_TP),
 )
 def test_padded_vocab_parallel_embedding_and_loss_match_one_device(
     gloo_pool: Any, family: str, tp: int, vocab: int, tie: bool, blocks: bool, beside: str
 ) -> None:
     vocab -= 1 if vocab % tp == 0 else 0  # a vocabulary tp does not divide: padded
-    axes: dict[str, int] = {"tp": tp, "pp": 2} if beside == "pp2" else {"tp": tp}
-    extra = ""
-    if beside.startswith("dp"):
-        axes["dp"], extra = BESIDE[beside][0]["dp"], BESIDE[beside][1]
-    pipe = "stage auto\nmicrobatches 2\n" if beside == "pp2" else ""
+    axes, extra = _around(beside, tp)
     spec = spec_of(family, axes, f"shard {EMBEDDING[family]} vocab tp\n",
-                   "shard lm_head col tp\n", "tp" if blocks else "", extra, pipe)  # fmt: skip
+                   "shard lm_head col tp\n", "tp" if blocks else "", extra)  # fmt: skip
     env = env_of(family, layers=2, tp=tp, tie=tie, vocab=vocab)
     _check(gloo_pool, spec, env, batch=2 * axes.get("dp", 1) * axes.get("pp", 1))
+
+
+# Every layout at once (world 8): pp=2 x dp=2 x tp=2 with ZeRO 1, sequence parallel, the
+# blocks in Megatron's pairs, a padded vocab-parallel embedding and col head (tied where
+# the family ties by default), under interleaved (V=2) or zero bubble. Thorough only: each
+# kind runs in CI above.
+ALL_AT_ONCE = ci_rows(
+    [(family, schedule) for family in ("llama", "gpt2") for schedule in ("interleaved", "zb1")],
+    ci=(),
+)
+
+
+@pytest.mark.parametrize(("family", "schedule"), ALL_AT_ONCE)
+def test_every_layout_at_once_matches_one_device(
+    gloo_pool: Any, family: str, schedule: str
+) -> None:
+    virtual = 2 if schedule == "interleaved" else 1
+    pipe = f"stage auto\nschedule {schedule}\nmicrobatches 4\n"
+    pipe += f"virtual_stages {virtual}\n" if virtual > 1 else ""
+    spec = spec_of(family, {"pp": 2, "dp": 2, "tp": 2}, "zero 1\n", "sequence_parallel tp\n",
+                   "tp", f"shard {EMBEDDING[family]} vocab tp\n", "shard lm_head col tp\n",
+                   pipe)  # fmt: skip
+    env = env_of(family, layers=2 * virtual + 1, tp=2, tie=family == "gpt2", vocab=125)
+    _check(gloo_pool, spec, env, batch=2 * 4 * 2)
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])

@@ -127,7 +127,8 @@ class GradSync:
                 ref, index = weakref.ref(self), len(self.units) - 1
                 if zero == 2 and not self._main_grad:  # before AccumulateGrad reads `.grad`
                     p.register_hook(_pre_hook(ref, index))
-                p.register_post_accumulate_grad_hook(_hook(ref, index, j))
+                if self._hooked:
+                    p.register_post_accumulate_grad_hook(_hook(ref, index, j))
         if mixed is not None:
             self.masters = MasterWeights()
             if zero == 0:
@@ -135,6 +136,14 @@ class GradSync:
         if zero >= 1:
             for unit in self.units:
                 self._flatten_params(unit)
+
+    @property
+    def _hooked(self) -> bool:
+        """Whether each accumulated gradient calls `_on_grad`. Not at zero 0 over one dp
+        rank without `reduce fp32`: there a launch moves nothing and `finish` launches
+        every unit anyway, so the hooks (a Python call per parameter and microbatch)
+        would change nothing."""
+        return self.zero > 0 or self.dp > 1 or self._main_grad
 
     @property
     def _main_grad(self) -> bool:
@@ -265,7 +274,8 @@ class GradSync:
         assert unit.grad is not None
         if self.zero == 0:
             if self.masters is None:
-                unit.grad.div_(self.dp)
+                if self.dp > 1:  # over one rank the average is the sum: no pass over it
+                    unit.grad.div_(self.dp)
             else:
                 for j, (p, off) in enumerate(zip(unit.params, unit.offsets)):
                     grad = unit.grad[off : off + p.numel()]

@@ -23,6 +23,9 @@ else the sent tensors with the gradients received for them) and its inputs:
    own AccumulateGrad, so `.grad` views, post-accumulate hooks (gradient sync) and
    ZeRO-3's reduce-scatter see what they see under an unsplit backward.
 
+A graph with no input path (a first stage's: it receives nothing that needs a
+gradient) is not walked: B computes nothing and W is one backward from the roots.
+
 W redoes no work of B: step 4 runs a frontier node for its weight outputs only and
 nothing above it. Two kinds of graph cannot be split so (`_whole_w`), and then W runs
 the whole backward for the weights, repeating the input path: one with a frontier
@@ -195,15 +198,14 @@ def backward_input(
     one) from `roots` given `grads` (None: a scalar root's gradient 1), and the W left."""
     pairs = [(t, g) for t, g in zip(roots, grads, strict=True) if t.requires_grad]
     wanted = [x for x in inputs if x.requires_grad]
+    if not wanted:  # a first stage: no input path, so W is the whole backward (no walk)
+        off = [(get_gradient_edge(t), _given(t, g)) for t, g in pairs]
+        return [None] * len(inputs), PendingWeights({}, {}, off, None)
     input_nodes = {get_gradient_edge(x).node for x in wanted}
     root_edges = [(get_gradient_edge(t), t, g) for t, g in pairs]
     graph = _walk([e.node for e, _, _ in root_edges], input_nodes)
     on = [(t, g) for e, t, g in root_edges if graph.on_path[e.node]]
-    off = [
-        (e, g if g is not None else torch.ones_like(t))
-        for e, t, g in root_edges
-        if not graph.on_path[e.node]
-    ]
+    off = [(e, _given(t, g)) for e, t, g in root_edges if not graph.on_path[e.node]]
     kept: dict[Node, tuple[torch.Tensor | None, ...]] = {}
     whole = None
     if _whole_w(graph):
@@ -235,6 +237,11 @@ def _input_grads(
         allow_unused=True,
     )
     return list(got)
+
+
+def _given(root: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor:
+    """The gradient a root is given: `grad`, or 1 for a scalar root given None."""
+    return grad if grad is not None else torch.ones_like(root)
 
 
 def _is_weight(node: Node, graph: _Graph) -> bool:

@@ -165,6 +165,7 @@ class StageExecutor:
         self._sending: list[tuple[_Posted, list[torch.Tensor]]] = []
         # Global rank of every stage's pp rank, at this rank's other coordinates.
         self.rank_of_stage = tuple(comm.rank_of({**coords, AXIS_PP: r}) for r in stage_to_rank)
+        self._order: tuple[Sequence[Action], _Order] | None = None  # the last tuple run
 
     def run(
         self,
@@ -177,20 +178,15 @@ class StageExecutor:
     ) -> list[torch.Tensor]:
         """Run the actions for len(inputs) microbatches; the last stage's unscaled losses,
         detached, on the device (read them once per step: each read is a host sync)."""
-        if len(self.stage_to_rank) == 1:
-            actions = one_at_a_time(actions)
+        order = self._order_of(actions)
+        actions, split, last = order.actions, order.split, order.last
         states = {
             (s, m): MicroState(stage)
             for s, stage in self.stages.items()
             for m in range(len(inputs))
         }
         losses: list[torch.Tensor] = []
-        # The weights' gradients accumulate at B, or at W in a split schedule: the sync is
-        # armed before the last of those (gradient hooks of earlier ones must not reduce).
-        split = any(a.kind is ActionKind.W for a in actions)
-        accumulates = ActionKind.W if split else ActionKind.B
-        last = max((i for i, a in enumerate(actions) if a.kind is accumulates), default=-1)
-        for item in execution_items(actions):
+        for item in order.items:
             first = actions[item[0]]
             state = states[(first.stage, first.microbatch)]
             if first.kind.is_compute:
@@ -213,6 +209,15 @@ class StageExecutor:
                 self._communicate([actions[i] for i in item], states)
         self._wait_sends()
         return losses
+
+    def _order_of(self, actions: Sequence[Action]) -> _Order:
+        """How `actions` run (`_Order`); made once for a tuple (the Program's every step)."""
+        if self._order is not None and self._order[0] is actions:
+            return self._order[1]
+        order = _Order.of(one_at_a_time(actions) if len(self.stage_to_rank) == 1 else actions)
+        if isinstance(actions, tuple):  # immutable: the same object runs the same way
+            self._order = (actions, order)
+        return order
 
     def _forward(
         self, state: MicroState, inputs: Sequence[torch.Tensor], targets: Any, scale: float
@@ -313,6 +318,25 @@ class StageExecutor:
         for posted, _ in self._sending:
             posted.wait()
         self._sending = []
+
+
+@dataclass(frozen=True)
+class _Order:
+    """A rank's action list as `run` walks it: what a step derives from the list alone."""
+
+    actions: Sequence[Action]
+    items: tuple[tuple[int, ...], ...]  # `execution_items`
+    split: bool  # a split backward (W actions)
+    # The position of the last action the weights' gradients accumulate at (B, or W in a
+    # split schedule): the sync is armed before it (earlier gradient hooks must not reduce).
+    last: int
+
+    @classmethod
+    def of(cls, actions: Sequence[Action]) -> _Order:
+        split = any(a.kind is ActionKind.W for a in actions)
+        accumulates = ActionKind.W if split else ActionKind.B
+        last = max((i for i, a in enumerate(actions) if a.kind is accumulates), default=-1)
+        return cls(actions, tuple(execution_items(actions)), split, last)
 
 
 class _Posted:

@@ -151,7 +151,8 @@ def test_zb1_prices_the_gradients_b_keeps_for_w(
     spec = _spec("zb1")
     est = _estimate(spec, model, env)
     kept = _kept_alone(spec, model, env)
-    for got in gloo_pool(2).run(measure_kept, spec, model, env):
+    ranks = gloo_pool(2).run(measure_kept, spec, model, env)
+    for got in ranks:
         r, mem = got["rank"], est.memory[got["rank"]]
         # Exact: each kept gradient is one storage of the op output's shape and dtype.
         assert got["peaks"]["kept"] == kept[r] > 0, (got, kept)
@@ -160,7 +161,7 @@ def test_zb1_prices_the_gradients_b_keeps_for_w(
         # without step 5 of compiler/activations.py this is 0.
         stored = est.stages[r].activation_bytes * est.in_flight[r]
         assert mem.activations - stored == kept[r], (mem, stored, kept)
-    first = next(g for g in gloo_pool(2).run(measure_kept, spec, model, env) if g["rank"] == 0)
+    first = next(g for g in ranks if g["rank"] == 0)
     # The first stage's whole modeled peak (resident, saved, buffers, kept) is the
     # reported one within test_memory_peaks.py's 5% of the activations (measured:
     # within 0.2%, the fake forward's missing scalars).

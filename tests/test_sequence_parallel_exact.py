@@ -107,8 +107,7 @@ ESTIMATED = [
     spec_of(GPT, tp=2, dp=2, zero=1, head="col"),
     spec_of(LLAMA, tp=2, pp=2, head="col"),
     spec_of(GPT, tp=2, head="col") + "recompute layers[*]\n",
-    # bf16 without loss parallel: the loss's own all-gather sends fp32 there, which the
-    # estimate (compiler/passes/tp_loss.py) counts at bf16.
+    # bf16 (loss parallel's fp32 all-gather under bf16: tests/test_loss_parallel_bf16_bytes.py).
     spec_of(LLAMA, tp=2, vocab=True) + "precision bf16\n",
 ]
 

@@ -11,16 +11,23 @@ model's own names, world <= 8):
 - `schedule zb1` (ZB-H1, pp in {2, 3});
 - `sequence_parallel tp` with tp in {2, 4} (and dp/ZeRO or pp beside it);
 - `shard <embedding> vocab tp` with the LM head `col` (loss parallel) over a
-  vocabulary tp does not divide (padded on the device), tied or untied.
+  vocabulary tp does not divide (padded on the device), tied or untied;
+- every layout at once (pp x dp x tp = 8, ZeRO 1, SP, padded vocab-parallel embedding
+  and head, interleaved or zb1), parametrized rows.
 
-CI runs one example of each kind (the repo's derandomized `ci` profile); the thorough
-profile ten of each.
+CI runs one example of each kind (the repo's derandomized
+`ci` profile, ~32 s); the thorough profile ten of each and the all-at-once rows (all
+pass: 40 examples in 215 s, 4 rows in 103 s). A tied model's embedding reads the weight
+export names `lm_head.weight` and is still the Embedding's call (compiler/capture.py):
+`shard ... vocab tp` splits its rows.
 
 Tolerances: the equivalence tests' own, unchanged (`Tolerance.for_optimizer("sgd", 3)`,
 runtime/tolerances.py, docs/architecture.md Equivalence: losses rtol 1e-5, parameters
 after 3 SGD steps rtol 1e-4 / atol 1e-6): each layout sums the same fp32 products in
 another order (per microbatch, per shard, the padding adds exact zeros), a missing or
-doubled reduction is orders of magnitude larger.
+doubled reduction is orders of magnitude larger. Measured: losses within a relative
+9.9e-8, parameters within 1.2e-7 (Mistral tp=4, padded V=125, tied; interleaved, zb1 and
+all-at-once within 6e-8), every gradient inside its calibrated bound.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.fx
 import torch.nn.functional as F
+from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from ..conversions import CONVERSIONS, ConvKind, ConvStep
 from ..linear_forms import LinearForm, as_linear_weight, linear_form
@@ -40,7 +41,7 @@ from .placement import (
     Shard,
 )
 from .tp_dims import output_metas
-from .tp_sequence_lower import SEQUENCE_LOWERINGS, emit_sequence, entered_param
+from .tp_sequence_lower import SEQUENCE_LOWERINGS, emit_sequence
 from .tp_shapes import local_shape
 
 __all__ = [
@@ -113,6 +114,19 @@ def emit_conversion(
     return node
 
 
+def entered_param(
+    graph: torch.fx.Graph, got: torch.fx.Node, value: torch.Tensor, axis: str, tp: int
+) -> torch.fx.Node:
+    """`got`, the `get_attr` of replicated parameter `value` that a sequence shard computes
+    with, through `tp_enter` when it needs a gradient (its rank's gradient is partial)."""
+    set_placement(got, Replicate())
+    if not value.requires_grad:
+        return got
+    meta = _extract_tensor_metadata(value)
+    step = ConvStep(ConvKind.ENTER)
+    return emit_conversion(graph, got, step, axis, name=got.name, meta=meta, tp=tp, grad=False)
+
+
 def emit_lowered(
     graph: torch.fx.Graph,
     node: torch.fx.Node,
@@ -132,7 +146,7 @@ def emit_lowered(
     # The analysis placed every module call it lowers, and a module call has one output.
     assert place is not None and not isinstance(place, tuple), node.name
     if lowering.kind in SEQUENCE_LOWERINGS:
-        out = emit_sequence(graph, node, lowering, x, module, axis, tp)
+        out = emit_sequence(graph, node, lowering, x, module, axis, tp, entered_param)
         return _finish(out, before, node, place, meta, tp)
     assert module is not None
     w, b = _param_nodes(graph, lowering, linear_form(module))

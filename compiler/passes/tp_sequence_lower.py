@@ -16,37 +16,25 @@ nodes that run on a sequence shard and cannot be copied as they are:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.fx
 import torch.nn.functional as F
-from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
-from ..conversions import ConvKind, ConvStep
-from ..node_meta import meta_of, set_comment, set_placement
+from ..node_meta import meta_of, set_comment
 from ..ops.sequence import tp_sequence_dropout
-from .placement import Lowering, LowerKind, Replicate, Shard
+from .placement import Lowering, LowerKind, Shard
 
-__all__ = ["SEQUENCE_LOWERINGS", "emit_sequence", "entered_param"]
+__all__ = ["SEQUENCE_LOWERINGS", "Enter", "emit_sequence"]
+
+#: How a replicated parameter a shard computes with enters the graph: functional.entered_param
+#: (passed in, as functional imports this module).
+Enter = Callable[[torch.fx.Graph, torch.fx.Node, torch.Tensor, str, int], torch.fx.Node]
 
 #: The lowerings emit_sequence makes (the row one is functional.emit_lowered's).
 SEQUENCE_LOWERINGS = frozenset({LowerKind.LAYER_NORM, LowerKind.RMS_NORM, LowerKind.SEQ_DROPOUT})
-
-
-def entered_param(
-    graph: torch.fx.Graph, got: torch.fx.Node, value: torch.Tensor, axis: str, tp: int
-) -> torch.fx.Node:
-    """`got`, the `get_attr` of replicated parameter `value` that a sequence shard computes
-    with, through `tp_enter` when it needs a gradient (its rank's gradient is partial)."""
-    from .functional import emit_conversion  # functional imports this module
-
-    set_placement(got, Replicate())
-    if not value.requires_grad:
-        return got
-    meta = _extract_tensor_metadata(value)
-    step = ConvStep(ConvKind.ENTER)
-    return emit_conversion(graph, got, step, axis, name=got.name, meta=meta, tp=tp, grad=False)
 
 
 def emit_sequence(
@@ -57,8 +45,10 @@ def emit_sequence(
     module: torch.nn.Module | None,
     axis: str,
     tp: int,
+    enter: Enter,
 ) -> torch.fx.Node:
-    """Node `node`'s form on the sequence shard, on input `x`, appended to `graph`."""
+    """Node `node`'s form on the sequence shard, on input `x`, appended to `graph`; a
+    norm's weights go through `enter`."""
     place = meta_of(node).tp
     assert isinstance(place, Shard), node.name  # the analysis placed it on the shard
     if lowering.kind is LowerKind.SEQ_DROPOUT:
@@ -69,9 +59,7 @@ def emit_sequence(
         return out
     assert module is not None
     params = {
-        use.attr: entered_param(
-            graph, graph.get_attr(use.target), getattr(module, use.attr), axis, tp
-        )
+        use.attr: enter(graph, graph.get_attr(use.target), getattr(module, use.attr), axis, tp)
         for use in lowering.params
     }
     shape = tuple(getattr(module, "normalized_shape", ()))

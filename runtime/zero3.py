@@ -144,10 +144,15 @@ class Zero3:
         self._cache.pop(unit, None)
 
     def _pack(self, t: torch.Tensor) -> Any:
+        """A view of a gathered buffer becomes a handle; any other tensor is kept detached
+        (the same storage): packed as itself, a tensor an op saves of its own output would
+        hold that op's node through its grad_fn, a cycle through Python that only a backward
+        without retain_graph breaks, so a graph kept for a later call (zb1's B and W) would
+        never be freed."""
         base = t._base if t._base is not None else t
         entry = self._bases.get(id(base))
         if entry is None or entry[1]() is not base:
-            return t
+            return t.detach()
         return _Handle(entry[0], int(t.storage_offset()), tuple(t.size()), tuple(t.stride()))
 
     def _unpack(self, saved: Any) -> Any:

@@ -152,7 +152,10 @@ def _tag_saved(executor: Any, live: LiveBytes) -> None:
     def counting() -> Iterator[None]:
         def pack(t: torch.Tensor) -> torch.Tensor:
             live.mark_saved(t)
-            return t
+            # Detached (the same storage): a saved output packed as itself holds its node
+            # through its grad_fn, a cycle only a backward without retain_graph breaks
+            # (runtime/zero3.py's _pack says the same).
+            return t.detach()
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield

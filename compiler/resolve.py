@@ -16,6 +16,9 @@ Algorithm:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
 import torch.fx
 
@@ -155,7 +158,7 @@ def _resolve_shards(
     for shard in spec.shards:
         for name in match_modules(spec, shard.pattern, modules):
             module = modules[name]
-            _check_shardable(spec, shard, name, module, feeds_only_the_loss(gm, name))
+            _check_shardable(spec, shard, name, module, partial(feeds_only_the_loss, gm, name))
             previous = found.get(name)
             if previous is not None and previous.kind is not shard.kind:
                 raise PlanError(
@@ -173,9 +176,10 @@ def _resolve_shards(
 
 
 def _check_shardable(
-    spec: Spec, shard: Shard, name: str, module: torch.nn.Module, last: bool
+    spec: Spec, shard: Shard, name: str, module: torch.nn.Module, last: Callable[[], bool]
 ) -> None:
-    """`last`: no parameter is read after the module (an LM head)."""
+    """`last()`: no parameter is read after the module (an LM head); asked only of a dim
+    the axis does not divide (a walk over the rest of the graph per module)."""
     size = spec.mesh.size(shard.axis)
     form = linear_form(module)  # nn.Linear, or a module the capture saw compute x @ W + b
     if shard.kind is ShardKind.VOCAB:
@@ -194,10 +198,10 @@ def _check_shardable(
     # Embedding's rows, or the outputs of a `col` layer after which no parameter is read
     # (an LM head); that its padded outputs reach only the loss or an all-gather is checked
     # on the analysed graph (compiler/passes/tp_padding.py). Other dims must divide.
-    padded = shard.kind is ShardKind.VOCAB or (
-        form is not None and shard.kind is ShardKind.COL and last
-    )
-    if dim % size and not padded:
+    if dim % size and not (
+        shard.kind is ShardKind.VOCAB
+        or (form is not None and shard.kind is ShardKind.COL and last())
+    ):
         raise PlanError(
             f"'{name}' has {what}={dim}, which is not divisible by {clip(shard.axis)}={size}",
             spec.locate(shard.pattern.span),

@@ -21,7 +21,7 @@ candidates cost milliseconds. ZeRO padding (under dp elements a unit) is left ou
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from parc.dsl.ast import ScheduleKind
 
@@ -72,6 +72,9 @@ class Stages:
     cuts: tuple[int, ...]
     stages: tuple[_StageSum, ...]
     tied: int  # elements of weights tied across stages
+    # (zero, dp) -> the fullest stage's host bytes: a memo of `_host`, which every
+    # candidate on these stages asks again (its buffer sums walk every buffer per stage)
+    host: dict[tuple[int, int], HostMemory] = field(default_factory=dict, compare=False)
 
 
 def stage_sums(profile: ModelProfile, tpp: TPProfile, pp: int, recompute: bool) -> Stages:
@@ -177,12 +180,15 @@ def evaluate(
 def _host(cand: Candidate, st: Stages, profile: ModelProfile) -> HostMemory:
     """The fullest rank's host bytes while compiling (compiler/host_memory.py)."""
     zero = cand.zero if cand.dp > 1 else 0
-    bounds = zip((0, *st.cuts), (*st.cuts, len(profile.units)))
-    each = [
-        planned_host(profile.host, ss.params, units, zero=zero, dp=cand.dp)
-        for ss, units in zip(st.stages, bounds)
-    ]
-    return max(each, key=lambda h: h.total)
+    found = st.host.get((zero, cand.dp))
+    if found is None:
+        bounds = zip((0, *st.cuts), (*st.cuts, len(profile.units)))
+        each = [
+            planned_host(profile.host, ss.params, units, zero=zero, dp=cand.dp)
+            for ss, units in zip(st.stages, bounds)
+        ]
+        found = st.host[zero, cand.dp] = max(each, key=lambda h: h.total)
+    return found
 
 
 def _seconds(size: float, calls: int, link: tuple[float, bool]) -> float:

@@ -25,6 +25,7 @@ schedule kind; these are the compiler's own numbers for the same sizes, so
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -62,13 +63,22 @@ def rank_peaks(
     """Per pp rank, its activation peak along the schedule; `stored[s]`: the bytes one
     microbatch keeps on stage s (pp·virtual stages) from F to its release; `kept[s]`:
     from B to W in a split schedule."""
+    return _peaks(kind, pp, virtual, microbatches, tuple(stored), tuple(kept))
+
+
+@functools.lru_cache(maxsize=4096)  # candidates differing in ZeRO or dp price the same walk
+def _peaks(
+    kind: ScheduleKind,
+    pp: int,
+    virtual: int,
+    microbatches: int,
+    stored: tuple[int, ...],
+    kept: tuple[int, ...],
+) -> tuple[int, ...]:
     out = []
     for events in _walk(kind, pp, virtual, microbatches):
-        live = peak = 0
-        for stage, step, split in events:
-            live += step * stored[stage] + (split * kept[stage] if kept else 0)
-            peak = max(peak, live)
-        out.append(peak)
+        held = (step * stored[s] + (split * kept[s] if kept else 0) for s, step, split in events)
+        out.append(max(0, *itertools.accumulate(held)) if events else 0)
     return tuple(out)
 
 

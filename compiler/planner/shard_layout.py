@@ -26,7 +26,7 @@ from ..cost import tensor_metas
 from ..input_vocab import input_vocab
 from ..linear_forms import linear_form
 from ..passes.tp_analysis import analyse_tensor_parallel
-from ..passes.tp_padding import check_padding, feeds_only_the_loss
+from ..passes.tp_padding import check_padding
 from ..plan import Plan
 from ..resolve import resolve
 
@@ -94,16 +94,40 @@ def vocab_lines(gm: torch.fx.GraphModule) -> tuple[str, ...]:
         if module.num_embeddings == rows and not _options(module):
             lines.append(f"shard {node.target} vocab tp")
             break
+    last = _feeds_only_the_loss(gm)
     heads = [
         str(n.target)
         for n in gm.graph.nodes
         if n.op == "call_module"
         and linear_form(gm.get_submodule(str(n.target))) is not None
-        and feeds_only_the_loss(gm, str(n.target))
+        and last[str(n.target)]
     ]
     if len(heads) == 1:
         lines.append(f"shard {heads[0]} col tp")
     return tuple(dict.fromkeys(lines))
+
+
+def _feeds_only_the_loss(gm: torch.fx.GraphModule) -> dict[str, bool]:
+    """tp_padding.feeds_only_the_loss of every called module in one backward pass over the
+    graph (it walks the rest of the graph per module): whether no node after any call of
+    it reads a parameter (a get_attr of one, or a module holding any)."""
+    params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
+
+    def reads(node: torch.fx.Node) -> bool:
+        if any(a.op == "get_attr" and str(a.target) in params for a in node.all_input_nodes):
+            return True
+        module = gm.get_submodule(str(node.target)) if node.op == "call_module" else None
+        return module is not None and next(module.parameters(), None) is not None
+
+    before_a_read: set[torch.fx.Node] = set()  # nodes with a reading node after them
+    for node in reversed(gm.graph.nodes):  # users come after their inputs
+        if any(reads(u) or u in before_a_read for u in node.users):
+            before_a_read.add(node)
+    out: dict[str, bool] = {}
+    for node in gm.graph.find_nodes(op="call_module"):
+        target = str(node.target)
+        out[target] = out.get(target, True) and node not in before_a_read
+    return out
 
 
 def _is_input(value: object) -> bool:

@@ -58,10 +58,16 @@ _GIVEN = frozenset({"get_attr", "placeholder"})  # values a stage is given, not 
 class _Stage:
     """Step 1 for one stage: which values need a gradient and which are on the path."""
 
-    def __init__(self, gm: torch.fx.GraphModule, stage_of: dict[str, int], s: int) -> None:
-        params = {name for name, p in gm.named_parameters() if p.requires_grad}
-        modules = dict(gm.named_modules())
-        self.nodes = [n for n in gm.graph.nodes if stage_of.get(n.name) == s and n.op != "output"]
+    def __init__(
+        self,
+        gm: torch.fx.GraphModule,
+        nodes: list[torch.fx.Node],
+        params: set[str],
+        modules: dict[str, torch.nn.Module],
+    ) -> None:
+        """`nodes`: the stage's, in graph order; `params`: the names of the parameters that
+        require a gradient; `modules`: gm.named_modules() (both the same for every stage)."""
+        self.nodes = nodes
         self.grad: dict[torch.fx.Node, bool] = {}
         self.path: dict[torch.fx.Node, bool] = {}
         self.reads: dict[torch.fx.Node, str] = {}  # node -> the parameters it reads directly
@@ -167,9 +173,16 @@ def kept_until_w(plan: Plan, gm: torch.fx.GraphModule) -> tuple[int, ...]:
     """Per stage, the bytes one microbatch keeps from its B to its W (steps 1-5); what a
     schedule without W actions keeps is 0 there (`plan_schedule.stage_held` reads none)."""
     stage_of = plan.stage_of()
+    params = {name for name, p in gm.named_parameters() if p.requires_grad}
+    modules = dict(gm.named_modules())
+    nodes: list[list[torch.fx.Node]] = [[] for _ in range(plan.num_stages)]
+    for n in gm.graph.nodes:
+        s = stage_of.get(n.name)
+        if s is not None and 0 <= s < plan.num_stages and n.op != "output":
+            nodes[s].append(n)
     out = []
     for s in range(plan.num_stages):
-        stage = _Stage(gm, stage_of, s)
+        stage = _Stage(gm, nodes[s], params, modules)
         roots = _roots(stage, stage_of, s, plan.num_stages)
         frontier = stage.frontier()
         if _whole_w(stage, frontier):

@@ -25,7 +25,7 @@ schedule kind; these are the compiler's own numbers for the same sizes, so
 from __future__ import annotations
 
 import functools
-import itertools
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -62,23 +62,42 @@ def rank_peaks(
 ) -> tuple[int, ...]:
     """Per pp rank, its activation peak along the schedule; `stored[s]`: the bytes one
     microbatch keeps on stage s (pp·virtual stages) from F to its release; `kept[s]`:
-    from B to W in a split schedule."""
-    return _peaks(kind, pp, virtual, microbatches, tuple(stored), tuple(kept))
+    from B to W in a split schedule.
+
+    What a rank holds after each action is a sum of stored[s] and kept[s] times counts
+    (microbatches held per stage); bytes are never negative, so its peak is at one of the
+    count vectors of `_held_counts`."""
+    if min((*stored, *kept), default=0) < 0:
+        raise ValueError(f"negative bytes per microbatch: stored {stored}, kept {kept}")
+    out = []
+    for keys, counts in _held_counts(kind, pp, virtual, microbatches):
+        # no kept bytes given: what B keeps for W counts 0
+        sizes = [(kept[s] if kept else 0) if split else stored[s] for s, split in keys]
+        out.append(max(sum(c * b for c, b in zip(v, sizes)) for v in counts))
+    return tuple(out)
 
 
-@functools.lru_cache(maxsize=4096)  # candidates differing in ZeRO or dp price the same walk
-def _peaks(
-    kind: ScheduleKind,
-    pp: int,
-    virtual: int,
-    microbatches: int,
-    stored: tuple[int, ...],
-    kept: tuple[int, ...],
-) -> tuple[int, ...]:
+@functools.lru_cache(maxsize=512)
+def _held_counts(
+    kind: ScheduleKind, pp: int, virtual: int, microbatches: int
+) -> tuple[tuple[tuple[tuple[int, bool], ...], tuple[tuple[int, ...], ...]], ...]:
+    """Per pp rank, the (stage, kept for W?) keys its walk changes, and the count vectors
+    over them it reaches (the empty one included) that no other reached one is at least
+    everywhere: the only ones a peak can be at."""
     out = []
     for events in _walk(kind, pp, virtual, microbatches):
-        held = (step * stored[s] + (split * kept[s] if kept else 0) for s, step, split in events)
-        out.append(max(0, *itertools.accumulate(held)) if events else 0)
+        keys = sorted({(s, False) for s, step, _ in events if step}
+                      | {(s, True) for s, _, split in events if split})  # fmt: skip
+        index = {k: i for i, k in enumerate(keys)}
+        counts, seen = [0] * len(keys), {(0,) * len(keys)}
+        for s, step, split in events:
+            if step:
+                counts[index[s, False]] += step
+            if split:
+                counts[index[s, True]] += split
+            seen.add(tuple(counts))
+        top = [v for v in seen if not any(w != v and all(map(operator.ge, w, v)) for w in seen)]
+        out.append((tuple(keys), tuple(sorted(top))))
     return tuple(out)
 
 

@@ -12,8 +12,10 @@ schedule kind; these are the compiler's own numbers for the same sizes, so
   along its list, as `plan_schedule.rank_held`: the generated schedule walked,
   each F adding its stage's bytes and each B (W under zb1, which keeps a
   microbatch's graph until its W) removing them, and under zb1 the output
-  gradients B keeps for W (compiler/zb_memory.py) from each B to its W. Walks are
-  cached by sizes.
+  gradients B keeps for W (compiler/zb_memory.py) from each B to its W. Walked once
+  per (kind, pp, V, m): the per-stage microbatch counts held after each action, of
+  which only those no other reached one exceeds are kept; a candidate's peak is the
+  largest of their byte sums (a handful per rank, not the thousands of actions).
 - `UnitsAsStages`: the profile's units as a plan of one stage each, for
   `zb_memory.kept_until_w`: what B keeps for W in each unit when on the input
   path (a stage after the first; the first keeps the gradients of what it sends).

@@ -71,7 +71,7 @@ class SavedCounter:
 
             def pack_zero3(t: torch.Tensor) -> Any:
                 packed = runtime._pack(t)
-                if packed is t:
+                if isinstance(packed, torch.Tensor):  # kept (detached), not a handle
                     self._count(t)
                 return packed
 

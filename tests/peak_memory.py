@@ -164,12 +164,19 @@ def _tag_saved(executor: Any, live: LiveBytes) -> None:
     executor.forward_contexts = (*executor.forward_contexts, counting)
 
 
-def measure_peak(
-    spec_text: str, model: str, env: dict[str, str], batch: int, bucket_elems: int
-) -> dict[str, Any]:
-    """One rank: the peak bytes of the second step, all and modeled, and the tags at the latter."""
-    import torch.distributed as dist
-
+@contextlib.contextmanager
+def second_step(
+    spec_text: str,
+    model: str,
+    env: dict[str, str],
+    batch: int,
+    bucket_elems: int,
+    live_type: type[LiveBytes] = LiveBytes,
+) -> Iterator[tuple[LiveBytes, Callable[[], Any]]]:
+    """Compile `spec_text` on one rank and run its first step; yield a `live_type` counter
+    (resident state, the sync's buckets and the saved tensors tagged; the parameters,
+    buffers and batch ignored) and the call that runs the second step, inside the model's
+    environment."""
     from parc.api import compile as parc_compile
     from parc.compiler.model import load_model
 
@@ -180,11 +187,20 @@ def measure_peak(
         xs, ys = source.batch(batch, 1)
         batch_tensors = list(xs) if isinstance(xs, tuple | list) else [xs]
         ignore = [*program.parts.stage.gm.buffers(), *batch_tensors, ys]
-        live = LiveBytes(_resident(program), ignore=ignore)
+        live = live_type(_resident(program), ignore=ignore)
         _tag_sync(program.parts.sync, live)
         _tag_saved(program.executor, live)
-        with live:
-            program.step(xs, ys)
+        yield live, lambda: program.step(xs, ys)
+
+
+def measure_peak(
+    spec_text: str, model: str, env: dict[str, str], batch: int, bucket_elems: int
+) -> dict[str, Any]:
+    """One rank: the peak bytes of the second step, all and modeled, and the tags at the latter."""
+    import torch.distributed as dist
+
+    with second_step(spec_text, model, env, batch, bucket_elems) as (live, step), live:
+        step()
     return {
         "rank": dist.get_rank(),
         "peak": live.peak,

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.fx
 from helpers import GPT, LLAMA
-from peak_memory import MODELED, LiveBytes, _resident, _tag_saved, _tag_sync
+from peak_memory import MODELED, LiveBytes, second_step
 from torch.fx.passes.shape_prop import ShapeProp
 
 from parc.compiler.estimate import Estimate, estimate
@@ -103,24 +103,13 @@ def measure_kept(spec: str, model: str, env: dict[str, str]) -> dict[str, Any]:
     """One rank: the modeled peak of the second step (with `kept`) and each tag's peak."""
     import torch.distributed as dist
 
-    from parc.api import compile as parc_compile
-    from parc.compiler.model import load_model
     from parc.runtime.pipeline import executor
 
-    with model_env(env):
-        source = load_model(model)
-        program = parc_compile(spec, source, batch=BATCH, bucket_elems=BUCKET)
-        program.step(*source.batch(BATCH, 0))
-        xs, ys = source.batch(BATCH, 1)
-        batch_tensors = list(xs) if isinstance(xs, tuple | list) else [xs]
-        ignore = [*program.parts.stage.gm.buffers(), *batch_tensors, ys]
-        live = _KeptBytes(_resident(program), ignore=ignore)
-        _tag_sync(program.parts.sync, live)
-        _tag_saved(program.executor, live)
-        original = _tag_kept(live)
+    with second_step(spec, model, env, BATCH, BUCKET, _KeptBytes) as (live, step):
+        original = _tag_kept(cast(_KeptBytes, live))
         try:
             with live:
-                program.step(xs, ys)
+                step()
         finally:
             executor.backward_input = original
         left = live.by_tag["saved"]  # saved activations still alive once the step is over

@@ -113,3 +113,15 @@ def check_equivalent(
     tolerance = Tolerance.for_optimizer(optimizer, steps, precision)
     comparison = compare_runs(ref, results[0], tolerance)
     return comparison, results[0]
+
+
+def assert_equivalent(
+    pool_factory: Any, spec_text: str, model: str, *, env: dict[str, str], **run: Any
+) -> dict[str, Any]:
+    """`check_equivalent` (same keywords), failing with the spec, model, environment and
+    every compared row when the parallel run is not the reference's; rank 0's result."""
+    comparison, result = check_equivalent(pool_factory, spec_text, model, env=env, **run)
+    assert comparison.ok, (
+        f"{spec_text!r} on {model} {env}: {comparison.describe()}\n{comparison.rows}"
+    )
+    return result

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import check_equivalent, ci_rows, examples
+from helpers import assert_equivalent, ci_rows, examples
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -87,8 +87,7 @@ def spec_of(family: str, axes: dict[str, int], *lines: str) -> str:
 
 
 def _check(pool: Any, spec: str, env: dict[str, str], batch: int, seed: int = 0) -> None:
-    result, _ = check_equivalent(pool, spec, MODEL, env=env, steps=3, batch=batch, seed=seed)
-    assert result.ok, f"{spec!r} on {env}: {result.describe()}\n{result.rows}"
+    assert_equivalent(pool, spec, MODEL, env=env, steps=3, batch=batch, seed=seed)
 
 
 def _beside(family: str, layout: str) -> tuple[dict[str, int], str]:

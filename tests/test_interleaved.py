@@ -3,7 +3,7 @@
 `schedule interleaved` runs V stages on each pp rank (stage s on rank s % pp), from
 `stage` lines naming V·pp stages or from `stage auto` with `virtual_stages V`
 (compiler/schedule_interleaved.py). Each case trains 3 SGD steps on a gloo pool and
-compares with one device (tests/helpers.py check_equivalent).
+compares with one device (tests/helpers.py assert_equivalent).
 
 Tolerances: the current ones, unchanged (docs/architecture.md, Equivalence;
 runtime/equivalence.py Tolerance.for_optimizer): losses rtol 1e-5, parameters after
@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from helpers import GPT, LLAMA, check_equivalent, gpt_env
+from helpers import GPT, LLAMA, assert_equivalent, gpt_env
 
 
 def _llama_env(layers: int, tie: bool) -> dict[str, str]:
@@ -115,8 +115,7 @@ def test_interleaved_1f1b_matches_single_device(
     batch: int,
 ) -> None:
     spec = f"mesh {mesh}\n{stages}microbatches {microbatches}\nschedule interleaved\n{extra}"
-    result, _ = check_equivalent(gloo_pool, spec, model, env=env, batch=batch, steps=3)
-    assert result.ok, f"{spec}: {result.describe()}\n{result.rows}"
+    assert_equivalent(gloo_pool, spec, model, env=env, batch=batch, steps=3)
 
 
 @pytest.mark.multiprocess
@@ -135,8 +134,7 @@ def test_interleaved_1f1b_with_other_statements_matches_single_device(
 ) -> None:
     # Measured: parameters within 7.5e-9 for grad_accum and recompute (fp32 bounds as above).
     spec = f"mesh pp=2\n{_gpt_stage_lines(4)}microbatches 4\nschedule interleaved\n{extra}"
-    result, _ = check_equivalent(gloo_pool, spec, GPT, env=gpt_env(4, True), batch=16, steps=3)
-    assert result.ok, f"{spec}: {result.describe()}\n{result.rows}"
+    assert_equivalent(gloo_pool, spec, GPT, env=gpt_env(4, True), batch=16, steps=3)
 
 
 class _Work:

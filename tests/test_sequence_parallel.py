@@ -5,7 +5,7 @@ The activations between blocks are sharded along the sequence on tp: a row layer
 partial sums are reduce-scattered onto the shard, norms, residual adds and dropout
 run on it, a col layer's input is all-gathered (reduce-scatter backward). Every
 spec here compares with the unmodified model on one device (tests/helpers.py,
-check_equivalent) at the repo's fp32 SGD tolerances (parc/runtime/tolerances.py:
+assert_equivalent) at the repo's fp32 SGD tolerances (parc/runtime/tolerances.py:
 losses rtol 1e-5, parameters rtol 1e-4 / atol 1e-6 after 3 SGD-momentum steps;
 a shard summed in another order moves the last bits only). A norm weight whose
 gradient is not summed over tp (each rank sees only its rows of the sequence) is
@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import GPT, LLAMA, check_equivalent, ci_rows, examples, thorough
+from helpers import GPT, LLAMA, assert_equivalent, ci_rows, examples, thorough
 from hypothesis import given
 from hypothesis import strategies as st
 from test_tp_equivalence import cases as tp_cases
@@ -68,8 +68,7 @@ def spec_of(model: str, *, tp: int, dp: int = 1, pp: int = 1, zero: int = 0, hea
 
 
 def _check(pool: Any, spec: str, model: str, env: dict[str, str], batch: int, seed: int) -> None:
-    result, _ = check_equivalent(pool, spec, model, env=env, steps=3, batch=batch, seed=seed)
-    assert result.ok, f"{spec!r} on {model} {env}: {result.describe()}\n{result.rows}"
+    assert_equivalent(pool, spec, model, env=env, steps=3, batch=batch, seed=seed)
 
 
 @examples(6)

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import GPT, LLAMA, check_equivalent, ci_rows, examples, thorough, world_size
+from helpers import GPT, LLAMA, assert_equivalent, ci_rows, examples, thorough, world_size
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -89,8 +89,7 @@ def test_padded_vocabulary_with_loss_parallel_matches_one_device(
     vocab = _vocab(tp, min(extra, tp - 1))
     env = _env(model, tp, vocab, tie)
     spec = _spec(model, tp=tp)
-    result, _ = check_equivalent(gloo_pool, spec, model, env=env, steps=3, batch=2, seed=seed)
-    assert result.ok, f"{spec!r} on {model} {env}: {result.describe()}\n{result.rows}"
+    assert_equivalent(gloo_pool, spec, model, env=env, steps=3, batch=2, seed=seed)
 
 
 # World <= 4 in CI (tp=2 with dp=2); tp=3 and tp=4 with dp=2 (worlds 6, 8) under thorough.
@@ -110,8 +109,7 @@ def test_padded_vocabulary_with_dp_and_zero_matches_one_device(
 ) -> None:
     env = _env(model, tp, _vocab(tp, 1), tie)
     spec = _spec(model, tp=tp, dp=2, zero=zero)
-    result, _ = check_equivalent(gloo_pool, spec, model, env=env, steps=3, batch=4, seed=seed)
-    assert result.ok, f"{spec!r} on {model} {env}: {result.describe()}\n{result.rows}"
+    assert_equivalent(gloo_pool, spec, model, env=env, steps=3, batch=4, seed=seed)
 
 
 @examples(2)
@@ -127,8 +125,7 @@ def test_padded_vocabulary_with_pp_matches_one_device(
     # The tied weight lives on both stages (the embedding's and the head's), padded alike.
     env = _env(model, tp, _vocab(tp, 1), tie, layers=2)
     spec = _spec(model, tp=tp, pp=2)
-    result, _ = check_equivalent(gloo_pool, spec, model, env=env, steps=3, batch=4, seed=seed)
-    assert result.ok, f"{spec!r} on {model} {env}: {result.describe()}\n{result.rows}"
+    assert_equivalent(gloo_pool, spec, model, env=env, steps=3, batch=4, seed=seed)
 
 
 @pytest.mark.parametrize("model", ci_rows([GPT, LLAMA], {GPT}))
@@ -137,8 +134,7 @@ def test_padded_vocabulary_under_bf16_matches_one_device(gloo_pool: Any, model: 
     # fp32 on the upcast shards, the padding columns masked as under fp32.
     env = _env(model, 3, _vocab(3, 2), tie=model == GPT)
     spec = _spec(model, tp=3) + "precision bf16\n"
-    result, _ = check_equivalent(gloo_pool, spec, model, env=env, steps=3, batch=2, seed=1)
-    assert result.ok, f"{spec!r} on {model} {env}: {result.describe()}\n{result.rows}"
+    assert_equivalent(gloo_pool, spec, model, env=env, steps=3, batch=2, seed=1)
 
 
 # A model-file loss_fn (all-gathered logits, checked to have the true V) and a loss the
@@ -158,8 +154,7 @@ def test_a_users_loss_gets_the_true_vocabulary(
 ) -> None:
     env = _env(GPT, tp, _vocab(tp, 1), tie=True)
     spec = _spec(GPT, tp=tp, dp=dp, zero=zero)
-    result, _ = check_equivalent(gloo_pool, spec, model, env=env, steps=3, batch=4)
-    assert result.ok, f"{spec!r} on {model} {env}: {result.describe()}\n{result.rows}"
+    assert_equivalent(gloo_pool, spec, model, env=env, steps=3, batch=4)
 
 
 # ------------------------------------------------------------ the padding cannot leak

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import GPT, LLAMA, check_equivalent, examples, thorough
+from helpers import GPT, LLAMA, assert_equivalent, examples, thorough
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -77,8 +77,7 @@ def test_vocab_sharded_embedding_matches_one_device(
     head = head or tie
     env = _env(model, tp, rows * tp, tie)
     spec = _spec(model, tp=tp, head=head, blocks=blocks)
-    result, _ = check_equivalent(gloo_pool, spec, model, env=env, steps=3, batch=2, seed=seed)
-    assert result.ok, f"{spec!r} on {model} {env}: {result.describe()}\n{result.rows}"
+    assert_equivalent(gloo_pool, spec, model, env=env, steps=3, batch=2, seed=seed)
 
 
 # World <= 4 in CI; dp=2 x tp=4 (world 8) under the thorough profile.
@@ -98,8 +97,7 @@ def test_vocab_sharded_embedding_with_dp_and_zero_matches_one_device(
 ) -> None:
     env = _env(model, tp, 12 * tp, tie)
     spec = _spec(model, tp=tp, dp=2, zero=zero, head=True, blocks=True)
-    result, _ = check_equivalent(gloo_pool, spec, model, env=env, steps=3, batch=4, seed=seed)
-    assert result.ok, f"{spec!r} on {model} {env}: {result.describe()}\n{result.rows}"
+    assert_equivalent(gloo_pool, spec, model, env=env, steps=3, batch=4, seed=seed)
 
 
 @examples(3)
@@ -109,8 +107,7 @@ def test_vocab_sharded_embedding_with_pp_matches_one_device(
 ) -> None:
     env = {**_env(model, 2, 16, tie), "GPT_LAYERS": "2", "LLAMA_LAYERS": "2"}
     spec = _spec(model, tp=2, pp=2, head=True, blocks=True)
-    result, _ = check_equivalent(gloo_pool, spec, model, env=env, steps=3, batch=4, seed=seed)
-    assert result.ok, f"{spec!r} on {model} {env}: {result.describe()}\n{result.rows}"
+    assert_equivalent(gloo_pool, spec, model, env=env, steps=3, batch=4, seed=seed)
 
 
 def test_lookup_masks_ids_outside_the_rank_rows_and_gives_them_no_gradient() -> None:
@@ -178,5 +175,4 @@ def test_vocab_sharded_embedding_and_loss_under_bf16_match_one_device(
     # runs in fp32 on the upcast logit shards, as on one device on the whole logits.
     env = _env(model, 2, 32, tie=model == GPT)
     spec = _spec(model, tp=2, head=True, blocks=True) + "precision bf16\n"
-    result, _ = check_equivalent(gloo_pool, spec, model, env=env, steps=3, batch=2, seed=1)
-    assert result.ok, f"{spec!r} on {model} {env}: {result.describe()}\n{result.rows}"
+    assert_equivalent(gloo_pool, spec, model, env=env, steps=3, batch=2, seed=1)

@@ -3,7 +3,7 @@
 `schedule zb1` splits each backward into B (the gradients of what the stage received)
 and W (its weights' gradients, later), read off the autograd graph
 (runtime/pipeline/backward_split.py). Each equivalence case trains 3 SGD steps on a
-gloo pool and compares with one device (tests/helpers.py check_equivalent): GPT and
+gloo pool and compares with one device (tests/helpers.py assert_equivalent): GPT and
 LLaMA, tied and untied, with dp, ZeRO 1/2/3, tp, grad_accum and bf16.
 
 Tolerances: the current ones, unchanged (docs/architecture.md, Equivalence;
@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import GPT, LLAMA, check_equivalent, examples, gpt_env
+from helpers import GPT, LLAMA, assert_equivalent, examples, gpt_env
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -117,8 +117,7 @@ def test_zero_bubble_matches_single_device(
     batch: int,
 ) -> None:
     spec = f"mesh {mesh}\nstage auto\nmicrobatches {microbatches}\nschedule zb1\n{extra}"
-    result, _ = check_equivalent(gloo_pool, spec, model, env=env, batch=batch, steps=3)
-    assert result.ok, f"{spec}: {result.describe()}\n{result.rows}"
+    assert_equivalent(gloo_pool, spec, model, env=env, batch=batch, steps=3)
 
 
 # A layout beside the pipeline: (mesh axes, statements).
@@ -151,8 +150,7 @@ def test_drawn_zero_bubble_pipelines_match_single_device(
     dp = 2 if axes.startswith("dp") else 1
     spec = f"mesh {axes}pp={pp}\nstage auto\nmicrobatches {microbatches}\nschedule zb1\n{extra}"
     batch = dp * microbatches * 2
-    result, _ = check_equivalent(gloo_pool, spec, model, env=env, batch=batch, steps=3)
-    assert result.ok, f"{spec}{env}: {result.describe()}\n{result.rows}"
+    assert_equivalent(gloo_pool, spec, model, env=env, batch=batch, steps=3)
 
 
 # ---------------------------------------------------------------- B + W = the backward
@@ -323,7 +321,6 @@ def test_a_hand_written_split_schedule_matches_single_device(gloo_pool: Any) -> 
         1: ["1F0", "1B0", "1F1", "1B1", "1W1", "1W0"],
     }
     spec = "mesh dp=2 pp=2\nstage auto\nmicrobatches 2\nzero 1\n"
-    result, _ = check_equivalent(
+    assert_equivalent(
         gloo_pool, spec, GPT, env=gpt_env(4, False), batch=8, steps=3, schedule=schedule
     )
-    assert result.ok, f"{spec}: {result.describe()}\n{result.rows}"

@@ -19,9 +19,11 @@ rank holds only parts of some gradients and replicas of others, so:
      (a norm's weight, a row Linear's bias) is counted by tp index 0.
    - any other axis: replicas, index 0.
 2. The rank's partial sum of squares of the parts it counts, on the device
-   (`partial_square_sum`: each part's fp32 norm, squared and summed in
-   float64; the gradients the optimizer reads, under `precision bf16` the
-   fp32 masters'): no host read.
+   (`flag_and_square_sum`: each part's norm, in fp32 at least, squared and
+   summed in float64; the gradients the optimizer reads, under `precision
+   bf16` the fp32 masters'): no host read. The same pass of norms, over every
+   part the rank holds, counted or not, gives the non-finite flag
+   (nonfinite.py): one read of the gradients for both.
 3. The partials are summed over the world in the step's one metric
    all-reduce, beside the loss and the non-finite flag, and read by its one
    `tolist()` (`Program._global_loss`): the squared global norm, the same on
@@ -35,6 +37,7 @@ rank holds only parts of some gradients and replicas of others, so:
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -43,13 +46,12 @@ import torch
 from parc.dsl.ast import AXIS_DP, AXIS_PP
 from parc.errors import ParcError
 
-from .nonfinite import grad_views
 from .sync_protocol import GradientSync
 
 if TYPE_CHECKING:
     from .parts import ProgramParts
 
-__all__ = ["CLIP_EPS", "NormLayout", "check_max_norm", "clip_grads", "partial_square_sum"]
+__all__ = ["CLIP_EPS", "NormLayout", "check_max_norm", "clip_grads", "flag_and_square_sum"]
 
 CLIP_EPS = 1e-6  # added to the norm before dividing, as torch.nn.utils.clip_grad_norm_
 
@@ -95,18 +97,31 @@ class NormLayout:
         return all(self.counter(a, name) in (None, i) for a, i in self.coords.items())
 
 
-def partial_square_sum(parts: ProgramParts, layout: NormLayout) -> torch.Tensor:
-    """This rank's share of the squared global gradient norm (step 2): a float64 scalar on
-    the rank's device, computed with no host read; summed over the world it is the square
-    of `clip_grad_norm_`'s norm on one device."""
-    groups: dict[torch.dtype, list[torch.Tensor]] = {}
-    for name, view in grad_views(parts):
-        if layout.counts(name):
-            groups.setdefault(view.dtype, []).append(view)
-    norms = [n.to(torch.float64) for g in groups.values() for n in torch._foreach_norm(g)]
-    if not norms:
-        return torch.zeros((), dtype=torch.float64, device=parts.device)
-    return torch.stack(norms).square().sum()
+def flag_and_square_sum(
+    views: Iterable[tuple[torch.Tensor, bool]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pass over this rank's gradient views, (view, whether this rank counts it):
+    every view's norm (`torch._foreach_norm`, 16-bit views in fp32, whose range they
+    cannot overflow), read by nobody. Returns two float64 scalars on `device`: the
+    non-finite flag (nonfinite.py step 1: 1.0 when a norm is NaN or inf, which a finite
+    view's norm is only when its squares overflow, a false alarm step 3 clears) and this
+    rank's share of the squared global norm (step 2: the counted norms' squares; summed
+    over the world it is the square of `clip_grad_norm_`'s norm on one device)."""
+    groups: dict[torch.dtype, list[tuple[torch.Tensor, bool]]] = {}
+    for view, counted in views:
+        groups.setdefault(view.dtype, []).append((view, counted))
+    norms: list[torch.Tensor] = []
+    counted_norms: list[torch.Tensor] = []
+    for dtype, group in groups.items():
+        wide = torch.promote_types(dtype, torch.float32)
+        got = torch._foreach_norm([v for v, _ in group], 2, dtype=wide)
+        norms += got
+        counted_norms += [n for n, (_, counted) in zip(got, group, strict=True) if counted]
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    flag = torch.stack(norms).isfinite().all().logical_not().to(torch.float64) if norms else zero
+    if not counted_norms:
+        return flag, zero
+    return flag, torch.stack(counted_norms).to(torch.float64).square().sum()
 
 
 def clip_grads(sync: GradientSync, max_norm: float, norm: float) -> float:

@@ -4,11 +4,12 @@ A NaN or inf in a gradient would be averaged into every replica and stepped
 into the parameters (and the optimizer's moments) for good. `Program.step`
 therefore checks, after gradient synchronisation and before the optimizer step:
 
-1. On each rank, the gradients the optimizer is about to use (its flat
-   gradient buffers under zero 0, its shards' gradients under ZeRO) are summed
-   on the device, with no host sync (`grads_flag`): a finite sum means every
-   element is finite; a NaN or inf sum flags the rank (a false alarm when
-   finite values overflow the sum, which step 3 clears).
+1. On each rank, the norm of every part of a gradient the optimizer is about
+   to use (`grad_views`: its parameters' gradients under zero 0, their ranges
+   in its shards under ZeRO) is taken on the device, with no host sync, in the
+   same pass as the clipping norm's (`clip.flag_and_square_sum`): a finite
+   norm means every element is finite; a NaN or inf norm flags the rank (a
+   false alarm when finite values' squares overflow it, which step 3 clears).
 2. The flag travels in the same small all-reduce as the loss (a metric
    collective, not counted as training traffic), read once: the step's only
    host sync. Every rank sees the same global loss and the same number of
@@ -17,7 +18,7 @@ therefore checks, after gradient synchronisation and before the optimizer step:
    first parameter (in the model's order) whose local part of the gradient is
    not finite, exactly (`isfinite`), and one more metric all-reduce (MIN of
    that index) makes the name the same on every rank. No name on any rank: the
-   flag was an overflowed sum and the step goes on.
+   flag was an overflowed norm and the step goes on.
 """
 
 from __future__ import annotations
@@ -32,31 +33,12 @@ import torch.distributed as dist
 from parc.errors import ParcError, RuntimeFault
 
 from .grad_sync import GradSync
-from .sync_protocol import GradientSync
 from .zero3 import Zero3
 
 if TYPE_CHECKING:
     from .parts import ProgramParts
 
-__all__ = ["first_nonfinite_param", "grad_views", "grads_flag", "nonfinite_fault"]
-
-
-def grads_flag(sync: GradientSync, device: torch.device) -> torch.Tensor:
-    """1.0 when a gradient this rank's optimizer is about to use may not be finite, else
-    0.0: a float64 scalar on `device`, computed with no host sync (step 1)."""
-    if isinstance(sync, GradSync) and sync.zero == 0 and sync.masters is None:
-        buffers = [u.grad for u in sync.units if u.grad is not None]
-    else:
-        buffers = [p.grad for p in sync.optimizer_params() if p.grad is not None]
-    if not buffers:
-        return torch.zeros((), dtype=torch.float64, device=device)
-    # A sum is NaN or inf when an element is, and otherwise only when finite values
-    # overflow it (then step 3 finds no parameter). One pass, no temporaries: ~4x
-    # cheaper than isfinite() here. 16-bit gradients are summed in fp32, whose range
-    # they cannot overflow.
-    sums = [b.sum(dtype=torch.promote_types(b.dtype, torch.float32)) for b in buffers]
-    total = torch.stack([t.to(torch.float64) for t in sums]).sum()
-    return total.isfinite().logical_not().to(torch.float64)
+__all__ = ["first_nonfinite_param", "grad_views", "nonfinite_fault"]
 
 
 def grad_views(parts: ProgramParts) -> Iterator[tuple[str, torch.Tensor]]:

@@ -37,11 +37,11 @@ from parc.dsl.ast import AXIS_DP, AXIS_PP
 from parc.errors import RuntimeFault
 from parc.runtime.pipeline.executor import StageExecutor, checked_loss
 
-from .clip import NormLayout, check_max_norm, clip_grads, partial_square_sum
+from .clip import NormLayout, check_max_norm, clip_grads, flag_and_square_sum
 from .collectives import CommKind
 from .gather import gather_full_state, iter_full_state
 from .master_weights import COMPUTE_DTYPE, upcast
-from .nonfinite import first_nonfinite_param, grad_views, grads_flag, nonfinite_fault
+from .nonfinite import first_nonfinite_param, grad_views, nonfinite_fault
 from .parts import ProgramParts
 from .step_hooks import StepHooks
 
@@ -150,8 +150,9 @@ class Program:
         self.hooks.synced(self.steps_done)
         self.parts.sync.arm(False)
         # Before the optimizer step: a NaN/inf must never reach the parameters (nonfinite.py).
-        flag = grads_flag(self.parts.sync, self.parts.device)
-        square_sum = partial_square_sum(self.parts, self._norm_layout)  # clip.py
+        layout = self._norm_layout
+        views = ((view, layout.counts(name)) for name, view in grad_views(self.parts))
+        flag, square_sum = flag_and_square_sum(views, self.parts.device)  # clip.py
         loss, flagged, self.last_grad_norm = self._global_loss(losses, flag, square_sum)
         # A flag may be a finite sum that overflowed: only the exact search can tell.
         param = first_nonfinite_param(self.parts) if flagged and math.isfinite(loss) else None
@@ -248,7 +249,7 @@ class Program:
         self, losses: list[torch.Tensor], flag: torch.Tensor, square_sum: torch.Tensor
     ) -> tuple[float, int, float]:
         """The mean loss over the global batch, how many ranks flagged their gradients
-        (`flag`: nonfinite.grads_flag) and the global gradient norm (`square_sum`: this
+        (`flag`: clip.flag_and_square_sum) and the global gradient norm (`square_sum`: this
         rank's share of its square, clip.py). One all-reduce and the step's one host sync."""
         plan, comm = self.plan, self.comm
         mine = self.parts.holds_last_stage and all(

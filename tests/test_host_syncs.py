@@ -118,42 +118,35 @@ def test_a_data_parallel_step_syncs_the_host_once_per_rank(gloo_pool: Any) -> No
 # ------------------------------------------------------------- the non-finite flag
 
 
-class _Params:
-    """The one thing `grads_flag` asks of a gradient sync that is not a zero-0 GradSync."""
-
-    def __init__(self, *grads: torch.Tensor) -> None:
-        self.params = []
-        for grad in grads:
-            p = torch.nn.Parameter(torch.zeros_like(grad))
-            p.grad = grad
-            self.params.append(p)
-
-    def optimizer_params(self) -> list[torch.nn.Parameter]:
-        return self.params
-
-
 @pytest.mark.parametrize(
     ("grads", "flag"),
     [
         ((torch.ones(4), torch.ones(3, dtype=torch.bfloat16)), 0.0),
         ((torch.ones(4), torch.tensor([1.0, float("nan")])), 1.0),
         ((torch.tensor([float("-inf"), 1.0]),), 1.0),
-        # 16-bit gradients are summed in fp32: 4 x 60000 overflows fp16, not the flag.
+        # 16-bit norms are taken in fp32: 4 x 60000's norm overflows fp16, not the flag.
         ((torch.full((4,), 60000.0, dtype=torch.float16),), 0.0),
-        # Finite values whose fp32 sum overflows: a false alarm (the exact search clears it).
-        ((torch.full((4,), 3e38),), 1.0),
+        # Finite values whose squares overflow fp32: a false alarm (the exact search
+        # clears it).
+        ((torch.full((4,), 2e19),), 1.0),
     ],
 )
 def test_the_nonfinite_flag_is_a_device_tensor_read_by_nobody(
     grads: tuple[torch.Tensor, ...], flag: float
 ) -> None:
-    from parc.runtime.nonfinite import grads_flag
+    from parc.runtime.clip import flag_and_square_sum
 
     where: list[str] = []
     with _counting_reads(where):
-        got = grads_flag(_Params(*grads), torch.device("cpu"))  # type: ignore[arg-type]
+        # Counted or not, every view is read for the flag.
+        views = [(g, i % 2 == 0) for i, g in enumerate(grads)]
+        got, square_sum = flag_and_square_sum(views, torch.device("cpu"))
     assert where == []
     assert (got.dtype, got.shape, float(got)) == (torch.float64, (), flag)
+    expected = sum(float(g.double().square().sum()) for g, counted in views if counted)
+    assert square_sum.dtype == torch.float64
+    if flag == 0.0:  # the counted views' squares, summed (fp32 norms: 1e-6 relative)
+        assert float(square_sum) == pytest.approx(expected, rel=1e-6)
 
 
 def overflowed_gradient_sum(spec_text: str) -> dict[str, Any]:

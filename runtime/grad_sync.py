@@ -177,23 +177,31 @@ class GradSync:
         n = unit.spec.shard
         return flat[self.index * n : (self.index + 1) * n]
 
+    def release_stale(self) -> None:
+        """At a step's start: free what the step remakes (a skipped step's masters'
+        gradients, nonfinite.py; ZeRO-2's gradient shards, stepped already: the
+        reduce-scatter makes the next), so its forward runs without them."""
+        if self.masters is not None:
+            self.masters.release_grads()
+        if self.zero == 2:
+            for unit in self.units:
+                unit.grad = None
+                for p in unit.params:
+                    p.grad = None
+                assert unit.shard is not None
+                unit.shard.grad = None
+
     def prepare(self) -> None:
-        """Before a step: zero the gradient buffers and point every `.grad` into them.
+        """Before the step's first backward: zero the gradient buffers and point every
+        `.grad` into them.
 
         Zero 0 and 1 keep their buffers between steps; zero 2 allocates a unit's
         buffer only when its first gradient arrives (`_allocate`). Under `reduce
         fp32` no `.grad` points into them: a hook adds each one in (`_on_grad`).
         """
-        if self.masters is not None:
-            self.masters.release_grads()  # a skipped step's (nonfinite.py) are stale
         for unit in self.units:
             unit.ready, unit.work, unit.launched = 0, None, False
             if self.zero == 2:
-                unit.grad = None
-                for p in unit.params:
-                    p.grad = None
-                assert unit.shard is not None
-                unit.shard.grad = None  # stepped already; the reduce-scatter makes the next
                 continue
             if unit.grad is None:
                 size = unit.spec.padded if self.zero >= 1 else unit.spec.numel

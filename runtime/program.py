@@ -120,9 +120,7 @@ class Program:
         plan, comm = self.plan, self.comm
         comm.stats.reset()
         comm.step = self.steps_done
-        # Gradient buffers are (re)made here, not after the step: ZeRO-2 holds only
-        # its gradient shards between steps.
-        self.parts.sync.prepare()
+        self.parts.sync.release_stale()
         xs = [x.to(self.parts.device) for x in xs]
         if plan.mixed:  # floating inputs enter at the compute dtype, as the profile saw them
             xs = cast_inputs(xs, COMPUTE_DTYPE)
@@ -143,7 +141,14 @@ class Program:
             ]
             self.hooks.round_starts(self.steps_done)
             losses += self.executor.run(
-                self.parts.actions, micro_x, micro_y, scale=scale, last_round=r == rounds - 1
+                self.parts.actions,
+                micro_x,
+                micro_y,
+                scale=scale,
+                last_round=r == rounds - 1,
+                # Gradient buffers (re)made in the step, not after it (ZeRO-2 holds only
+                # its gradient shards between steps), where the rank first idles.
+                before_backward=self.parts.sync.prepare if r == 0 else None,
             )
         self._unchecked_targets = None  # a stage without the loss never reads them
         self.parts.sync.finish(self._tied_reduce)

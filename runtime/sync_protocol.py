@@ -4,7 +4,10 @@ Two classes implement it: `GradSync` (runtime/grad_sync.py: bucketed
 all-reduce, ZeRO-1/2) and `Zero3` (runtime/zero3.py: parameters as flat
 shards). `ProgramParts.sync` holds one of them; `Program.step` calls, in order:
 
-1. `prepare()` before the step's first forward (gradient buffers made or zeroed);
+1. `release_stale()` at the step's start (what the step remakes, freed before its
+   forward), then `prepare()` before its first backward (gradient buffers made
+   or zeroed): the executor calls it where the rank first waits for a peer, if
+   that comes earlier (idle time), so nothing reads gradients before then;
 2. `arm(True)` before the last micro-step's backward, so gradients are reduced
    as they become ready, and `arm(False)` after `finish`;
 3. `finish(tied_reduce)` after the last backward: every reduction done and
@@ -41,6 +44,8 @@ TiedReduce = Callable[[str, torch.Tensor], None]
 
 class GradientSync(Protocol):
     """One rank's gradient synchronisation over the dp axis (the steps above)."""
+
+    def release_stale(self) -> None: ...
 
     def prepare(self) -> None: ...
 

@@ -187,16 +187,19 @@ class Zero3:
     def arm(self, on: bool) -> None:
         """Gradients are reduce-scattered every backward; nothing to arm."""
 
+    def release_stale(self) -> None:
+        """At a step's start: a skipped step's masters' gradients freed (nonfinite.py)."""
+        if self.masters is not None:
+            self.masters.release_grads()
+
     def prepare(self) -> None:
-        """The gradients the backward accumulates into, zeroed: the shards' (kept between
-        steps), or under `reduce fp32` the masters' fp32 ones (made here, freed after the
-        step)."""
+        """Before the step's first backward: the gradients the backward accumulates into,
+        zeroed: the shards' (kept between steps), or under `reduce fp32` the masters'
+        fp32 ones (made here, freed after the step)."""
         if self.masters is not None and self.mixed is not None and self.mixed.main_grad:
             for master in self.masters.masters:
                 master.grad = torch.zeros_like(master)
             return
-        if self.masters is not None:
-            self.masters.release_grads()  # a skipped step's (nonfinite.py) are stale
         for shard in self.shards:
             if shard.grad is None:
                 shard.grad = torch.zeros_like(shard)

@@ -119,6 +119,11 @@ class MicroState:
     receiving: dict[ActionKind, _Posted] = field(default_factory=dict)
     weights: PendingWeights | None = None  # a split backward's W, between its B and W
 
+    def will_wait(self, kind: ActionKind) -> bool:
+        """Whether the compute action `kind` (F or B) reads a receive not yet waited for."""
+        recv = ActionKind.RECV_F if kind is ActionKind.F else ActionKind.RECV_B
+        return recv in self.receiving
+
     def wait_for(self, kind: ActionKind) -> None:
         """Wait for the receives the compute action `kind` (F or B) reads."""
         recv = ActionKind.RECV_F if kind is ActionKind.F else ActionKind.RECV_B
@@ -175,9 +180,15 @@ class StageExecutor:
         *,
         scale: float,
         last_round: bool,
+        before_backward: Callable[[], None] | None = None,
     ) -> list[torch.Tensor]:
         """Run the actions for len(inputs) microbatches; the last stage's unscaled losses,
-        detached, on the device (read them once per step: each read is a host sync)."""
+        detached, on the device (read them once per step: each read is a host sync).
+
+        `before_backward` (the step's gradient buffers, zeroed) runs once, before the
+        first backward, or earlier where the rank first waits for a peer: in time the
+        rank would spend idle (a last stage waits for its first input, a first stage for
+        its first gradient), off the pipeline's critical path."""
         order = self._order_of(actions)
         actions, split, last = order.actions, order.split, order.last
         states = {
@@ -190,6 +201,11 @@ class StageExecutor:
             first = actions[item[0]]
             state = states[(first.stage, first.microbatch)]
             if first.kind.is_compute:
+                if before_backward is not None and (
+                    first.kind is not ActionKind.F or state.will_wait(first.kind)
+                ):
+                    before_backward()
+                    before_backward = None
                 state.wait_for(first.kind)
             if first.kind is ActionKind.F:
                 m = first.microbatch
@@ -208,6 +224,8 @@ class StageExecutor:
             else:
                 self._communicate([actions[i] for i in item], states)
         self._wait_sends()
+        if before_backward is not None:  # no backward ran: the buffers are still due
+            before_backward()
         return losses
 
     def _order_of(self, actions: Sequence[Action]) -> _Order:

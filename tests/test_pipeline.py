@@ -161,3 +161,56 @@ def test_a_batch_that_breaks_the_boundary_contract_fails_on_every_rank(gloo_pool
     spec = "mesh pp=2\nstage auto\nmicrobatches 2\n"
     messages = gloo_pool(2).run(mismatched_batch, spec, gpt_env(2, True))
     assert all("(4, 5)" in m and "(4, 8)" in m for m in messages), messages
+
+
+def step_events(spec_text: str, env: dict[str, str], batch: int) -> list[str]:
+    """Pool case: the order of one step's forwards (F), backwards (B) and the zeroing of
+    the gradient buffers (Z) on this rank (its second step: the first one builds)."""
+    from parc.api import compile as parc_compile
+    from parc.compiler.model import load_model
+
+    with model_env(env):
+        source = load_model(GPT)
+        program = parc_compile(spec_text, source, batch=batch)
+    executor, sync = program.executor, program.parts.sync
+    events: list[str] = []
+
+    def logging(fn: Any, label: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            events.append(label)
+            return fn(*args, **kwargs)
+
+        return call
+
+    with model_env(env):
+        program.step(*source.batch(batch, 0))
+        executor._forward = logging(executor._forward, "F")  # type: ignore[method-assign]
+        executor._backward = logging(executor._backward, "B")  # type: ignore[method-assign]
+        sync.prepare = logging(sync.prepare, "Z")  # type: ignore[method-assign]
+        program.step(*source.batch(batch, 1))
+    return events
+
+
+@pytest.mark.parametrize(
+    ("schedule", "first", "last"),
+    [
+        # The first stage runs its warm-up forwards, then waits for its first gradient;
+        # the last stage waits for its first input at once: both zero in that wait.
+        ("1f1b", "FFZBFBFBB", "ZFBFBFBFB"),
+        ("gpipe", "FFFFZBBBB", "ZFFFFBBBB"),
+    ],
+)
+def test_gradient_buffers_are_zeroed_where_each_rank_first_waits(
+    gloo_pool: Any, schedule: str, first: str, last: str
+) -> None:
+    spec = f"mesh pp=2\nstage auto\nmicrobatches 4\nschedule {schedule}\n"
+    events = gloo_pool(2).run(step_events, spec, gpt_env(2, False), 8)
+    assert ["".join(e) for e in events] == [first, last]
+
+
+def test_gradient_buffers_are_zeroed_once_a_step_under_accumulation(gloo_pool: Any) -> None:
+    # Zeroed again before the second round, the first round's gradients would be lost
+    # (the equivalence tests of grad_accum would catch that too; this names the cause).
+    spec = "mesh pp=2\nstage auto\nmicrobatches 2\ngrad_accum 2\nschedule 1f1b\n"
+    events = gloo_pool(2).run(step_events, spec, gpt_env(2, False), 8)
+    assert ["".join(e) for e in events] == ["FFZBBFFBB", "ZFBFBFBFB"]

@@ -21,6 +21,9 @@ from typing import TypeAlias
 
 from parc.errors import SourceSpan
 
+from .pattern_ast import IndexAll, IndexRange, Name, Pattern, Segment, Span, Star
+from .pattern_ast import span_field as _span
+
 __all__ = [
     "AXIS_DP",
     "AXIS_PP",
@@ -92,79 +95,6 @@ class Precision(str, Enum):
 
     def __str__(self) -> str:
         return self.value
-
-
-@dataclass(frozen=True, slots=True)
-class Span:
-    """1-based line and column of a node in its file; `end_column` is exclusive."""
-
-    line: int
-    column: int
-    end_column: int
-
-
-_NO_SPAN = Span(0, 0, 0)
-
-
-def _span() -> Span:
-    return field(default=_NO_SPAN, compare=False, repr=False)
-
-
-# ---------------------------------------------------------------- patterns
-
-
-@dataclass(frozen=True, slots=True)
-class Name:
-    """One literal name segment: `mlp`, `fc1`, or an index such as `3`."""
-
-    text: str
-
-    def __str__(self) -> str:
-        return self.text
-
-
-@dataclass(frozen=True, slots=True)
-class Star:
-    """`*`: any one name segment."""
-
-    def __str__(self) -> str:
-        return "*"
-
-
-@dataclass(frozen=True, slots=True)
-class IndexRange:
-    """`layers[a:b]`: the two segments `layers.i` for a <= i < b."""
-
-    name: str
-    start: int
-    stop: int
-
-    def __str__(self) -> str:
-        return f"{self.name}[{self.start}:{self.stop}]"
-
-
-@dataclass(frozen=True, slots=True)
-class IndexAll:
-    """`layers[*]`: the two segments `layers.i` for every integer i."""
-
-    name: str
-
-    def __str__(self) -> str:
-        return f"{self.name}[*]"
-
-
-Segment: TypeAlias = Name | Star | IndexRange | IndexAll
-
-
-@dataclass(frozen=True, slots=True)
-class Pattern:
-    """A dotted pattern over module qualified names; matches a dotted suffix."""
-
-    segments: tuple[Segment, ...]
-    span: Span = _span()
-
-    def __str__(self) -> str:
-        return ".".join(str(s) for s in self.segments)
 
 
 # ---------------------------------------------------------------- statements

@@ -43,7 +43,8 @@ from parc.compiler.plan import Plan
 from parc.compiler.rank_program import RankProgram, TiedGroup
 from parc.dsl.ast import AXIS_DP, Precision
 from parc.errors import ParcError
-from parc.runtime.pipeline.executor import ForwardContext, checked_optimizer
+from parc.runtime.pipeline.executor import ForwardContext
+from parc.runtime.pipeline.user_checks import checked_optimizer
 
 from .buffers import rank_buffers
 from .collectives import Comm

@@ -32,7 +32,7 @@ from parc.compiler.model_output import (
 )
 from parc.dsl.ast import Precision
 from parc.errors import RuntimeFault
-from parc.runtime.pipeline.executor import checked_loss, checked_optimizer
+from parc.runtime.pipeline.user_checks import checked_loss, checked_optimizer
 
 from .master_weights import Recipe
 from .probes import GradientProbe, nudge_outputs

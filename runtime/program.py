@@ -35,7 +35,8 @@ from parc.compiler.model_output import input_tensors
 from parc.compiler.saved import cast_inputs
 from parc.dsl.ast import AXIS_DP, AXIS_PP
 from parc.errors import RuntimeFault
-from parc.runtime.pipeline.executor import StageExecutor, checked_loss
+from parc.runtime.pipeline.executor import StageExecutor
+from parc.runtime.pipeline.user_checks import checked_loss
 
 from .clip import NormLayout, check_max_norm, clip_grads, flag_and_square_sum
 from .collectives import CommKind

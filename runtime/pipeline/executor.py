@@ -51,58 +51,16 @@ from parc.compiler.schedule_actions import (
     peer_stage,
 )
 from parc.dsl.ast import AXIS_PP
-from parc.errors import ModelError, RuntimeFault
+from parc.errors import RuntimeFault
 from parc.runtime.collectives import Comm, CommKind
 
 from .backward_split import PendingWeights, backward_input
+from .user_checks import LossFn, checked_loss
 
-__all__ = [
-    "ForwardContext",
-    "MicroState",
-    "StageExecutor",
-    "checked_loss",
-    "checked_optimizer",
-    "one_at_a_time",
-]
+__all__ = ["ForwardContext", "MicroState", "StageExecutor", "one_at_a_time"]
 
-LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 # Called once per stage forward; the context it returns is entered around that forward.
 ForwardContext = Callable[[], contextlib.AbstractContextManager[Any]]
-
-
-def checked_loss(loss: Any, loss_fn: LossFn) -> torch.Tensor:
-    """`loss` if it is a floating-point tensor of one element, else a ModelError naming loss_fn.
-
-    One element is what `loss.backward()` on one device accepts; a per-sample
-    loss (reduction="none") would otherwise fail deep inside autograd.
-    """
-    if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point():
-        return loss
-    code = getattr(loss_fn, "__code__", None)
-    seen = (
-        f"a {loss.dtype} tensor of shape {tuple(loss.shape)}"
-        if isinstance(loss, torch.Tensor)
-        else f"a {type(loss).__name__}"
-    )
-    raise ModelError(
-        f"loss_fn{f' (line {code.co_firstlineno})' if code else ''} returned {seen}; it must "
-        "return the loss as a floating-point scalar tensor (one element)",
-        file=code.co_filename if code else getattr(loss_fn, "path", repr(loss_fn)),
-        hint="reduce it over the batch, e.g. `return F.cross_entropy(output, targets)` "
-        "(mean by default) or `return losses.mean()`",
-    )
-
-
-def checked_optimizer(opt: Any, path: str) -> torch.optim.Optimizer:
-    """`opt` if configure_optimizer made a torch optimizer, else a ModelError of `path`."""
-    if isinstance(opt, torch.optim.Optimizer):
-        return opt
-    made = "None (no `return`?)" if opt is None else f"a {type(opt).__name__}"
-    raise ModelError(
-        f"configure_optimizer returned {made}; it must return a torch.optim.Optimizer",
-        file=path,
-        hint="end it with e.g. `return torch.optim.AdamW(params, lr=3e-4)`",
-    )
 
 
 @dataclass

@@ -160,7 +160,7 @@ class Program:
         views = ((view, layout.counts(name)) for name, view in grad_views(self.parts))
         flag, square_sum = flag_and_square_sum(views, self.parts.device)  # clip.py
         loss, flagged, self.last_grad_norm = self._global_loss(losses, flag, square_sum)
-        # A flag may be a finite sum that overflowed: only the exact search can tell.
+        # A flag may be a finite norm whose squares overflowed: only the exact search can tell.
         param = first_nonfinite_param(self.parts) if flagged and math.isfinite(loss) else None
         if param is not None or not math.isfinite(loss):
             self._nonfinite(loss, param)

@@ -24,9 +24,10 @@ else the sent tensors with the gradients received for them) and its inputs:
    with all that reaches it, and the weight-shaped gradients of the stage are never
    alive all at once (measured: one backward for all of them made the W that held
    them ~35% slower, in fresh pages). A frontier node whose groups no other entry
-   feeds runs with them in one backward (`_solo`). They accumulate into `.grad` through autograd's
-   own AccumulateGrad, so `.grad` views, post-accumulate hooks (gradient sync) and
-   ZeRO-3's reduce-scatter see what they see under an unsplit backward.
+   feeds runs with them in one backward (`_solo`). They accumulate into `.grad`
+   through autograd's own AccumulateGrad, so `.grad` views, post-accumulate hooks
+   (gradient sync) and ZeRO-3's reduce-scatter see what they see under an unsplit
+   backward.
 
 A graph with no input path (a first stage's: it receives nothing that needs a
 gradient) is not walked: B computes nothing and W is one backward from the roots.

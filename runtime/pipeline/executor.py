@@ -63,6 +63,11 @@ __all__ = ["ForwardContext", "MicroState", "StageExecutor", "one_at_a_time"]
 ForwardContext = Callable[[], contextlib.AbstractContextManager[Any]]
 
 
+def _receive_of(kind: ActionKind) -> ActionKind:
+    """The receive a compute action reads: F its input (RECV_F), B its gradient (RECV_B)."""
+    return ActionKind.RECV_F if kind is ActionKind.F else ActionKind.RECV_B
+
+
 @dataclass
 class MicroState:
     """What one microbatch keeps on one stage between its forward and its backward."""
@@ -79,12 +84,11 @@ class MicroState:
 
     def will_wait(self, kind: ActionKind) -> bool:
         """Whether the compute action `kind` (F or B) reads a receive not yet waited for."""
-        recv = ActionKind.RECV_F if kind is ActionKind.F else ActionKind.RECV_B
-        return recv in self.receiving
+        return _receive_of(kind) in self.receiving
 
     def wait_for(self, kind: ActionKind) -> None:
         """Wait for the receives the compute action `kind` (F or B) reads."""
-        recv = ActionKind.RECV_F if kind is ActionKind.F else ActionKind.RECV_B
+        recv = _receive_of(kind)
         batch = self.receiving.pop(recv, None)
         if batch is None:
             return

@@ -142,6 +142,8 @@ class Plan:
     """The format gradients are accumulated and reduced in (`reduce`; BF16 only under BF16)."""
     sequence_parallel: bool = False
     """`sequence_parallel tp`: activations between blocks sharded along the sequence on tp."""
+    compiled: bool = False
+    """`compile`: every stage graph runs through torch.compile (runtime/compiled.py)."""
 
     @property
     def mixed(self) -> bool:
@@ -215,6 +217,7 @@ class Plan:
             "precision": str(self.precision),
             "reduce": str(self.reduce),
             "sequence_parallel": self.sequence_parallel,
+            "compile": self.compiled,
             **(
                 {"hand_schedule": [[str(a) for a in actions] for actions in self.hand_schedule]}
                 if self.hand_schedule
@@ -237,6 +240,8 @@ class Plan:
             )
         if self.sequence_parallel:
             lines.append(f"sequence  parallel over {self.tp_axis} (between blocks)")
+        if self.compiled:
+            lines.append("compile   every stage graph through torch.compile (inductor)")
         for shard in self.shards:
             lines.append(
                 f"shard     {shard.module:<28} {shard.kind!s:<4} {shard.axis:<4} "

@@ -39,6 +39,7 @@ from parc.dsl.ast import (
 )
 from parc.errors import PlanError, clip
 
+from .compile_checks import check_compile
 from .layout import param_slices
 from .linear_forms import linear_form
 from .match import match_modules
@@ -86,6 +87,7 @@ def resolve(spec: Spec, model: torch.nn.Module, gm: torch.fx.GraphModule, *, bat
         precision=precision,
         reduce=reduce,
         sequence_parallel=check_sequence_parallel(spec, tp_axis),
+        compiled=check_compile(spec),
     )
     _check_ties(spec, plan, model)
     return plan

@@ -29,6 +29,7 @@ __all__ = [
     "AXIS_PP",
     "AXIS_TP",
     "Axis",
+    "Compile",
     "GradAccum",
     "IndexAll",
     "IndexRange",
@@ -279,6 +280,16 @@ class SequenceParallel:
         return f"sequence_parallel {self.axis}"
 
 
+@dataclass(frozen=True, slots=True)
+class Compile:
+    """`compile`: every stage graph runs through `torch.compile` (runtime/compiled.py)."""
+
+    span: Span = _span()
+
+    def __str__(self) -> str:
+        return "compile"
+
+
 Statement: TypeAlias = (
     Mesh
     | Shard
@@ -293,6 +304,7 @@ Statement: TypeAlias = (
     | PrecisionStmt
     | Reduce
     | SequenceParallel
+    | Compile
 )
 
 
@@ -382,6 +394,10 @@ class Spec:
     def sequence_parallel(self) -> SequenceParallel | None:
         found: SequenceParallel | None = self._one(SequenceParallel)
         return found
+
+    @property
+    def compile(self) -> bool:
+        return self._one(Compile) is not None
 
     def statement(self, kind: type) -> Statement | None:
         """The first statement of `kind`, for error locations."""

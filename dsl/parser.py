@@ -27,6 +27,7 @@ from lark.tree import Meta
 from parc.dsl.ast import (
     MAX_MICROBATCHES,
     Axis,
+    Compile,
     GradAccum,
     IndexAll,
     IndexRange,
@@ -76,6 +77,7 @@ _SINGLETONS = (
     PrecisionStmt,
     Reduce,
     SequenceParallel,
+    Compile,
 )
 _MAX_DIGITS = 18  # int() refuses very long digit strings; no real spec needs more
 # Parsing and resolving take ~0.5 ms a line; a real spec has a few dozen lines
@@ -304,6 +306,9 @@ class _Builder(Transformer[Token, Any]):
     def sequence_parallel(self, meta: Meta, children: list[Token]) -> SequenceParallel:
         axis = children[1]
         return SequenceParallel(str(axis), _meta_span(meta), axis_span=token_span(axis))
+
+    def compile(self, meta: Meta, children: list[Token]) -> Compile:
+        return Compile(_meta_span(meta))
 
     # Segments return tuples because `name[i]` is sugar for two segments.
     def pattern(self, meta: Meta, children: list[Any]) -> Pattern:

@@ -39,6 +39,7 @@ STATEMENT_KEYWORDS = (
     "reduce",
     "virtual_stages",
     "sequence_parallel",
+    "compile",
 )
 
 

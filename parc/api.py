@@ -38,7 +38,7 @@ from parc.compiler.optimizer_factory import OptimizerFactory
 from parc.compiler.plan_schedule import HandSchedule
 from parc.compiler.rank_program import RankProgram, compile_rank
 from parc.dsl.ast import AXIS_DP, AXIS_PP, Precision, Spec
-from parc.precision import override_precision
+from parc.precision import override_compile, override_precision
 from parc.runtime.assemble import assemble
 from parc.runtime.collectives import Comm
 from parc.runtime.materialise import materialise
@@ -65,6 +65,7 @@ def compile(
     schedule: HandSchedule | None = None,
     weights: str | Path | None = None,
     precision: Precision | str | None = None,
+    compiled: bool = False,
 ) -> Program:
     """This rank's program for `spec` on `model` (a model file, module or ModelSource).
 
@@ -77,7 +78,8 @@ def compile(
     (`config.json` + `model.safetensors`, or shards and their index) to start from
     instead of the seeded initial values; buffers it does not store keep theirs.
     `precision` (fp32 or bf16) overrides the spec's `precision` statement
-    (parc/precision.py: a `reduce bf16` is dropped under fp32).
+    (parc/precision.py: a `reduce bf16` is dropped under fp32). `compiled=True` adds a
+    `compile` statement (every stage graph through torch.compile, runtime/compiled.py).
 
     Gradient clipping is set on the program it returns, as `skip_nonfinite` is:
     `program.clip = 1.0` clips to that global norm before every optimizer step
@@ -85,7 +87,7 @@ def compile(
     `program.last_grad_norm`.
     """
     source = model if isinstance(model, ModelSource) else load_model(model)
-    spec = override_precision(as_spec(spec), precision).spec
+    spec = override_compile(override_precision(as_spec(spec), precision).spec, compiled)
     device = device or device_for_rank()
     options = {"batch": batch, "seed": seed, "strict": strict, "schedule": schedule}
     try:

@@ -28,7 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from parc import blame, commands
-from parc.cli_options import add_check_options, add_precision, add_run_options, positive
+from parc.cli_options import (
+    add_check_options,
+    add_compile,
+    add_precision,
+    add_run_options,
+    positive,
+)
 from parc.errors import ModelError, ParcError
 
 __all__ = ["main"]
@@ -53,6 +59,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeline", metavar="FILE.svg", help="draw the pipeline schedule as SVG")
     p.add_argument("--cluster", help="add the step time on this cluster (see `parc plan -h`)")
     add_precision(p)
+    add_compile(p)
     p.set_defaults(run=commands.cmd_compile)
     _add_plan(sub)
     _add_check(sub)

@@ -15,6 +15,7 @@ from parc.runtime.schedules import add_schedule_arguments
 __all__ = [
     "add_check_options",
     "add_clip",
+    "add_compile",
     "add_precision",
     "add_run_options",
     "learning_rate",
@@ -102,6 +103,16 @@ def add_precision(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_compile(p: argparse.ArgumentParser) -> None:
+    """`--compile` of the commands that take a spec (runtime/compiled.py)."""
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="run every stage graph through torch.compile (inductor), as the spec's "
+        "`compile` statement does",
+    )
+
+
 def _add_spec_and_steps(p: argparse.ArgumentParser, steps: int) -> None:
     """What `parc check` and `parc run` train: the spec, the model, steps and batch."""
     p.add_argument("spec", help="the .par spec file")
@@ -116,6 +127,7 @@ def _add_recipe(p: argparse.ArgumentParser) -> None:
     """How `parc check` and `parc run` train: precision, lr schedule, clipping (and the
     hidden fault injection of the tests)."""
     add_precision(p)
+    add_compile(p)
     add_schedule_arguments(p)  # parc check: both sides step it (runtime/schedules.py)
     add_clip(p)
     p.add_argument("--inject-fault", help=argparse.SUPPRESS)

@@ -62,15 +62,15 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 
 def _spec(args: argparse.Namespace, *, quiet: bool) -> Spec:
-    """The spec a command compiles: its file with `--precision` applied (parc/precision.py),
-    each note on what that changed printed to stderr unless `quiet`."""
+    """The spec a command compiles: its file with `--precision` and `--compile` applied
+    (parc/precision.py), each note on what that changed printed to stderr unless `quiet`."""
     from parc.compiler.frontend import as_spec
-    from parc.precision import override_precision
+    from parc.precision import override_compile, override_precision
 
     done = override_precision(as_spec(args.spec), args.precision)
     for note in () if quiet else done.notes:
         print(note, file=sys.stderr)
-    return done.spec
+    return override_compile(done.spec, getattr(args, "compile", False))
 
 
 def _cluster(text: str | None) -> object:
@@ -148,6 +148,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         precision=args.precision,
         clip=args.clip,
         lr_schedule=schedule_from_args(args),
+        compiled=args.compile,
     )
     if args.json:
         print(json.dumps(check_json(result), indent=2))
@@ -246,9 +247,9 @@ def _model_with_schedule(
 
 
 def _spec_to_run(args: argparse.Namespace, ranked: bool) -> str:
-    """What every rank compiles: the spec file, or with `--precision` the text of the spec
+    """What every rank compiles: the spec file, or with `--precision`/`--compile` the text
     it makes (checked by the launcher first, which also prints the notes, once)."""
-    if args.precision is None:
+    if args.precision is None and not args.compile:
         return str(args.spec)
     return str(_spec(args, quiet=ranked))
 

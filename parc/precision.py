@@ -1,4 +1,5 @@
-"""`--precision fp32|bf16`: a spec with its `precision` statement replaced.
+"""`--precision fp32|bf16`: a spec with its `precision` statement replaced (and
+`--compile`: a spec with a `compile` statement, `override_compile`).
 
 Every command that takes a spec (`parc compile`, `parc check`, `parc run`) and
 `parc.compile(..., precision=...)` call `override_precision` once, before any
@@ -25,9 +26,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from parc.dsl.ast import Precision, PrecisionStmt, Reduce, Spec, Statement
+from parc.dsl.ast import Compile, Precision, PrecisionStmt, Reduce, Spec, Statement
 
-__all__ = ["Overridden", "override_precision"]
+__all__ = ["Overridden", "override_compile", "override_precision"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,3 +72,11 @@ def _dropped(stmt: Reduce, precision: Precision) -> bool:
 def _at(spec: Spec, stmt: PrecisionStmt | Reduce) -> str:
     where = spec.locate(stmt.span)
     return f" ({where.header()})" if where is not None else ""
+
+
+def override_compile(spec: Spec, compiled: bool) -> Spec:
+    """`spec` with a `compile` statement when `compiled` (`--compile`; a spec that has one
+    already is unchanged); `spec` itself otherwise."""
+    if not compiled or spec.compile:
+        return spec
+    return dataclasses.replace(spec, statements=(*spec.statements, Compile()))

@@ -1,13 +1,15 @@
 """Build one rank's runtime objects from its compiled program (compiler/rank_program.py).
 
 The compiler rewrote the graphs and laid out parameters, units, shards and tied
-weights (`parc.compiler.rank_program.compile_rank`); nothing here changes a graph.
+weights (`parc.compiler.rank_program.compile_rank`); nothing here changes a graph
+but `compile`, which hands each to torch.compile (runtime/compiled.py).
 
 Algorithm:
 1. Move the rank's stage graphs to its device (`parc.compile` materialised them
    there already: runtime/materialise.py). Parameters keep their identity
    (`Module.to` moves their data in place), so the objects the program lists
-   (parameters, ZeRO-3 shards) are the ones the graphs read; checked.
+   (parameters, ZeRO-3 shards) are the ones the graphs read; checked. Under
+   `compile` each stage's forward becomes its compiled form (compiled lazily).
 2. Buffers: the live persistent buffers of the rank's stages (runtime/buffers.py).
 3. Tied weights held by several ranks: every rank creates every listed group, in
    order, and keeps the ones it belongs to.
@@ -48,6 +50,7 @@ from parc.runtime.pipeline.user_checks import checked_optimizer
 
 from .buffers import rank_buffers
 from .collectives import Comm
+from .compiled import compile_stages
 from .grad_sync import GradSync
 from .master_weights import COMPUTE_DTYPE, MASTER_DTYPE, MixedPrecision
 from .parts import ProgramParts
@@ -74,6 +77,8 @@ def assemble(
     # Step 1
     used = program.zero3_shards if plan.zero == 3 else tuple(program.params.values())
     _to_device([s.gm for s in program.stages.values()], device, used)
+    if plan.compiled:  # `compile`: every stage graph through torch.compile (compiled.py)
+        compile_stages(program.stages, rank=comm.rank)
     # Step 2
     buffers = rank_buffers(program.buffers, program.stages)  # the live tensors, on the device
     # Step 3

@@ -39,7 +39,7 @@ import torch
 from parc.compiler.frontend import as_spec
 from parc.compiler.model import ModelSource, load_model
 from parc.dsl.ast import Precision
-from parc.precision import override_precision
+from parc.precision import override_compile, override_precision
 
 from .calibration import calibrated_compare, twin_unstable
 from .check_format import check_json, format_check
@@ -114,17 +114,19 @@ def run_check(
     precision: Precision | str | None = None,
     clip: float | None = None,
     lr_schedule: Schedule | None = None,
+    compiled: bool = False,
 ) -> CheckResult:
     """Run both sides and compare; raises ParcError for a bad spec, model or optimizer.
     With `weights` (a checkpoint directory) both start from its tensors; `precision`
     overrides the spec's (parc/precision.py); with `clip` both clip their gradients to
-    that global norm (the reference with `torch.nn.utils.clip_grad_norm_`)."""
+    that global norm (the reference with `torch.nn.utils.clip_grad_norm_`); `compiled`
+    adds `compile` to the parallel side (the reference stays eager)."""
     from parc.compiler.frontend import analyse, default_batch
     from parc.runtime.mesh import check_local_ranks, local_backend
     from parc.testing.pool import WorkerPool
 
     overridden = override_precision(as_spec(spec_path), precision)
-    spec = overridden.spec
+    spec = override_compile(overridden.spec, compiled)
     world = spec.mesh.world_size
     # One process per rank, on this machine: one GPU each under NCCL, else CPU processes
     # (the pool takes the same backend: NCCL only when there is a GPU for every rank).

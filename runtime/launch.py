@@ -224,7 +224,7 @@ def train(opts: RunOptions) -> int:
     feed = Feed(program, source, hook, seed=opts.seed, position=position)
     losses = train_steps(program, feed, opts, start, rank, scheduler)
     if rank == 0 and losses:
-        print_summary(losses, program.plan, program.skipped, opts.name)
+        print_summary(losses, program.plan, program.skipped, opts.name, program.compile_seconds)
     return 0
 
 

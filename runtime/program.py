@@ -40,6 +40,7 @@ from parc.runtime.pipeline.user_checks import checked_loss
 
 from .clip import NormLayout, check_max_norm, clip_grads, flag_and_square_sum
 from .collectives import CommKind
+from .compiled import compile_seconds
 from .gather import gather_full_state, iter_full_state
 from .master_weights import COMPUTE_DTYPE, upcast
 from .nonfinite import first_nonfinite_param, grad_views, nonfinite_fault
@@ -71,6 +72,7 @@ class Program:
         self._bytes: dict[tuple[CommKind, str], int] = {}
         # Where a step is watched or changed (step_hooks.py); nothing replaces a method.
         self.hooks = StepHooks()
+        self._compile_start = compile_seconds() if parts.plan.compiled else 0.0
         self.executor = StageExecutor(
             parts.stages,
             parts.comm,
@@ -80,6 +82,14 @@ class Program:
             before_last_backward=lambda: parts.sync.arm(True),
             forward_contexts=parts.forward_contexts,
         )
+
+    @property
+    def compile_seconds(self) -> float | None:
+        """Under `compile`, the seconds torch.compile has spent on this rank's stage graphs
+        (forward and backward, compiled in the first step); None without `compile`."""
+        if not self.plan.compiled:
+            return None
+        return compile_seconds() - self._compile_start
 
     @property
     def clip(self) -> float | None:

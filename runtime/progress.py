@@ -74,9 +74,14 @@ def counted_items(shape: Sequence[int], dtype: torch.dtype) -> tuple[int, str]:
 
 
 def print_summary(
-    metrics: list[StepMetrics], plan: Plan, skipped: list[tuple[int, str]], name: str
+    metrics: list[StepMetrics],
+    plan: Plan,
+    skipped: list[tuple[int, str]],
+    name: str,
+    compile_s: float | None = None,
 ) -> None:
-    """The run's last lines, and its loss curve in runs/<name>/loss.svg."""
+    """The run's last lines, and its loss curve in runs/<name>/loss.svg; `compile_s`: the
+    seconds torch.compile took on this rank (`compile`)."""
     from pathlib import Path
 
     from parc.plots import loss_curve_svg
@@ -92,7 +97,8 @@ def print_summary(
         f"in {seconds:.1f} s ({seconds / len(metrics):.3f} s/step), "
         f"mean {rate:,.0f} {metrics[0].unit}/s, peak memory {mib(peak)} a rank "
         f"({metrics[0].memory_kind.value.replace('_', ' ')})"
-        + (f"; skipped {len(steps)} non-finite step(s): {', '.join(steps)}" if steps else ""),
+        + (f"; skipped {len(steps)} non-finite step(s): {', '.join(steps)}" if steps else "")
+        + (f"; torch.compile took {compile_s:.1f} s of it" if compile_s is not None else ""),
         flush=True,
     )
     if trained:

@@ -18,16 +18,15 @@ are partial sums.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
-from enum import Enum
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from parc.errors import RuntimeFault
 
-from .active import ActiveSlot
+from .comm_slot import ActiveComm, CommKind, active_comm, comm_activated, current_comm
+from .traceable import all_gather_flat, all_reduce, reduce_scatter_flat
 
 __all__ = [
     "ActiveComm",
@@ -44,70 +43,12 @@ __all__ = [
 ]
 
 
-class CommKind(str, Enum):
-    ALL_REDUCE = "all_reduce"
-    ALL_GATHER = "all_gather"
-    REDUCE_SCATTER = "reduce_scatter"
-    SEND = "send"
-    RECV = "recv"
-
-    def __str__(self) -> str:
-        return self.value
-
-
-class ActiveComm(Protocol):
-    """What the graph ops need of the runtime's `Comm` (runtime/collectives.py)."""
-
-    rank: int
-    step: int | None
-
-    def size(self, axis: str) -> int: ...
-
-    def index(self, axis: str) -> int: ...
-
-    def all_reduce(self, t: torch.Tensor, axis: str, *, async_op: bool = False) -> Any: ...
-
-    def all_gather(
-        self, out: torch.Tensor, inp: torch.Tensor, axis: str, *, async_op: bool = False
-    ) -> Any: ...
-
-    def reduce_scatter(
-        self, out: torch.Tensor, inp: torch.Tensor, axis: str, *, async_op: bool = False
-    ) -> Any: ...
-
-
-_COMM: ActiveSlot[ActiveComm] = ActiveSlot(
-    lambda: RuntimeFault(
-        "a parc graph op ran outside a step: no active Comm",
-        hint="run compiled programs through Program.step (or `with comm.active():`)",
-    )
-)
-
-
-def comm_activated(comm: ActiveComm) -> contextlib.AbstractContextManager[None]:
-    """Make `comm` the one graph ops use, for the duration of the block."""
-    return _COMM.activated(comm)
-
-
-def current_comm() -> ActiveComm | None:
-    """The active Comm, or None outside a step."""
-    return _COMM.current()
-
-
-def active_comm() -> ActiveComm:
-    """The active Comm; a RuntimeFault outside a step."""
-    return _COMM.get()
-
-
 def _gather_dim(x: torch.Tensor, dim: int, axis: str, blocks: int) -> torch.Tensor:
     """All-gather `x` along `dim` whose k blocks are each split over `axis`."""
-    comm = active_comm()
-    n = comm.size(axis)
+    n = active_comm().size(axis)
     dim = dim % x.dim()
     flat = x.contiguous()
-    out = torch.empty((n * flat.numel(),), dtype=x.dtype, device=x.device)
-    comm.all_gather(out, flat.reshape(-1), axis)
-    parts = out.view(n, *flat.shape)  # [n, ..., k*c, ...]
+    parts = all_gather_flat(flat, axis).view(n, *flat.shape)  # [n, ..., k*c, ...]
     shape = list(flat.shape)
     c = shape[dim] // blocks
     parts = parts.view(n, *shape[:dim], blocks, c, *shape[dim + 1 :])
@@ -148,9 +89,7 @@ def _scatter_dim(x: torch.Tensor, dim: int, axis: str, blocks: int) -> torch.Ten
     shape = list(x.shape)
     # [..., k, n, c, ...] with the rank dim first: rank i's parts are one contiguous run.
     parts = x.reshape(*shape[:dim], blocks, n, c, *shape[dim + 1 :]).movedim(dim + 1, 0)
-    flat = parts.contiguous().reshape(-1)
-    out = torch.empty((flat.numel() // n,), dtype=x.dtype, device=x.device)
-    active_comm().reduce_scatter(out, flat, axis)
+    out = reduce_scatter_flat(parts.contiguous(), axis)
     shape[dim] = blocks * c
     return out.view(shape)
 
@@ -163,17 +102,13 @@ class _Enter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous().clone()
-        active_comm().all_reduce(grad, ctx.axis)
-        return grad, None
+        return all_reduce(grad, ctx.axis), None
 
 
 class _AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, axis: str) -> torch.Tensor:
-        out = x.contiguous().clone()
-        active_comm().all_reduce(out, axis)
-        return out
+        return all_reduce(x, axis)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from .collectives import active_comm
+from .traceable import all_gather_flat
 
 __all__ = ["tp_vocab_cross_entropy", "tp_vocab_lookup"]
 
@@ -99,9 +100,7 @@ class _VocabCrossEntropy(torch.autograd.Function):
         local = local.masked_fill(~owned, 0)
         picked = logits.gather(1, local.unsqueeze(1)).squeeze(1).masked_fill(~owned, 0.0)
         mine = torch.stack([torch.logsumexp(logits, dim=1), picked])  # (2, N)
-        gathered = torch.empty((n * mine.numel(),), dtype=mine.dtype, device=mine.device)
-        comm.all_gather(gathered, mine.reshape(-1), axis)  # cross-entropy over vocab shards
-        parts = gathered.view(n, 2, -1)
+        parts = all_gather_flat(mine, axis).view(n, 2, -1)  # cross-entropy over vocab shards
         lse, target = torch.logsumexp(parts[:, 0], dim=0), parts[:, 1].sum(dim=0)
         valid = targets != ignore_index
         count = valid.sum()

@@ -1,0 +1,115 @@
+"""`compile`: every stage graph of a rank runs through `torch.compile` (inductor).
+
+`compile_stages(stages)` replaces each stage GraphModule's `forward` (what the
+executor calls) by its compiled form, forward and backward. Compilation is lazy:
+dynamo traces a stage on its first microbatch, inductor generates its kernels,
+and AOTAutograd compiles its backward on the first backward. The compiled code
+is cached per rank for the program's life: every later microbatch and step has
+the same shapes (`dynamic=False`), so nothing recompiles.
+
+What the compiled graphs contain:
+- parc's collectives as one opaque node each (compiler/ops/traceable.py): the
+  tensor-parallel, sequence-parallel and vocab-parallel ops trace without a graph
+  break, and issue and count the same collectives as eagerly.
+- Random ops draw eager PyTorch's numbers (`fallback_random`): dropout masks, and
+  so the training, are the single-device run's (docs/architecture.md, Equivalence).
+
+What cannot compile runs eagerly, and a `CompileWarning` says so, once per stage:
+- where dynamo breaks a stage's graph (an op it cannot trace), the parts between
+  compiled regions run eagerly; the warning gives dynamo's reasons, which name
+  the op and the line of the stage's generated code;
+- a stage whose compilation fails altogether (dynamo or inductor raise) runs
+  eagerly from then on; the warning gives the error.
+
+Gradient synchronisation (DP buckets, ZeRO-1/2) is untouched: it runs in hooks
+on the parameters' gradient accumulation, which stays in eager autograd after
+the compiled backward. `compile_seconds()` is the time this process has spent
+compiling, forward and backward. ZeRO-3 (`zero 3`) is refused with `compile`
+(compiler/resolve.py): a compiled backward would keep the gathered parameters
+that ZeRO-3 frees after the forward and re-gathers in backward.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch._dynamo.exc import TorchDynamoException
+
+from parc.compiler.passes.pipeline_split import StageGraph
+
+__all__ = ["CompileWarning", "compile_seconds", "compile_stages"]
+
+
+class CompileWarning(UserWarning):
+    """Part of a stage graph runs eagerly under `compile`."""
+
+
+# Inductor's options: eager's random numbers, so a compiled run trains as one device does.
+_OPTIONS: dict[str, str | int | bool | Callable[..., Any]] = {"fallback_random": True}
+# dynamo's timers (torch._dynamo.utils.compilation_time_metrics) of the forward's trace and
+# compile, and of the backward's compile, which AOTAutograd does on the first backward.
+_COMPILE_TIMERS = ("_compile.compile_inner", "backward._backward_impl")
+
+
+def compile_stages(stages: Mapping[int, StageGraph], *, rank: int = 0) -> None:
+    """Replace each stage GraphModule's `forward` (what the executor calls) by its compiled
+    form; compiled on its first call."""
+    for index in sorted(stages):
+        gm = stages[index].gm
+        gm.forward = _CompiledStage(gm.forward, f"stage {index} on rank {rank}")
+
+
+class _CompiledStage:
+    """A stage's forward under torch.compile, falling back to eager where it must."""
+
+    def __init__(self, eager: Callable[..., Any], where: str) -> None:
+        self.eager, self.where = eager, where
+        self.compiled: Callable[..., Any] | None = torch.compile(
+            eager, backend="inductor", dynamic=False, options=_OPTIONS
+        )
+        self.first = True
+
+    def __call__(self, *args: Any) -> Any:
+        if self.compiled is None:
+            return self.eager(*args)
+        if not self.first:
+            return self.compiled(*args)
+        self.first = False
+        before = _graph_breaks()
+        try:
+            out = self.compiled(*args)
+        except TorchDynamoException as exc:  # raised while compiling: nothing has run
+            self.compiled = None
+            _warn(f"{self.where} runs eagerly: torch.compile failed ({_first_line(exc)})")
+            return self.eager(*args)
+        breaks = _graph_breaks() - before
+        if breaks:
+            reasons = "; ".join(_first_line(r) for r in sorted(breaks))
+            _warn(f"{self.where}: parts run eagerly between compiled regions ({reasons})")
+        return out
+
+
+def _graph_breaks() -> Counter[str]:
+    from torch._dynamo.utils import counters
+
+    return Counter(counters["graph_break"])
+
+
+def _first_line(what: object) -> str:
+    text = str(what).strip()
+    return text.splitlines()[0] if text else type(what).__name__
+
+
+def _warn(message: str) -> None:
+    warnings.warn(CompileWarning(f"compile: {message}"), stacklevel=3)
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent in torch.compile (tracing, inductor, backward)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return sum(sum(compilation_time_metrics.get(key, ())) for key in _COMPILE_TIMERS)

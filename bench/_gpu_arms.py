@@ -2,6 +2,9 @@
 
     parc eager       `Program.step` of `parc.compile(STEP_SPEC, ...)` (`precision bf16`:
                      fp32 masters, bf16 compute copies, activations and gradients)
+    parc compiled    the same with `compiled=True` (the `compile` statement: the whole
+                     stage graph through torch.compile with inductor, on every backend,
+                     dry run included)
     native eager     the plain step: `zero_grad(set_to_none=True)`, the forward under
                      `torch.autocast(bf16)` over fp32 parameters, fp32 cross-entropy,
                      `backward()`, `step()`
@@ -13,8 +16,8 @@
 
 Every arm builds its model from seed 0, steps the model file's `configure_optimizer`
 (AdamW by default) and reads the same batches; a step is timed from a device
-synchronisation to the next, `float(loss)` included. A new arm (parc compiled, when
-`compile` is a statement) is one more `Arm` in `ARMS`.
+synchronisation to the next, `float(loss)` included. A new arm is one more `Arm` in
+`ARMS`.
 """
 
 from __future__ import annotations
@@ -59,11 +62,11 @@ class Arm:
 
 
 class _Parc:
-    def __init__(self, case: Case) -> None:
+    def __init__(self, case: Case, *, compiled: bool = False) -> None:
         import parc
 
         self.program = parc.compile(case.spec, case.source, batch=case.batch, seed=0,
-                                    device=case.device)  # fmt: skip
+                                    device=case.device, compiled=compiled)  # fmt: skip
 
     def step(self, inputs: Any, targets: torch.Tensor) -> float:
         return self.program.step(inputs, targets)
@@ -119,6 +122,7 @@ class _Native:
 
 ARMS = (
     Arm(name="parc eager", make=_Parc),
+    Arm(name="parc compiled", make=lambda case: _Parc(case, compiled=True)),
     Arm(name=NATIVE_EAGER, make=_Native),
     Arm(name="native compiled", make=lambda case: _Native(case, compiled=True)),
 )

@@ -25,6 +25,7 @@ __all__ = [
     "human",
     "render",
     "replace_section",
+    "section_in",
     "write_section",
 ]
 
@@ -197,6 +198,16 @@ def replace_section(text: str, section: str) -> str:
     if following is None:
         return text[: start.start()] + section
     return text[: start.start()] + section + "\n" + text[following.start() :]
+
+
+def section_in(text: str) -> str | None:
+    """The `## GPU` section of `text` (to its end, or the next part), or None."""
+    start = _START.search(text)
+    if start is None:
+        return None
+    following = _NEXT.search(text, start.end())
+    end = following.start() if following is not None else len(text)
+    return text[start.start() : end].rstrip("\n") + "\n"
 
 
 def write_section(path: Path, section: str) -> None:

@@ -124,7 +124,9 @@ def _methods(report: Report, settings: Settings) -> None:
     )
     report.steps_how = (
         f"One rank, bf16: parc `{STEP_SPEC.strip().replace(chr(10), '; ')}` "
-        "(`Program.step`), the plain step under `torch.autocast(bf16)` (native eager) and "
+        "(`Program.step`; parc compiled: the same with `compile`, the whole stage graph "
+        "through torch.compile with inductor), the plain step under `torch.autocast(bf16)` "
+        "(native eager) and "
         "the same with `torch.compile` of each repeated block (native compiled, regional "
         f"compilation); {settings.warmup} warm-up and {settings.timed} timed steps, "
         "medians; AdamW (the model files' default optimizer). MFU = 6 × parameters × "

@@ -17,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "bench" / "gpu_check.sh"
 SPECS = sorted((ROOT / "specs").glob("*.par"))
-ARMS = ("parc eager", "native eager", "native compiled")
+ARMS = ("parc eager", "parc compiled", "native eager", "native compiled")
 WORKLOADS = ("GPT 2 × 64 (dry run)", "HF Llama (dry run)")
 TIMEOUT_S = 240  # the dry run takes ~30 s; far past that it hangs
 

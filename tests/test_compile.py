@@ -97,20 +97,19 @@ def test_compiled_meshes_train_as_one_device(gloo_pool: Any, spec: str) -> None:
 
 def _traffic_and_breaks(spec: str, env: dict[str, str]) -> dict[str, Any]:
     """A pool case: one step, eager then compiled: each's traffic, the warnings, the breaks."""
-    import os
-
     from torch._dynamo.utils import counters
 
     import parc
     from parc.compiler.model import load_model
+    from parc.runtime.equivalence import model_env
 
-    os.environ.update(env)
-    source = load_model(GPT)
-    x, y = source.batch(8, 0)
     got: dict[str, Any] = {}
     for compiled in (False, True):
-        with warnings.catch_warnings(record=True) as seen:
+        # The sizes only for this case: the pool's ranks run other cases after it.
+        with model_env(env), warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
+            source = load_model(GPT)
+            x, y = source.batch(8, 0)
             program = parc.compile(spec, source, batch=8, compiled=compiled)
             breaks = sum(counters["graph_break"].values())
             loss = program.step(x, y)

@@ -18,7 +18,6 @@ process: world 1 needs no process group, and `parc.compile` puts it on
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,9 +25,10 @@ from typing import Any
 from _common import ROOT
 from _gpu_section import EquivalenceRow
 
+from parc.testing.spec_models import model_for
+
 __all__ = ["Reduced", "check_spec", "model_for", "reduce_to_world_1", "spec_files"]
 
-_MODEL_LINE = re.compile(r"#\s*model:\s*(\S+)")
 OPTIMIZER = "sgd"  # tests/helpers.py's default: its parameters have teeth, unlike AdamW's
 
 
@@ -48,18 +48,6 @@ class Reduced:
 
 def spec_files() -> list[Path]:
     return sorted((ROOT / "specs").glob("*.par"))
-
-
-def model_for(spec: Path) -> Path:
-    """The model file a spec is written for: a `# model:` line in its leading comments,
-    else examples/<first word of its name>.py (the rule of tests/test_cli.py)."""
-    for line in spec.read_text().splitlines():
-        if not line.startswith("#"):
-            break
-        found = _MODEL_LINE.match(line)
-        if found:
-            return ROOT / found.group(1)
-    return ROOT / "examples" / f"{spec.stem.split('_')[0]}.py"
 
 
 def _rel(path: Path) -> str:
@@ -123,7 +111,7 @@ def check_spec(spec: Path, env: dict[str, str], steps: int) -> tuple[Equivalence
         reference_run,
     )
 
-    model = model_for(spec)
+    model = model_for(spec, ROOT)
     reduced = reduce_to_world_1(spec, str(model), env)
     parsed = parse_spec(reduced.text, _rel(spec))
     run: dict[str, Any] = {

@@ -23,6 +23,7 @@ import pytest
 
 from parc.cli import main
 from parc.compiler.report import human_bytes, human_count
+from parc.testing.spec_models import model_for
 
 ROOT = Path(__file__).parent.parent
 SPECS = sorted((ROOT / "specs").glob("*.par"))
@@ -39,18 +40,6 @@ SMALL = {
     "MLP_LAYERS": "4",
     "MLP_DIM": "16",
 }
-_MODEL_LINE = re.compile(r"#\s*model:\s*(\S+)")
-
-
-def model_for(spec: Path) -> Path:
-    """The model file a spec is written for (see the module docstring)."""
-    for line in spec.read_text().splitlines():
-        if not line.startswith("#"):
-            break
-        found = _MODEL_LINE.match(line)
-        if found:
-            return ROOT / found.group(1)
-    return ROOT / "examples" / f"{spec.stem.split('_')[0]}.py"
 
 
 @pytest.fixture(autouse=True)
@@ -85,24 +74,24 @@ def table(lines: list[str]) -> list[list[str]]:
 def test_every_spec_names_an_existing_model() -> None:
     assert len(SPECS) >= 8
     for spec in SPECS:
-        assert model_for(spec).is_file(), f"{spec.name}: no model {model_for(spec)}"
+        assert model_for(spec, ROOT).is_file(), f"{spec.name}: no model {model_for(spec, ROOT)}"
 
 
 def test_model_comment_wins_over_the_naming_convention(tmp_path: Path) -> None:
     spec = tmp_path / "gpt_custom.par"
     spec.write_text("# a comment\n# model: examples/mlp.py\nmesh dp=2\n")
-    assert model_for(spec) == MLP
+    assert model_for(spec, ROOT) == MLP
     spec.write_text("mesh dp=2\n# model: examples/mlp.py\n")  # not at the top: ignored
-    assert model_for(spec) == GPT
+    assert model_for(spec, ROOT) == GPT
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda p: p.name)
 def test_spec_compiles_and_report_matches_json(
     capsys: pytest.CaptureFixture[str], spec: Path
 ) -> None:
-    code, report, err = run(capsys, "compile", spec, model_for(spec))
+    code, report, err = run(capsys, "compile", spec, model_for(spec, ROOT))
     assert code == 0, err
-    code, out, err = run(capsys, "compile", spec, model_for(spec), "--json")
+    code, out, err = run(capsys, "compile", spec, model_for(spec, ROOT), "--json")
     assert code == 0, err
     facts = json.loads(out)
     plan = facts["plan"]

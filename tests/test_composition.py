@@ -18,7 +18,6 @@ of magnitude larger.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from hypothesis import strategies as st
 
 from parc.compiler.frontend import default_batch
 from parc.dsl import parse_spec
+from parc.testing.spec_models import model_for
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
@@ -245,18 +245,6 @@ SMALL = {
     "LLAMA_SEQ": "8",
     "LLAMA_FFN": "16",
 }
-_MODEL_LINE = re.compile(r"#\s*model:\s*(\S+)")
-
-
-def model_for(spec: Path) -> str:
-    """A `# model: PATH` line among the top comments, else `specs/<model>_*.par` -> examples/."""
-    for line in spec.read_text().splitlines():
-        if not line.startswith("#"):
-            break
-        found = _MODEL_LINE.match(line)
-        if found:
-            return str(ROOT / found.group(1))
-    return str(ROOT / "examples" / f"{spec.stem.split('_')[0]}.py")
 
 
 MULTI_PROCESS = [s for s in SPECS if parse_spec(s.read_text()).mesh.world_size > 1]
@@ -270,5 +258,7 @@ def test_the_specs_folder_has_multi_process_specs() -> None:
 def test_every_spec_trains_like_one_device(gloo_pool: Any, spec: Path) -> None:
     text = spec.read_text()
     batch = default_batch(parse_spec(text))
-    result, _ = check_equivalent(gloo_pool, text, model_for(spec), env=SMALL, batch=batch)
+    result, _ = check_equivalent(
+        gloo_pool, text, str(model_for(spec, ROOT)), env=SMALL, batch=batch
+    )
     assert result.ok, f"{spec.name}: {result.describe()}\n{result.rows}"

@@ -150,7 +150,7 @@ def _equivalence(
     from _gpu_equivalence import check_spec, model_for, spec_files
 
     for spec in spec_files():
-        name, model = str(spec.relative_to(ROOT)), str(model_for(spec).relative_to(ROOT))
+        name, model = str(spec.relative_to(ROOT)), str(model_for(spec, ROOT).relative_to(ROOT))
         if clock.near(ARM_RESERVE_S):
             note = "skipped: the run's time was nearly up"
             report.equivalence.append(EquivalenceRow(spec=name, model=model, reduced="",
@@ -294,7 +294,7 @@ def _reproduce() -> str:
         "minutes: the script's `timeout`; writes this section of bench/RESULTS.md); "
         "`bench/gpu_check.sh --dry-run --out /tmp/gpu.md` runs the same code on the CPU at "
         "tiny sizes. `make bench` rewrites bench/RESULTS.md from its own marked sections "
-        "and drops this one: run `bench/gpu_check.sh` again after it."
+        "and keeps this one as it is (bench/run_all.py)."
     )
 
 

@@ -179,6 +179,11 @@ AUDITED = {
     ("runtime/checkpoint/integrity.py", "record_manifest"): "objects",
     ("runtime/checkpoint/integrity.py", "verify_files"): "objects",
     ("runtime/checkpoint/store.py", "_barrier"): "no tensor",
+    # Graph ops through compiler/ops/traceable.py, whose outputs are made on the input's
+    # device: the tp ops' activations and gradients, device tensors.
+    ("compiler/ops/collectives.py", "_gather_dim"): "a tp op's activation: device",
+    ("compiler/ops/collectives.py", "_scatter_dim"): "a tp op's partial sums: device",
+    ("compiler/ops/vocab.py", "_VocabCrossEntropy.forward"): "logits' statistics: device",
     ("runtime/materialise.py", "_first_problem"): "objects",
 }
 

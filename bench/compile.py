@@ -42,19 +42,11 @@ def _dp_sides() -> tuple[dict[str, Any], Any]:
     import dp
     import torch
 
-    class Parc(dp._Parc):
-        def __init__(self, spec: str, compiled: bool) -> None:
-            import parc
-
-            self.program = parc.compile(
-                spec, dp._source(), batch=dp.BATCH, seed=0, optimizer=dp._adamw, compiled=compiled
-            )
-
     compiled = dp._Native(dp.Native.DDP)
     compiled.model = torch.compile(compiled.model)
     sides = {
-        "parc compiled": Parc("mesh dp=2\n", True),
-        "parc eager": Parc("mesh dp=2\n", False),
+        "parc compiled": dp._Parc("mesh dp=2\n", compiled=True),
+        "parc eager": dp._Parc("mesh dp=2\n"),
         "native eager": dp._Native(dp.Native.DDP),
         "native compiled": compiled,
     }
@@ -68,23 +60,11 @@ def _tp_sides() -> tuple[dict[str, Any], Any]:
 
     pair = tp.PAIRS[0]
 
-    class Parc:
-        def __init__(self, compiled: bool) -> None:
-            import parc
-
-            self.program = parc.compile(
-                pair.spec, tp._source(pair), batch=pair.batch, seed=0, optimizer=tp._adamw,
-                compiled=compiled,
-            )  # fmt: skip
-
-        def step(self, x: Any, y: Any) -> float:
-            return float(self.program.step(x, y))
-
     compiled = tp._Native(pair)
     compiled.model = torch.compile(compiled.model)
     sides = {
-        "parc compiled": Parc(True),
-        "parc eager": Parc(False),
+        "parc compiled": tp._Parc(pair, compiled=True),
+        "parc eager": tp._Parc(pair),
         "native eager": tp._Native(pair),
         "native compiled": compiled,
     }
@@ -94,21 +74,11 @@ def _tp_sides() -> tuple[dict[str, Any], Any]:
 def _pp_sides() -> tuple[dict[str, Any], Any]:
     import pp
 
-    class Parc(pp._Parc):
-        def __init__(self, compiled: bool) -> None:
-            import parc
-
-            spec = pp._spec(pp.Schedule.ONE_F_ONE_B)
-            self.program = parc.compile(
-                spec, pp._source(), batch=pp.BATCH, seed=0, optimizer=pp._adamw, compiled=compiled
-            )
-            self.clock = pp._Clock()
-
     compiled = pp._Native(pp.Schedule.ONE_F_ONE_B)
     compiled.stage.submod.compile()  # in place: the PipelineStage keeps its module
     sides = {
-        "parc compiled": Parc(True),
-        "parc eager": Parc(False),
+        "parc compiled": pp._Parc(pp.Schedule.ONE_F_ONE_B, compiled=True),
+        "parc eager": pp._Parc(pp.Schedule.ONE_F_ONE_B),
         "native eager": pp._Native(pp.Schedule.ONE_F_ONE_B),
         "native compiled": compiled,
     }

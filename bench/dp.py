@@ -114,10 +114,12 @@ def _source() -> Any:
 
 
 class _Parc:
-    def __init__(self, spec: str) -> None:
+    def __init__(self, spec: str, *, compiled: bool = False) -> None:
         import parc
 
-        self.program = parc.compile(spec, _source(), batch=BATCH, seed=0, optimizer=_adamw)
+        self.program = parc.compile(
+            spec, _source(), batch=BATCH, seed=0, optimizer=_adamw, compiled=compiled
+        )
 
     def step(self, x: Any, y: Any) -> float:
         return float(self.program.step(x, y))

@@ -142,12 +142,13 @@ class _Clock:
 
 
 class _Parc:
-    def __init__(self, schedule: Schedule) -> None:
+    def __init__(self, schedule: Schedule, *, compiled: bool = False) -> None:
         import parc
 
         self.program = parc.compile(
-            _spec(schedule), _source(), batch=BATCH, seed=0, optimizer=_adamw
-        )
+            _spec(schedule), _source(), batch=BATCH, seed=0, optimizer=_adamw,
+            compiled=compiled,
+        )  # fmt: skip
         self.clock = _Clock()
         executor = self.program.executor
         self.clock.time_method(executor, "_forward")

@@ -166,12 +166,13 @@ def _source(pair: Pair) -> Any:
 
 
 class _Parc:
-    def __init__(self, pair: Pair) -> None:
+    def __init__(self, pair: Pair, *, compiled: bool = False) -> None:
         import parc
 
         self.program = parc.compile(
-            pair.spec, _source(pair), batch=pair.batch, seed=0, optimizer=_adamw
-        )
+            pair.spec, _source(pair), batch=pair.batch, seed=0, optimizer=_adamw,
+            compiled=compiled,
+        )  # fmt: skip
 
     def step(self, x: Any, y: Any) -> float:
         return float(self.program.step(x, y))

@@ -15,6 +15,9 @@ and backward dynamo traces through.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from .comm_slot import active_comm
@@ -29,66 +32,50 @@ def _all_reduce_eager(x: torch.Tensor, axis: str) -> torch.Tensor:
 
 
 def _all_gather_eager(x: torch.Tensor, axis: str) -> torch.Tensor:
-    n = active_comm().size(axis)
-    out = torch.empty((n * x.numel(),), dtype=x.dtype, device=x.device)
-    active_comm().all_gather(out, x.contiguous().reshape(-1), axis)
+    comm = active_comm()
+    out = torch.empty((comm.size(axis) * x.numel(),), dtype=x.dtype, device=x.device)
+    comm.all_gather(out, x.contiguous().reshape(-1), axis)
     return out
 
 
 def _reduce_scatter_eager(x: torch.Tensor, axis: str) -> torch.Tensor:
-    n = active_comm().size(axis)
-    out = torch.empty((x.numel() // n,), dtype=x.dtype, device=x.device)
-    active_comm().reduce_scatter(out, x.contiguous().reshape(-1), axis)
+    comm = active_comm()
+    out = torch.empty((x.numel() // comm.size(axis),), dtype=x.dtype, device=x.device)
+    comm.reduce_scatter(out, x.contiguous().reshape(-1), axis)
     return out
 
 
-# `n` (the axis' size) is an argument only so that the fake kernels know the shapes.
-@torch.library.custom_op("parc::all_reduce", mutates_args=())
-def _all_reduce_op(x: torch.Tensor, axis: str, n: int) -> torch.Tensor:
-    return _all_reduce_eager(x, axis)
+Collective = Callable[[torch.Tensor, str], torch.Tensor]
 
 
-@torch.library.custom_op("parc::all_gather_flat", mutates_args=())
-def _all_gather_op(x: torch.Tensor, axis: str, n: int) -> torch.Tensor:
-    return _all_gather_eager(x, axis)
+def _traceable(
+    name: str, eager: Collective, shape: Callable[[torch.Tensor, int], Any]
+) -> Collective:
+    """`eager`, and under torch.compile the custom op `parc::<name>` that calls it;
+    `shape(x, n)` is its output's shape over an axis of size n (the fake kernel's)."""
+
+    # `n` (the axis' size) is an argument only so that the fake kernel knows the shape.
+    @torch.library.custom_op(f"parc::{name}", mutates_args=())
+    def op(x: torch.Tensor, axis: str, n: int) -> torch.Tensor:
+        return eager(x, axis)
+
+    @op.register_fake
+    def _(x: torch.Tensor, axis: str, n: int) -> torch.Tensor:
+        return x.new_empty(shape(x, n))
+
+    def collective(x: torch.Tensor, axis: str) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return op(x, axis, active_comm().size(axis))
+        return eager(x, axis)
+
+    return collective
 
 
-@torch.library.custom_op("parc::reduce_scatter_flat", mutates_args=())
-def _reduce_scatter_op(x: torch.Tensor, axis: str, n: int) -> torch.Tensor:
-    return _reduce_scatter_eager(x, axis)
-
-
-@_all_reduce_op.register_fake
-def _(x: torch.Tensor, axis: str, n: int) -> torch.Tensor:
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-@_all_gather_op.register_fake
-def _(x: torch.Tensor, axis: str, n: int) -> torch.Tensor:
-    return x.new_empty((n * x.numel(),))
-
-
-@_reduce_scatter_op.register_fake
-def _(x: torch.Tensor, axis: str, n: int) -> torch.Tensor:
-    return x.new_empty((x.numel() // n,))
-
-
-def all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
-    """A new tensor: the sum of `x` over `axis`."""
-    if torch.compiler.is_compiling():
-        return _all_reduce_op(x, axis, active_comm().size(axis))
-    return _all_reduce_eager(x, axis)
-
-
-def all_gather_flat(x: torch.Tensor, axis: str) -> torch.Tensor:
-    """1-D: every rank's `x` of `axis` flattened, in rank order."""
-    if torch.compiler.is_compiling():
-        return _all_gather_op(x, axis, active_comm().size(axis))
-    return _all_gather_eager(x, axis)
-
-
-def reduce_scatter_flat(x: torch.Tensor, axis: str) -> torch.Tensor:
-    """1-D: this rank's 1/n run of the flattened sum of `x` over `axis`."""
-    if torch.compiler.is_compiling():
-        return _reduce_scatter_op(x, axis, active_comm().size(axis))
-    return _reduce_scatter_eager(x, axis)
+all_reduce = _traceable("all_reduce", _all_reduce_eager, lambda x, n: x.shape)
+all_reduce.__doc__ = "A new tensor: the sum of `x` over `axis`."
+all_gather_flat = _traceable("all_gather_flat", _all_gather_eager, lambda x, n: (n * x.numel(),))
+all_gather_flat.__doc__ = "1-D: every rank's `x` of `axis` flattened, in rank order."
+reduce_scatter_flat = _traceable(
+    "reduce_scatter_flat", _reduce_scatter_eager, lambda x, n: (x.numel() // n,)
+)
+reduce_scatter_flat.__doc__ = "1-D: this rank's 1/n run of the flattened sum of `x` over `axis`."

@@ -7,7 +7,10 @@ place and a unit is ready for communication the moment its last parameter's
 gradient has been accumulated (a post-accumulate-grad hook counts them).
 
 - zero 0 (DP): a ready unit is all-reduced asynchronously while backward goes
-  on (overlap); `finish` waits and divides by dp.
+  on (overlap); `finish` waits and divides by dp. Over one dp rank in fp32
+  nothing is reduced and there are no buffers: each step drops every `.grad`
+  before its first backward and autograd makes them, as a plain loop with
+  `zero_grad(set_to_none=True)` does (no zeroing pass, no add into a buffer).
 - zero 1: a ready unit is reduce-scattered into this rank's 1/dp shard of the
   gradient; the optimizer holds state only for its shards of the flat
   parameters (`optimizer_params`), and `after_step` all-gathers the updated
@@ -138,6 +141,14 @@ class GradSync:
                 self._flatten_params(unit)
 
     @property
+    def _autograd_grads(self) -> bool:
+        """Zero 0 over one dp rank in fp32: nothing is reduced, so no buffer is needed.
+        `prepare` drops every `.grad` (as `zero_grad(set_to_none=True)`) and autograd makes
+        each one as a plain loop's backward does: taking the incoming gradient tensor,
+        with no zeroing pass over a buffer and no add into it."""
+        return self.zero == 0 and self.dp == 1 and self.mixed is None
+
+    @property
     def _hooked(self) -> bool:
         """Whether each accumulated gradient calls `_on_grad`. Not at zero 0 over one dp
         rank without `reduce fp32`: there a launch moves nothing and `finish` launches
@@ -197,10 +208,16 @@ class GradSync:
 
         Zero 0 and 1 keep their buffers between steps; zero 2 allocates a unit's
         buffer only when its first gradient arrives (`_allocate`). Under `reduce
-        fp32` no `.grad` points into them: a hook adds each one in (`_on_grad`).
+        fp32` no `.grad` points into them: a hook adds each one in (`_on_grad`). Zero 0
+        over one dp rank in fp32 has no buffers (`_autograd_grads`): every `.grad` is
+        dropped and autograd makes it.
         """
         for unit in self.units:
             unit.ready, unit.work, unit.launched = 0, None, False
+            if self._autograd_grads:
+                for p in unit.params:
+                    p.grad = None
+                continue
             if self.zero == 2:
                 continue
             if unit.grad is None:
@@ -255,6 +272,8 @@ class GradSync:
         if unit.launched:
             return
         unit.launched = True
+        if self._autograd_grads:  # over one rank the sum is the gradient: nothing moves
+            return
         if self.zero == 0:
             assert unit.grad is not None
             # Partial -> Replicate over dp: all-reduce of the unit's gradient.
@@ -307,7 +326,10 @@ class GradSync:
     def finish(self, tied_reduce: TiedReduce | None = None) -> None:
         """After the last backward: sum tied gradients, finish every unit, average over dp."""
         for unit in self.units:
-            if unit.deferred and tied_reduce is not None:
+            if unit.deferred and tied_reduce is not None and self._autograd_grads:
+                for name in unit.tied:
+                    tied_reduce(name, self._grad_of(unit, name))
+            elif unit.deferred and tied_reduce is not None:
                 if unit.grad is None:  # zero 2: no gradient arrived; the stages still sum
                     self._allocate(unit)
                 assert unit.grad is not None
@@ -317,6 +339,14 @@ class GradSync:
         for unit in self.units:
             if unit.work is not None:
                 self._complete(unit)
+
+    def _grad_of(self, unit: _Unit, name: str) -> torch.Tensor:
+        """`_autograd_grads`: parameter `name`'s `.grad`, zeros when no gradient reached it
+        (a tied weight's stages all take part in its sum)."""
+        p = unit.params[unit.spec.params.index(name)]
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        return p.grad
 
     def master(self, name: str) -> torch.nn.Parameter:
         """Under bf16 at zero 0: parameter `name`'s fp32 master (what the optimizer steps)."""

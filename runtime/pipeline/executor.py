@@ -219,7 +219,7 @@ class StageExecutor:
         ]
         if stage.is_last:
             loss = checked_loss(self.loss_fn(outs[0], targets), self.loss_fn)
-            state.loss = loss * scale
+            state.loss = loss if scale == 1.0 else loss * scale  # one node fewer to run back
             return loss.detach()
         return None
 

@@ -1,12 +1,14 @@
 """Each rank's generated program as readable Python: what `parc compile -o DIR` writes.
 
 The code is the rank's compiled program (`parc.compiler.rank_program.compile_rank`),
-the same one a run executes, printed stage by stage: a header per stage (its
-rank and coordinates, what it receives and sends, the model inputs it reads, the
-rank's schedule), the stage graph's code with a comment beside every inserted
-collective, then the body of every recomputed region. Compiling needs no
-process group, no optimizer and no runtime; on the `meta` model of `parc
-compile` it needs no memory for the weights either.
+the same one a run executes, printed stage by stage: a header per stage (its rank
+and coordinates, what it receives and sends, the model inputs it reads, the rank's
+schedule, and where dp gradients are reduced: at which node's backward each bucket
+is complete and its reduction issued, and under `compile` the regions the stage is
+cut into, compiler/compile_regions.py), the stage graph's code with a comment beside
+every inserted collective, then the body of every recomputed region. Compiling needs
+no process group, no optimizer and no runtime; on the `meta` model of `parc compile`
+it needs no memory for the weights either.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import re
 
 import torch
 
+from .compile_regions import compile_regions
 from .frontend import Analysis
 from .layout import DEFAULT_BUCKET_ELEMS
 from .node_meta import meta_of
@@ -26,12 +29,13 @@ from .schedule_actions import Action, one_at_a_time
 __all__ = ["rank_code"]
 
 
-def rank_code(analysis: Analysis) -> dict[int, str]:
-    """rank -> the Python source of its stage programs, with headers and comments."""
+def rank_code(analysis: Analysis, *, bucket_elems: int = DEFAULT_BUCKET_ELEMS) -> dict[int, str]:
+    """rank -> the Python source of its stage programs, with headers and comments
+    (`bucket_elems`: the dp bucket size, `parc.compile`'s)."""
     mesh = analysis.plan.mesh
     out: dict[int, str] = {}
     for rank in range(mesh.world_size):
-        program = compile_rank(analysis, mesh.coords(rank), bucket_elems=DEFAULT_BUCKET_ELEMS)
+        program = compile_rank(analysis, mesh.coords(rank), bucket_elems=bucket_elems)
         out[rank] = "\n".join(_render(rank, program, s) for s in sorted(program.stages))
     return out
 
@@ -45,9 +49,43 @@ def _render(rank: int, program: RankProgram, s: int) -> str:
         f"# sends:    {', '.join(map(str, stage.send)) or 'nothing'}",
         f"# model inputs used: {list(stage.model_inputs)}",
         f"# schedule: {' '.join(map(str, _actions_run(program)))}",
+        *_reductions(program, s),
         "",
     ]
     return "\n".join(header) + _annotate(stage.gm) + "\n" + _recomputed(stage.gm)
+
+
+def _reductions(program: RankProgram, s: int) -> list[str]:
+    """The stage's dp reduction schedule: per region (under `compile`: each compiled on
+    its own), the buckets whose reduction its backward's end issues."""
+    plan = program.plan
+    if plan.dp == 1 or plan.zero == 3:
+        return []
+    gm = program.stages[s].gm
+    regions = program.regions.get(s) or compile_regions(gm, program.units, _canonical(program))
+    cut = len(program.regions.get(s, ())) > 1  # under `compile`, regions compiled apart
+    how = f"{len(regions)} regions, each compiled on its own" if cut else "compiled whole"
+    lines = [
+        "# dp reductions: each bucket's is issued once backward has passed its first use"
+        + (f"; {how}:" if plan.compiled else ":")
+    ]
+    for j, region in enumerate(regions):
+        done = ", ".join(f"{k} ({program.units[k].numel} elements)" for k in region.ready)
+        where = f"region {j}, the" if cut else "after the backward of the"
+        lines.append(f"#   {where} {region.nodes} nodes from `{region.first}`: "
+                     f"bucket {done or 'none'}")  # fmt: skip
+    return lines
+
+
+def _canonical(program: RankProgram) -> dict[str, str]:
+    """The stage graphs' parameter names -> canonical names, by identity."""
+    by_id = {id(p): n for n, p in program.params.items()}
+    return {
+        name: by_id[id(p)]
+        for stage in program.stages.values()
+        for name, p in stage.gm.named_parameters(remove_duplicate=False)
+        if id(p) in by_id
+    }
 
 
 def _actions_run(program: RankProgram) -> tuple[Action, ...]:

@@ -27,6 +27,9 @@ Algorithm:
 8. Recompute the modules the spec names in every stage graph (last, so the
    collectives and gathers inside a region run again with it).
 9. The pipeline actions of the rank's pp index, lowered with sends and receives.
+10. Under `compile` with gradients reduced over dp (zero 0-2, dp > 1): where each
+    stage graph is cut into separately compiled regions, so that bucket
+    reductions overlap the compiled backward (compiler/compile_regions.py).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import torch.fx
 
 from parc.dsl.ast import AXIS_DP, AXIS_PP
 
+from .compile_regions import Region, compile_regions
 from .estimate import stage_units
 from .frontend import Analysis
 from .layout import FlatUnit, ParamSlice, canonical_names, param_slices, stage_params
@@ -98,6 +102,9 @@ class RankProgram:
     """The traced example batch's shapes and dtypes (Analysis.example)."""
     buffers: BufferLayout
     """The model's persistent buffers and the stage holding each."""
+    regions: dict[int, tuple[Region, ...]]
+    """Under `compile`: stage -> its separately compiled regions (step 10; a stage
+    absent or of one region compiles whole)."""
 
 
 def compile_rank(
@@ -136,6 +143,12 @@ def compile_rank(
         recompute_modules(stage.gm, plan)
     # Step 9
     actions = rank_actions(plan, pp_index)  # the spec's schedule, or one written by hand
+    # Step 10
+    regions = (
+        {s: compile_regions(st.gm, units, canonical) for s, st in stages.items()}
+        if plan.compiled and plan.dp > 1 and plan.zero < 3
+        else {}
+    )
     return RankProgram(
         plan=plan,
         coords=dict(coords),
@@ -155,6 +168,7 @@ def compile_rank(
         input_shapes=tuple(tuple(n.meta["tensor_meta"].shape) for n in inputs),
         example=analysis.example,
         buffers=buffers,
+        regions=regions,
     )
 
 

@@ -78,7 +78,7 @@ def assemble(
     used = program.zero3_shards if plan.zero == 3 else tuple(program.params.values())
     _to_device([s.gm for s in program.stages.values()], device, used)
     if plan.compiled:  # `compile`: every stage graph through torch.compile (compiled.py)
-        compile_stages(program.stages, rank=comm.rank)
+        compile_stages(program.stages, rank=comm.rank, regions=program.regions)
     # Step 2
     buffers = rank_buffers(program.buffers, program.stages)  # the live tensors, on the device
     # Step 3

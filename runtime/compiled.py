@@ -21,12 +21,18 @@ What cannot compile runs eagerly, and a `CompileWarning` says so, once per stage
 - a stage whose compilation fails altogether (dynamo or inductor raise) runs
   eagerly from then on; the warning gives the error.
 
-Gradient synchronisation (DP buckets, ZeRO-1/2) is untouched: it runs in hooks
-on the parameters' gradient accumulation, which stays in eager autograd after
-the compiled backward. `compile_seconds()` is the time this process has spent
-compiling, forward and backward. ZeRO-3 (`zero 3`) is refused with `compile`
-(compiler/resolve.py): a compiled backward would keep the gathered parameters
-that ZeRO-3 frees after the forward and re-gathers in backward.
+Gradient synchronisation (DP buckets, ZeRO-1/2) runs in hooks on the
+parameters' gradient accumulation, which stays in eager autograd. A stage
+compiled whole is one autograd node whose backward hands every weight gradient
+over at its end; so where gradients are reduced over dp, the compiler cuts each
+stage graph into regions at its buckets' first uses (compiler/compile_regions.py)
+and each region compiles on its own (`torch.fx.passes.split_module`, the same
+Parameters): when a region's backward ends, the buckets it completes start their
+reductions while the regions before it run their backward. `compile_seconds()`
+is the time this process has spent compiling, forward and backward. ZeRO-3
+(`zero 3`) is refused with `compile` (compiler/compile_checks.py): a compiled
+backward would keep the gathered parameters that ZeRO-3 frees after the forward
+and gathers again in backward.
 """
 
 from __future__ import annotations
@@ -37,8 +43,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.fx
 from torch._dynamo.exc import TorchDynamoException
 
+from parc.compiler.compile_regions import Region, region_of_nodes
 from parc.compiler.passes.pipeline_split import StageGraph
 
 __all__ = ["CompileWarning", "compile_seconds", "compile_stages"]
@@ -55,12 +63,35 @@ _OPTIONS: dict[str, str | int | bool | Callable[..., Any]] = {"fallback_random":
 _COMPILE_TIMERS = ("_compile.compile_inner", "backward._backward_impl")
 
 
-def compile_stages(stages: Mapping[int, StageGraph], *, rank: int = 0) -> None:
+def compile_stages(
+    stages: Mapping[int, StageGraph],
+    *,
+    rank: int = 0,
+    regions: Mapping[int, tuple[Region, ...]] | None = None,
+) -> None:
     """Replace each stage GraphModule's `forward` (what the executor calls) by its compiled
-    form; compiled on its first call."""
+    form; compiled on its first call. A stage with several `regions` compiles each one
+    on its own, and its forward calls them in turn."""
     for index in sorted(stages):
-        gm = stages[index].gm
-        gm.forward = _CompiledStage(gm.forward, f"stage {index} on rank {rank}")
+        gm, cut = stages[index].gm, (regions or {}).get(index, ())
+        where = f"stage {index} on rank {rank}"
+        if len(cut) < 2:
+            gm.forward = _CompiledStage(gm.forward, where)
+            continue
+        split = _split(gm, cut)
+        for j in range(len(cut)):
+            sub = split.get_submodule(f"submod_{j}")
+            sub.forward = _CompiledStage(sub.forward, f"{where}, region {j}")
+        gm.forward = split.forward
+
+
+def _split(gm: torch.fx.GraphModule, regions: tuple[Region, ...]) -> torch.fx.GraphModule:
+    """`gm` as a module calling one submodule per region (`submod_0`, ...), in order; the
+    submodules hold `gm`'s own Parameters and buffers."""
+    from torch.fx.passes.split_module import split_module
+
+    of = region_of_nodes(gm, regions)
+    return split_module(gm, gm, lambda node: of[node.name], keep_original_order=True)
 
 
 class _CompiledStage:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from parc.blame import input_dtype_hint, user_code
+from parc.compiler.layout import DEFAULT_BUCKET_ELEMS
 from parc.compiler.model import ModelSource, load_model, owns_loss
 from parc.compiler.model_output import (
     ModelLoss,
@@ -281,6 +282,7 @@ def parallel_case(
     weights: str | None = None,
     clip: float | None = None,
     lr_schedule: Schedule | None = None,
+    bucket_elems: int = DEFAULT_BUCKET_ELEMS,
 ) -> dict[str, Any]:
     """One rank's side of a parallel run (call on every rank of a process group).
 
@@ -288,7 +290,8 @@ def parallel_case(
     `schedule` is a hand-written pipeline schedule for `parc.compile(schedule=...)`;
     `weights` a checkpoint directory to start from; `lr_schedule` the lr schedule (as
     `reference_run`'s); `clip` the global gradient norm to clip
-    to (`Program.clip`). Each step's global norm before clipping is in "grad_norms".
+    to (`Program.clip`); `bucket_elems` the dp bucket size (`parc.compile`'s). Each
+    step's global norm before clipping is in "grad_norms".
     """
     import torch.distributed as dist
 
@@ -305,6 +308,7 @@ def parallel_case(
             optimizer=_optimizer_for(source, optimizer),
             schedule=schedule,
             weights=weights,
+            bucket_elems=bucket_elems,
         )
         if fault is not None:
             inject(program, fault)

@@ -97,16 +97,19 @@ def check_equivalent(
     seed: int = 0,
     optimizer: str = "sgd",
     schedule: dict[int, list[str]] | None = None,
+    bucket_elems: int | None = None,
 ) -> tuple[Comparison, dict[str, Any]]:
     """`spec_text` on a pool against the reference here (docs/architecture.md, Equivalence);
     `schedule`: a hand-written pipeline schedule to run instead of the spec's. The reference
     trains in the spec's precision (`precision bf16`: the mixed-precision recipe), compared
-    with that precision's tolerance."""
+    with that precision's tolerance. `bucket_elems`: the dp bucket size (parc's default
+    when None)."""
     precision = spec_precision(spec_text)
     run = {"steps": steps, "batch": batch, "seed": seed, "optimizer": optimizer, "env": env}
     ref = reference_run(model, **run, precision=precision)
     pool = pool_factory(world_size(spec_text))
-    results = pool.run(parallel_case, spec_text, model, **run, schedule=schedule)
+    buckets = {} if bucket_elems is None else {"bucket_elems": bucket_elems}
+    results = pool.run(parallel_case, spec_text, model, **run, schedule=schedule, **buckets)
     losses = {tuple(r["losses"]) for r in results}
     # Every rank reports the same global loss.
     assert len(losses) == 1, f"ranks disagree on the loss: {losses}"

@@ -1,0 +1,191 @@
+"""Overlap of dp reductions with backward, eager and under `compile` (2 gloo CPU ranks).
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/overlap.py   # prints the section
+
+`mesh dp=2` on bench/dp.py's GPT with buckets of BUCKET elements (13 buckets;
+parc's default 25 MiB buckets hold this whole model in one, which leaves
+nothing to overlap), in one 2-rank case, steps alternating (a barrier before
+each):
+
+    parc eager              bucket reductions issued by gradient hooks during backward
+    parc compiled, cut      `compile`: each stage cut at its buckets into regions
+                            compiled apart (compiler/compile_regions.py)
+    parc compiled, whole    the same program with the stage compiled as one graph
+                            (what `compile` did before the cut): every reduction
+                            waits for the end of the compiled backward
+    DDP eager / compiled    `bucket_cap_mb` of the same bytes, for the step times
+
+For each parc side: the step time, the *exposed* communication (the wall time of
+`GradSync.finish`, which waits for whatever reduction is still running once
+backward is done), the communication time alone (the same buckets all-reduced
+one after another with nothing else running, medians of REPEATS) and the
+fraction hidden, 1 - exposed / alone. On 2 cores gloo's reduction threads share
+the cores with the ranks' compute, so hidden communication still slows compute
+a little; the step times say how much.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import md_table, median, ms, slowest_rank, timed_step
+
+WARMUP, STEPS, REPEATS = 3, 10, 10
+BUCKET = 2**18  # elements: 1 MiB of fp32 gradient a bucket
+PARC = ("parc eager", "parc compiled, cut", "parc compiled, whole")
+SIDES = (*PARC, "DDP eager", "DDP compiled")
+_CASE_TIMEOUT_S = 900.0
+
+__all__ = ["main"]
+
+
+class _Parc:
+    def __init__(self, compiled: bool, *, whole: bool = False) -> None:
+        import dp
+
+        import parc
+
+        self.program = parc.compile(
+            "mesh dp=2\n", dp._source(), batch=dp.BATCH, seed=0, optimizer=dp._adamw,
+            compiled=compiled, bucket_elems=BUCKET,
+        )  # fmt: skip
+        if whole:
+            _compile_whole(self.program)
+        self.exposed: list[float] = []
+        sync = self.program.parts.sync
+        finish = sync.finish
+
+        def timed_finish(*args: Any) -> None:
+            start = time.perf_counter()
+            finish(*args)
+            self.exposed.append(time.perf_counter() - start)
+
+        sync.finish = timed_finish  # type: ignore[method-assign]
+
+    def step(self, x: Any, y: Any) -> float:
+        return float(self.program.step(x, y))
+
+    def comm_alone(self) -> float:
+        """Every bucket's all-reduce, one after another, nothing else running: seconds."""
+        import torch
+        import torch.distributed as dist
+
+        grads = [torch.zeros(u.spec.numel) for u in self.program.parts.sync.units]  # type: ignore[attr-defined]
+        times = []
+        for _ in range(REPEATS):
+            dist.barrier()
+            start = time.perf_counter()
+            for g in grads:
+                dist.all_reduce(g)
+            times.append(time.perf_counter() - start)
+        return median(times)
+
+
+def _compile_whole(program: Any) -> None:
+    """The baseline: each stage compiled as one graph again (its regions' split undone)."""
+    from parc.runtime.compiled import _CompiledStage
+
+    for s, stage in program.parts.stages.items():
+        gm = stage.gm
+        gm.forward = _CompiledStage(type(gm).forward.__get__(gm), f"stage {s}")
+
+
+class _DDP:
+    """bench/dp.py's DDP side with buckets of BUCKET elements' bytes."""
+
+    def __init__(self, compiled: bool) -> None:
+        import dp
+        import torch
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        source = dp._source()
+        self.loss_fn, self.rank = source.loss_fn, dist.get_rank()
+        torch.manual_seed(0)  # parc.compile builds from the same seed
+        model = DistributedDataParallel(
+            source.build(), gradient_as_bucket_view=True, bucket_cap_mb=BUCKET * 4 / 2**20
+        )
+        self.opt = dp._adamw(model.parameters())
+        self.model = torch.compile(model) if compiled else model
+
+    def step(self, x: Any, y: Any) -> float:
+        per = x.shape[0] // 2
+        x, y = (
+            x[self.rank * per : (self.rank + 1) * per],
+            y[self.rank * per : (self.rank + 1) * per],
+        )
+        self.opt.zero_grad()
+        loss = self.loss_fn(self.model(x), y)
+        loss.backward()
+        self.opt.step()
+        return float(loss.detach())
+
+
+def time_sides() -> dict[str, Any]:
+    """In a rank: each side's wall times; parc's exposed and alone communication."""
+    import dp
+    import torch
+
+    torch.set_num_threads(1)
+    sides = {
+        "parc eager": _Parc(False),
+        "parc compiled, cut": _Parc(True),
+        "parc compiled, whole": _Parc(True, whole=True),
+        "DDP eager": _DDP(False),
+        "DDP compiled": _DDP(True),
+    }
+    source = dp._source()
+    batches = [source.batch(dp.BATCH, i) for i in range(WARMUP + STEPS)]
+    wall: dict[str, list[float]] = {name: [] for name in sides}
+    for batch in batches:
+        for name, impl in sides.items():
+            wall[name].append(timed_step(impl, batch)[0])
+    return {
+        "wall": {k: v[WARMUP:] for k, v in wall.items()},
+        "exposed": {k: sides[k].exposed[WARMUP:] for k in PARC},
+        "alone": {k: sides[k].comm_alone() for k in PARC},
+        "buckets": len(sides["parc eager"].program.parts.sync.units),
+    }
+
+
+def _rows(ranks: list[dict[str, Any]]) -> list[list[str]]:
+    rows = []
+    for name in SIDES:
+        step = median(slowest_rank([r["wall"][name] for r in ranks]))
+        if name not in PARC:
+            rows.append([name, ms(step), "", "", ""])
+            continue
+        exposed = median(slowest_rank([r["exposed"][name] for r in ranks]))
+        alone = max(r["alone"][name] for r in ranks)
+        hidden = max(0.0, 1.0 - exposed / alone)
+        rows.append([name, ms(step), ms(exposed), ms(alone), f"{hidden:.0%}"])
+    return rows
+
+
+def main() -> str:
+    """Run the case; return the markdown section for bench/RESULTS.md."""
+    from parc.testing.pool import WorkerPool
+
+    load = os.getloadavg()[0]
+    with WorkerPool(2, backend="gloo", timeout=_CASE_TIMEOUT_S) as pool:
+        ranks = pool.run(time_sides)
+    header = ["side", "step ms", "exposed comm ms", "comm alone ms", "hidden"]
+    return (
+        "## Overlap of dp reductions with backward (2 gloo CPU ranks)\n\n"
+        f"`mesh dp=2` on bench/dp.py's GPT, {ranks[0]['buckets']} buckets of {BUCKET} "
+        f"elements; medians of {STEPS} steps after {WARMUP}; load {load:.1f} at the start. "
+        "*Exposed*: the wall time of the gradient sync's `finish` (what is still "
+        "reducing once backward ends); *alone*: the same all-reduces back to back with "
+        "nothing else running; *hidden* = 1 − exposed / alone.\n\n"
+        + md_table(header, _rows(ranks))
+        + "\n\nReproduce: `OMP_NUM_THREADS=1 .venv/bin/python bench/overlap.py`."
+    )
+
+
+if __name__ == "__main__":
+    print(main())

@@ -1,0 +1,88 @@
+"""Where `compile` cuts a stage graph so that its gradient reductions overlap its backward.
+
+Analysis only; runtime/compiled.py cuts and compiles. A stage compiled whole is
+one autograd node: its backward returns every weight gradient at its end, so
+the dp reduction of a bucket (runtime/grad_sync.py: a unit, filled in reverse
+order of use) could only start once the stage's whole backward is done. Cut
+into regions, each compiled on its own, every region's backward is a node of
+its own, and when it ends the gradients of the parameters whose first use lies
+in it are complete: autograd accumulates them, the unit's hook launches its
+reduction, and the regions before it compute their backward meanwhile.
+
+1. For every unit the stage reads, the first node (in forward order) that
+   computes with one of its parameters (compiler/recompute_cost.param_readers).
+2. A region starts at each such node (the first region at the stage's first
+   node, so what precedes every parameter, positions or masks, joins it):
+   units are filled in reverse order of use, so each unit's parameters are
+   first used inside one region, the one its cut opens.
+3. `Region.ready`: the units whose gradients are complete when the region's
+   backward ends (a unit holding a weight tied across stages still waits for
+   the end of the step, runtime/grad_sync.py).
+
+A stage reading one unit, or none, stays one region: nothing could overlap.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch.fx
+
+from .layout import FlatUnit
+from .recompute_cost import param_readers
+
+__all__ = ["Region", "compile_regions", "region_of_nodes"]
+
+_NOT_COMPUTE = ("placeholder", "get_attr", "output")
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """One separately compiled piece of a stage graph."""
+
+    first: str
+    """The name of its first node (the nodes up to the next region's first are its own)."""
+    nodes: int
+    """How many compute nodes it holds."""
+    ready: tuple[int, ...]
+    """The rank's units (indices) whose gradients are complete when its backward ends."""
+
+
+def compile_regions(
+    gm: torch.fx.GraphModule, units: Sequence[FlatUnit], canonical: Mapping[str, str]
+) -> tuple[Region, ...]:
+    """The regions of one stage graph (steps 1-3); `canonical`: the graph's parameter
+    names -> their canonical names (the units')."""
+    order = [n.name for n in gm.graph.nodes if n.op not in _NOT_COMPUTE]
+    if not order:
+        return ()
+    index = {name: i for i, name in enumerate(order)}
+    readers = param_readers(gm, dict(canonical))
+    first_use: dict[int, int] = {}  # Step 1: unit -> its first node's index
+    for k, unit in enumerate(units):
+        uses = [index[r] for p in unit.params for r in readers.get(p, ()) if r in index]
+        if uses:
+            first_use[k] = min(uses)
+    starts = sorted(set(first_use.values())) or [0]  # Step 2
+    starts[0] = 0  # what precedes the first use (positions, masks) joins its region
+    ready: list[list[int]] = [[] for _ in starts]
+    for k, at in sorted(first_use.items()):  # Step 3
+        ready[bisect.bisect_right(starts, at) - 1].append(k)
+    ends = [*starts[1:], len(order)]
+    return tuple(
+        Region(order[lo], hi - lo, tuple(done))
+        for lo, hi, done in zip(starts, ends, ready, strict=True)
+    )
+
+
+def region_of_nodes(gm: torch.fx.GraphModule, regions: Sequence[Region]) -> dict[str, int]:
+    """Every node of `gm` -> the index of its region (nodes before the first compute
+    node, placeholders and parameter reads, are region 0's)."""
+    firsts = {r.first: j for j, r in enumerate(regions)}
+    out, current = {}, 0
+    for node in gm.graph.nodes:
+        current = firsts.get(node.name, current)
+        out[node.name] = current
+    return out

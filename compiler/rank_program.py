@@ -34,7 +34,7 @@ Algorithm:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -144,11 +144,7 @@ def compile_rank(
     # Step 9
     actions = rank_actions(plan, pp_index)  # the spec's schedule, or one written by hand
     # Step 10
-    regions = (
-        {s: compile_regions(st.gm, units, canonical) for s, st in stages.items()}
-        if plan.compiled and plan.dp > 1 and plan.zero < 3
-        else {}
-    )
+    regions = _regions(plan, stages, units, canonical)
     return RankProgram(
         plan=plan,
         coords=dict(coords),
@@ -170,6 +166,18 @@ def compile_rank(
         buffers=buffers,
         regions=regions,
     )
+
+
+def _regions(
+    plan: Plan,
+    stages: Mapping[int, StageGraph],
+    units: Sequence[FlatUnit],
+    canonical: Mapping[str, str],
+) -> dict[int, tuple[Region, ...]]:
+    """Step 10: under `compile` with dp, each stage's regions (compiler/compile_regions.py)."""
+    if not (plan.compiled and plan.dp > 1 and plan.zero < 3):
+        return {}
+    return {s: compile_regions(st.gm, units, canonical) for s, st in stages.items()}
 
 
 def _tensor_parallel(analysis: Analysis, tp_index: int) -> torch.fx.GraphModule:

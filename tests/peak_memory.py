@@ -89,14 +89,18 @@ class LiveBytes(TorchDispatchMode):
         if modeled > self.modeled:
             self.modeled, self.at_modeled = modeled, dict(self.by_tag)
 
-    def mark_saved(self, t: torch.Tensor) -> None:
-        """`t` was saved for backward: its storage counts as an activation unless resident."""
+    def retag(self, t: torch.Tensor, tag: str) -> None:
+        """`t`'s storage counts as `tag` from now on, unless it already has a tag."""
         entry = self._track(t)
         if entry is not None and entry[2] == "other":
             self.by_tag["other"] -= entry[1]
-            entry[2] = "saved"
-            self.by_tag["saved"] += entry[1]
+            entry[2] = tag
+            self.by_tag[tag] += entry[1]
             self._update()
+
+    def mark_saved(self, t: torch.Tensor) -> None:
+        """`t` was saved for backward: its storage counts as an activation unless resident."""
+        self.retag(t, "saved")
 
     @contextlib.contextmanager
     def tagging(self, tag: str) -> Iterator[None]:
@@ -147,6 +151,17 @@ def _tag_sync(sync: Any, live: LiveBytes) -> None:
         sync._complete = tagged(sync._complete, "backend")
 
 
+def _tag_grads(program: Any, live: LiveBytes) -> list[Any]:
+    """A gradient autograd makes into `.grad` is resident from then on (GradSync at zero 0
+    over one dp rank in fp32 drops every `.grad` before the step, so none is in the
+    starting state)."""
+    params = [p for p in program.parts.stage.gm.parameters() if p.requires_grad]
+    return [
+        p.register_post_accumulate_grad_hook(lambda q: live.retag(q.grad, "resident"))
+        for p in params
+    ]
+
+
 def _tag_saved(executor: Any, live: LiveBytes) -> None:
     @contextlib.contextmanager
     def counting() -> Iterator[None]:
@@ -190,7 +205,12 @@ def second_step(
         live = live_type(_resident(program), ignore=ignore)
         _tag_sync(program.parts.sync, live)
         _tag_saved(program.executor, live)
-        yield live, lambda: program.step(xs, ys)
+        hooks = _tag_grads(program, live)
+        try:
+            yield live, lambda: program.step(xs, ys)
+        finally:
+            for hook in hooks:
+                hook.remove()
 
 
 def measure_peak(

@@ -70,12 +70,7 @@ class _KeptBytes(LiveBytes):
             self.modeled, self.at_modeled = modeled, dict(self.by_tag)
 
     def mark_kept(self, t: Any) -> None:
-        entry = self._track(t)
-        if entry is not None and entry[2] == "other":
-            self.by_tag["other"] -= entry[1]
-            entry[2] = "kept"
-            self.by_tag["kept"] += entry[1]
-            self._update()
+        self.retag(t, "kept")
 
 
 def _tag_kept(live: _KeptBytes) -> Any:

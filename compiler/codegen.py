@@ -17,7 +17,7 @@ import re
 
 import torch
 
-from .compile_regions import compile_regions
+from .compile_regions import Region, compile_regions
 from .frontend import Analysis
 from .layout import DEFAULT_BUCKET_ELEMS
 from .node_meta import meta_of
@@ -59,7 +59,9 @@ def _reductions(program: RankProgram, s: int) -> list[str]:
     """The stage's dp reduction schedule: per region (under `compile`: each compiled on
     its own), the buckets whose reduction its backward's end issues."""
     plan = program.plan
-    if plan.dp == 1 or plan.zero == 3:
+    if plan.zero == 3:
+        return _zero3_regions(program.regions.get(s, ()))
+    if plan.dp == 1:
         return []
     gm = program.stages[s].gm
     regions = program.regions.get(s) or compile_regions(gm, program.units, _canonical(program))
@@ -74,6 +76,23 @@ def _reductions(program: RankProgram, s: int) -> list[str]:
         where = f"region {j}, the" if cut else "after the backward of the"
         lines.append(f"#   {where} {region.nodes} nodes from `{region.first}`: "
                      f"bucket {done or 'none'}")  # fmt: skip
+    return lines
+
+
+def _zero3_regions(regions: tuple[Region, ...]) -> list[str]:
+    """Under `compile` with ZeRO-3: the eager gathers and the compiled compute between."""
+    if not regions:
+        return []
+    lines = [f"# compile: {len(regions)} regions; ZeRO-3's gathers run eagerly between the "
+             "compiled ones, and a gather's backward reduce-scatters its unit:"]  # fmt: skip
+    for j, region in enumerate(regions):
+        gathered = ", ".join(map(str, region.ready))
+        what = (
+            "compiled"
+            if not region.eager
+            else "eager, " + (f"gathers unit {gathered}" if gathered else "views of gathered units")
+        )
+        lines.append(f"#   region {j}, the {region.nodes} nodes from `{region.first}`: {what}")
     return lines
 
 

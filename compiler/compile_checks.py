@@ -23,12 +23,6 @@ _NOT_WITH_COMPILE: tuple[tuple[Callable[[Spec], bool], str, str], ...] = (
         "use `schedule 1f1b` or `interleaved` with `compile`",
     ),
     (
-        lambda spec: spec.zero == 3,
-        "`zero 3`: a compiled backward keeps the gathered parameters alive from forward to "
-        "backward, where ZeRO-3 frees them after use and gathers them again",
-        "use `zero 1` or `zero 2` with `compile`",
-    ),
-    (
         lambda spec: bool(spec.recomputes),
         "`recompute`: the compiled backward chooses for itself what to save and what to "
         "run again, so the estimate's memory and collectives would not hold",

@@ -20,6 +20,14 @@ reduction, and the regions before it compute their backward meanwhile.
    the end of the step, runtime/grad_sync.py).
 
 A stage reading one unit, or none, stays one region: nothing could overlap.
+
+Under ZeRO-3 (`zero3_regions`) the cut is at the gathers instead. Each run of
+`zero3_gather`/`zero3_view` nodes (compiler/passes/zero.py puts a unit's views
+right after its gather) is an eager region: its all-gather forward, and its
+reduce-scatter backward when its own backward runs, stay runtime/zero3.py's
+(prefetch, re-gather in backward, the shard gradients), and its `ready` are the
+units it gathers, reduced when its backward runs, while the regions before it
+still run theirs. The compute between two such runs is a compiled region.
 """
 
 from __future__ import annotations
@@ -31,9 +39,10 @@ from dataclasses import dataclass
 import torch.fx
 
 from .layout import FlatUnit
+from .ops.zero3 import zero3_gather, zero3_view
 from .recompute_cost import param_readers
 
-__all__ = ["Region", "compile_regions", "region_of_nodes"]
+__all__ = ["Region", "compile_regions", "region_of_nodes", "zero3_regions"]
 
 _NOT_COMPUTE = ("placeholder", "get_attr", "output")
 
@@ -48,6 +57,8 @@ class Region:
     """How many compute nodes it holds."""
     ready: tuple[int, ...]
     """The rank's units (indices) whose gradients are complete when its backward ends."""
+    eager: bool = False
+    """Runs eagerly (ZeRO-3's gathers and views); the others are compiled."""
 
 
 def compile_regions(
@@ -75,6 +86,31 @@ def compile_regions(
         Region(order[lo], hi - lo, tuple(done))
         for lo, hi, done in zip(starts, ends, ready, strict=True)
     )
+
+
+def zero3_regions(gm: torch.fx.GraphModule) -> tuple[Region, ...]:
+    """A ZeRO-3 stage graph's regions: each run of gathers and views eager, the compute
+    between them compiled (the module docstring)."""
+    runs: list[list[torch.fx.Node]] = []
+    for node in gm.graph.nodes:
+        if node.op in _NOT_COMPUTE:
+            continue
+        if not runs or _is_gathering(runs[-1][0]) != _is_gathering(node):
+            runs.append([])
+        runs[-1].append(node)
+    return tuple(
+        Region(
+            run[0].name,
+            len(run),
+            tuple(int(n.args[1]) for n in run if n.target is zero3_gather),  # type: ignore[arg-type]
+            eager=_is_gathering(run[0]),
+        )
+        for run in runs
+    )
+
+
+def _is_gathering(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target in (zero3_gather, zero3_view)
 
 
 def region_of_nodes(gm: torch.fx.GraphModule, regions: Sequence[Region]) -> dict[str, int]:

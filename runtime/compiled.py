@@ -29,10 +29,15 @@ stage graph into regions at its buckets' first uses (compiler/compile_regions.py
 and each region compiles on its own (`torch.fx.passes.split_module`, the same
 Parameters): when a region's backward ends, the buckets it completes start their
 reductions while the regions before it run their backward. `compile_seconds()`
-is the time this process has spent compiling, forward and backward. ZeRO-3
-(`zero 3`) is refused with `compile` (compiler/compile_checks.py): a compiled
-backward would keep the gathered parameters that ZeRO-3 frees after the forward
-and gathers again in backward.
+is the time this process has spent compiling, forward and backward.
+
+Under ZeRO-3 the cut is at the gathers (`zero3_regions`): each unit's gather
+and views run eagerly, as without `compile` (the prefetch of the next unit, the
+reduce-scatter when the region's backward runs), and the compute between them
+is compiled. A compiled region saves for its backward the gathered parameters
+it reads, as views of the gathered buffer's storage; runtime/zero3.py packs
+each as a handle and gathers the unit again in backward, so nothing gathered
+outlives its forward, compiled or not.
 """
 
 from __future__ import annotations
@@ -79,7 +84,7 @@ def compile_stages(
             gm.forward = _CompiledStage(gm.forward, where)
             continue
         split = _split(gm, cut)
-        for j in range(len(cut)):
+        for j in (j for j, region in enumerate(cut) if not region.eager):
             sub = split.get_submodule(f"submod_{j}")
             sub.forward = _CompiledStage(sub.forward, f"{where}, region {j}")
         gm.forward = split.forward

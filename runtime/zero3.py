@@ -107,7 +107,7 @@ class Zero3:
         # Only within a stage: the rank's next stage may run much later, or never.
         if self._in_forward and nxt < len(self.units) and self._same_stage(unit, nxt):
             self._prefetched[nxt] = self._start(nxt, self.shards[nxt], async_op=True)
-        self._bases[id(full)] = (unit, weakref.ref(full))
+        self._bases[_storage(full)] = (unit, weakref.ref(full))
         return full
 
     def _same_stage(self, a: int, b: int) -> bool:
@@ -144,14 +144,15 @@ class Zero3:
         self._cache.pop(unit, None)
 
     def _pack(self, t: torch.Tensor) -> Any:
-        """A view of a gathered buffer becomes a handle; any other tensor is kept detached
-        (the same storage): packed as itself, a tensor an op saves of its own output would
-        hold that op's node through its grad_fn, a cycle through Python that only a backward
-        without retain_graph breaks, so a graph kept for a later call (zb1's B and W) would
-        never be freed."""
-        base = t._base if t._base is not None else t
-        entry = self._bases.get(id(base))
-        if entry is None or entry[1]() is not base:
+        """A tensor in a gathered buffer's storage (a view of it, or under `compile` what
+        the compiled region saves of its inputs: another tensor on the same storage)
+        becomes a handle; any other tensor is kept detached (the same storage): packed as
+        itself, a tensor an op saves of its own output would hold that op's node through
+        its grad_fn, a cycle through Python that only a backward without retain_graph
+        breaks, so a graph kept for a later call (zb1's B and W) would never be freed."""
+        entry = self._bases.get(_storage(t))
+        full = None if entry is None else entry[1]()
+        if entry is None or full is None or full.dtype != t.dtype:
             return t.detach()
         return _Handle(entry[0], int(t.storage_offset()), tuple(t.size()), tuple(t.stride()))
 
@@ -254,6 +255,11 @@ class Zero3:
         if out is None:
             out = torch.empty(self.shapes[name], dtype=shard.dtype, device=shard.device)
         return assemble_from_shards(shard, out, off, self.comm, self.axis)
+
+
+def _storage(t: torch.Tensor) -> int:
+    """Where `t`'s storage lies: the same for every tensor on it."""
+    return int(t.untyped_storage().data_ptr())
 
 
 def active_runtime() -> Zero3 | None:

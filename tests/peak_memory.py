@@ -155,11 +155,13 @@ def _tag_grads(program: Any, live: LiveBytes) -> list[Any]:
     """A gradient autograd makes into `.grad` is resident from then on (GradSync at zero 0
     over one dp rank in fp32 drops every `.grad` before the step, so none is in the
     starting state)."""
+
+    def made(p: torch.Tensor) -> None:
+        if p.grad is not None:  # under `reduce fp32` the fp32 master's takes it, not `.grad`
+            live.retag(p.grad, "resident")
+
     params = [p for p in program.parts.stage.gm.parameters() if p.requires_grad]
-    return [
-        p.register_post_accumulate_grad_hook(lambda q: live.retag(q.grad, "resident"))
-        for p in params
-    ]
+    return [p.register_post_accumulate_grad_hook(made) for p in params]
 
 
 def _tag_saved(executor: Any, live: LiveBytes) -> None:

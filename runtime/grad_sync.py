@@ -39,7 +39,7 @@ its full gradient is first summed over the stages that hold it.
 Under `precision bf16` (`mixed`, runtime/master_weights.py) the parameters
 are bf16 compute copies and the optimizer steps fp32 masters (`masters`):
 zero 0 one per parameter; zero 1/2 one per unit, this rank's shard, and then
-`_Unit.shard` is that fp32 master and `_Unit.compute` this rank's bf16 slice
+`Unit.shard` is that fp32 master and `Unit.compute` this rank's bf16 slice
 of the unit's bf16 `flat_param`. The gradient buffers are bf16 (`reduce
 bf16`: `.grad` views into them as above) or fp32 (`reduce fp32`: a hook adds
 each bf16 `.grad` into its fp32 slice and drops it). No division happens on
@@ -52,40 +52,17 @@ the compute copies from the masters, drops the masters' gradients and
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from parc.compiler.layout import FlatUnit
 
 from .collectives import Comm
+from .grad_units import Unit, grad_hook, pre_grad_hook
 from .master_weights import COMPUTE_DTYPE, MasterWeights, MixedPrecision, assemble_from_shards
 from .sync_protocol import TiedReduce
 
 __all__ = ["GradSync"]
-
-
-@dataclass(eq=False)
-class _Unit:
-    spec: FlatUnit
-    params: list[torch.nn.Parameter]
-    offsets: list[int]
-    deferred: bool
-    order: int  # its index among the rank's units (zero 1/2 masters)
-    first: int  # the index of its first parameter in the rank's parameters (zero 0 masters)
-    grad: torch.Tensor | None = None
-    flat_param: torch.Tensor | None = None
-    # What the optimizer steps for this unit (zero 1/2): this rank's slice of
-    # `flat_param` (an alias) under fp32, its fp32 master under bf16.
-    shard: torch.nn.Parameter | None = None
-    compute: torch.Tensor | None = None  # bf16: this rank's slice of the bf16 flat_param
-    ready: int = 0
-    work: Any = None
-    reduced: torch.Tensor | None = None
-    launched: bool = False
-    tied: list[str] = field(default_factory=list)
 
 
 class GradSync:
@@ -110,7 +87,7 @@ class GradSync:
         self.comm, self.zero, self.axis, self.mixed = comm, zero, axis, mixed
         self.dp, self.index = comm.size(axis), comm.index(axis)
         self.armed = False
-        self.units: list[_Unit] = []
+        self.units: list[Unit] = []
         self.masters: MasterWeights | None = None  # under bf16: what the optimizer steps
         self._names: dict[str, tuple[int, int]] = {}  # parameter -> (unit, position in it)
         first = 0
@@ -121,7 +98,7 @@ class GradSync:
                 offsets.append(off)
                 off += p.numel()
             deferred = any(n in tied for n in spec.params)
-            unit = _Unit(spec, params, offsets, deferred, len(self.units), first)
+            unit = Unit(spec, params, offsets, deferred, len(self.units), first)
             unit.tied = [n for n in spec.params if n in tied]
             first += len(params)
             self.units.append(unit)
@@ -129,9 +106,9 @@ class GradSync:
                 self._names[n] = (len(self.units) - 1, j)
                 ref, index = weakref.ref(self), len(self.units) - 1
                 if zero == 2 and not self._main_grad:  # before AccumulateGrad reads `.grad`
-                    p.register_hook(_pre_hook(ref, index))
+                    p.register_hook(pre_grad_hook(ref, index))
                 if self._hooked:
-                    p.register_post_accumulate_grad_hook(_hook(ref, index, j))
+                    p.register_post_accumulate_grad_hook(grad_hook(ref, index, j))
         if mixed is not None:
             self.masters = MasterWeights()
             if zero == 0:
@@ -161,10 +138,10 @@ class GradSync:
         """`reduce fp32` under bf16: gradients accumulate in fp32 buffers, added by a hook."""
         return self.mixed is not None and self.mixed.main_grad
 
-    def _grad_dtype(self, unit: _Unit) -> torch.dtype:
+    def _grad_dtype(self, unit: Unit) -> torch.dtype:
         return unit.params[0].dtype if self.mixed is None else self.mixed.reduce
 
-    def _flatten_params(self, unit: _Unit) -> None:
+    def _flatten_params(self, unit: Unit) -> None:
         """Make the unit's parameters views of one padded flat buffer; cut this rank's shard
         (under bf16: the flat buffer is bf16, the shard an fp32 master of the fp32 values)."""
         p0 = unit.params[0]
@@ -184,7 +161,7 @@ class GradSync:
             p.data = flat[off : off + p.numel()].view_as(p)
         unit.flat_param = flat
 
-    def _my_slice(self, flat: torch.Tensor, unit: _Unit) -> torch.Tensor:
+    def _my_slice(self, flat: torch.Tensor, unit: Unit) -> torch.Tensor:
         n = unit.spec.shard
         return flat[self.index * n : (self.index + 1) * n]
 
@@ -228,14 +205,14 @@ class GradSync:
                 unit.grad.zero_()
             self._point_grads(unit)
 
-    def _point_grads(self, unit: _Unit) -> None:
+    def _point_grads(self, unit: Unit) -> None:
         """Every `.grad` of the unit a view of its buffer (none under `reduce fp32`: the
         buffer is fp32, the bf16 `.grad` is added into it by `_on_grad`)."""
         assert unit.grad is not None
         for p, off in zip(unit.params, unit.offsets):
             p.grad = None if self._main_grad else unit.grad[off : off + p.numel()].view_as(p)
 
-    def _allocate(self, unit: _Unit) -> None:
+    def _allocate(self, unit: Unit) -> None:
         """Zero 2: the unit's zeroed full buffer, made when its first gradient arrives."""
         if unit.grad is None:
             p0 = unit.params[0]
@@ -268,7 +245,7 @@ class GradSync:
         if self.armed and unit.ready >= len(unit.params) and not unit.deferred:
             self._launch(unit)
 
-    def _launch(self, unit: _Unit) -> None:
+    def _launch(self, unit: Unit) -> None:
         if unit.launched:
             return
         unit.launched = True
@@ -294,7 +271,7 @@ class GradSync:
         # Partial -> Shard over dp: reduce-scatter of the unit's gradient.
         unit.work = self.comm.reduce_scatter(unit.reduced, unit.grad, self.axis, async_op=True)
 
-    def _complete(self, unit: _Unit) -> None:
+    def _complete(self, unit: Unit) -> None:
         """Wait for the unit's collective and average it over dp; zero 2 frees its buffer."""
         unit.work.wait()
         unit.work = None  # a finished gloo Work still holds its tensors
@@ -340,7 +317,7 @@ class GradSync:
             if unit.work is not None:
                 self._complete(unit)
 
-    def _grad_of(self, unit: _Unit, name: str) -> torch.Tensor:
+    def _grad_of(self, unit: Unit, name: str) -> torch.Tensor:
         """`_autograd_grads`: parameter `name`'s `.grad`, zeros when no gradient reached it
         (a tied weight's stages all take part in its sum)."""
         p = unit.params[unit.spec.params.index(name)]
@@ -396,27 +373,3 @@ class GradSync:
             mine = unit.shard if unit.compute is None else unit.compute
             # Shard -> Replicate over dp: all-gather of the flat parameter (bf16 under bf16).
             self.comm.all_gather(unit.flat_param, mine.detach().clone(), self.axis)
-
-
-def _hook(sync: weakref.ref[GradSync], index: int, position: int) -> Callable[[torch.Tensor], None]:
-    """A parameter's hook holds its GradSync weakly: torch keeps hooks where Python's
-    garbage collector cannot see them, so a strong reference would never be freed."""
-
-    def on_grad(_: torch.Tensor) -> None:
-        owner = sync()
-        if owner is not None:
-            owner._on_grad(index, position)
-
-    return on_grad
-
-
-def _pre_hook(sync: weakref.ref[GradSync], index: int) -> Callable[[torch.Tensor], None]:
-    """Zero 2: runs before autograd accumulates a parameter's gradient, so `.grad` is
-    already a view of the unit's buffer and AccumulateGrad adds into it in place."""
-
-    def before_grad(_: torch.Tensor) -> None:
-        owner = sync()
-        if owner is not None:
-            owner._allocate(owner.units[index])
-
-    return before_grad

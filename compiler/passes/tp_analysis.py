@@ -60,15 +60,7 @@ from ..node_meta import Collectives, set_tp_analysis
 from ..ops.collectives import CommKind
 from ..plan import ModuleShard, Plan, PlanWarning
 from . import tp_messages as msg
-from .placement import (
-    LowerKind,
-    NodeRewrite,
-    ParamUse,
-    Partial,
-    Placement,
-    Replicate,
-    Shard,
-)
+from .placement import LowerKind, NodeRewrite, ParamUse, Partial, Placement, Replicate, Shard
 from .tp_context import Decision, Misaligned, NotDivisible, OpContext
 from .tp_dims import output_metas
 from .tp_loss import kept_logits, loss_collectives

@@ -1,0 +1,61 @@
+"""runtime/grad_sync.py's pieces: a flat unit's state and the hooks on its parameters."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from parc.compiler.layout import FlatUnit
+
+__all__ = ["Unit", "grad_hook", "pre_grad_hook"]
+
+
+@dataclass(eq=False)
+class Unit:
+    """One flat unit of a rank's parameters and its gradient bookkeeping (GradSync)."""
+
+    spec: FlatUnit
+    params: list[torch.nn.Parameter]
+    offsets: list[int]
+    deferred: bool
+    order: int  # its index among the rank's units (zero 1/2 masters)
+    first: int  # the index of its first parameter in the rank's parameters (zero 0 masters)
+    grad: torch.Tensor | None = None
+    flat_param: torch.Tensor | None = None
+    # What the optimizer steps for this unit (zero 1/2): this rank's slice of
+    # `flat_param` (an alias) under fp32, its fp32 master under bf16.
+    shard: torch.nn.Parameter | None = None
+    compute: torch.Tensor | None = None  # bf16: this rank's slice of the bf16 flat_param
+    ready: int = 0
+    work: Any = None
+    reduced: torch.Tensor | None = None
+    launched: bool = False
+    tied: list[str] = field(default_factory=list)
+
+
+def grad_hook(sync: weakref.ref[Any], index: int, position: int) -> Callable[[torch.Tensor], None]:
+    """A parameter's hook holds its GradSync (`sync`) weakly: torch keeps hooks where Python's
+    garbage collector cannot see them, so a strong reference would never be freed."""
+
+    def on_grad(_: torch.Tensor) -> None:
+        owner = sync()
+        if owner is not None:
+            owner._on_grad(index, position)
+
+    return on_grad
+
+
+def pre_grad_hook(sync: weakref.ref[Any], index: int) -> Callable[[torch.Tensor], None]:
+    """Zero 2: runs before autograd accumulates a parameter's gradient, so `.grad` is
+    already a view of the unit's buffer and AccumulateGrad adds into it in place."""
+
+    def before_grad(_: torch.Tensor) -> None:
+        owner = sync()
+        if owner is not None:
+            owner._allocate(owner.units[index])
+
+    return before_grad

@@ -137,7 +137,9 @@ class _Parc:
 
 
 class _Native:
-    def __init__(self, kind: Native) -> None:
+    def __init__(self, kind: Native, *, compile_blocks: bool = False) -> None:
+        """`compile_blocks` (FSDP2 only): each block compiled in place before it is
+        sharded, as torchtitan compiles under FSDP2."""
         import torch
         import torch.distributed as dist
 
@@ -152,6 +154,8 @@ class _Native:
 
             mesh = init_device_mesh("cpu", (self.world,))
             for block in model.layers:  # as torchtitan: each block, then the root
+                if compile_blocks:
+                    block.compile()
                 fully_shard(block, mesh=mesh)
             fully_shard(model, mesh=mesh)
             self.model = model

@@ -14,14 +14,21 @@ each):
                             (what `compile` did before the cut): every reduction
                             waits for the end of the compiled backward
     DDP eager / compiled    `bucket_cap_mb` of the same bytes, for the step times
+    ZeRO-3 eager / compiled `mesh dp=2` `zero 3` (its own units): the gathers and
+                            reduce-scatters, eager in both (the compute between
+                            gathers compiled in the second)
+    FSDP2 eager             bench/dp.py's FSDP2 side, for the step times
 
 For each parc side: the step time, the *exposed* communication (the wall time of
 `GradSync.finish`, which waits for whatever reduction is still running once
 backward is done), the communication time alone (the same buckets all-reduced
 one after another with nothing else running, medians of REPEATS) and the
-fraction hidden, 1 - exposed / alone. On 2 cores gloo's reduction threads share
-the cores with the ranks' compute, so hidden communication still slows compute
-a little; the step times say how much.
+fraction hidden, 1 - exposed / alone. Under ZeRO-3 *exposed* is the time the
+rank's thread spends inside `Zero3.gather` (waiting for a prefetched gather, or
+gathering) and `Zero3.scatter_grad`, and *alone* the same collectives (each
+gather and reduce-scatter of the step, in its order) back to back. On 2 cores
+gloo's reduction threads share the cores with the ranks' compute, so hidden
+communication still slows compute a little; the step times say how much.
 """
 
 from __future__ import annotations
@@ -38,7 +45,9 @@ from _common import md_table, median, ms, slowest_rank, timed_step
 WARMUP, STEPS, REPEATS = 3, 10, 10
 BUCKET = 2**18  # elements: 1 MiB of fp32 gradient a bucket
 PARC = ("parc eager", "parc compiled, cut", "parc compiled, whole")
-SIDES = (*PARC, "DDP eager", "DDP compiled")
+ZERO3 = ("ZeRO-3 eager", "ZeRO-3 compiled")
+MEASURED = (*PARC, *ZERO3)  # the sides whose exposed and alone communication are measured
+SIDES = (*PARC, "DDP eager", "DDP compiled", *ZERO3, "FSDP2 eager")
 _CASE_TIMEOUT_S = 900.0
 
 __all__ = ["main"]
@@ -82,6 +91,61 @@ class _Parc:
             start = time.perf_counter()
             for g in grads:
                 dist.all_reduce(g)
+            times.append(time.perf_counter() - start)
+        return median(times)
+
+
+class _Zero3:
+    """parc's ZeRO-3, its gathers and reduce-scatters timed and listed as they run."""
+
+    def __init__(self, compiled: bool) -> None:
+        import dp
+
+        import parc
+
+        self.program = parc.compile(
+            "mesh dp=2\nzero 3\n", dp._source(), batch=dp.BATCH, seed=0,
+            optimizer=dp._adamw, compiled=compiled,
+        )  # fmt: skip
+        self.exposed: list[float] = []
+        self.calls: list[tuple[str, int]] = []  # the last step's collectives: (kind, elements)
+        sync = self.program.parts.sync
+        sync.gather = self._timed(sync.gather, "gather")  # type: ignore[method-assign]
+        sync.scatter_grad = self._timed(sync.scatter_grad, "scatter")  # type: ignore[method-assign]
+
+    def _timed(self, fn: Any, kind: str) -> Any:
+        units = self.program.parts.sync.units  # type: ignore[attr-defined]
+
+        def timed(unit: int, tensor: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(unit, tensor)
+            finally:
+                self.exposed[-1] += time.perf_counter() - start
+                self.calls.append((kind, units[unit].padded))
+
+        return timed
+
+    def step(self, x: Any, y: Any) -> float:
+        self.exposed.append(0.0)
+        self.calls.clear()
+        return float(self.program.step(x, y))
+
+    def comm_alone(self) -> float:
+        """The last step's gathers and reduce-scatters, in order, back to back: seconds."""
+        import torch
+        import torch.distributed as dist
+
+        bufs = [(kind, torch.zeros(n), torch.zeros(n // 2)) for kind, n in self.calls]  # dp=2
+        times = []
+        for _ in range(REPEATS):
+            dist.barrier()
+            start = time.perf_counter()
+            for kind, full, shard in bufs:
+                if kind == "gather":
+                    dist.all_gather_into_tensor(full, shard)
+                else:
+                    dist.reduce_scatter_tensor(shard, full)
             times.append(time.perf_counter() - start)
         return median(times)
 
@@ -138,6 +202,9 @@ def time_sides() -> dict[str, Any]:
         "parc compiled, whole": _Parc(True, whole=True),
         "DDP eager": _DDP(False),
         "DDP compiled": _DDP(True),
+        "ZeRO-3 eager": _Zero3(False),
+        "ZeRO-3 compiled": _Zero3(True),
+        "FSDP2 eager": dp._Native(dp.Native.FSDP2),
     }
     source = dp._source()
     batches = [source.batch(dp.BATCH, i) for i in range(WARMUP + STEPS)]
@@ -147,8 +214,8 @@ def time_sides() -> dict[str, Any]:
             wall[name].append(timed_step(impl, batch)[0])
     return {
         "wall": {k: v[WARMUP:] for k, v in wall.items()},
-        "exposed": {k: sides[k].exposed[WARMUP:] for k in PARC},
-        "alone": {k: sides[k].comm_alone() for k in PARC},
+        "exposed": {k: sides[k].exposed[WARMUP:] for k in MEASURED},
+        "alone": {k: sides[k].comm_alone() for k in MEASURED},
         "buckets": len(sides["parc eager"].program.parts.sync.units),
     }
 
@@ -157,7 +224,7 @@ def _rows(ranks: list[dict[str, Any]]) -> list[list[str]]:
     rows = []
     for name in SIDES:
         step = median(slowest_rank([r["wall"][name] for r in ranks]))
-        if name not in PARC:
+        if name not in MEASURED:
             rows.append([name, ms(step), "", "", ""])
             continue
         exposed = median(slowest_rank([r["exposed"][name] for r in ranks]))
@@ -176,12 +243,14 @@ def main() -> str:
         ranks = pool.run(time_sides)
     header = ["side", "step ms", "exposed comm ms", "comm alone ms", "hidden"]
     return (
-        "## Overlap of dp reductions with backward (2 gloo CPU ranks)\n\n"
+        "## Overlap of dp communication with compute (2 gloo CPU ranks)\n\n"
         f"`mesh dp=2` on bench/dp.py's GPT, {ranks[0]['buckets']} buckets of {BUCKET} "
         f"elements; medians of {STEPS} steps after {WARMUP}; load {load:.1f} at the start. "
         "*Exposed*: the wall time of the gradient sync's `finish` (what is still "
         "reducing once backward ends); *alone*: the same all-reduces back to back with "
-        "nothing else running; *hidden* = 1 − exposed / alone.\n\n"
+        "nothing else running; *hidden* = 1 − exposed / alone. ZeRO-3 rows: *exposed* is "
+        "the time spent inside its gathers and reduce-scatters (waiting for a prefetch, or "
+        "communicating), *alone* the step's same collectives back to back.\n\n"
         + md_table(header, _rows(ranks))
         + "\n\nReproduce: `OMP_NUM_THREADS=1 .venv/bin/python bench/overlap.py`."
     )

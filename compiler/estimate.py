@@ -323,7 +323,10 @@ def _rank_memory(
     message = int(max(per_call, default=0) * scale)
     activations = int(act.held(in_flight) * scale)
     if zero == 3:  # the gathered unit, its gradient, the cast and the shard it scatters into
-        early = zero3_unit_bytes(largest, plan.dp, memory.param_bytes, memory.grad_bytes)
+        second = sorted(u.padded for u in units)[-2] if len(units) > 1 else 0
+        early = zero3_unit_bytes(
+            largest, plan.dp, memory.param_bytes, memory.grad_bytes, prefetched=second
+        )
         early += message
     else:
         early = tp * memory.param_bytes + tg * memory.grad_bytes + message

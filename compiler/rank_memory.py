@@ -116,18 +116,26 @@ def transient_elements(
     return 0, 0
 
 
-def zero3_unit_bytes(largest: int, dp: int, param_bytes: int, grad_bytes: int) -> int:
+def zero3_unit_bytes(
+    largest: int, dp: int, param_bytes: int, grad_bytes: int, *, prefetched: int
+) -> int:
     """Bytes of ZeRO-3's transient buffers around its largest unit's backward (runtime/zero3.py).
 
     While the unit's backward runs, its re-gathered parameters (compute dtype) and
-    autograd's full gradient (the same dtype) are alive; `Zero3.scatter_grad` then
-    drops the gathered copy and makes the reduce-scatter's output shard (1/dp, in
-    the reduce format), under `reduce fp32` after an fp32 cast of the full gradient
-    (`grad_bytes` > `param_bytes`). The larger of the two moments.
+    autograd's full gradient (the same dtype) are alive, and the unit before it,
+    prefetched for the backward's next step (`prefetched` elements: the rank's
+    second-largest unit bounds it, as the largest is the one computing, or 0 for a
+    rank of one unit); `Zero3.scatter_grad` then drops the gathered copy and makes
+    the reduce-scatter's output shard (1/dp, in the reduce format), under `reduce
+    fp32` after an fp32 cast of the full gradient (`grad_bytes` > `param_bytes`).
+    The larger of the two moments.
     """
     cast = grad_bytes if grad_bytes != param_bytes else 0
     shard = -(-largest // dp) if dp > 1 else largest
-    return max(2 * largest * param_bytes, largest * (param_bytes + cast) + shard * grad_bytes)
+    ahead = prefetched * param_bytes
+    return ahead + max(
+        2 * largest * param_bytes, largest * (param_bytes + cast) + shard * grad_bytes
+    )
 
 
 def late_elements(zero: int, units: tuple[FlatUnit, ...]) -> int:

@@ -13,6 +13,9 @@ reads every parameter as a view of the gathered flat buffer. Here:
   is a view of a gathered buffer by a handle (unit, offset, size, stride);
   backward unpacks the handle by gathering the unit again (once per unit per
   backward: the copy is cached until that unit's reduce-scatter runs).
+- Prefetch, within a stage: a forward gather starts the next unit's, a
+  backward's first gather of a unit starts the one before it (when the forward
+  saved that one's parameters), so each travels while the current unit computes.
 - `Zero3.finish` averages the shard gradients over dp (after summing the
   gradients of weights tied across pipeline stages, whose units are solo).
 
@@ -86,6 +89,9 @@ class Zero3:
         self._bases: dict[int, tuple[int, weakref.ref[torch.Tensor]]] = {}
         self._cache: dict[int, torch.Tensor] = {}
         self._prefetched: dict[int, tuple[torch.Tensor, Any]] = {}
+        # Units whose gathered parameters a forward saved (as handles): the ones a backward
+        # gathers again, so the only ones it prefetches.
+        self._saved_units: set[int] = set()
         self._in_forward = False
 
     # ---------------------------------------------------------- graph side
@@ -154,6 +160,7 @@ class Zero3:
         full = None if entry is None else entry[1]()
         if entry is None or full is None or full.dtype != t.dtype:
             return t.detach()
+        self._saved_units.add(entry[0])
         return _Handle(entry[0], int(t.storage_offset()), tuple(t.size()), tuple(t.stride()))
 
     def _unpack(self, saved: Any) -> Any:
@@ -163,11 +170,25 @@ class Zero3:
         if full is None:
             full = self.gather(saved.unit, self.shards[saved.unit])
             self._cache[saved.unit] = full
+            self._prefetch_before(saved.unit)
         return full.as_strided(saved.size, saved.stride, saved.offset)
+
+    def _prefetch_before(self, unit: int) -> None:
+        """Backward: start gathering the unit before `unit` (of the same stage), which the
+        backward reaches next, so it travels while `unit`'s backward computes (FSDP's
+        backward prefetch); only a unit whose parameters the forward saved, which the
+        backward gathers anyway. `finish` drops one no handle asked for."""
+        prev = unit - 1
+        if prev < 0 or prev not in self._saved_units or not self._same_stage(unit, prev):
+            return
+        if prev in self._cache or prev in self._prefetched:
+            return
+        self._prefetched[prev] = self._start(prev, self.shards[prev], async_op=True)
 
     @contextlib.contextmanager
     def forward_context(self) -> Iterator[None]:
         """Run a stage's forward with gathered parameters saved as handles."""
+        self._drop_prefetched()  # one the backward started and nobody read
         self._in_forward = True
         try:
             with (
@@ -177,11 +198,13 @@ class Zero3:
                 yield
         finally:
             self._in_forward = False
-            # A forward that stopped early leaves a prefetch nobody will read.
-            for _, work in self._prefetched.values():
-                work.wait()
-            self._prefetched.clear()
+            self._drop_prefetched()  # a forward that stopped early leaves one nobody reads
             self._bases = {k: v for k, v in self._bases.items() if v[1]() is not None}
+
+    def _drop_prefetched(self) -> None:
+        for _, work in self._prefetched.values():
+            work.wait()
+        self._prefetched.clear()
 
     # ---------------------------------------------------------- step side
 
@@ -209,8 +232,10 @@ class Zero3:
 
     def finish(self, tied_reduce: Callable[[str, torch.Tensor], None] | None = None) -> None:
         """Sum tied gradients over the stages holding them; average over dp (under bf16
-        into the masters' fp32 `.grad`, divided in fp32)."""
+        into the masters' fp32 `.grad`, divided in fp32). A unit the backward prefetched
+        and no handle read is dropped: the step changes the shards it was gathered from."""
         self._cache.clear()
+        self._drop_prefetched()
         reduced = self._reduced_grads()
         for i in self.tied_units:
             grad = reduced[i]

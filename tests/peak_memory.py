@@ -134,8 +134,10 @@ def _resident(program: Any) -> list[torch.Tensor]:
 
 def _tag_sync(sync: Any, live: LiveBytes) -> None:
     """What GradSync allocates (prepare; a bucket when its first gradient arrives; a
-    reduce-scatter's output) is a `buffer`; what appears while it waits (`_complete`,
-    which allocates nothing itself) is the backend's."""
+    reduce-scatter's output) is a `buffer`, as ZeRO-3's gathered units (and prefetches),
+    their full gradients and the shards reduced from them; what appears while GradSync
+    waits (`_complete`, which allocates nothing itself) or allocates inside a collective
+    is the backend's."""
 
     def tagged(fn: Callable[..., Any], tag: str) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -144,11 +146,26 @@ def _tag_sync(sync: Any, live: LiveBytes) -> None:
 
         return call
 
-    for name, tag in [("prepare", "buffer"), ("_allocate", "buffer"), ("_launch", "buffer")]:
-        if hasattr(sync, name):  # ZeRO-3's Zero3 has other steps
-            setattr(sync, name, tagged(getattr(sync, name), tag))
+    steps = ["prepare", "_allocate", "_launch", "_start", "scatter_grad"]
+    for name in steps:  # GradSync's, then ZeRO-3's gathers (and prefetches) and shards
+        if hasattr(sync, name):
+            setattr(sync, name, tagged(getattr(sync, name), "buffer"))
+    if hasattr(sync, "scatter_grad"):  # ZeRO-3: the unit's full gradient is a buffer too
+        scatter = sync.scatter_grad
+
+        def scatter_grad(unit: int, grad: torch.Tensor) -> Any:
+            live.retag(grad, "buffer")
+            return scatter(unit, grad)
+
+        sync.scatter_grad = scatter_grad
     if hasattr(sync, "_complete"):
         sync._complete = tagged(sync._complete, "backend")
+    # Every collective writes into an output its caller allocated: what it allocates itself
+    # is the backend's (gloo's reduce-scatter, which ZeRO-3 calls synchronously, works on
+    # copies of its input).
+    comm = sync.comm
+    for name in ("all_gather", "reduce_scatter", "all_reduce"):
+        setattr(comm, name, tagged(getattr(comm, name), "backend"))
 
 
 def _tag_grads(program: Any, live: LiveBytes) -> list[Any]:
@@ -164,17 +181,25 @@ def _tag_grads(program: Any, live: LiveBytes) -> list[Any]:
     return [p.register_post_accumulate_grad_hook(made) for p in params]
 
 
-def _tag_saved(executor: Any, live: LiveBytes) -> None:
+def _tag_saved(executor: Any, live: LiveBytes, sync: Any) -> None:
+    """Every tensor saved for backward is marked `saved` as it is packed. ZeRO-3's own
+    hooks (`Zero3._pack`, which packs a gathered parameter as a handle to gather again)
+    still pack it: these hooks are the innermost, the ones autograd uses."""
+    inner_pack = getattr(sync, "_pack", None)
+    inner_unpack = getattr(sync, "_unpack", lambda t: t)
+
     @contextlib.contextmanager
     def counting() -> Iterator[None]:
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            live.mark_saved(t)
+        def pack(t: torch.Tensor) -> Any:
+            live.mark_saved(t)  # a gathered unit's storage stays a `buffer`
+            if inner_pack is not None:
+                return inner_pack(t)
             # Detached (the same storage): a saved output packed as itself holds its node
             # through its grad_fn, a cycle only a backward without retain_graph breaks
             # (runtime/zero3.py's _pack says the same).
             return t.detach()
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, inner_unpack):
             yield
 
     # Entered last, innermost: its hooks are the ones autograd uses, as before.
@@ -206,7 +231,7 @@ def second_step(
         ignore = [*program.parts.stage.gm.buffers(), *batch_tensors, ys]
         live = live_type(_resident(program), ignore=ignore)
         _tag_sync(program.parts.sync, live)
-        _tag_saved(program.executor, live)
+        _tag_saved(program.executor, live, program.parts.sync)
         hooks = _tag_grads(program, live)
         try:
             yield live, lambda: program.step(xs, ys)

@@ -21,6 +21,7 @@ candidates cost milliseconds. ZeRO padding (under dp elements a unit) is left ou
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from parc.dsl.ast import ScheduleKind
@@ -54,6 +55,7 @@ class _StageSum:
 
     params: int
     largest: int  # the largest ZeRO-3 unit
+    second: int  # the second-largest, prefetched in backward beside the largest
     flops: int  # forward + backward (+ the recomputed forward)
     stored: int  # activation bytes kept per microbatch
     again: int  # held while one block recomputes
@@ -77,6 +79,12 @@ class Stages:
     host: dict[tuple[int, int], HostMemory] = field(default_factory=dict, compare=False)
 
 
+def _second(sizes: Iterable[int]) -> int:
+    """The second-largest of `sizes` (0 with fewer than two)."""
+    top = sorted(sizes, reverse=True)[:2]
+    return top[1] if len(top) == 2 else 0
+
+
 def stage_sums(profile: ModelProfile, tpp: TPProfile, pp: int, recompute: bool) -> Stages:
     """Step 1: the stage cuts and each stage's sums."""
     u = tpp.units
@@ -93,6 +101,7 @@ def stage_sums(profile: ModelProfile, tpp: TPProfile, pp: int, recompute: bool) 
         return _StageSum(
             params=sum(u[i].params for i in rng) - sum(n * (k - 1) for n, k in copies if k > 1),
             largest=max((u[i].largest for i in rng), default=0),
+            second=_second(v for i in rng for v in (u[i].largest, u[i].second)),
             flops=sum(work[i] for i in rng),
             stored=sum(u[i].kept if again[i] else u[i].saved for i in rng),
             again=max((max(u[i].saved - u[i].kept, 0) for i in rng if again[i]), default=0),
@@ -334,7 +343,10 @@ def _stage_memory(
         o * mem.optimizer_bytes,
         int(acts),
         int(
-            zero3_unit_bytes(ss.largest, cand.dp, mem.param_bytes, mem.grad_bytes) + message
+            zero3_unit_bytes(
+                ss.largest, cand.dp, mem.param_bytes, mem.grad_bytes, prefetched=ss.second
+            )
+            + message
             if zero == 3
             else tp_ * mem.param_bytes + tg * mem.grad_bytes + message
         ),

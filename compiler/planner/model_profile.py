@@ -74,6 +74,7 @@ class UnitCost:
 
     params: int  # local parameter elements (a tied weight counts in every unit using it)
     largest: int  # the largest ZeRO-3 unit (one module's parameters), local elements
+    second: int  # the second-largest (0 with one), what the backward prefetches beside it
     flops: int  # forward FLOPs
     saved: int  # bytes saved for backward
     kept: int  # bytes a recomputed block keeps instead (its inputs)
@@ -332,6 +333,7 @@ class _Base:
         return UnitCost(
             params=sum(owners.values()),
             largest=max(owners.values(), default=0),
+            second=sorted(owners.values())[-2] if len(owners) > 1 else 0,
             flops=sum(self.costs[n.name].flops // (tp if n.name in split else 1) for n in mine),
             saved=self._saved_bytes(i, tp, sharded),
             kept=self._kept_bytes(mine, tp, sharded),

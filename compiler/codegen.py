@@ -62,7 +62,7 @@ def _reductions(program: RankProgram, s: int) -> list[str]:
     if plan.zero == 3:
         return _zero3_regions(program.regions.get(s, ()))
     if plan.dp == 1:
-        return []
+        return _recomputed_regions(program.regions.get(s, ()))
     gm = program.stages[s].gm
     regions = program.regions.get(s) or compile_regions(gm, program.units, _canonical(program))
     cut = len(program.regions.get(s, ())) > 1  # under `compile`, regions compiled apart
@@ -74,8 +74,21 @@ def _reductions(program: RankProgram, s: int) -> list[str]:
     for j, region in enumerate(regions):
         done = ", ".join(f"{k} ({program.units[k].numel} elements)" for k in region.ready)
         where = f"region {j}, the" if cut else "after the backward of the"
+        eager = " (a recomputed module: its checkpoint eager, its body compiled)"
         lines.append(f"#   {where} {region.nodes} nodes from `{region.first}`: "
-                     f"bucket {done or 'none'}")  # fmt: skip
+                     f"bucket {done or 'none'}{eager if region.eager else ''}")  # fmt: skip
+    return lines
+
+
+def _recomputed_regions(regions: tuple[Region, ...]) -> list[str]:
+    """Under `compile` with `recompute` and no dp: the eager checkpoints and the rest."""
+    if not regions:
+        return []
+    lines = [f"# compile: {len(regions)} regions; each recomputed module's checkpoint runs "
+             "eagerly around its compiled body:"]  # fmt: skip
+    for j, region in enumerate(regions):
+        what = "recomputed module" if region.eager else "compiled"
+        lines.append(f"#   region {j}, the {region.nodes} nodes from `{region.first}`: {what}")
     return lines
 
 

@@ -23,10 +23,10 @@ _NOT_WITH_COMPILE: tuple[tuple[Callable[[Spec], bool], str, str], ...] = (
         "use `schedule 1f1b` or `interleaved` with `compile`",
     ),
     (
-        lambda spec: bool(spec.recomputes),
-        "`recompute`: the compiled backward chooses for itself what to save and what to "
-        "run again, so the estimate's memory and collectives would not hold",
-        "drop `recompute` with `compile` (the compiler already rematerialises cheap ops)",
+        lambda spec: bool(spec.recomputes) and spec.zero == 3,
+        "`recompute` and `zero 3`: a recomputed module's body holds its units' gathers, "
+        "which run eagerly under `compile`, and the body is compiled whole",
+        "use `recompute` with `zero 0-2`, or `zero 3` without `recompute`, with `compile`",
     ),
 )
 

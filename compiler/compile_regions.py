@@ -28,21 +28,30 @@ reduce-scatter backward when its own backward runs, stay runtime/zero3.py's
 (prefetch, re-gather in backward, the shard gradients), and its `ready` are the
 units it gathers, reduced when its backward runs, while the regions before it
 still run theirs. The compute between two such runs is a compiled region.
+
+With `recompute` (`recomputed_regions`) each call of a recomputed module
+(compiler/ops/recompute.py's `Recomputed`) is an eager region of its own: its
+checkpoint runs eagerly, so what it saves (its inputs) and what its backward runs
+again (its forward, collectives included) stay what the estimate counts, while
+runtime/compiled.py compiles the module's body, run in the forward and again in
+the recomputation. `ready` comes from each unit's first use, as above.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping, Sequence
+import operator
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch.fx
 
 from .layout import FlatUnit
+from .ops.recompute import Recomputed
 from .ops.zero3 import zero3_gather, zero3_view
 from .recompute_cost import param_readers
 
-__all__ = ["Region", "compile_regions", "region_of_nodes", "zero3_regions"]
+__all__ = ["Region", "compile_regions", "recomputed_regions", "region_of_nodes", "zero3_regions"]
 
 _NOT_COMPUTE = ("placeholder", "get_attr", "output")
 
@@ -91,26 +100,74 @@ def compile_regions(
 def zero3_regions(gm: torch.fx.GraphModule) -> tuple[Region, ...]:
     """A ZeRO-3 stage graph's regions: each run of gathers and views eager, the compute
     between them compiled (the module docstring)."""
-    runs: list[list[torch.fx.Node]] = []
-    for node in gm.graph.nodes:
-        if node.op in _NOT_COMPUTE:
-            continue
-        if not runs or _is_gathering(runs[-1][0]) != _is_gathering(node):
-            runs.append([])
-        runs[-1].append(node)
     return tuple(
         Region(
             run[0].name,
             len(run),
             tuple(int(n.args[1]) for n in run if n.target is zero3_gather),  # type: ignore[arg-type]
-            eager=_is_gathering(run[0]),
+            eager=eager,
         )
-        for run in runs
+        for run, eager in _runs(gm, _is_gathering)
     )
+
+
+def recomputed_regions(
+    gm: torch.fx.GraphModule, units: Sequence[FlatUnit], canonical: Mapping[str, str]
+) -> tuple[Region, ...]:
+    """A stage graph with recomputed modules: each call of a `Recomputed` region its own
+    eager region (its checkpoint runs eagerly; runtime/compiled.py compiles its body), the
+    compute between compiled; `ready` as `compile_regions` finds it, from each unit's
+    first use. Without a recomputed module: `compile_regions`."""
+    calls = {n for n in gm.graph.nodes if _is_recomputed(gm, n)}
+    # A call and the getitems of its outputs are one region; each call starts its own.
+    runs = _runs(gm, lambda n: n in calls or _reads_one_of(n, calls), starts=calls)
+    if not any(eager for _, eager in runs):
+        return compile_regions(gm, units, canonical)
+    at = {node.name: j for j, (run, _) in enumerate(runs) for node in run}
+    readers = param_readers(gm, dict(canonical))
+    ready: list[list[int]] = [[] for _ in runs]
+    for k, unit in enumerate(units):
+        uses = [at[r] for p in unit.params for r in readers.get(p, ()) if r in at]
+        if uses:
+            ready[min(uses)].append(k)
+    return tuple(
+        Region(run[0].name, len(run), tuple(done), eager=eager)
+        for (run, eager), done in zip(runs, ready, strict=True)
+    )
+
+
+def _runs(
+    gm: torch.fx.GraphModule,
+    eager: Callable[[torch.fx.Node], bool],
+    *,
+    starts: Collection[torch.fx.Node] = (),
+) -> list[tuple[list[torch.fx.Node], bool]]:
+    """The compute nodes in order, in runs of one kind (eager or not); a node of `starts`
+    begins a run of its own."""
+    runs: list[tuple[list[torch.fx.Node], bool]] = []
+    for node in gm.graph.nodes:
+        if node.op in _NOT_COMPUTE:
+            continue
+        kind = eager(node)
+        if not runs or runs[-1][1] != kind or node in starts:
+            runs.append(([], kind))
+        runs[-1][0].append(node)
+    return runs
 
 
 def _is_gathering(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and node.target in (zero3_gather, zero3_view)
+
+
+def _reads_one_of(node: torch.fx.Node, calls: set[torch.fx.Node]) -> bool:
+    """A getitem of one of `calls`' outputs."""
+    return node.target is operator.getitem and node.args[0] in calls
+
+
+def _is_recomputed(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+    if node.op != "call_module":
+        return False
+    return isinstance(gm.get_submodule(str(node.target)), Recomputed)
 
 
 def region_of_nodes(gm: torch.fx.GraphModule, regions: Sequence[Region]) -> dict[str, int]:

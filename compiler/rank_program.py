@@ -30,7 +30,8 @@ Algorithm:
 10. Under `compile` with gradients reduced over dp (zero 0-2, dp > 1): where each
     stage graph is cut into separately compiled regions, so that bucket
     reductions overlap the compiled backward; under `zero 3`, at the gathers,
-    which run eagerly between compiled regions (compiler/compile_regions.py).
+    which run eagerly between compiled regions; with `recompute`, around each
+    recomputed module, whose checkpoint runs eagerly (compiler/compile_regions.py).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import torch.fx
 
 from parc.dsl.ast import AXIS_DP, AXIS_PP
 
-from .compile_regions import Region, compile_regions, zero3_regions
+from .compile_regions import Region, compile_regions, recomputed_regions, zero3_regions
 from .estimate import stage_units
 from .frontend import Analysis
 from .layout import FlatUnit, ParamSlice, canonical_names, param_slices, stage_params
@@ -176,11 +177,14 @@ def _regions(
     canonical: Mapping[str, str],
 ) -> dict[int, tuple[Region, ...]]:
     """Step 10: under `compile`, each stage's regions (compiler/compile_regions.py): cut
-    at ZeRO-3's gathers, or with dp at the buckets' first uses."""
+    at ZeRO-3's gathers, around each recomputed module, or with dp at the buckets'
+    first uses."""
     if not plan.compiled:
         return {}
     if plan.zero == 3:
         return {s: zero3_regions(st.gm) for s, st in stages.items()}
+    if plan.recompute:
+        return {s: recomputed_regions(st.gm, units, canonical) for s, st in stages.items()}
     if plan.dp == 1:
         return {}
     return {s: compile_regions(st.gm, units, canonical) for s, st in stages.items()}

@@ -31,6 +31,10 @@ Parameters): when a region's backward ends, the buckets it completes start their
 reductions while the regions before it run their backward. `compile_seconds()`
 is the time this process has spent compiling, forward and backward.
 
+With `recompute`, each recomputed module is an eager region of its own
+(`recomputed_regions`): its checkpoint runs eagerly, around its body compiled
+on its own, so the backward recomputes exactly what the estimate counts.
+
 Under ZeRO-3 the cut is at the gathers (`zero3_regions`): each unit's gather
 and views run eagerly, as without `compile` (the prefetch of the next unit, the
 reduce-scatter when the region's backward runs), and the compute between them
@@ -52,6 +56,7 @@ import torch.fx
 from torch._dynamo.exc import TorchDynamoException
 
 from parc.compiler.compile_regions import Region, region_of_nodes
+from parc.compiler.ops.recompute import Recomputed
 from parc.compiler.passes.pipeline_split import StageGraph
 
 __all__ = ["CompileWarning", "compile_seconds", "compile_stages"]
@@ -80,6 +85,7 @@ def compile_stages(
     for index in sorted(stages):
         gm, cut = stages[index].gm, (regions or {}).get(index, ())
         where = f"stage {index} on rank {rank}"
+        _compile_recomputed(gm, where)
         if len(cut) < 2:
             gm.forward = _CompiledStage(gm.forward, where)
             continue
@@ -88,6 +94,14 @@ def compile_stages(
             sub = split.get_submodule(f"submod_{j}")
             sub.forward = _CompiledStage(sub.forward, f"{where}, region {j}")
         gm.forward = split.forward
+
+
+def _compile_recomputed(gm: torch.fx.GraphModule, where: str) -> None:
+    """Each recomputed module's body compiled: its checkpoint (`Recomputed.forward`, an
+    eager region of its own) runs the compiled body in the forward and again in backward."""
+    for name, module in gm.named_modules():
+        if isinstance(module, Recomputed):
+            module.body.forward = _CompiledStage(module.body.forward, f"{where}, {name}")
 
 
 def _split(gm: torch.fx.GraphModule, regions: tuple[Region, ...]) -> torch.fx.GraphModule:

@@ -148,11 +148,24 @@ def test_compiled_zero3_gathers_and_reduces_as_eagerly(gloo_pool: Any) -> None:
     assert abs(compiled["loss"] - eager["loss"]) <= 1e-5 * abs(eager["loss"])  # module doc
 
 
+def test_recomputed_modules_run_their_forward_again_under_compile(gloo_pool: Any) -> None:
+    """With `recompute`, each recomputed module's checkpoint runs eagerly around its
+    compiled body: the backward runs each block's forward again, its tensor-parallel
+    all-reduces included, as eagerly (12 here; with the checkpoint traced into one compiled
+    backward, inductor chose what to recompute and issued 11). Trains as one device."""
+    spec = "mesh tp=2\nrecompute layers[*]\n" + TP
+    got = gloo_pool(2).run(_traffic_and_breaks, spec, gpt_env(2, False))[0]
+    eager, compiled = got["False"], got["True"]
+    assert compiled["breaks"] == 0 and compiled["warnings"] == []
+    assert compiled["traffic"] == eager["traffic"] and eager["traffic"]
+    assert_equivalent(gloo_pool, spec + "compile\n", GPT, env=gpt_env(2, True))
+
+
 @pytest.mark.parametrize(
     ("statement", "said"),
     [
         ("mesh pp=2\nstage auto\nmicrobatches 2\nschedule zb1\n", "`schedule zb1`"),
-        ("mesh dp=2\nrecompute layers[*]\n", "`recompute`"),
+        ("mesh dp=2\nzero 3\nrecompute layers[*]\n", "`recompute` and `zero 3`"),
     ],
 )
 def test_what_compile_cannot_keep_is_refused_at_its_line(statement: str, said: str) -> None:

@@ -47,10 +47,8 @@ class Recomputed(torch.nn.Module):
 
     def forward(self, *args: Any) -> Any:
         # A module the region calls functionally arrives as an argument, with its buffers.
-        if torch.compiler.is_compiling():
-            # Compiled (`compile`): the recomputation is part of the compiled backward, where
-            # the Comm is active and buffer updates happen once; no contexts to re-enter.
-            return checkpoint(self.body, *args, use_reentrant=False)
+        # Always eager, under `compile` too (its own region, runtime/compiled.py): only
+        # its body may be compiled, so the checkpoint is this one.
         modules = [self.body, *(a for a in args if isinstance(a, torch.nn.Module))]
         buffers = [b for m in modules for b in m.buffers()]
         contexts = functools.partial(_contexts, buffers)

@@ -100,6 +100,10 @@ def _zero3_regions(regions: tuple[Region, ...]) -> list[str]:
              "compiled ones, and a gather's backward reduce-scatters its unit:"]  # fmt: skip
     for j, region in enumerate(regions):
         gathered = ", ".join(map(str, region.ready))
+        if region.recomputed:
+            lines.append(f"#   region {j}, the {region.nodes} nodes from `{region.first}`: "
+                         "recomputed module (its body compiled between its gathers)")  # fmt: skip
+            continue
         what = (
             "compiled"
             if not region.eager

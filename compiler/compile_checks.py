@@ -22,12 +22,6 @@ _NOT_WITH_COMPILE: tuple[tuple[Callable[[Spec], bool], str, str], ...] = (
         "walking the stage's autograd graph, and a compiled stage's backward is one node",
         "use `schedule 1f1b` or `interleaved` with `compile`",
     ),
-    (
-        lambda spec: bool(spec.recomputes) and spec.zero == 3,
-        "`recompute` and `zero 3`: a recomputed module's body holds its units' gathers, "
-        "which run eagerly under `compile`, and the body is compiled whole",
-        "use `recompute` with `zero 0-2`, or `zero 3` without `recompute`, with `compile`",
-    ),
 )
 
 

@@ -40,6 +40,8 @@ the recomputation. `ready` comes from each unit's first use, as above.
 from __future__ import annotations
 
 import bisect
+import enum
+import functools
 import operator
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -67,7 +69,10 @@ class Region:
     ready: tuple[int, ...]
     """The rank's units (indices) whose gradients are complete when its backward ends."""
     eager: bool = False
-    """Runs eagerly (ZeRO-3's gathers and views); the others are compiled."""
+    """Runs eagerly (ZeRO-3's gathers and views, a recomputed module's checkpoint); the
+    others are compiled."""
+    recomputed: bool = False
+    """A recomputed module's call (its body is compiled on its own)."""
 
 
 def compile_regions(
@@ -99,15 +104,19 @@ def compile_regions(
 
 def zero3_regions(gm: torch.fx.GraphModule) -> tuple[Region, ...]:
     """A ZeRO-3 stage graph's regions: each run of gathers and views eager, the compute
-    between them compiled (the module docstring)."""
+    between them compiled (the module docstring); a recomputed module, as in
+    `recomputed_regions`, an eager region of its own."""
+    calls = _recomputed_calls(gm)
+    runs = _runs(gm, functools.partial(_label, calls), starts=calls)
     return tuple(
         Region(
             run[0].name,
             len(run),
             tuple(int(n.args[1]) for n in run if n.target is zero3_gather),  # type: ignore[arg-type]
-            eager=eager,
+            eager=label is not _Label.COMPILED,
+            recomputed=label is _Label.RECOMPUTED,
         )
-        for run, eager in _runs(gm, _is_gathering)
+        for run, label in runs
     )
 
 
@@ -118,11 +127,10 @@ def recomputed_regions(
     eager region (its checkpoint runs eagerly; runtime/compiled.py compiles its body), the
     compute between compiled; `ready` as `compile_regions` finds it, from each unit's
     first use. Without a recomputed module: `compile_regions`."""
-    calls = {n for n in gm.graph.nodes if _is_recomputed(gm, n)}
-    # A call and the getitems of its outputs are one region; each call starts its own.
-    runs = _runs(gm, lambda n: n in calls or _reads_one_of(n, calls), starts=calls)
-    if not any(eager for _, eager in runs):
+    calls = _recomputed_calls(gm)
+    if not calls:
         return compile_regions(gm, units, canonical)
+    runs = _runs(gm, functools.partial(_label, calls), starts=calls)
     at = {node.name: j for j, (run, _) in enumerate(runs) for node in run}
     readers = param_readers(gm, dict(canonical))
     ready: list[list[int]] = [[] for _ in runs]
@@ -131,25 +139,43 @@ def recomputed_regions(
         if uses:
             ready[min(uses)].append(k)
     return tuple(
-        Region(run[0].name, len(run), tuple(done), eager=eager)
-        for (run, eager), done in zip(runs, ready, strict=True)
+        Region(
+            run[0].name,
+            len(run),
+            tuple(done),
+            eager=label is not _Label.COMPILED,
+            recomputed=label is _Label.RECOMPUTED,
+        )
+        for (run, label), done in zip(runs, ready, strict=True)
     )
+
+
+class _Label(enum.Enum):
+    COMPILED = "compiled"
+    GATHER = "gather"  # ZeRO-3's gathers and views
+    RECOMPUTED = "recomputed"  # a Recomputed call and the getitems of its outputs
+
+
+def _label(calls: set[torch.fx.Node], node: torch.fx.Node) -> _Label:
+    if node in calls or (node.target is operator.getitem and node.args[0] in calls):
+        return _Label.RECOMPUTED
+    return _Label.GATHER if _is_gathering(node) else _Label.COMPILED
 
 
 def _runs(
     gm: torch.fx.GraphModule,
-    eager: Callable[[torch.fx.Node], bool],
+    label: Callable[[torch.fx.Node], _Label],
     *,
     starts: Collection[torch.fx.Node] = (),
-) -> list[tuple[list[torch.fx.Node], bool]]:
-    """The compute nodes in order, in runs of one kind (eager or not); a node of `starts`
-    begins a run of its own."""
-    runs: list[tuple[list[torch.fx.Node], bool]] = []
+) -> list[tuple[list[torch.fx.Node], _Label]]:
+    """The compute nodes in order, in runs of one label; a node of `starts` begins a run
+    of its own."""
+    runs: list[tuple[list[torch.fx.Node], _Label]] = []
     for node in gm.graph.nodes:
         if node.op in _NOT_COMPUTE:
             continue
-        kind = eager(node)
-        if not runs or runs[-1][1] != kind or node in starts:
+        kind = label(node)
+        if not runs or runs[-1][1] is not kind or node in starts:
             runs.append(([], kind))
         runs[-1][0].append(node)
     return runs
@@ -159,15 +185,13 @@ def _is_gathering(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and node.target in (zero3_gather, zero3_view)
 
 
-def _reads_one_of(node: torch.fx.Node, calls: set[torch.fx.Node]) -> bool:
-    """A getitem of one of `calls`' outputs."""
-    return node.target is operator.getitem and node.args[0] in calls
-
-
-def _is_recomputed(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
-    if node.op != "call_module":
-        return False
-    return isinstance(gm.get_submodule(str(node.target)), Recomputed)
+def _recomputed_calls(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """The calls of recomputed modules (compiler/ops/recompute.py's `Recomputed`)."""
+    return {
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_module" and isinstance(gm.get_submodule(str(n.target)), Recomputed)
+    }
 
 
 def region_of_nodes(gm: torch.fx.GraphModule, regions: Sequence[Region]) -> dict[str, int]:

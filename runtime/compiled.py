@@ -55,7 +55,7 @@ import torch
 import torch.fx
 from torch._dynamo.exc import TorchDynamoException
 
-from parc.compiler.compile_regions import Region, region_of_nodes
+from parc.compiler.compile_regions import Region, region_of_nodes, zero3_regions
 from parc.compiler.ops.recompute import Recomputed
 from parc.compiler.passes.pipeline_split import StageGraph
 
@@ -86,22 +86,31 @@ def compile_stages(
         gm, cut = stages[index].gm, (regions or {}).get(index, ())
         where = f"stage {index} on rank {rank}"
         _compile_recomputed(gm, where)
-        if len(cut) < 2:
+        _compile_graph(gm, cut, where)
+
+
+def _compile_graph(gm: torch.fx.GraphModule, cut: tuple[Region, ...], where: str) -> None:
+    """`gm.forward` compiled whole, or with several regions each compiled region on its
+    own (the eager ones run as they are)."""
+    if len(cut) < 2:
+        if not (cut and cut[0].eager):
             gm.forward = _CompiledStage(gm.forward, where)
-            continue
-        split = _split(gm, cut)
-        for j in (j for j, region in enumerate(cut) if not region.eager):
-            sub = split.get_submodule(f"submod_{j}")
-            sub.forward = _CompiledStage(sub.forward, f"{where}, region {j}")
-        gm.forward = split.forward
+        return
+    split = _split(gm, cut)
+    for j in (j for j, region in enumerate(cut) if not region.eager):
+        sub = split.get_submodule(f"submod_{j}")
+        sub.forward = _CompiledStage(sub.forward, f"{where}, region {j}")
+    gm.forward = split.forward
 
 
 def _compile_recomputed(gm: torch.fx.GraphModule, where: str) -> None:
     """Each recomputed module's body compiled: its checkpoint (`Recomputed.forward`, an
-    eager region of its own) runs the compiled body in the forward and again in backward."""
+    eager region of its own) runs the compiled body in the forward and again in backward.
+    Under ZeRO-3 the body is cut at its gathers as a stage is (`zero3_regions`)."""
     for name, module in gm.named_modules():
         if isinstance(module, Recomputed):
-            module.body.forward = _CompiledStage(module.body.forward, f"{where}, {name}")
+            body = module.body
+            _compile_graph(body, zero3_regions(body), f"{where}, {name}")
 
 
 def _split(gm: torch.fx.GraphModule, regions: tuple[Region, ...]) -> torch.fx.GraphModule:

@@ -85,13 +85,15 @@ def _meshes(draw: st.DrawFn) -> str:
     lines = [f"mesh {axes or 'dp=1'}", f"zero {zero}"]
     lines += [TP.strip()] if tp > 1 else []
     lines += ["stage auto", "microbatches 2"] if pp > 1 else []
+    lines += ["recompute layers[*]"] if draw(st.booleans()) else []
     return "\n".join(lines) + "\ncompile\n"
 
 
 @examples(1)
 @given(spec=_meshes())
 def test_compiled_meshes_train_as_one_device(gloo_pool: Any, spec: str) -> None:
-    """Hypothesis over dp/zero/tp/pp with `compile` (one example in CI, ten thorough)."""
+    """Hypothesis over dp/zero/tp/pp and recompute with `compile` (one example in CI,
+    ten thorough)."""
     assert_equivalent(gloo_pool, spec, GPT, env=gpt_env(2, True))
 
 

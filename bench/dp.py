@@ -136,6 +136,18 @@ class _Parc:
         )
 
 
+def shard_step(impl: Any, x: Any, y: Any, rank: int, world: int) -> Any:
+    """One data-parallel step of `impl` (its `model`, `opt`, `loss_fn`) on rank `rank`'s
+    slice of the global batch; the rank's loss."""
+    per = x.shape[0] // world
+    x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+    impl.opt.zero_grad()
+    loss = impl.loss_fn(impl.model(x), y)
+    loss.backward()
+    impl.opt.step()
+    return loss
+
+
 class _Native:
     def __init__(self, kind: Native, *, compile_blocks: bool = False) -> None:
         """`compile_blocks` (FSDP2 only): each block compiled in place before it is
@@ -175,15 +187,7 @@ class _Native:
     def step(self, x: Any, y: Any) -> float:
         import torch.distributed as dist
 
-        per = x.shape[0] // self.world
-        x, y = (
-            x[self.rank * per : (self.rank + 1) * per],
-            y[self.rank * per : (self.rank + 1) * per],
-        )
-        self.opt.zero_grad()
-        loss = self.loss_fn(self.model(x), y)
-        loss.backward()
-        self.opt.step()
+        loss = shard_step(self, x, y, self.rank, self.world)
         total = loss.detach().double().reshape(1)
         dist.all_reduce(total)
         return float(total.item()) / self.world

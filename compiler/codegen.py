@@ -14,6 +14,7 @@ it needs no memory for the weights either.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import torch
 
@@ -82,33 +83,35 @@ def _reductions(program: RankProgram, s: int) -> list[str]:
 
 def _recomputed_regions(regions: tuple[Region, ...]) -> list[str]:
     """Under `compile` with `recompute` and no dp: the eager checkpoints and the rest."""
-    if not regions:
-        return []
-    lines = [f"# compile: {len(regions)} regions; each recomputed module's checkpoint runs "
-             "eagerly around its compiled body:"]  # fmt: skip
-    for j, region in enumerate(regions):
-        what = "recomputed module" if region.eager else "compiled"
-        lines.append(f"#   region {j}, the {region.nodes} nodes from `{region.first}`: {what}")
-    return lines
+    header = "each recomputed module's checkpoint runs eagerly around its compiled body"
+    return _region_lines(regions, header, lambda r: "recomputed module")
 
 
 def _zero3_regions(regions: tuple[Region, ...]) -> list[str]:
     """Under `compile` with ZeRO-3: the eager gathers and the compiled compute between."""
+    header = (
+        "ZeRO-3's gathers run eagerly between the compiled ones, and a gather's backward "
+        "reduce-scatters its unit"
+    )
+
+    def what(region: Region) -> str:
+        if region.recomputed:
+            return "recomputed module (its body compiled between its gathers)"
+        gathered = ", ".join(map(str, region.ready))
+        return "eager, " + (f"gathers unit {gathered}" if gathered else "views of gathered units")
+
+    return _region_lines(regions, header, what)
+
+
+def _region_lines(
+    regions: tuple[Region, ...], header: str, eager: Callable[[Region], str]
+) -> list[str]:
+    """`# compile:` and a line per region, `eager` saying what an eager one is."""
     if not regions:
         return []
-    lines = [f"# compile: {len(regions)} regions; ZeRO-3's gathers run eagerly between the "
-             "compiled ones, and a gather's backward reduce-scatters its unit:"]  # fmt: skip
+    lines = [f"# compile: {len(regions)} regions; {header}:"]
     for j, region in enumerate(regions):
-        gathered = ", ".join(map(str, region.ready))
-        if region.recomputed:
-            lines.append(f"#   region {j}, the {region.nodes} nodes from `{region.first}`: "
-                         "recomputed module (its body compiled between its gathers)")  # fmt: skip
-            continue
-        what = (
-            "compiled"
-            if not region.eager
-            else "eager, " + (f"gathers unit {gathered}" if gathered else "views of gathered units")
-        )
+        what = eager(region) if region.eager else "compiled"
         lines.append(f"#   region {j}, the {region.nodes} nodes from `{region.first}`: {what}")
     return lines
 

@@ -109,13 +109,7 @@ def zero3_regions(gm: torch.fx.GraphModule) -> tuple[Region, ...]:
     calls = _recomputed_calls(gm)
     runs = _runs(gm, functools.partial(_label, calls), starts=calls)
     return tuple(
-        Region(
-            run[0].name,
-            len(run),
-            tuple(int(n.args[1]) for n in run if n.target is zero3_gather),  # type: ignore[arg-type]
-            eager=label is not _Label.COMPILED,
-            recomputed=label is _Label.RECOMPUTED,
-        )
+        _region(run, label, [int(n.args[1]) for n in run if n.target is zero3_gather])  # type: ignore[arg-type]
         for run, label in runs
     )
 
@@ -138,22 +132,23 @@ def recomputed_regions(
         uses = [at[r] for p in unit.params for r in readers.get(p, ()) if r in at]
         if uses:
             ready[min(uses)].append(k)
-    return tuple(
-        Region(
-            run[0].name,
-            len(run),
-            tuple(done),
-            eager=label is not _Label.COMPILED,
-            recomputed=label is _Label.RECOMPUTED,
-        )
-        for (run, label), done in zip(runs, ready, strict=True)
-    )
+    return tuple(_region(run, label, done) for (run, label), done in zip(runs, ready, strict=True))
 
 
 class _Label(enum.Enum):
     COMPILED = "compiled"
     GATHER = "gather"  # ZeRO-3's gathers and views
     RECOMPUTED = "recomputed"  # a Recomputed call and the getitems of its outputs
+
+
+def _region(run: list[torch.fx.Node], label: _Label, ready: list[int]) -> Region:
+    return Region(
+        run[0].name,
+        len(run),
+        tuple(ready),
+        eager=label is not _Label.COMPILED,
+        recomputed=label is _Label.RECOMPUTED,
+    )
 
 
 def _label(calls: set[torch.fx.Node], node: torch.fx.Node) -> _Label:

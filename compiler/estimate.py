@@ -48,6 +48,7 @@ from .rank_memory import (
     late_bytes,
     late_elements,
     resident_elements,
+    second_largest,
     transient_elements,
     zero3_unit_bytes,
 )
@@ -323,7 +324,7 @@ def _rank_memory(
     message = int(max(per_call, default=0) * scale)
     activations = int(act.held(in_flight) * scale)
     if zero == 3:  # the gathered unit, its gradient, the cast and the shard it scatters into
-        second = sorted(u.padded for u in units)[-2] if len(units) > 1 else 0
+        second = second_largest(u.padded for u in units)
         early = zero3_unit_bytes(
             largest, plan.dp, memory.param_bytes, memory.grad_bytes, prefetched=second
         )

@@ -9,6 +9,7 @@ backward); bytes per element come from compiler/memory_model.py.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .layout import FlatUnit
@@ -114,6 +115,13 @@ def transient_elements(
     if zero == 3:
         return largest_unit, largest_unit
     return 0, 0
+
+
+def second_largest(sizes: Iterable[int]) -> int:
+    """The second-largest of `sizes` (0 with fewer than two): the unit ZeRO-3's backward
+    prefetches beside the largest (`zero3_unit_bytes`' `prefetched`)."""
+    top = sorted(sizes, reverse=True)[:2]
+    return top[1] if len(top) == 2 else 0
 
 
 def zero3_unit_bytes(

@@ -146,16 +146,16 @@ def _tag_sync(sync: Any, live: LiveBytes) -> None:
 
         return call
 
-    steps = ["prepare", "_allocate", "_launch", "_start", "scatter_grad"]
-    for name in steps:  # GradSync's, then ZeRO-3's gathers (and prefetches) and shards
+    for name in ("prepare", "_allocate", "_launch", "_start"):  # GradSync's; ZeRO-3's gathers
         if hasattr(sync, name):
             setattr(sync, name, tagged(getattr(sync, name), "buffer"))
-    if hasattr(sync, "scatter_grad"):  # ZeRO-3: the unit's full gradient is a buffer too
+    if hasattr(sync, "scatter_grad"):  # ZeRO-3: the unit's full gradient and its shard
         scatter = sync.scatter_grad
 
         def scatter_grad(unit: int, grad: torch.Tensor) -> Any:
             live.retag(grad, "buffer")
-            return scatter(unit, grad)
+            with live.tagging("buffer"):
+                return scatter(unit, grad)
 
         sync.scatter_grad = scatter_grad
     if hasattr(sync, "_complete"):

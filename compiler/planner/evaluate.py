@@ -21,7 +21,6 @@ candidates cost milliseconds. ZeRO padding (under dp elements a unit) is left ou
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from parc.dsl.ast import ScheduleKind
@@ -31,7 +30,7 @@ from ..host_memory import HostMemory, planned_host
 from ..layout import DEFAULT_BUCKET_ELEMS
 from ..memory_model import MemoryModel
 from ..ops.collectives import CommKind
-from ..rank_memory import zero3_unit_bytes
+from ..rank_memory import second_largest, zero3_unit_bytes
 from .candidate import Candidate, Evaluation, Memory
 from .cluster import Cluster
 from .model_profile import ModelProfile, TPProfile
@@ -79,12 +78,6 @@ class Stages:
     host: dict[tuple[int, int], HostMemory] = field(default_factory=dict, compare=False)
 
 
-def _second(sizes: Iterable[int]) -> int:
-    """The second-largest of `sizes` (0 with fewer than two)."""
-    top = sorted(sizes, reverse=True)[:2]
-    return top[1] if len(top) == 2 else 0
-
-
 def stage_sums(profile: ModelProfile, tpp: TPProfile, pp: int, recompute: bool) -> Stages:
     """Step 1: the stage cuts and each stage's sums."""
     u = tpp.units
@@ -101,7 +94,7 @@ def stage_sums(profile: ModelProfile, tpp: TPProfile, pp: int, recompute: bool) 
         return _StageSum(
             params=sum(u[i].params for i in rng) - sum(n * (k - 1) for n, k in copies if k > 1),
             largest=max((u[i].largest for i in rng), default=0),
-            second=_second(v for i in rng for v in (u[i].largest, u[i].second)),
+            second=second_largest(v for i in rng for v in (u[i].largest, u[i].second)),
             flops=sum(work[i] for i in rng),
             stored=sum(u[i].kept if again[i] else u[i].saved for i in rng),
             again=max((max(u[i].saved - u[i].kept, 0) for i in rng if again[i]), default=0),

@@ -52,6 +52,7 @@ from ..ops.collectives import CommKind
 from ..passes.placement import Partial, Shard
 from ..passes.tp_loss import loss_on_shards, takes_shards
 from ..plan import Plan
+from ..rank_memory import second_largest
 from ..recompute_cost import forward_tp_collectives, param_readers
 from ..saved import SavedTensors, compute_dtype, profile_forward
 from ..stages import activation_nodes
@@ -333,7 +334,7 @@ class _Base:
         return UnitCost(
             params=sum(owners.values()),
             largest=max(owners.values(), default=0),
-            second=sorted(owners.values())[-2] if len(owners) > 1 else 0,
+            second=second_largest(owners.values()),
             flops=sum(self.costs[n.name].flops // (tp if n.name in split else 1) for n in mine),
             saved=self._saved_bytes(i, tp, sharded),
             kept=self._kept_bytes(mine, tp, sharded),

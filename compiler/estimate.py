@@ -326,7 +326,11 @@ def _rank_memory(
     if zero == 3:  # the gathered unit, its gradient, the cast and the shard it scatters into
         second = second_largest(u.padded for u in units)
         early = zero3_unit_bytes(
-            largest, plan.dp, memory.param_bytes, memory.grad_bytes, prefetched=second
+            largest,
+            plan.dp,
+            memory.param_bytes,
+            memory.grad_bytes,
+            second=second,
         )
         early += message
     else:

@@ -119,31 +119,39 @@ def transient_elements(
 
 def second_largest(sizes: Iterable[int]) -> int:
     """The second-largest of `sizes` (0 with fewer than two): the unit ZeRO-3's backward
-    prefetches beside the largest (`zero3_unit_bytes`' `prefetched`)."""
+    prefetches, or has in flight, beside the largest (`zero3_unit_bytes`' `second`)."""
     top = sorted(sizes, reverse=True)[:2]
     return top[1] if len(top) == 2 else 0
 
 
 def zero3_unit_bytes(
-    largest: int, dp: int, param_bytes: int, grad_bytes: int, *, prefetched: int
+    largest: int, dp: int, param_bytes: int, grad_bytes: int, *, second: int
 ) -> int:
-    """Bytes of ZeRO-3's transient buffers around its largest unit's backward (runtime/zero3.py).
+    """Bytes of ZeRO-3's transient buffers around a unit's backward (runtime/zero3.py).
 
-    While the unit's backward runs, its re-gathered parameters (compute dtype) and
-    autograd's full gradient (the same dtype) are alive, and the unit before it,
-    prefetched for the backward's next step (`prefetched` elements: the rank's
-    second-largest unit bounds it, as the largest is the one computing, or 0 for a
-    rank of one unit); `Zero3.scatter_grad` then drops the gathered copy and makes
-    the reduce-scatter's output shard (1/dp, in the reduce format), under `reduce
+    While a unit's backward runs, its re-gathered parameters (compute dtype) and
+    autograd's full gradient (the same dtype) are alive, with the unit before it,
+    prefetched for the backward's next step, and the reduce-scatter of the unit
+    after it still in flight (its full gradient and its shard, in the reduce
+    format). Three distinct units: at most one is the largest, and `second` (the
+    rank's second-largest unit, 0 for a rank of one) bounds the others; the
+    largest is the one computing or the one in flight. `Zero3.scatter_grad` then
+    lands the one in flight, drops the gathered copy and makes the next
+    reduce-scatter's output shard (1/dp, in the reduce format), under `reduce
     fp32` after an fp32 cast of the full gradient (`grad_bytes` > `param_bytes`).
-    The larger of the two moments.
+    The largest of these moments.
     """
+
+    def travelling(n: int) -> int:  # a reduce-scatter in flight: the gradient, its shard
+        return (n + (-(-n // dp) if dp > 1 else n)) * grad_bytes
+
     cast = grad_bytes if grad_bytes != param_bytes else 0
     shard = -(-largest // dp) if dp > 1 else largest
-    ahead = prefetched * param_bytes
-    return ahead + max(
-        2 * largest * param_bytes, largest * (param_bytes + cast) + shard * grad_bytes
-    )
+    ahead = second * param_bytes
+    computing = 2 * largest * param_bytes + travelling(second)
+    sending = 2 * second * param_bytes + travelling(largest)
+    scattering = largest * (param_bytes + cast) + shard * grad_bytes
+    return ahead + max(computing, sending, scattering)
 
 
 def late_elements(zero: int, units: tuple[FlatUnit, ...]) -> int:

@@ -16,6 +16,10 @@ reads every parameter as a view of the gathered flat buffer. Here:
 - Prefetch, within a stage: a forward gather starts the next unit's, a
   backward's first gather of a unit starts the one before it (when the forward
   saved that one's parameters), so each travels while the current unit computes.
+- Reduce-scatters are asynchronous, one in flight (as ZeRO-2's): a unit's
+  gradient is reduce-scattered while the backward of the units before it
+  computes, and lands (is added into the shard's `.grad`, or the master's under
+  `reduce fp32`) when the next unit's gradient is ready, or at `finish`.
 - `Zero3.finish` averages the shard gradients over dp (after summing the
   gradients of weights tied across pipeline stages, whose units are solo).
 
@@ -46,6 +50,16 @@ from .collectives import Comm
 from .master_weights import MasterWeights, MixedPrecision, assemble_from_shards
 
 __all__ = ["Zero3", "active_runtime"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Inflight:
+    """A unit's reduce-scatter on its way: the gradient it reads, the shard it fills."""
+
+    unit: int
+    work: Any
+    out: torch.Tensor
+    grad: torch.Tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +107,7 @@ class Zero3:
         # gathers again, so the only ones it prefetches.
         self._saved_units: set[int] = set()
         self._in_forward = False
+        self._inflight: _Inflight | None = None  # the reduce-scatter still travelling
 
     # ---------------------------------------------------------- graph side
 
@@ -124,27 +139,45 @@ class Zero3:
         work = self.comm.all_gather(full, shard.detach(), self.axis, async_op=async_op)
         return full, work
 
-    def scatter_grad(self, unit: int, grad: torch.Tensor) -> torch.Tensor | None:
-        """This rank's shard of the reduce-scattered flat gradient of `unit` (counted);
-        the unit's re-gathered copy is no longer needed, and is dropped first, before the
-        fp32 cast and the shard are made (the gradient's own memory belongs to autograd
-        until this returns). Under `reduce fp32` the gradient is reduced in fp32 and
-        added into the master's `.grad`: the bf16 shard gets none."""
+    def scatter_grad(self, unit: int, grad: torch.Tensor) -> None:
+        """Start the reduce-scatter of `unit`'s flat gradient (counted) into a shard of it,
+        which lands in the shard's `.grad` (`_land`) once the next unit's gradient is
+        ready: it travels while the backward of the units before this one computes.
+
+        The unit's re-gathered copy is no longer needed, and is dropped first; then the
+        reduce-scatter in flight lands, before the fp32 cast and the shard are made (the
+        gradient's own memory belongs to autograd until it is sent, then to the
+        collective). Under `reduce fp32` the gradient is reduced in fp32 and lands in the
+        master's `.grad`: the bf16 shard gets none."""
         self.release(unit)  # every reader of the gathered unit ran its backward already
+        self._land()  # one in flight: its gradient and shard freed before the next are made
         mixed = self.mixed
-        main_grad = mixed is not None and mixed.main_grad
-        if mixed is not None and main_grad:
+        if mixed is not None and mixed.main_grad:
             grad = grad.to(mixed.reduce)
+        grad = grad.contiguous()
         out = torch.empty(self.units[unit].shard, dtype=grad.dtype, device=grad.device)
         # Partial -> Shard over dp: reduce-scatter of the unit's flat gradient.
-        self.comm.reduce_scatter(out, grad.contiguous(), self.axis)
-        if not main_grad:
-            return out
-        assert self.masters is not None
-        master = self.masters.masters[unit]
-        assert master.grad is not None, "prepare() makes the masters' fp32 gradients"
-        master.grad.add_(out)
-        return None
+        work = self.comm.reduce_scatter(out, grad, self.axis, async_op=True)
+        self._inflight = _Inflight(unit, work, out, grad)
+
+    def _land(self) -> None:
+        """Wait for the reduce-scatter in flight and add its shard into the gradient the
+        optimizer reads: the shard's `.grad` (what autograd would have accumulated), or
+        under `reduce fp32` the fp32 master's."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            return
+        inflight.work.wait()
+        if self.mixed is not None and self.mixed.main_grad:
+            assert self.masters is not None
+            target = self.masters.masters[inflight.unit]
+            assert target.grad is not None, "prepare() makes the masters' fp32 gradients"
+        else:
+            target = self.shards[inflight.unit]
+        if target.grad is None:
+            target.grad = inflight.out
+        else:
+            target.grad.add_(inflight.out)
 
     def release(self, unit: int) -> None:
         self._cache.pop(unit, None)
@@ -219,7 +252,11 @@ class Zero3:
     def prepare(self) -> None:
         """Before the step's first backward: the gradients the backward accumulates into,
         zeroed: the shards' (kept between steps), or under `reduce fp32` the masters'
-        fp32 ones (made here, freed after the step)."""
+        fp32 ones (made here, freed after the step). A reduce-scatter a failed step
+        left in flight is waited for and dropped."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None:
+            inflight.work.wait()
         if self.masters is not None and self.mixed is not None and self.mixed.main_grad:
             for master in self.masters.masters:
                 master.grad = torch.zeros_like(master)
@@ -231,11 +268,13 @@ class Zero3:
                 shard.grad.zero_()
 
     def finish(self, tied_reduce: Callable[[str, torch.Tensor], None] | None = None) -> None:
-        """Sum tied gradients over the stages holding them; average over dp (under bf16
+        """The last reduce-scatter lands; sum tied gradients over the stages holding them;
+        average over dp (under bf16
         into the masters' fp32 `.grad`, divided in fp32). A unit the backward prefetched
         and no handle read is dropped: the step changes the shards it was gathered from."""
         self._cache.clear()
         self._drop_prefetched()
+        self._land()
         reduced = self._reduced_grads()
         for i in self.tied_units:
             grad = reduced[i]

@@ -161,8 +161,9 @@ def _tag_sync(sync: Any, live: LiveBytes) -> None:
     if hasattr(sync, "_complete"):
         sync._complete = tagged(sync._complete, "backend")
     # Every collective writes into an output its caller allocated: what it allocates itself
-    # is the backend's (gloo's reduce-scatter, which ZeRO-3 calls synchronously, works on
-    # copies of its input).
+    # is the backend's (gloo's reduce-scatter works on copies of its input; an
+    # asynchronous one, as GradSync's and ZeRO-3's, makes them on gloo's own thread,
+    # which this mode does not see).
     comm = sync.comm
     for name in ("all_gather", "reduce_scatter", "all_reduce"):
         setattr(comm, name, tagged(getattr(comm, name), "backend"))

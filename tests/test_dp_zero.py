@@ -9,6 +9,7 @@ any real error (a missing or double reduction) is orders of magnitude larger.
 from __future__ import annotations
 
 import gc
+import itertools
 from typing import Any
 
 import pytest
@@ -292,3 +293,51 @@ def test_every_forward_context_applies_and_zero3_still_matches_one_device(
     ref = reference_run(MLP, steps=steps, batch=batch, env=env)
     result = compare_runs(ref, results[0], Tolerance.for_optimizer("sgd", steps))
     assert result.ok, result.describe()
+
+
+def zero3_scatter_events(spec_text: str, model: str, env: dict[str, str], batch: int) -> list:
+    """A pool case: the second step's ZeRO-3 events in order: ("ready", k) when unit k's
+    gradient reaches `scatter_grad` (its backward has run), ("issued", k) once its
+    reduce-scatter is started, ("landed", k) when it is waited for."""
+    import parc
+    from parc.compiler.model import load_model
+
+    events: list[tuple[str, int]] = []
+    with model_env(env):
+        source = load_model(model)
+        program = parc.compile(spec_text, source, batch=batch)
+    runtime = program.parts.sync
+    scatter, land = runtime.scatter_grad, runtime._land
+
+    def scattered(unit: int, grad: torch.Tensor) -> None:
+        events.append(("ready", unit))
+        scatter(unit, grad)
+        events.append(("issued", unit))
+
+    def landed() -> None:
+        if runtime._inflight is not None:
+            events.append(("landed", runtime._inflight.unit))
+        land()
+
+    runtime.scatter_grad, runtime._land = scattered, landed
+    with model_env(env):
+        for step in range(2):
+            events.clear()
+            program.step(*source.batch(batch, step))
+    return events
+
+
+def test_a_zero3_reduce_scatter_travels_while_the_unit_before_it_computes(
+    gloo_pool: Any,
+) -> None:
+    # The reduce-scatter of unit k is started as its gradient is ready and waited for
+    # only once the next unit's gradient is: the backward of unit k - 1 runs between.
+    env = {"GPT_LAYERS": "2", "GPT_DIM": "16", "GPT_HEADS": "2", "GPT_VOCAB": "33"}
+    for events in gloo_pool(2).run(zero3_scatter_events, "mesh dp=2\nzero 3\n", GPT, env, 4):
+        ready = [k for kind, k in events if kind == "ready"]
+        assert len(ready) >= 3 and ready == sorted(ready, reverse=True), events
+        at = {e: i for i, e in enumerate(events)}
+        for k, before in itertools.pairwise(ready):
+            assert at[("issued", k)] < at[("ready", before)] < at[("landed", k)], (k, events)
+        # Each lands once; the last at `finish`, after the backward.
+        assert [k for kind, k in events if kind == "landed"] == ready, events

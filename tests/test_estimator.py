@@ -179,15 +179,15 @@ def test_transient_buffers_are_counted_on_top_of_the_resident_bytes() -> None:
     largest = max(units.values())
     block = 2 * (2 * 32) + (32 * 3 * 32 + 3 * 32) + (32 * 32 + 32) + 2 * (4 * 32 * 32) + 4 * 32 + 32
     assert largest == max(block, units["wte"])
-    # One gathered unit and its full gradient, and the unit the backward prefetches beside
-    # them (the second-largest bounds it: here the other block, as large), fp32.
+    # One gathered unit and its full gradient, the unit the backward prefetches beside
+    # them and the one whose reduce-scatter is in flight, its gradient and its shard (the
+    # second-largest bounds both: here the other block, as large), fp32.
     second = sorted(units.values())[-2]
     assert second == block
-    assert zero3.estimate.memory[0].buffers == 4 * (2 * largest + second)
+    buffers = 4 * (2 * largest + second) + 4 * (second + -(-second // 2))
+    assert zero3.estimate.memory[0].buffers == buffers
     assert ddp.estimate.memory[0].buffers == 0
-    assert zero3.estimate.memory[0].peak == zero3.estimate.memory[0].total + 4 * (
-        2 * largest + second
-    )
+    assert zero3.estimate.memory[0].peak == zero3.estimate.memory[0].total + buffers
 
 
 def test_the_estimate_names_every_collective_by_its_comm_kind() -> None:

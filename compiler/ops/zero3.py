@@ -1,7 +1,7 @@
 """ZeRO-3 graph ops: `zero3_gather` and `zero3_view`, inserted by the zero pass.
 
 `zero3_gather(shard, unit)` all-gathers a unit's flat parameters forward and
-reduce-scatters the flat gradient backward (into the shard's `.grad`). The
+reduce-scatters the flat gradient backward (landing in the shard's `.grad`). The
 collectives and the re-gather bookkeeping belong to the ZeRO-3 runtime
 (runtime/zero3.py), which makes itself active here with `zero3_activated`
 while a stage's forward runs (and again around a recomputation).
@@ -34,9 +34,10 @@ class ActiveZero3(Protocol):
         """The unit's whole flat parameters, gathered over the data-parallel axis."""
         ...
 
-    def scatter_grad(self, unit: int, grad: torch.Tensor) -> torch.Tensor | None:
-        """This rank's shard of the reduce-scattered flat gradient `grad` of `unit`, or None
-        when the runtime accumulated it elsewhere (`reduce fp32`: the fp32 master's `.grad`)."""
+    def scatter_grad(self, unit: int, grad: torch.Tensor) -> None:
+        """Reduce-scatter the flat gradient `grad` of `unit`; the runtime adds this rank's
+        shard of it into the gradient the optimizer reads (the shard's `.grad`, or under
+        `reduce fp32` the fp32 master's) when it lands."""
         ...
 
 
@@ -68,9 +69,11 @@ class _Gather(torch.autograd.Function):
         return runtime.gather(unit, shard)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
+        # The shard's gradient arrives through the runtime, when the reduce-scatter lands.
         runtime: ActiveZero3 = ctx.runtime
-        return runtime.scatter_grad(ctx.unit, grad), None
+        runtime.scatter_grad(ctx.unit, grad)
+        return None, None
 
 
 def zero3_gather(shard: torch.Tensor, unit: int) -> torch.Tensor:

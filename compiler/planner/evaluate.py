@@ -337,7 +337,11 @@ def _stage_memory(
         int(acts),
         int(
             zero3_unit_bytes(
-                ss.largest, cand.dp, mem.param_bytes, mem.grad_bytes, prefetched=ss.second
+                ss.largest,
+                cand.dp,
+                mem.param_bytes,
+                mem.grad_bytes,
+                second=ss.second,
             )
             + message
             if zero == 3

@@ -325,14 +325,8 @@ def _rank_memory(
     activations = int(act.held(in_flight) * scale)
     if zero == 3:  # the gathered unit, its gradient, the cast and the shard it scatters into
         second = second_largest(u.padded for u in units)
-        early = zero3_unit_bytes(
-            largest,
-            plan.dp,
-            memory.param_bytes,
-            memory.grad_bytes,
-            second=second,
-        )
-        early += message
+        sizes = (memory.param_bytes, memory.grad_bytes)
+        early = zero3_unit_bytes(largest, plan.dp, *sizes, second=second) + message
     else:
         early = tp * memory.param_bytes + tg * memory.grad_bytes + message
     if walked is not None:  # the backward walked: the buckets' bytes at the peak

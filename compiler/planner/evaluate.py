@@ -336,13 +336,7 @@ def _stage_memory(
         o * mem.optimizer_bytes,
         int(acts),
         int(
-            zero3_unit_bytes(
-                ss.largest,
-                cand.dp,
-                mem.param_bytes,
-                mem.grad_bytes,
-                second=ss.second,
-            )
+            zero3_unit_bytes(ss.largest, cand.dp, mem.param_bytes, mem.grad_bytes, second=ss.second)
             + message
             if zero == 3
             else tp_ * mem.param_bytes + tg * mem.grad_bytes + message

@@ -117,11 +117,14 @@ def flag_and_square_sum(
         got = torch._foreach_norm([v for v, _ in group], 2, dtype=wide)
         norms += got
         counted_norms += [n for n, (_, counted) in zip(got, group, strict=True) if counted]
-    zero = torch.zeros((), dtype=torch.float64, device=device)
-    flag = torch.stack(norms).isfinite().all().logical_not().to(torch.float64) if norms else zero
-    if not counted_norms:
-        return flag, zero
-    return flag, torch.stack(counted_norms).to(torch.float64).square().sum()
+    if not norms:
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        return zero, zero
+    stacked = torch.stack(norms)
+    flag = stacked.isfinite().all().logical_not().to(torch.float64)
+    if len(counted_norms) < len(norms):  # some parts are another rank's to count
+        stacked = torch.stack(counted_norms) if counted_norms else stacked.new_zeros(0)
+    return flag, stacked.to(torch.float64).square().sum()
 
 
 def clip_grads(sync: GradientSync, max_norm: float, norm: float) -> float:

@@ -9,8 +9,11 @@ gradient has been accumulated (a post-accumulate-grad hook counts them).
 - zero 0 (DP): a ready unit is all-reduced asynchronously while backward goes
   on (overlap); `finish` waits and divides by dp. Over one dp rank in fp32
   nothing is reduced and there are no buffers: each step drops every `.grad`
-  before its first backward and autograd makes them, as a plain loop with
-  `zero_grad(set_to_none=True)` does (no zeroing pass, no add into a buffer).
+  at its start and autograd makes them, as a plain loop with
+  `zero_grad(set_to_none=True)` before its forward does (no zeroing pass, no add
+  into a buffer; dropped only before backward, the last step's gradients stayed
+  alive through the forward, which cost its backward ~1.5 ms in 118 on
+  bench/single_device.py's GPT).
 - zero 1: a ready unit is reduce-scattered into this rank's 1/dp shard of the
   gradient; the optimizer holds state only for its shards of the flat
   parameters (`optimizer_params`), and `after_step` all-gathers the updated
@@ -120,7 +123,7 @@ class GradSync:
     @property
     def _autograd_grads(self) -> bool:
         """Zero 0 over one dp rank in fp32: nothing is reduced, so no buffer is needed.
-        `prepare` drops every `.grad` (as `zero_grad(set_to_none=True)`) and autograd makes
+        `release_stale` drops every `.grad` (as `zero_grad(set_to_none=True)`) and autograd makes
         each one as a plain loop's backward does: taking the incoming gradient tensor,
         with no zeroing pass over a buffer and no add into it."""
         return self.zero == 0 and self.dp == 1 and self.mixed is None
@@ -168,7 +171,13 @@ class GradSync:
     def release_stale(self) -> None:
         """At a step's start: free what the step remakes (a skipped step's masters'
         gradients, nonfinite.py; ZeRO-2's gradient shards, stepped already: the
-        reduce-scatter makes the next), so its forward runs without them."""
+        reduce-scatter makes the next; over one dp rank in fp32 every `.grad`, which
+        autograd makes again, as a plain loop's `zero_grad(set_to_none=True)` before
+        its forward), so its forward runs without them."""
+        if self._autograd_grads:
+            for unit in self.units:
+                for p in unit.params:
+                    p.grad = None
         if self.masters is not None:
             self.masters.release_grads()
         if self.zero == 2:
@@ -186,16 +195,12 @@ class GradSync:
         Zero 0 and 1 keep their buffers between steps; zero 2 allocates a unit's
         buffer only when its first gradient arrives (`_allocate`). Under `reduce
         fp32` no `.grad` points into them: a hook adds each one in (`_on_grad`). Zero 0
-        over one dp rank in fp32 has no buffers (`_autograd_grads`): every `.grad` is
-        dropped and autograd makes it.
+        over one dp rank in fp32 has no buffers (`_autograd_grads`): `release_stale`
+        dropped every `.grad` and autograd makes it.
         """
         for unit in self.units:
             unit.ready, unit.work, unit.launched = 0, None, False
-            if self._autograd_grads:
-                for p in unit.params:
-                    p.grad = None
-                continue
-            if self.zero == 2:
+            if self._autograd_grads or self.zero == 2:
                 continue
             if unit.grad is None:
                 size = unit.spec.padded if self.zero >= 1 else unit.spec.numel

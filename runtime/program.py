@@ -66,7 +66,9 @@ class Program:
         # The last step's global gradient norm (before clipping), the same on every rank.
         self.last_grad_norm = math.nan
         self._clip: float | None = None
-        self._norm_layout = NormLayout.of(parts)
+        layout = NormLayout.of(parts)
+        # Whether this rank counts each parameter's gradient part in the norm (clip.py).
+        self._counts = {name: layout.counts(name) for name in parts.holders}
         self._unchecked_targets: torch.Tensor | None = None  # this step's, on the host
         self._stats: dict[tuple[CommKind, str], tuple[int, int]] = {}
         self._bytes: dict[tuple[CommKind, str], int] = {}
@@ -166,8 +168,8 @@ class Program:
         self.hooks.synced(self.steps_done)
         self.parts.sync.arm(False)
         # Before the optimizer step: a NaN/inf must never reach the parameters (nonfinite.py).
-        layout = self._norm_layout
-        views = ((view, layout.counts(name)) for name, view in grad_views(self.parts))
+        counts = self._counts
+        views = ((view, counts[name]) for name, view in grad_views(self.parts))
         flag, square_sum = flag_and_square_sum(views, self.parts.device)  # clip.py
         loss, flagged, self.last_grad_norm = self._global_loss(losses, flag, square_sum)
         # A flag may be a finite norm whose squares overflowed: only the exact search can tell.

@@ -131,9 +131,18 @@ class DefaultLoss:
         the size of the output's last dim as this rank holds it (a vocab shard under loss
         parallel)."""
         classes = self.classes_of(last_dim)
+        if targets.numel() == 0:
+            return
+        # One read of the targets (out of range is an IndexError on the CPU and a
+        # device-side assert on a GPU); only a negative one (the ignore index, or not)
+        # asks for the element-wise test.
+        low, high = (int(v) for v in torch.stack(targets.aminmax()).tolist())
+        if high < classes and low >= 0:
+            return
+        negative = (targets < 0) & (targets != IGNORE_INDEX)
+        if high < classes and low == IGNORE_INDEX and not bool(negative.any()):
+            return
         wanted = _wanted(classes)
-        # One fused check (one read of the targets): out of range is an IndexError on
-        # the CPU and a device-side assert on a GPU.
         bad = ((targets < 0) & (targets != IGNORE_INDEX)) | (targets >= classes)
         if bool(bad.any()):
             seen = targets[bad]

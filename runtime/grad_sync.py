@@ -7,7 +7,8 @@ place and a unit is ready for communication the moment its last parameter's
 gradient has been accumulated (a post-accumulate-grad hook counts them).
 
 - zero 0 (DP): a ready unit is all-reduced asynchronously while backward goes
-  on (overlap); `finish` waits and divides by dp. Over one dp rank in fp32
+  on (overlap); `finish` waits and divides by dp. Zero 0 and 1 do not zero
+  their buffers (`_copy_first`): a hook copies autograd's first `.grad` in. Over one dp rank in fp32
   nothing is reduced and there are no buffers: each step drops every `.grad`
   at its start and autograd makes them, as a plain loop with
   `zero_grad(set_to_none=True)` before its forward does (no zeroing pass, no add
@@ -137,6 +138,14 @@ class GradSync:
         return self.zero > 0 or self.dp > 1 or self._main_grad
 
     @property
+    def _copy_first(self) -> bool:
+        """Zero 0 and 1 with hooks, `.grad` in the buffer's format: the buffers are not
+        zeroed; each step drops every `.grad`, autograd makes it, and the parameter's hook
+        copies it into its slice (`Unit.take_grad`), as DDP's bucket views do. A slice no
+        gradient reached is zeroed before the unit is reduced (`Unit.fill_missing`)."""
+        return self._hooked and self.zero in (0, 1) and not self._main_grad
+
+    @property
     def _main_grad(self) -> bool:
         """`reduce fp32` under bf16: gradients accumulate in fp32 buffers, added by a hook."""
         return self.mixed is not None and self.mixed.main_grad
@@ -190,7 +199,7 @@ class GradSync:
 
     def prepare(self) -> None:
         """Before the step's first backward: zero the gradient buffers and point every
-        `.grad` into them.
+        `.grad` into them (copy-first: drop every `.grad`, for its hook to copy in).
 
         Zero 0 and 1 keep their buffers between steps; zero 2 allocates a unit's
         buffer only when its first gradient arrives (`_allocate`). Under `reduce
@@ -202,13 +211,18 @@ class GradSync:
             unit.ready, unit.work, unit.launched = 0, None, False
             if self._autograd_grads or self.zero == 2:
                 continue
-            if unit.grad is None:
+            if unit.grad is None:  # zeroed once: a padded tail stays zero
                 size = unit.spec.padded if self.zero >= 1 else unit.spec.numel
                 p0 = unit.params[0]
                 unit.grad = torch.zeros(size, dtype=self._grad_dtype(unit), device=p0.device)
-            else:
+            elif not self._copy_first:
                 unit.grad.zero_()
-            self._point_grads(unit)
+            if self._copy_first:
+                unit.arrived = [False] * len(unit.params)
+                for p in unit.params:
+                    p.grad = None
+            else:
+                self._point_grads(unit)
 
     def _point_grads(self, unit: Unit) -> None:
         """Every `.grad` of the unit a view of its buffer (none under `reduce fp32`: the
@@ -239,6 +253,8 @@ class GradSync:
 
     def _on_grad(self, index: int, position: int) -> None:
         unit = self.units[index]
+        if self._copy_first:
+            unit.take_grad(position)
         if self._main_grad:  # `reduce fp32`: the bf16 `.grad` is added into the fp32 buffer
             self._allocate(unit)
             assert unit.grad is not None
@@ -256,6 +272,8 @@ class GradSync:
         unit.launched = True
         if self._autograd_grads:  # over one rank the sum is the gradient: nothing moves
             return
+        if self._copy_first:
+            unit.fill_missing()
         if self.zero == 0:
             assert unit.grad is not None
             # Partial -> Replicate over dp: all-reduce of the unit's gradient.
@@ -314,6 +332,8 @@ class GradSync:
             elif unit.deferred and tied_reduce is not None:
                 if unit.grad is None:  # zero 2: no gradient arrived; the stages still sum
                     self._allocate(unit)
+                if self._copy_first:
+                    unit.fill_missing()
                 assert unit.grad is not None
                 for name in unit.tied:
                     tied_reduce(name, unit.grad)

@@ -35,6 +35,37 @@ class Unit:
     reduced: torch.Tensor | None = None
     launched: bool = False
     tied: list[str] = field(default_factory=list)
+    # Copy-first buffers (GradSync._copy_first): whether each parameter's gradient has
+    # reached the buffer this step.
+    arrived: list[bool] = field(default_factory=list)
+
+    def view(self, position: int) -> torch.Tensor:
+        """Parameter `position`'s slice of the gradient buffer, in the parameter's shape."""
+        assert self.grad is not None
+        p, off = self.params[position], self.offsets[position]
+        return self.grad[off : off + p.numel()].view_as(p)
+
+    def take_grad(self, position: int) -> None:
+        """Copy-first: the parameter's first gradient of the step, which autograd made, is
+        copied into its slice and `.grad` becomes that view, so later micro-steps add into
+        it in place (one write of the buffer a step, where zeroing it first and adding
+        into it read and wrote it twice)."""
+        p, view = self.params[position], self.view(position)
+        if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)
+            p.grad = view
+        self.arrived[position] = True
+
+    def fill_missing(self) -> None:
+        """Copy-first, before the unit is reduced: the slices of the parameters no gradient
+        reached this step are zeroed (they take part as zeros, as a zeroed buffer's did)
+        and their `.grad` pointed at them."""
+        for position, arrived in enumerate(self.arrived):
+            if not arrived:
+                view = self.view(position)
+                view.zero_()
+                self.params[position].grad = view
+                self.arrived[position] = True
 
 
 def grad_hook(sync: weakref.ref[Any], index: int, position: int) -> Callable[[torch.Tensor], None]:

@@ -40,8 +40,8 @@ lint: $(TEST_STAMP)
 
 # pytest-xdist: two test processes. Run one at a time, the single-process tests
 # (tracing, planning, parsing) leave a core idle and a multi-process test's parent
-# waits on its ranks; two workers on 2 cores finish the suite in ~2/3 of one's
-# time (measured 916 s against 1,358 s, 2026-12-03).
+# waits on its ranks; two workers on 2 cores finish the suite in 2/3 to 4/5 of one's
+# time (measured 916 and 1,115 s against 1,358 s, 2026-12-03).
 TEST_WORKERS ?= 2
 
 test: lint

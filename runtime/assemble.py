@@ -186,6 +186,7 @@ def _gradient_sync(
             axis=AXIS_DP,
             tied=program.tied,
             mixed=mixed,
+            accumulating=plan.microbatches * plan.grad_accum > 1,
         )
     else:
         assert program.zero3 is not None, "a ZeRO-3 program carries its layout"

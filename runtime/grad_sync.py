@@ -7,14 +7,15 @@ place and a unit is ready for communication the moment its last parameter's
 gradient has been accumulated (a post-accumulate-grad hook counts them).
 
 - zero 0 (DP): a ready unit is all-reduced asynchronously while backward goes
-  on (overlap); `finish` waits and divides by dp. Zero 0 and 1 do not zero
-  their buffers (`_copy_first`): a hook copies autograd's first `.grad` in. Over one dp rank in fp32
-  nothing is reduced and there are no buffers: each step drops every `.grad`
-  at its start and autograd makes them, as a plain loop with
-  `zero_grad(set_to_none=True)` before its forward does (no zeroing pass, no add
-  into a buffer; dropped only before backward, the last step's gradients stayed
-  alive through the forward, which cost its backward ~1.5 ms in 118 on
-  bench/single_device.py's GPT).
+  on (overlap); `finish` waits and divides by dp (with one backward a step the
+  hook's copy divides instead, `_folds_average`). Zero 0 and 1 do not zero
+  their buffers (`_copy_first`): a hook copies autograd's first `.grad` in.
+  Over one dp rank in fp32 nothing is reduced and there are no buffers: each
+  step drops every `.grad` at its start and autograd makes them, as a plain
+  loop with `zero_grad(set_to_none=True)` before its forward does (no zeroing
+  pass, no add into a buffer; dropped only before backward, the last step's
+  gradients stayed alive through the forward, which cost its backward ~1.5 ms
+  in 118 on bench/single_device.py's GPT).
 - zero 1: a ready unit is reduce-scattered into this rank's 1/dp shard of the
   gradient; the optimizer holds state only for its shards of the flat
   parameters (`optimizer_params`), and `after_step` all-gathers the updated
@@ -62,8 +63,8 @@ import torch
 from parc.compiler.layout import FlatUnit
 
 from .collectives import Comm
-from .grad_units import Unit, grad_hook, pre_grad_hook
-from .master_weights import COMPUTE_DTYPE, MasterWeights, MixedPrecision, assemble_from_shards
+from .grad_units import Unit, flatten_params, grad_hook, my_slice, pre_grad_hook
+from .master_weights import MasterWeights, MixedPrecision, assemble_from_shards
 from .sync_protocol import TiedReduce
 
 __all__ = ["GradSync"]
@@ -85,10 +86,13 @@ class GradSync:
         axis: str,
         tied: frozenset[str] = frozenset(),
         mixed: MixedPrecision | None = None,
+        accumulating: bool = False,
     ) -> None:
-        """`mixed`: `precision bf16` (the parameters become bf16, fp32 masters are made)."""
+        """`mixed`: `precision bf16` (bf16 parameters, fp32 masters); `accumulating`: a
+        step runs several backwards (microbatches, `grad_accum`)."""
         assert zero in (0, 1, 2)
         self.comm, self.zero, self.axis, self.mixed = comm, zero, axis, mixed
+        self.accumulating = accumulating
         self.dp, self.index = comm.size(axis), comm.index(axis)
         self.armed = False
         self.units: list[Unit] = []
@@ -139,11 +143,19 @@ class GradSync:
 
     @property
     def _copy_first(self) -> bool:
-        """Zero 0 and 1 with hooks, `.grad` in the buffer's format: the buffers are not
-        zeroed; each step drops every `.grad`, autograd makes it, and the parameter's hook
-        copies it into its slice (`Unit.take_grad`), as DDP's bucket views do. A slice no
-        gradient reached is zeroed before the unit is reduced (`Unit.fill_missing`)."""
+        """Zero 0 and 1 with hooks, `.grad` in the buffer's format: buffers are not zeroed;
+        each `.grad` autograd makes is copied into its slice by its hook (`Unit.take_grad`,
+        as DDP's bucket views); a slice none reached is zeroed (`Unit.fill_missing`)."""
         return self._hooked and self.zero in (0, 1) and not self._main_grad
+
+    @property
+    def _folds_average(self) -> bool:
+        """DP in fp32, one backward a step: the hook's copy divides by dp, as DDP divides
+        before its all-reduce: no pass over the reduced buffer (measured ~1 ms a step)."""
+        fp32 = self.mixed is None  # under bf16 the masters' gradients are divided, in fp32
+        return (
+            self._copy_first and fp32 and self.zero == 0 and self.dp > 1 and not self.accumulating
+        )
 
     @property
     def _main_grad(self) -> bool:
@@ -155,27 +167,11 @@ class GradSync:
 
     def _flatten_params(self, unit: Unit) -> None:
         """Make the unit's parameters views of one padded flat buffer; cut this rank's shard
-        (under bf16: the flat buffer is bf16, the shard an fp32 master of the fp32 values)."""
-        p0 = unit.params[0]
-        flat = torch.zeros(unit.spec.padded, dtype=p0.dtype, device=p0.device)
-        for p, off in zip(unit.params, unit.offsets):
-            flat[off : off + p.numel()].copy_(p.detach().reshape(-1))
-        if self.masters is not None:
-            master = torch.nn.Parameter(self._my_slice(flat, unit).clone())
-            flat = flat.to(COMPUTE_DTYPE)
-            unit.shard, unit.compute = master, self._my_slice(flat, unit)
-            self.masters.add(master, unit.compute)
-        else:
-            # The optimizer's parameter aliases this rank's slice of the flat buffer, so
-            # stepping it updates the parameters in place; no second copy is kept.
-            unit.shard = torch.nn.Parameter(self._my_slice(flat, unit))
-        for p, off in zip(unit.params, unit.offsets):
-            p.data = flat[off : off + p.numel()].view_as(p)
-        unit.flat_param = flat
+        (`grad_units.flatten_params`)."""
+        flatten_params(unit, self.index, self.masters)
 
     def _my_slice(self, flat: torch.Tensor, unit: Unit) -> torch.Tensor:
-        n = unit.spec.shard
-        return flat[self.index * n : (self.index + 1) * n]
+        return my_slice(flat, unit, self.index)
 
     def release_stale(self) -> None:
         """At a step's start: free what the step remakes (a skipped step's masters'
@@ -254,7 +250,7 @@ class GradSync:
     def _on_grad(self, index: int, position: int) -> None:
         unit = self.units[index]
         if self._copy_first:
-            unit.take_grad(position)
+            unit.take_grad(position, self.dp if self._folds_average else 1)
         if self._main_grad:  # `reduce fp32`: the bf16 `.grad` is added into the fp32 buffer
             self._allocate(unit)
             assert unit.grad is not None
@@ -301,7 +297,8 @@ class GradSync:
         assert unit.grad is not None
         if self.zero == 0:
             if self.masters is None:
-                if self.dp > 1:  # over one rank the average is the sum: no pass over it
+                # Over one rank the average is the sum; folded, the copy divided already.
+                if self.dp > 1 and not self._folds_average:
                     unit.grad.div_(self.dp)
             else:
                 for j, (p, off) in enumerate(zip(unit.params, unit.offsets)):

@@ -11,7 +11,9 @@ import torch
 
 from parc.compiler.layout import FlatUnit
 
-__all__ = ["Unit", "grad_hook", "pre_grad_hook"]
+from .master_weights import COMPUTE_DTYPE, MasterWeights
+
+__all__ = ["Unit", "flatten_params", "grad_hook", "my_slice", "pre_grad_hook"]
 
 
 @dataclass(eq=False)
@@ -45,14 +47,17 @@ class Unit:
         p, off = self.params[position], self.offsets[position]
         return self.grad[off : off + p.numel()].view_as(p)
 
-    def take_grad(self, position: int) -> None:
+    def take_grad(self, position: int, divisor: int) -> None:
         """Copy-first: the parameter's first gradient of the step, which autograd made, is
-        copied into its slice and `.grad` becomes that view, so later micro-steps add into
-        it in place (one write of the buffer a step, where zeroing it first and adding
-        into it read and wrote it twice)."""
+        copied into its slice (divided by `divisor`, in the same pass) and `.grad` becomes
+        that view, so later micro-steps add into it in place (one write of the buffer a
+        step, where zeroing it first and adding into it read and wrote it twice)."""
         p, view = self.params[position], self.view(position)
         if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
-            view.copy_(p.grad)
+            if divisor == 1:
+                view.copy_(p.grad)
+            else:
+                torch.div(p.grad, divisor, out=view)
             p.grad = view
         self.arrived[position] = True
 
@@ -90,3 +95,31 @@ def pre_grad_hook(sync: weakref.ref[Any], index: int) -> Callable[[torch.Tensor]
             owner._allocate(owner.units[index])
 
     return before_grad
+
+
+def my_slice(flat: torch.Tensor, unit: Unit, index: int) -> torch.Tensor:
+    """Dp rank `index`'s shard of a unit's flat buffer."""
+    n = unit.spec.shard
+    return flat[index * n : (index + 1) * n]
+
+
+def flatten_params(unit: Unit, index: int, masters: MasterWeights | None) -> None:
+    """ZeRO-1/2: make the unit's parameters views of one padded flat buffer and cut dp rank
+    `index`'s shard (under bf16, with `masters`: the flat buffer is bf16, the shard an fp32
+    master of the fp32 values)."""
+    p0 = unit.params[0]
+    flat = torch.zeros(unit.spec.padded, dtype=p0.dtype, device=p0.device)
+    for p, off in zip(unit.params, unit.offsets):
+        flat[off : off + p.numel()].copy_(p.detach().reshape(-1))
+    if masters is not None:
+        master = torch.nn.Parameter(my_slice(flat, unit, index).clone())
+        flat = flat.to(COMPUTE_DTYPE)
+        unit.shard, unit.compute = master, my_slice(flat, unit, index)
+        masters.add(master, unit.compute)
+    else:
+        # The optimizer's parameter aliases this rank's slice of the flat buffer, so
+        # stepping it updates the parameters in place; no second copy is kept.
+        unit.shard = torch.nn.Parameter(my_slice(flat, unit, index))
+    for p, off in zip(unit.params, unit.offsets):
+        p.data = flat[off : off + p.numel()].view_as(p)
+    unit.flat_param = flat

@@ -269,9 +269,9 @@ class Zero3:
 
     def finish(self, tied_reduce: Callable[[str, torch.Tensor], None] | None = None) -> None:
         """The last reduce-scatter lands; sum tied gradients over the stages holding them;
-        average over dp (under bf16
-        into the masters' fp32 `.grad`, divided in fp32). A unit the backward prefetched
-        and no handle read is dropped: the step changes the shards it was gathered from."""
+        average over dp (under bf16 into the masters' fp32 `.grad`, divided in fp32). A
+        unit the backward prefetched and no handle read is dropped: the step changes the
+        shards it was gathered from."""
         self._cache.clear()
         self._drop_prefetched()
         self._land()

@@ -83,13 +83,8 @@ def compile_regions(
     order = [n.name for n in gm.graph.nodes if n.op not in _NOT_COMPUTE]
     if not order:
         return ()
-    index = {name: i for i, name in enumerate(order)}
-    readers = param_readers(gm, dict(canonical))
-    first_use: dict[int, int] = {}  # Step 1: unit -> its first node's index
-    for k, unit in enumerate(units):
-        uses = [index[r] for p in unit.params for r in readers.get(p, ()) if r in index]
-        if uses:
-            first_use[k] = min(uses)
+    # Step 1: unit -> its first node's index
+    first_use = _first_uses(gm, units, canonical, {name: i for i, name in enumerate(order)})
     starts = sorted(set(first_use.values())) or [0]  # Step 2
     starts[0] = 0  # what precedes the first use (positions, masks) joins its region
     ready: list[list[int]] = [[] for _ in starts]
@@ -126,13 +121,27 @@ def recomputed_regions(
         return compile_regions(gm, units, canonical)
     runs = _runs(gm, functools.partial(_label, calls), starts=calls)
     at = {node.name: j for j, (run, _) in enumerate(runs) for node in run}
-    readers = param_readers(gm, dict(canonical))
     ready: list[list[int]] = [[] for _ in runs]
-    for k, unit in enumerate(units):
-        uses = [at[r] for p in unit.params for r in readers.get(p, ()) if r in at]
-        if uses:
-            ready[min(uses)].append(k)
+    for k, j in _first_uses(gm, units, canonical, at).items():
+        ready[j].append(k)
     return tuple(_region(run, label, done) for (run, label), done in zip(runs, ready, strict=True))
+
+
+def _first_uses(
+    gm: torch.fx.GraphModule,
+    units: Sequence[FlatUnit],
+    canonical: Mapping[str, str],
+    position: Mapping[str, int],
+) -> dict[int, int]:
+    """Each unit that `gm` reads (index, in order) -> the least `position` of a node reading
+    one of its parameters (`position`: node name -> its place, a node or a run)."""
+    readers = param_readers(gm, dict(canonical))
+    first: dict[int, int] = {}
+    for k, unit in enumerate(units):
+        uses = [position[r] for p in unit.params for r in readers.get(p, ()) if r in position]
+        if uses:
+            first[k] = min(uses)
+    return first
 
 
 class _Label(enum.Enum):

@@ -123,7 +123,7 @@ class GradSync:
                 self.masters = MasterWeights.take(p for u in self.units for p in u.params)
         if zero >= 1:
             for unit in self.units:
-                self._flatten_params(unit)
+                flatten_params(unit, self.index, self.masters)
 
     @property
     def _autograd_grads(self) -> bool:
@@ -164,14 +164,6 @@ class GradSync:
 
     def _grad_dtype(self, unit: Unit) -> torch.dtype:
         return unit.params[0].dtype if self.mixed is None else self.mixed.reduce
-
-    def _flatten_params(self, unit: Unit) -> None:
-        """Make the unit's parameters views of one padded flat buffer; cut this rank's shard
-        (`grad_units.flatten_params`)."""
-        flatten_params(unit, self.index, self.masters)
-
-    def _my_slice(self, flat: torch.Tensor, unit: Unit) -> torch.Tensor:
-        return my_slice(flat, unit, self.index)
 
     def release_stale(self) -> None:
         """At a step's start: free what the step remakes (a skipped step's masters'
@@ -224,8 +216,8 @@ class GradSync:
         """Every `.grad` of the unit a view of its buffer (none under `reduce fp32`: the
         buffer is fp32, the bf16 `.grad` is added into it by `_on_grad`)."""
         assert unit.grad is not None
-        for p, off in zip(unit.params, unit.offsets):
-            p.grad = None if self._main_grad else unit.grad[off : off + p.numel()].view_as(p)
+        for position, p in enumerate(unit.params):
+            p.grad = None if self._main_grad else unit.view(position)
 
     def _allocate(self, unit: Unit) -> None:
         """Zero 2: the unit's zeroed full buffer, made when its first gradient arrives."""
@@ -309,7 +301,7 @@ class GradSync:
         reduced = unit.reduced
         if self.zero == 1 and reduced.dtype == unit.shard.dtype:
             # The shard's gradient lives in the full buffer's own slice (no second copy).
-            reduced = self._my_slice(unit.grad, unit).copy_(reduced)
+            reduced = my_slice(unit.grad, unit, self.index).copy_(reduced)
         if self.masters is None:
             unit.shard.grad = reduced.div_(self.dp)
         else:

@@ -157,9 +157,11 @@ def _resolve_shards(
 ) -> tuple[ModuleShard, ...]:
     """Step 2: patterns to modules, kinds checked, split dims divisible."""
     found: dict[str, ModuleShard] = {}
+    leaves = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
     for shard in spec.shards:
         for name in match_modules(spec, shard.pattern, modules):
             module = modules[name]
+            _check_called(spec, shard, name, leaves, modules)
             _check_shardable(spec, shard, name, module, partial(feeds_only_the_loss, gm, name))
             previous = found.get(name)
             if previous is not None and previous.kind is not shard.kind:
@@ -175,6 +177,24 @@ def _resolve_shards(
                 name, shard.kind, shard.axis, type(module).__name__, shard.span.line
             )
     return tuple(found.values())
+
+
+def _check_called(
+    spec: Spec, shard: Shard, name: str, leaves: set[str], modules: dict[str, torch.nn.Module]
+) -> None:
+    """A module that runs inside a leaf (a module the graph calls whole, as torch.fx calls
+    torch.nn's own: MultiheadAttention reads its `out_proj` weight without calling
+    it) has no node of its own to split."""
+    parts = name.split(".")
+    outer = next((p for i in range(1, len(parts)) if (p := ".".join(parts[:i])) in leaves), None)
+    if outer is not None:
+        raise PlanError(
+            f"'{name}' runs inside '{outer}' ({_a(type(modules[outer]).__name__)}), which "
+            "the traced graph calls as one module, so it has no computation of its own to split",
+            spec.locate(shard.pattern.span),
+            hint=f"leave '{name}' replicated, or write '{outer}' with Linear layers it calls",
+            names=(name,),
+        )
 
 
 def _check_shardable(

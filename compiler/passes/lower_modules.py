@@ -57,9 +57,12 @@ LOWERINGS: dict[type, Callable[..., tuple[Callable[..., Any], tuple]]] = {
 }
 
 
-def _call_functional(module: torch.nn.Module, params: dict[str, torch.Tensor], *args: Any) -> Any:
-    """Any other module: run it with `params` in place of its own parameters."""
-    return torch.func.functional_call(module, params, args)
+def _call_functional(
+    module: torch.nn.Module, params: dict[str, torch.Tensor], *args: Any, **kwargs: Any
+) -> Any:
+    """Any other module: run it with `params` in place of its own parameters (and the
+    call's keyword arguments, e.g. MultiheadAttention's `need_weights`)."""
+    return torch.func.functional_call(module, params, args, kwargs)
 
 
 def lower_module_calls(

@@ -314,22 +314,33 @@ class GradSync:
 
     def finish(self, tied_reduce: TiedReduce | None = None) -> None:
         """After the last backward: sum tied gradients, finish every unit, average over dp."""
+        if tied_reduce is not None:
+            self._reduce_tied(tied_reduce)
         for unit in self.units:
-            if unit.deferred and tied_reduce is not None and self._autograd_grads:
-                for name in unit.tied:
-                    tied_reduce(name, self._grad_of(unit, name))
-            elif unit.deferred and tied_reduce is not None:
-                if unit.grad is None:  # zero 2: no gradient arrived; the stages still sum
-                    self._allocate(unit)
-                if self._copy_first:
-                    unit.fill_missing()
-                assert unit.grad is not None
-                for name in unit.tied:
-                    tied_reduce(name, unit.grad)
             self._launch(unit)
         for unit in self.units:
             if unit.work is not None:
                 self._complete(unit)
+
+    def _reduce_tied(self, tied_reduce: TiedReduce) -> None:
+        """Sum each weight tied across stages over the ranks holding it, in the order of
+        the weights' names on every rank: two weights shared by the same ranks but used
+        in opposite orders would otherwise each wait in the other's all-reduce."""
+        grads: dict[str, torch.Tensor] = {}
+        for unit in self.units:
+            if not unit.deferred:
+                continue
+            if self._autograd_grads:
+                grads.update((name, self._grad_of(unit, name)) for name in unit.tied)
+                continue
+            if unit.grad is None:  # zero 2: no gradient arrived; the stages still sum
+                self._allocate(unit)
+            if self._copy_first:
+                unit.fill_missing()
+            assert unit.grad is not None
+            grads.update((name, unit.grad) for name in unit.tied)
+        for name in sorted(grads):
+            tied_reduce(name, grads[name])
 
     def _grad_of(self, unit: Unit, name: str) -> torch.Tensor:
         """`_autograd_grads`: parameter `name`'s `.grad`, zeros when no gradient reached it

@@ -276,11 +276,12 @@ class Zero3:
         self._drop_prefetched()
         self._land()
         reduced = self._reduced_grads()
-        for i in self.tied_units:
-            grad = reduced[i]
-            if tied_reduce is not None and grad is not None:
-                for name in self.tied_names[i]:
-                    tied_reduce(name, grad)
+        # In the weights' name order on every rank (as GradSync._reduce_tied: two weights
+        # the same ranks use in opposite orders would each wait in the other's reduce).
+        tied = sorted((name, i) for i in self.tied_units for name in self.tied_names[i])
+        for name, i in tied:
+            if tied_reduce is not None and reduced[i] is not None:
+                tied_reduce(name, reduced[i])
         if self.masters is not None:
             for i, grad in enumerate(reduced):
                 if grad is not None:

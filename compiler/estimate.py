@@ -31,6 +31,7 @@ from .layout import (
     FlatUnit,
     canonical_names,
     flat_units,
+    frozen_params,
     local_shape,
     param_slices,
     stage_params,
@@ -249,19 +250,22 @@ def _regions(plan: Plan, gm: torch.fx.GraphModule) -> dict[str, str]:
 def stage_units(
     plan: Plan, model: torch.nn.Module, per_stage: list[list[str]], s: int, bucket_elems: int
 ) -> tuple[tuple[FlatUnit, ...], int, frozenset[str]]:
-    """Stage `s`'s flat units (as the runtime builds them), local elements, tied weights."""
+    """Stage `s`'s flat units (as the runtime builds them), local elements (frozen
+    parameters' too, which no unit holds), tied weights."""
     slices = param_slices(plan, model)
     canonical = canonical_names(model)
     shapes = {canonical[n]: tuple(p.shape) for n, p in model.named_parameters()}
     dtypes = {canonical[n]: p.dtype for n, p in model.named_parameters()}
     tied = frozenset(n for n in per_stage[s] if sum(n in other for other in per_stage) > 1)
     blocks = find_blocks(model)
+    frozen = frozen_params(model)  # in no unit: held whole, never reduced or stepped
     local = [
         (n, math.prod(local_shape(shapes[n], slices.get(n))), zero3_owner(n, blocks))
         for n in per_stage[s]
     ]
+    trained = [item for item in local if item[0] not in frozen]
     units = flat_units(
-        local, zero=plan.zero, dp=plan.dp, bucket_elems=bucket_elems, solo=tied, dtypes=dtypes
+        trained, zero=plan.zero, dp=plan.dp, bucket_elems=bucket_elems, solo=tied, dtypes=dtypes
     )
     return units, sum(n for _, n, _ in local), tied
 
@@ -305,7 +309,9 @@ def _rank_memory(
     padded = sum(u.padded for u in units)
     shard = sum(u.shard for u in units)
     zero = plan.zero if plan.dp > 1 else 0
-    p, g, o = resident_elements(plan.zero, n_local, padded, shard)
+    trained = sum(u.numel for u in units)  # the rest of n_local is frozen: held whole
+    p, g, o = resident_elements(plan.zero, trained, padded, shard)
+    p += n_local - trained
     largest = max((u.padded for u in units), default=0)
     tp, tg = transient_elements(
         zero,

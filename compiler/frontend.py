@@ -34,6 +34,7 @@ from .model_state import (
     batch_statistics_warnings,
     buffer_versions,
     check_all_used,
+    check_frozen,
     untraced_writes,
 )
 from .node_info import node_source
@@ -144,6 +145,7 @@ def _analyse(
     check_all_used(gm, built, source.path)
     saved = profile_forward(gm, input_tensors(inputs), spec.precision)
     plan = resolve(spec, built, gm, batch=batch)
+    check_frozen(built, plan, spec)
     plan = dataclasses.replace(plan, capture=_capture_note(gm))
     if schedule is not None:
         plan = with_schedule(plan, schedule)

@@ -44,6 +44,7 @@ __all__ = [
     "ParamSlice",
     "canonical_names",
     "flat_units",
+    "frozen_params",
     "held_range",
     "local_part",
     "local_shape",
@@ -150,6 +151,13 @@ def canonical_names(model: torch.nn.Module) -> dict[str, str]:
     for name, p in model.named_parameters(remove_duplicate=False):
         out[name] = first.setdefault(id(p), name)
     return out
+
+
+def frozen_params(model: torch.nn.Module) -> frozenset[str]:
+    """The canonical names of the parameters that take no gradient (`requires_grad=False`:
+    frozen, as in fine-tuning). They are in no gradient unit: never reduced, never stepped,
+    as a plain loop's optimizer skips a parameter whose `.grad` stays None."""
+    return frozenset(n for n, p in model.named_parameters() if not p.requires_grad)
 
 
 def local_shape(shape: tuple[int, ...], slice_: ParamSlice | None) -> tuple[int, ...]:

@@ -25,10 +25,10 @@ import operator
 import torch
 import torch.fx
 
-from parc.dsl.ast import Spec
-from parc.errors import ModelError
+from parc.dsl.ast import PrecisionStmt, Spec, Statement, Zero
+from parc.errors import ModelError, PlanError
 
-from .layout import canonical_names
+from .layout import canonical_names, frozen_params
 from .plan import Plan, PlanWarning
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "buffer_aliases",
     "buffer_versions",
     "buffer_writes",
+    "check_frozen",
     "name_state",
     "persistent_buffers",
     "state_names",
@@ -190,3 +191,30 @@ def check_all_used(gm: torch.fx.GraphModule, model: torch.nn.Module, file: str) 
             hint="remove the unused module or parameter from build_model(), or register "
             "it as a buffer if it is not trained",
         )
+
+
+def check_frozen(model: torch.nn.Module, plan: Plan, spec: Spec) -> None:
+    """Frozen parameters (`requires_grad=False`) are in no gradient unit (layout.py
+    `frozen_params`): never reduced or stepped, as on one device. ZeRO-3 (which shards
+    and steps whole units) and `precision bf16` (whose optimizer steps fp32 masters of the
+    trained parameters only) do not hold them yet: refused at the statement."""
+    frozen = sorted(frozen_params(model))
+    if not frozen:
+        return
+    statement: Statement | None
+    if plan.zero == 3:
+        statement, what = spec.statement(Zero), "`zero 3` shards and steps whole units"
+    elif plan.mixed:  # the statement, or --precision bf16 (no line to point at)
+        statement = spec.statement(PrecisionStmt)
+        what = "`precision bf16` keeps fp32 masters of the trained parameters only"
+    else:
+        return
+    shown = ", ".join(repr(n) for n in frozen[:4]) + (" ..." if len(frozen) > 4 else "")
+    raise PlanError(
+        f"the model has {len(frozen)} frozen parameter{'s' if len(frozen) > 1 else ''} "
+        f"(requires_grad=False: {shown}); {what}, and frozen parameters are not built there",
+        None if statement is None else spec.locate(statement.span),
+        hint="train them with `zero 0`-`2` in fp32 (frozen parameters are never reduced or "
+        "stepped there), or set requires_grad=True",
+        names=tuple(frozen),
+    )

@@ -322,6 +322,11 @@ def parallel_case(
             norms.append(program.last_grad_norm)
             step_scheduler(scheduler)
         params = program.state_dict() if want_params else {}
+        if optimizer == "gradient":  # a frozen parameter's gradient is none: zeros, as
+            # reference_run reports it (GradientProbe steps only what the optimizer holds)
+            for name, p in program.parts.local_params.items():
+                if not p.requires_grad and name in params:
+                    params[name] = torch.zeros_like(params[name])
     rank = dist.get_rank() if dist.is_initialized() else 0
     mine = params if rank == 0 else {}
     return {"losses": losses, "params": mine, "stats": stats, "grad_norms": norms}

@@ -280,8 +280,9 @@ class Zero3:
         # the same ranks use in opposite orders would each wait in the other's reduce).
         tied = sorted((name, i) for i in self.tied_units for name in self.tied_names[i])
         for name, i in tied:
-            if tied_reduce is not None and reduced[i] is not None:
-                tied_reduce(name, reduced[i])
+            grad = reduced[i]
+            if tied_reduce is not None and grad is not None:
+                tied_reduce(name, grad)
         if self.masters is not None:
             for i, grad in enumerate(reduced):
                 if grad is not None:

@@ -44,6 +44,7 @@ import torch
 from parc.dsl.ast import Zero
 from parc.errors import ParcError
 
+from .optimizer_rebuild import construct_like, lost_settings
 from .plan import PlanWarning
 
 __all__ = [
@@ -140,8 +141,7 @@ def locality_of(opt: torch.optim.Optimizer) -> Locality:
         return Locality.CLOSURE
     if cls in ELEMENTWISE:
         return Locality.ELEMENTWISE
-    hyper = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
-    return _probe(cls, hyper)
+    return _probe(opt)
 
 
 def optimizer_problem(opt: torch.optim.Optimizer, plan: Any) -> str | None:
@@ -152,6 +152,14 @@ def optimizer_problem(opt: torch.optim.Optimizer, plan: Any) -> str | None:
         return (
             f"{name}.step needs a closure (it re-evaluates the loss during a step); a parc "
             "step runs one forward and one backward and cannot give it one"
+        )
+    lost = lost_settings(opt) if plan.zero >= 1 else []
+    if lost:
+        return (
+            f"{name} keeps settings outside its parameter groups ({', '.join(lost)}); zero "
+            f"{plan.zero} builds it again over each dp rank's shard from its parameter groups "
+            "and constructor keywords, which would lose them and silently train a different "
+            "model than one device"
         )
     for rule in LAYOUT_RULES:
         if rule.applies(plan) and locality.rank > rule.allows.rank:
@@ -178,6 +186,11 @@ def check_optimizer(
         return
     if locality_of(opt) is Locality.CLOSURE:
         hint = "use an optimizer whose step() takes no closure (SGD, Adam, AdamW, ...)"
+    elif plan.zero >= 1 and lost_settings(opt):
+        hint = (
+            "pass those settings through the parameter groups (super().__init__(params, "
+            "dict(lr=lr, scale=scale)), read as group['scale'] in step), or use zero 0"
+        )
     else:
         hint = (
             "use zero 0 and no tp/pp for this optimizer, or an elementwise optimizer "
@@ -247,19 +260,20 @@ _CUT = 7  # a flat cut inside the first tensor, as ZeRO's equal shards fall
 _PROBE_RTOL, _PROBE_ATOL = 1e-5, 1e-6
 
 
-def _probe(cls: type[torch.optim.Optimizer], hyper: dict[str, Any]) -> Locality:
-    """Step whole tensors, flat pieces (ZeRO) and single tensors (stages); compare."""
+def _probe(opt: torch.optim.Optimizer) -> Locality:
+    """Step whole tensors, flat pieces (ZeRO) and single tensors (stages), each in an
+    optimizer like `opt` (optimizer_rebuild.py); compare."""
     gen = torch.Generator().manual_seed(0)
     values = [torch.randn(s, generator=gen) for s in _SHAPES]
     grads = [[torch.randn(s, generator=gen) for s in _SHAPES] for _ in range(_PROBE_STEPS)]
     with torch.random.fork_rng(devices=[]):
-        whole = _train(cls, hyper, values, grads)
+        whole = _train(opt, values, grads)
         if whole is None:
             return Locality.UNKNOWN
-        pieces = _train_each(cls, hyper, _flat_pieces(values), [_flat_pieces(g) for g in grads])
+        pieces = _train_each(opt, _flat_pieces(values), [_flat_pieces(g) for g in grads])
         if pieces is not None and _close(torch.cat(pieces), torch.cat(_flat_pieces(whole))):
             return Locality.ELEMENTWISE
-        alone = _train_each(cls, hyper, values, grads)
+        alone = _train_each(opt, values, grads)
         if alone is not None and all(_close(a, w) for a, w in zip(alone, whole, strict=True)):
             return Locality.PER_TENSOR
     return Locality.CROSS_TENSOR
@@ -272,15 +286,15 @@ def _flat_pieces(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _train(
-    cls: type[torch.optim.Optimizer],
-    hyper: dict[str, Any],
+    like: torch.optim.Optimizer,
     values: list[torch.Tensor],
     grads: list[list[torch.Tensor]],
 ) -> list[torch.Tensor] | None:
     """`values` after one optimizer steps them with `grads[k]` at step k; None if it raised."""
     params = [torch.nn.Parameter(v.clone()) for v in values]
     try:
-        opt = cls([{"params": params, **hyper}])  # type: ignore[call-arg]  # its own defaults
+        hyper = {k: v for k, v in like.param_groups[0].items() if k != "params"}
+        opt = construct_like(like, [{"params": params, **hyper}])
         for step_grads in grads:
             for p, g in zip(params, step_grads, strict=True):
                 p.grad = g.clone()
@@ -291,15 +305,14 @@ def _train(
 
 
 def _train_each(
-    cls: type[torch.optim.Optimizer],
-    hyper: dict[str, Any],
+    like: torch.optim.Optimizer,
     values: list[torch.Tensor],
     grads: list[list[torch.Tensor]],
 ) -> list[torch.Tensor] | None:
     """Each of `values` stepped by its own optimizer instance."""
     out = []
     for i, v in enumerate(values):
-        got = _train(cls, hyper, [v], [[g[i]] for g in grads])
+        got = _train(like, [v], [[g[i]] for g in grads])
         if got is None:
             return None
         out += got

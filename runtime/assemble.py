@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,6 +39,7 @@ import torch.fx
 
 from parc.compiler.model import ModelSource
 from parc.compiler.optimizer_factory import OptimizerFactory
+from parc.compiler.optimizer_rebuild import rebuilt_like
 from parc.compiler.optimizers import check_optimizer, factory_origin
 from parc.compiler.plan import Plan
 from parc.compiler.rank_program import RankProgram, TiedGroup
@@ -225,7 +225,5 @@ def _optimizer(
             hint="use one parameter group (e.g. the same weight decay for every parameter) "
             "or zero 0",
         )
-    hyper = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
-    rebuild: Any = type(opt)
-    new: torch.optim.Optimizer = rebuild([{"params": shards, **hyper}])
+    new: torch.optim.Optimizer = rebuilt_like(opt, shards)
     return new

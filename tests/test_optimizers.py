@@ -20,6 +20,7 @@ import torch
 from helpers import MLP, parc_main
 
 from parc.compiler.frontend import analyse
+from parc.compiler.optimizer_rebuild import rebuilt_like
 from parc.compiler.optimizers import ELEMENTWISE, Locality, locality_of, optimizer_problem
 from parc.errors import ParcError
 from parc.runtime.check import compare_in_pool
@@ -208,3 +209,47 @@ def test_lbfgs_is_refused_when_the_program_is_built(gloo_pool: Any) -> None:
     env = {"MLP_OPTIMIZER": "lbfgs"}
     errors = gloo_pool(2).run(compile_on_rank, DP2_ZERO1, OPTIMIZERS, env)
     assert all(e is not None and "LBFGS.step needs a closure" in e for e in errors), errors
+
+
+def _plan(zero: int) -> Any:
+    return analyse(f"mesh dp=2\nzero {zero}\n", MLP).plan
+
+
+class _ScaledSGD(torch.optim.SGD):
+    """SGD whose step is scaled by an attribute kept outside its parameter groups."""
+
+    def __init__(self, params: Any, lr: float = 0.1, scale: float = 1.0) -> None:
+        super().__init__(params, lr=lr)
+        self.scale = scale
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"] * self.scale)
+
+
+class _LrRequired(torch.optim.SGD):
+    """SGD whose constructor has no default lr."""
+
+    def __init__(self, params: Any, lr: float) -> None:
+        super().__init__(params, lr=lr)
+
+
+def test_zero_refuses_an_optimizer_whose_settings_a_rebuild_would_lose() -> None:
+    # ZeRO builds the class again over each shard: `scale` would silently become 1.0.
+    opt = _ScaledSGD([torch.nn.Parameter(torch.zeros(2, 3))], lr=0.1, scale=0.01)
+    problem = optimizer_problem(opt, _plan(zero=1))
+    assert problem is not None and "scale=0.01 (rebuilt: 1.0)" in problem
+    assert optimizer_problem(opt, _plan(zero=0)) is None  # used as built: nothing lost
+    with pytest.raises(ParcError, match=r"scale=0\.01"):
+        rebuilt_like(opt, [torch.nn.Parameter(torch.zeros(3))])
+
+
+def test_a_rebuild_passes_the_constructor_keywords_the_groups_hold() -> None:
+    # A required `lr` made the rebuild raise, and the probe call the class "not elementwise".
+    opt = _LrRequired([torch.nn.Parameter(torch.zeros(2, 3))], lr=0.05)
+    assert locality_of(opt) is Locality.ELEMENTWISE
+    new = rebuilt_like(opt, [torch.nn.Parameter(torch.zeros(3))])
+    assert type(new) is _LrRequired and new.param_groups[0]["lr"] == 0.05

@@ -70,6 +70,12 @@ class DefaultLoss:
     path: str
     check_range: bool = True
     vocab: VocabShards | None = None
+    # Set by the step when its global batch ignores some targets: the counted targets of
+    # the global batch over the number of loss calls it sums (dp x microbatches x
+    # grad_accum). Each call's loss is then its sum over `per_call`, so the parallel
+    # losses average to the global batch's mean, as on one device; each call's own mean
+    # would weigh a token by its microbatch's count.
+    per_call: float | None = None
 
     def __call__(self, output: Any, targets: Any) -> torch.Tensor:
         self._check_output(output)
@@ -77,9 +83,11 @@ class DefaultLoss:
         # Any integer dtype is a class index; cross_entropy takes int64 only.
         flat = targets.reshape(-1).long()
         logits = output.reshape(-1, output.shape[-1])
-        v = self.vocab
+        v, per_call = self.vocab, self.per_call
         if v is not None and self.classes(output) != output.shape[-1]:
-            return tp_vocab_cross_entropy(logits, flat, v.axis, IGNORE_INDEX, v.classes)
+            return tp_vocab_cross_entropy(logits, flat, v.axis, IGNORE_INDEX, v.classes, per_call)
+        if per_call is not None:
+            return F.cross_entropy(logits, flat, reduction="sum") / per_call
         return F.cross_entropy(logits, flat)
 
     def classes(self, output: torch.Tensor) -> int:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from parc.compiler.default_loss import DefaultLoss
+from parc.compiler.default_loss import IGNORE_INDEX, DefaultLoss
 from parc.compiler.model import off_batch
 from parc.compiler.model_output import input_tensors
 from parc.compiler.saved import cast_inputs
@@ -62,6 +62,7 @@ class Program:
         # A non-finite loss or gradient raises a RuntimeFault on every rank, or, when
         # True, skips that step's update on every rank and is recorded in `skipped`.
         self.skip_nonfinite = False
+        self._per_call: float | None = None  # DefaultLoss.per_call of the current step
         self.skipped: list[tuple[int, str]] = []  # (step, what was not finite)
         # The last step's global gradient norm (before clipping), the same on every rank.
         self.last_grad_norm = math.nan
@@ -112,6 +113,7 @@ class Program:
             self._check_batch(xs, targets, self.plan.batch.global_batch, read=True)
             b = self.plan.batch.per_replica
             start = self.comm.index(AXIS_DP) * b
+            self._per_call = self._tokens_per_call(targets)
             return self._step([x[start : start + b] for x in xs], targets[start : start + b])
 
     def step_local(self, inputs: Any, targets: Any) -> float:
@@ -125,7 +127,29 @@ class Program:
             ys = targets if self.parts.holds_last_stage else None
             per_replica, last = self.plan.batch.per_replica, self.parts.holds_last_stage
             self._check_batch(xs, ys, per_replica, read=last, given="each rank's share must have")
+            self._per_call = self._tokens_per_call(ys, shared=True)
             return self._step(xs or [], ys)
+
+    def _tokens_per_call(self, targets: torch.Tensor | None, shared: bool = False) -> float | None:
+        """DefaultLoss.per_call for this step: None unless the default loss ignores some
+        of the global batch's targets (then the counted targets over the loss calls a
+        step sums). `targets`: the global batch's, or (`shared`) this rank's share, None
+        on a rank without the last stage; the shares' counts are summed over the world."""
+        if not isinstance(self.parts.loss_fn, DefaultLoss):
+            return None
+        plan = self.plan
+        if shared:
+            counts = torch.zeros(2, dtype=torch.float64)
+            if targets is not None and self._counts_loss():
+                counts[0] = float((targets != IGNORE_INDEX).sum())
+                counts[1] = targets.numel()
+            counted, total = self.comm.metric_sum(counts.to(self.parts.device)).tolist()
+        else:
+            assert targets is not None
+            counted, total = float((targets != IGNORE_INDEX).sum()), float(targets.numel())
+        if counted == total:
+            return None  # every target counts: each call's mean is already the global one
+        return max(counted, 1.0) / (plan.dp * plan.microbatches * plan.grad_accum)
 
     def _step(self, xs: list[torch.Tensor], targets: torch.Tensor | None) -> float:
         """The step on this rank's dp share: `xs` its input tensors ([] on a rank whose
@@ -199,7 +223,7 @@ class Program:
             if self._unchecked_targets is not None and isinstance(output, torch.Tensor):
                 loss_fn.check_range_of(self._unchecked_targets, output.shape[-1])
                 self._unchecked_targets = None
-            loss_fn = replace(loss_fn, check_range=False)
+            loss_fn = replace(loss_fn, check_range=False, per_call=self._per_call)
         loss = checked_loss(loss_fn(output, targets), self.parts.loss_fn)
         return self.hooks.transform_loss(self.steps_done, loss)
 
@@ -263,6 +287,14 @@ class Program:
             self.comm.stats.add(CommKind.ALL_REDUCE, AXIS_PP, grad)
             dist.all_reduce(grad, group=group)
 
+    def _counts_loss(self) -> bool:
+        """Whether this rank's losses are in the global one: it holds the last stage and is
+        index 0 on every axis but dp and pp (the others compute the same losses)."""
+        names = self.plan.mesh.names
+        return self.parts.holds_last_stage and all(
+            self.comm.index(a) == 0 for a in names if a not in (AXIS_DP, AXIS_PP)
+        )
+
     def _global_loss(
         self, losses: list[torch.Tensor], flag: torch.Tensor, square_sum: torch.Tensor
     ) -> tuple[float, int, float]:
@@ -270,9 +302,7 @@ class Program:
         (`flag`: clip.flag_and_square_sum) and the global gradient norm (`square_sum`: this
         rank's share of its square, clip.py). One all-reduce and the step's one host sync."""
         plan, comm = self.plan, self.comm
-        mine = self.parts.holds_last_stage and all(
-            comm.index(a) == 0 for a in plan.mesh.names if a not in (AXIS_DP, AXIS_PP)
-        )
+        mine = self._counts_loss()
         # On the rank's device, with no read before the reduction: NCCL reduces no CPU
         # tensors, and each read of a device tensor waits for the device.
         total = torch.zeros(3, dtype=torch.float64, device=self.parts.device)

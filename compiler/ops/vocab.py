@@ -61,6 +61,7 @@ def tp_vocab_cross_entropy(
     axis: str,
     ignore_index: int = -100,
     classes: int | None = None,
+    per_call: float | None = None,
 ) -> torch.Tensor:
     """Mean cross-entropy of `logits` (N, c): this rank's columns of the vocabulary split
     over `axis` (n ranks, rank i holding [i·c, (i+1)·c)), without the whole (N, V).
@@ -68,10 +69,11 @@ def tp_vocab_cross_entropy(
     F.cross_entropy's value (mean over targets that are not `ignore_index`), from one
     all-gather of 2·N values per rank: each rank's row log-sum-exp and its target logit
     (zero where another rank owns the target). `classes`: the true V when n·c > V (a
-    padded vocabulary: the columns from V on are left out); None: n·c. Needs the active
-    Comm (a step).
+    padded vocabulary: the columns from V on are left out); None: n·c. `per_call`: divide
+    the sum by it instead of by the counted targets (DefaultLoss.per_call). Needs the
+    active Comm (a step).
     """
-    out = _VocabCrossEntropy.apply(logits, targets, axis, ignore_index, classes)
+    out = _VocabCrossEntropy.apply(logits, targets, axis, ignore_index, classes, per_call)
     assert isinstance(out, torch.Tensor)
     return out
 
@@ -88,6 +90,7 @@ class _VocabCrossEntropy(torch.autograd.Function):
         axis: str,
         ignore_index: int,
         classes: int | None,
+        per_call: float | None,
     ) -> torch.Tensor:
         comm = active_comm()
         n, cols = comm.size(axis), logits.shape[-1]
@@ -103,7 +106,7 @@ class _VocabCrossEntropy(torch.autograd.Function):
         parts = all_gather_flat(mine, axis).view(n, 2, -1)  # cross-entropy over vocab shards
         lse, target = torch.logsumexp(parts[:, 0], dim=0), parts[:, 1].sum(dim=0)
         valid = targets != ignore_index
-        count = valid.sum()
+        count = valid.sum() if per_call is None else logits.new_tensor(per_call)
         ctx.save_for_backward(logits, lse, local, owned, valid, count)
         return ((lse - target) * valid).sum() / count
 
@@ -113,4 +116,4 @@ class _VocabCrossEntropy(torch.autograd.Function):
         out = torch.exp(logits - lse.unsqueeze(1))
         out.scatter_add_(1, local.unsqueeze(1), -owned.to(out.dtype).unsqueeze(1))
         out.mul_((valid.to(out.dtype) * grad / count).unsqueeze(1))
-        return out, None, None, None, None
+        return out, None, None, None, None, None

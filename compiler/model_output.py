@@ -67,8 +67,19 @@ class OutputChoice:
         if not self.path and not self.others:
             return ""
         left = ", ".join(map(_where, self.others))
-        unused = f"; not used: {left} (define loss_fn(output, targets) to use them)" if left else ""
+        unused = f"; not used: {left} ({self.remedy})" if left else ""
         return f"trains on {self.described}{unused}"
+
+    @property
+    def remedy(self) -> str:
+        """How to train on the outputs left out."""
+        if self.is_loss:
+            return "define loss_fn(output, targets) to train on the logits instead"
+        return (
+            f"loss_fn gets {_where(self.path)} alone; to train on several outputs, compute "
+            "the loss in forward: pass the targets in sample_batch's inputs, return the loss "
+            "as 'loss' and define no loss_fn"
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -183,13 +183,19 @@ def check_all_used(gm: torch.fx.GraphModule, model: torch.nn.Module, file: str) 
     unused = [n for n in dict.fromkeys(canonical.values()) if n not in used]
     if unused:
         shown = ", ".join(repr(n) for n in unused[:4]) + (" ..." if len(unused) > 4 else "")
+        choice = gm.meta.get("parc_output")
+        left = getattr(choice, "others", ())
+        why, hint = "forward never reads", "remove the unused module or parameter from "
+        hint += "build_model(), or register it as a buffer if it is not trained"
+        if left:  # read only for outputs the loss is not given
+            why = f"the output parc trains on, {choice.described}, never reads"
+            hint = f"{choice.remedy}; or {hint}"
         raise ModelError(
-            f"forward never reads parameter{'s' if len(unused) > 1 else ''} {shown} "
+            f"{why} parameter{'s' if len(unused) > 1 else ''} {shown} "
             f"({len(unused)} of {len(set(canonical.values()))}): parc places each parameter "
             "where forward reads it, and one it never reads would get no gradient",
             file=file,
-            hint="remove the unused module or parameter from build_model(), or register "
-            "it as a buffer if it is not trained",
+            hint=hint,
         )
 
 

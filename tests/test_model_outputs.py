@@ -63,7 +63,7 @@ def test_targets_given_means_the_same_tensor_or_equal_values() -> None:
         ("forward_returns_dict.py", "trains on output['logits']"),
         (
             "forward_returns_tuple.py",
-            "trains on output[0]; not used: output[1] (define loss_fn(output, targets)",
+            "trains on output[0]; not used: output[1] (loss_fn gets output[0] alone",
         ),
     ],
 )
@@ -77,3 +77,42 @@ def test_a_structured_output_is_reported_and_trains_as_one_device(
     out, err = capfd.readouterr()
     assert code == 0, out + err
     assert "EQUIVALENT" in out and "NOT EQUIVALENT" not in out
+
+
+_TWO_HEADS = """
+import torch, torch.nn as nn
+
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.cls, self.reg = nn.Linear(4, 8), nn.Linear(8, 3), nn.Linear(8, 1)
+
+    def forward(self, x):
+        z = torch.tanh(self.body(x))
+        return {"logits": self.cls(z), "reg": self.reg(z)}
+
+def build_model():
+    return TwoHeads()
+
+def sample_batch(batch_size, step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(batch_size, 4, generator=g), torch.randint(0, 3, (batch_size,), generator=g)
+
+def loss_fn(output, targets):
+    return nn.functional.cross_entropy(output["logits"], targets) + output["reg"].square().mean()
+"""
+
+
+def test_a_head_only_a_left_out_output_reads_is_named_with_the_way_to_train_it(
+    tmp_path: Path,
+) -> None:
+    # loss_fn gets output['logits'] alone: 'reg' is pruned, and its head's parameters with
+    # it. The error said "forward never reads" them, which forward does.
+    model = tmp_path / "two_heads.py"
+    model.write_text(_TWO_HEADS)
+    with pytest.raises(ModelError) as caught:
+        analyse(DP2, model, batch=4)
+    error = caught.value
+    assert "the output parc trains on, output['logits'], never reads parameters" in error.message
+    assert "'reg.weight'" in error.message
+    assert "loss_fn gets output['logits'] alone" in (error.hint or "")

@@ -184,10 +184,9 @@ def check_all_used(gm: torch.fx.GraphModule, model: torch.nn.Module, file: str) 
     if unused:
         shown = ", ".join(repr(n) for n in unused[:4]) + (" ..." if len(unused) > 4 else "")
         choice = gm.meta.get("parc_output")
-        left = getattr(choice, "others", ())
         why, hint = "forward never reads", "remove the unused module or parameter from "
         hint += "build_model(), or register it as a buffer if it is not trained"
-        if left:  # read only for outputs the loss is not given
+        if choice is not None and choice.others:  # read only for outputs the loss never gets
             why = f"the output parc trains on, {choice.described}, never reads"
             hint = f"{choice.remedy}; or {hint}"
         raise ModelError(

@@ -65,6 +65,7 @@ def test_every_run_time_model_has_a_test() -> None:
 
     tested |= {case.file for case in CHECKED} | {file for file, *_ in RANKS}
     tested |= {"optimizer_raises.py"}  # test_user_mistakes.py: through `parc run`
+    tested |= {"loss_reads_params.py"}  # test_user_mistakes.py: under pp, through `parc check`
     assert {p.name for p in RUN_MODELS.glob("*.py")} == tested
 
 

@@ -200,6 +200,23 @@ def test_a_rank_names_the_model_file_and_function_of_an_error_in_a_step(
         _clean(text)
 
 
+def test_a_loss_reading_the_built_models_parameters_is_named_not_a_traceback(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # The pipeline builds its stages from a meta model: loss_fn's global holds meta
+    # parameters. It failed in backward with "Cannot copy out of meta tensor", a traceback
+    # through parc's executor on every rank.
+    spec = tmp_path / "pp2.par"
+    spec.write_text("mesh pp=2\nstage auto\n")
+    path = RUN_MODELS / "loss_reads_params.py"
+    code = main(["check", str(spec), str(path), "--steps", "1"])
+    out, err = capfd.readouterr()
+    assert code == 2, err
+    assert f"{path}: error: loss_fn (line 23) returned a loss on the meta device" in err, err
+    assert "ranks 1 raised" not in err and "weight_decay" in err
+    assert "Traceback" not in out + err, err
+
+
 # ---------------------------------------------------------------- functions parc cannot call
 
 

@@ -21,7 +21,7 @@ from parc.errors import ParcError
 if TYPE_CHECKING:
     from .pool import _Rank
 
-__all__ = ["Outcome", "WorkerError", "describe_failure", "file_size"]
+__all__ = ["Outcome", "RankMistake", "WorkerError", "describe_failure", "file_size"]
 
 GRACE = 0.3  # after one rank fails, how long the others get to report their own error
 _DUMP_WAIT = 2.0  # a faulthandler dump takes milliseconds; bound the wait anyway
@@ -29,11 +29,33 @@ _TAIL = 3000  # characters of a rank's output quoted in an error
 
 
 class WorkerError(ParcError):
-    """A case failed on a `WorkerPool`; `ranks` are the ranks that failed."""
+    """A case failed on a `WorkerPool`; `ranks` are the ranks that failed. `mistake`:
+    the one ParcError (a user's mistake) every failed rank raised, printed alone."""
 
-    def __init__(self, message: str, *, ranks: tuple[int, ...], hint: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        ranks: tuple[int, ...],
+        hint: str | None = None,
+        mistake: str | None = None,
+    ) -> None:
         super().__init__(message, hint=hint)
         self.ranks = ranks
+        self.mistake = mistake
+
+    def __str__(self) -> str:
+        return super().__str__() if self.mistake is None else self.mistake
+
+
+@dataclass(frozen=True, slots=True)
+class RankMistake:
+    """A rank's reply for a case that raised a ParcError: its text, no traceback."""
+
+    text: str
+
+    def __str__(self) -> str:
+        return self.text
 
 
 @dataclass(slots=True)
@@ -41,7 +63,7 @@ class Outcome:
     """What each rank did with one request."""
 
     results: dict[int, Any] = field(default_factory=dict)
-    errors: dict[int, str] = field(default_factory=dict)
+    errors: dict[int, str | RankMistake] = field(default_factory=dict)
     deaths: dict[int, int | None] = field(default_factory=dict)  # rank → exit code
     unfinished: list[int] = field(default_factory=list)
     cut_short: bool = False  # the unfinished ranks only got the grace period
@@ -61,8 +83,12 @@ def describe_failure(
         parts.append(f"rank {rank} died ({_describe_exit(code)})")
         dump = _read_from(ranks[rank].spec.stack, 0)  # written only by a fatal signal here
         parts.append(_quote(dump and _tidy_stack(dump), "its stack when it died"))
-    for rank, text in sorted(outcome.errors.items()):
-        parts.append(f"rank {rank} raised:\n{_indent(text)}")
+    same: dict[str, list[int]] = {}  # every rank raising the same error: said once
+    for rank, error in sorted(outcome.errors.items()):
+        same.setdefault(str(error), []).append(rank)
+    for text, raised in same.items():
+        who = f"rank {raised[0]}" if len(raised) == 1 else f"ranks {_ranks(raised)}"
+        parts.append(f"{who} raised:\n{_indent(text)}")
     waited = f"{GRACE} s after the failure above" if outcome.cut_short else f"{limit} s"
     for rank in outcome.unfinished:
         parts.append(f"rank {rank} was still running after {waited}; its stack:")
@@ -77,10 +103,13 @@ def describe_failure(
         if outcome.errors or outcome.deaths
         else f"{what} did not finish within {limit} s on {where}"
     )
+    mistakes = {e.text for e in outcome.errors.values() if isinstance(e, RankMistake)}
+    alone = len(mistakes) == 1 and len(same) == 1 and not outcome.deaths
     return WorkerError(
         "\n".join([header, *filter(None, parts)]),
         ranks=failed,
         hint="the pool killed its ranks; the next run starts a fresh world",
+        mistake=f"{mistakes.pop()}\n  (raised by {where} of the parallel run)" if alone else None,
     )
 
 
@@ -145,3 +174,7 @@ def _read_from(path: Path, offset: int) -> str:
     with path.open("rb") as file:
         file.seek(offset)
         return file.read().decode(errors="replace")
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks))

@@ -27,7 +27,9 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map_only
 
+from parc.errors import ParcError
 from parc.runtime.lifeline import release_semaphores
+from parc.testing.pool_failure import RankMistake
 
 __all__ = ["RankSpec", "join_world", "rank_main"]
 
@@ -136,6 +138,8 @@ def _run_case(request: bytes) -> bytes:
             raise RuntimeError("the case destroyed the default process group; cases must not")
         portable = tree_map_only(torch.Tensor, lambda t: t.detach().cpu().clone(), result)
         return pickle.dumps((True, portable))
+    except ParcError as exc:  # a user's mistake: its message, which names the fix
+        return pickle.dumps((False, RankMistake(str(exc))))
     except BaseException:
         return pickle.dumps((False, traceback.format_exc()))
     finally:

@@ -42,8 +42,9 @@ def _same(args: Args, kwargs: Kwargs) -> tuple[Args, Kwargs]:
 
 
 def _spread(args: Args, kwargs: Kwargs) -> tuple[Args, Kwargs]:
-    """`view(x, [a, b])` -> `x.view(a, b)`: the size list becomes arguments."""
-    return (args[0], *args[1]), {}
+    """`view(x, [a, b])` -> `x.view(a, b)`: the size list becomes arguments; an empty one
+    (a 0-dim result, as `t[:, 0] = c` records) stays a tuple: `x.view(())`."""
+    return ((args[0], *args[1]) if len(args[1]) else (args[0], ())), {}
 
 
 def _first(n: int) -> Callable[[Args, Kwargs], tuple[Args, Kwargs]]:

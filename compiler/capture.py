@@ -63,7 +63,7 @@ class CapturedOutput:
 
 def export_model(
     model: torch.nn.Module, inputs: Any, compute: torch.dtype | None = None
-) -> torch.export.ExportedProgram:
+) -> tuple[torch.export.ExportedProgram, torch.device]:
     """Step 1: `torch.export.export(..., strict=False)` of the model's twin on `meta`.
 
     Export keeps weak references to the tensors it sees (its fake-tensor
@@ -76,11 +76,28 @@ def export_model(
     under `precision bf16`) the twin's floating parameters have that dtype, as
     the compute copies a mixed-precision run reads, and the graph's casts are
     the ones the eager bf16 model makes. Buffers keep theirs.
+
+    A tensor forward builds from Python values on its inputs' device (indexing with a
+    list, `x[..., [-1], :]`, as Falcon's attention does) is a constant export lifts;
+    on `meta` its values are lost. Then the model is exported again on the CPU: a twin
+    of uninitialised tensors (export reads their shapes only, so the pages stay
+    untouched) and the real inputs. Returns the program and the device it was
+    captured on.
     """
+    meta = torch.device("meta")
+    exported = _export(_meta_twin(model, compute, meta), model, inputs, meta)
+    if not any(c.is_meta for c in exported.constants.values() if isinstance(c, torch.Tensor)):
+        return exported, meta
+    cpu = torch.device("cpu")
+    return _export(_meta_twin(model, compute, cpu), model, inputs, cpu), cpu
+
+
+def _export(
+    twin: torch.nn.Module, model: torch.nn.Module, inputs: Any, device: torch.device
+) -> torch.export.ExportedProgram:
     args, kwargs = call_kwargs(model, inputs)
-    meta = lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t  # noqa: E731
-    args, kwargs = pytree.tree_map(meta, (args, kwargs))
-    twin = _meta_twin(model, compute)
+    move = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
+    args, kwargs = pytree.tree_map(move, (args, kwargs))
     # A failed export prints its partial graph to stderr and logs: the CompileError
     # parc raises says it better.
     logging.disable(logging.CRITICAL)
@@ -93,12 +110,14 @@ def export_model(
         logging.disable(logging.NOTSET)
 
 
-def _meta_twin(model: torch.nn.Module, compute: torch.dtype | None = None) -> torch.nn.Module:
-    """A deep copy of `model` whose tensors are new meta tensors of the same kind
-    (floating parameters of dtype `compute` when given)."""
+def _meta_twin(
+    model: torch.nn.Module, compute: torch.dtype | None, device: torch.device
+) -> torch.nn.Module:
+    """A deep copy of `model` whose tensors are new (uninitialised) tensors of the same
+    kind on `device` (floating parameters of dtype `compute` when given)."""
     memo: dict[int, Any] = {}
     for tensor in (*model.parameters(), *model.buffers()):
-        twin = torch.empty_like(tensor, device="meta")
+        twin = torch.empty_like(tensor, device=device)
         if isinstance(tensor, torch.nn.Parameter):
             if compute is not None and tensor.dtype.is_floating_point:
                 twin = twin.to(compute)
@@ -112,11 +131,11 @@ def capture_model(
 ) -> CapturedOutput:
     """Export `model` at `inputs` (its floating parameters as `compute` when given)
     and raise its graph (steps 1-4)."""
-    exported = export_model(model, inputs, compute)
+    exported, device = export_model(model, inputs, compute)
     # The exported graph itself, its lifted inputs read back as attributes: what
     # `exported.module()` gives, without its deep copy of the graph and two more
     # compiles of its code (a tenth of a 70B capture).
-    copier = _Copier(torch.device("meta"), exported.graph_signature)
+    copier = _Copier(device, exported.graph_signature)
     graph = copier.graph
     for node in exported.graph.nodes:
         copier.copy(node)
@@ -310,7 +329,7 @@ def _index_leaves(structure: Any, path: Path = ()) -> list[tuple[Path, int]]:
 
 
 # Step 3: functional call -> (module class, where its parameters are in the call, its input)
-_MODULE_FORMS: dict[Any, tuple[type, dict[str, int]]] = {
+_MODULE_FORMS: dict[Any, tuple[type[torch.nn.Module], dict[str, int]]] = {
     F.linear: (torch.nn.Linear, {"weight": 1, "bias": 2}),
     F.embedding: (torch.nn.Embedding, {"weight": 1}),
     F.layer_norm: (torch.nn.LayerNorm, {"weight": 2, "bias": 3}),
@@ -327,7 +346,11 @@ def _reform_modules(graph: torch.fx.Graph, model: torch.nn.Module) -> None:
             continue
         name = str(list(stack.values())[-1][0])
         module = model.get_submodule(name) if name else None
+        # A subclass with a forward of its own (Gemma's scaled embedding, OPT's offset
+        # positions) runs more than the functional call: the graph has that already.
         if module is None or not isinstance(module, form[0]):
+            continue
+        if type(module).forward is not form[0].forward:
             continue
         if not (_own_params(node, model, name, module, form[1]) and _same_options(node, module)):
             continue

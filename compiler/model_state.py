@@ -8,9 +8,9 @@
 - `persistent_buffers`: the canonical names of the buffers `state_dict()` holds
   (`register_buffer(..., persistent=True)`, BatchNorm's running statistics).
   They are model state: gathered, checkpointed and exported like parameters.
-- `buffer_writes`: graph nodes that update a buffer in place from no parameter
-  (`self.calls.add_(1)`): their result is unused, so a pass that keeps only
-  what the output needs must keep them explicitly.
+- `inplace_writes`: graph nodes that write a tensor in place (a buffer's
+  `self.calls.add_(1)`, `ids[:, 0] = 5` on an activation): their result is
+  unused, so a pass that keeps only what the output needs must keep them.
 - `untraced_writes`: buffers forward changed while fx traced it without recording
   the change (`self.calls.add_(1)` on a real tensor runs once, at trace time):
   a ModelError, since training would never update them.
@@ -36,8 +36,8 @@ __all__ = [
     "batch_statistics_warnings",
     "buffer_aliases",
     "buffer_versions",
-    "buffer_writes",
     "check_frozen",
+    "inplace_writes",
     "name_state",
     "persistent_buffers",
     "state_names",
@@ -86,29 +86,20 @@ def buffer_aliases(model: torch.nn.Module) -> dict[str, str]:
     }
 
 
-def buffer_writes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
-    """Nodes that write a module buffer in place (`buf.add_(1)`, `buf[i] = v`, `buf.copy_(x)`)."""
-    buffers = {name for name, _ in gm.named_buffers(remove_duplicate=False)}
+def inplace_writes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """Nodes that write a tensor in place (`t[:, 0] = 5`, which export records as
+    `aten.copy_` into a view, `x.fill_(0)`, `buf.add_(1)`): their result is unused, so
+    a pass keeping only what the output needs must keep them explicitly."""
     out = []
     for node in gm.graph.nodes:
-        inplace = (node.op == "call_method" and str(node.target).endswith("_")) or (
-            node.op == "call_function" and node.target in _WRITES
-        )
-        if inplace and node.args and _reads_buffer(node.args[0], buffers):
+        target = node.target
+        mutable = isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable
+        if (
+            (node.op == "call_method" and str(target).endswith("_"))
+            or (node.op == "call_function" and (target in _WRITES or mutable))
+        ) and node.args:
             out.append(node)
     return out
-
-
-def _reads_buffer(arg: object, buffers: set[str]) -> bool:
-    """`arg` is a buffer's get_attr, or a view of one (`buf[0]`, `buf.view(...)`)."""
-    while isinstance(arg, torch.fx.Node):
-        if arg.op == "get_attr":
-            return str(arg.target) in buffers
-        views = arg.op == "call_method" and arg.target in ("view", "reshape", "narrow")
-        if not (views or arg.target is operator.getitem) or not arg.args:
-            return False
-        arg = arg.args[0]
-    return False
 
 
 def buffer_versions(model: torch.nn.Module) -> dict[str, tuple[int, int]]:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from parc.compiler.model_state import buffer_writes
+from parc.compiler.model_state import inplace_writes
 from parc.compiler.node_meta import meta_of, set_stage
 from parc.compiler.plan import Plan
 from parc.compiler.stages import activation_nodes, fill_stages
@@ -178,8 +178,9 @@ def _needed_nodes(
     have = set(recv)
     roots = [n for n in gm.graph.nodes if stages[n.name] == s and n.name in activations]
     roots += [n for n in send if n not in have]
-    # An in-place buffer update (a step counter) is used by nothing: kept on its stage.
-    roots += [n for n in buffer_writes(gm) if stages[n.name] == s]
+    # An in-place write (a buffer's step counter, `t[:, 0] = 5` on an activation) is used
+    # by nothing: kept on its stage.
+    roots += [n for n in inplace_writes(gm) if stages[n.name] == s]
     if output is not None:
         roots += output.all_input_nodes
     needed: set[torch.fx.Node] = set()

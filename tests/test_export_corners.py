@@ -3,7 +3,9 @@ each trained under dp and pp against one device. Before: an `nn.Embedding` subcl
 with its own forward (Gemma) was turned into a call of the module and its scale applied
 twice (a silently different model); `t[:, 0] = c` (T5) failed to trace (`x.view()` of an
 empty size) and, traced, its in-place copy was dropped by the pipeline split as unread;
-a list index (Falcon) became a meta constant that failed every rank at launch.
+a list index (Falcon) became a meta constant that failed every rank at launch; a tensor
+made from the inputs and written in place (T5's decoder inputs), made again on the stage
+that reads it, lacked the writes there (a different loss from step 0).
 """
 
 from __future__ import annotations
@@ -41,3 +43,11 @@ def test_the_captured_graph_computes_what_the_model_does() -> None:
         got = analysis.gm(inputs["input_ids"])
     assert analysis.plan.capture.startswith("captured with torch.export")
     assert torch.allclose(got, expected), (got - expected).abs().max()
+
+
+@pytest.mark.multiprocess
+def test_a_stage_making_a_written_tensor_again_writes_it_too(gloo_pool) -> None:
+    spec = "mesh pp=2\nstage emb, mid -> 0\nstage late, head -> 1\n"
+    env = {"EXPORT_CORNER": "late"}
+    comparison, _ = check_equivalent(gloo_pool, spec, MODEL, env=env, steps=2)
+    assert comparison.ok, comparison

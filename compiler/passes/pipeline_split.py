@@ -28,6 +28,7 @@ split_module does internally.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -179,22 +180,40 @@ def _needed_nodes(
     roots = [n for n in gm.graph.nodes if stages[n.name] == s and n.name in activations]
     roots += [n for n in send if n not in have]
     # An in-place write (a buffer's step counter, `t[:, 0] = 5` on an activation) is used
-    # by nothing: kept on its stage.
-    roots += [n for n in inplace_writes(gm) if stages[n.name] == s]
+    # by nothing: kept on its stage, and on every stage that computes what it writes
+    # again (a tensor made from the inputs, which each stage reading it remakes).
+    writes = inplace_writes(gm)
+    roots += [n for n in writes if stages[n.name] == s]
     if output is not None:
         roots += output.all_input_nodes
     needed: set[torch.fx.Node] = set()
     stack = [n for n in roots if n not in have]
     while stack:
-        node = stack.pop()
-        if node in needed or node in have:
-            continue
-        needed.add(node)
-        for arg in node.all_input_nodes:
-            if arg.name in activations and stages[arg.name] != s and arg not in have:
-                raise AssertionError(f"{node.name} at stage {s} reads {arg.name} not received")
-            stack.append(arg)
+        while stack:
+            node = stack.pop()
+            if node in needed or node in have:
+                continue
+            needed.add(node)
+            for arg in node.all_input_nodes:
+                if arg.name in activations and stages[arg.name] != s and arg not in have:
+                    raise AssertionError(f"{node.name} at stage {s} reads {arg.name} not received")
+                stack.append(arg)
+        stack = [w for w in writes if w not in needed and _written(w) in needed]
     return needed
+
+
+_VIEWS = frozenset({"view", "reshape", "narrow", "select", "expand", "transpose", "unsqueeze"})
+
+
+def _written(write: torch.fx.Node) -> torch.fx.Node | None:
+    """The tensor an in-place write changes: its first argument, through views of it."""
+    arg = write.args[0]
+    while isinstance(arg, torch.fx.Node) and arg.args:
+        views = arg.op == "call_method" and arg.target in _VIEWS
+        if not (views or arg.target is operator.getitem):
+            return arg
+        arg = arg.args[0]
+    return arg if isinstance(arg, torch.fx.Node) else None
 
 
 def _contract(node: torch.fx.Node) -> Boundary:

@@ -7,9 +7,12 @@
 - `ids[:, 0] = 3` on a clone of the inputs, as T5's `_shift_right`: an in-place copy
   into a view whose result nothing reads, and a 0-dim `view(())` of the scalar;
 - indexing with a Python list, `h[..., [-1], :]`, as Falcon's multi-query heads: export
-  lifts the index into a tensor constant, whose values a meta capture loses.
+  lifts the index into a tensor constant, whose values a meta capture loses;
+- `late`: a tensor made from the inputs and written in place (T5's decoder inputs from
+  its labels) that only a later module reads: a pipeline stage that makes it again
+  must write it too.
 
-EXPORT_CORNER selects one (scaled, setitem, list_index); all three by default.
+EXPORT_CORNER selects one (scaled, setitem, list_index, late); all but late by default.
 """
 
 from __future__ import annotations
@@ -39,15 +42,22 @@ class Corners(nn.Module):
         self.emb = ScaledEmbedding(VOCAB, DIM) if "scaled" in corners else nn.Embedding(VOCAB, DIM)
         self.mid = nn.Linear(DIM, DIM)
         self.head = nn.Linear(DIM // 4 if "list_index" in corners else DIM, VOCAB)
+        if "late" in corners:
+            self.late = nn.Embedding(VOCAB, DIM)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids
+        shifted = input_ids.new_zeros(input_ids.shape)
+        shifted[:, 1:] = input_ids[:, :-1]
+        shifted[:, 0] = 5
         if "setitem" in self.corners:
             ids = input_ids.clone()
             ids[:, 0] = 3
         h = torch.tanh(self.mid(self.emb(ids)))
         if "list_index" in self.corners:
             h = h.view(*ids.shape, 4, DIM // 4)[..., [-1], :].squeeze(-2)
+        if "late" in self.corners:
+            h = h + self.late(shifted)
         return self.head(h)
 
 

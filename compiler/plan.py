@@ -132,6 +132,10 @@ class Plan:
     recompute: tuple[str, ...]
     tp_axis: str | None
     stage_auto: bool = False
+    split_modules: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    """Modules with weights of their own whose calls run on several stages (a module
+    called more than once, cut between its calls by `stage auto`), each with its stages:
+    their weights are tied across those stages, and no `stage` lines write that split."""
     warnings: tuple[PlanWarning, ...] = ()
     capture: str = ""
     """How the model was captured and which output it trains on (the report's `Model` line)."""

@@ -122,7 +122,12 @@ def _stage_lines(plan: Plan, est: Estimate) -> list[str]:
     lines = [title, *table(header, rows)]
     if plan.num_stages > plan.pp:
         lines.append(f"  virtual stages: {rank_stages_text(plan)}")
-    if plan.stage_auto:
+    for name, stages in plan.split_modules:  # a module called more than once, cut between
+        on = ", ".join(map(str, stages))
+        lines.append(f"  {name} runs on stages {on} (called more than once): its weights are tied")
+    if plan.stage_auto and plan.split_modules:
+        lines.append("  no `stage` lines write this split (a module is on one stage there)")
+    elif plan.stage_auto:
         lines.append("  the same split as stage lines (replace `stage auto` with them to pin it):")
         lines += [f"    {line}" for line in stage_lines(plan)]
     return lines

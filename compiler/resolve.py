@@ -22,7 +22,7 @@ from functools import partial
 import torch
 import torch.fx
 
-from parc.compiler.stages import assign_stages, auto_stages
+from parc.compiler.stages import assign_stages, auto_stages, split_modules
 from parc.dsl.ast import (
     AXIS_DP,
     AXIS_PP,
@@ -83,6 +83,7 @@ def resolve(spec: Spec, model: torch.nn.Module, gm: torch.fx.GraphModule, *, bat
         recompute=recompute,
         tp_axis=tp_axis,
         stage_auto=spec.stage_auto is not None,
+        split_modules=split_modules(gm, dict(node_stages), modules),
         warnings=tuple(warnings),
         precision=precision,
         reduce=reduce,

@@ -263,6 +263,21 @@ def stage_module_names(
     return tuple(tuple(names) for names in out)
 
 
+def split_modules(
+    gm: torch.fx.GraphModule, stages: dict[str, int], modules: dict[str, torch.nn.Module]
+) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """Modules holding parameters of their own whose nodes sit on several stages."""
+    where: dict[str, set[int]] = {}
+    for node in gm.graph.nodes:
+        for name in module_path(node):
+            where.setdefault(name, set()).add(stages[node.name])
+    return tuple(
+        (name, tuple(sorted(where[name])))
+        for name, module in modules.items()
+        if len(where.get(name, ())) > 1 and any(True for _ in module.parameters(recurse=False))
+    )
+
+
 def auto_stages(
     spec: Spec, gm: torch.fx.GraphModule, modules: dict[str, torch.nn.Module]
 ) -> tuple[NodeStages, StageModules]:

@@ -153,3 +153,42 @@ def test_no_pipeline_no_bubble() -> None:
     analysis, report = compile_spec("mesh dp=2\n")
     assert analysis.estimate.bubble == 0.0
     assert "bubble" not in report
+
+
+_SHARED_LOOP = """
+import torch, torch.nn as nn
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.shared, self.out = nn.Linear(8, 32), nn.Linear(32, 32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for _ in range(4):
+            h = torch.relu(self.shared(h))
+        return self.out(h)
+
+def build_model():
+    return Net()
+
+def sample_batch(batch_size, step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(batch_size, 8, generator=g), torch.randint(0, 4, (batch_size,), generator=g)
+"""
+
+
+def test_a_module_stage_auto_cuts_between_its_calls_is_named_and_no_stage_lines_claim_it(
+    tmp_path,
+) -> None:
+    # One Linear called 4 times: stage auto puts two calls on each stage (the weight tied
+    # across them). The report printed `stage inp -> 0` / `stage out -> 1` as "the same
+    # split", which pins `shared` whole on stage 0 (26.5K FLOPs against 0.8K).
+    model = tmp_path / "shared_loop.py"
+    model.write_text(_SHARED_LOOP)
+    analysis = analyse("mesh pp=2\nstage auto\n", model, batch=4)
+    assert analysis.plan.split_modules == (("shared", (0, 1)),)
+    text = format_report(analysis.plan, analysis.estimate, title="report")
+    assert "shared runs on stages 0, 1 (called more than once)" in text
+    assert "the same split as stage lines" not in text
+    assert "no `stage` lines write this split" in text

@@ -86,7 +86,14 @@ def export_model(
     """
     meta = torch.device("meta")
     exported = _export(_meta_twin(model, compute, meta), model, inputs, meta)
-    if not any(c.is_meta for c in exported.constants.values() if isinstance(c, torch.Tensor)):
+    # A constant that is the model's own (a non-persistent buffer such as rotary
+    # frequencies) is read from the model itself (`_module_of`), not from export.
+    lost = [
+        name
+        for name, c in exported.constants.items()
+        if isinstance(c, torch.Tensor) and c.is_meta and not _has(model, name)
+    ]
+    if not lost:
         return exported, meta
     cpu = torch.device("cpu")
     return _export(_meta_twin(model, compute, cpu), model, inputs, cpu), cpu

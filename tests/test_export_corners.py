@@ -51,3 +51,17 @@ def test_a_stage_making_a_written_tensor_again_writes_it_too(gloo_pool) -> None:
     env = {"EXPORT_CORNER": "late"}
     comparison, _ = check_equivalent(gloo_pool, spec, MODEL, env=env, steps=2)
     assert comparison.ok, comparison
+
+
+def test_only_a_lost_constant_exports_again_on_the_cpu() -> None:
+    # Llama's rotary frequencies are non-persistent buffers, constants to export that
+    # parc reads from the model itself: its capture stays on meta (one export, nothing
+    # allocated); the list index's constant is lost on meta and needs the CPU export.
+    pytest.importorskip("transformers")
+    from parc.compiler.capture import export_model
+    from parc.compiler.model import load_model
+
+    for path, device in ((ROOT / "tests/models/hf/llama.py", "meta"), (MODEL, "cpu")):
+        source = load_model(str(path))
+        inputs, _ = source.batch(2, 0)
+        assert export_model(source.build(), inputs)[1].type == device, path

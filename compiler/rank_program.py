@@ -47,7 +47,7 @@ from parc.dsl.ast import AXIS_DP, AXIS_PP
 from .compile_regions import Region, compile_regions, recomputed_regions, zero3_regions
 from .estimate import stage_units
 from .frontend import Analysis
-from .layout import FlatUnit, ParamSlice, canonical_names, param_slices, stage_params
+from .layout import FlatUnit, ParamSlice, canonical_names, frozen_params, param_slices, stage_params
 from .model import BatchSignature
 from .model_state import state_names
 from .passes.pipeline_split import StageGraph, pipeline_split
@@ -107,6 +107,9 @@ class RankProgram:
     regions: dict[int, tuple[Region, ...]]
     """Under `compile`: stage -> its separately compiled regions (step 10; a stage
     absent or of one region compiles whole)."""
+    frozen: frozenset[str] = frozenset()
+    """Canonical names of the parameters that take no gradient (layout.frozen_params):
+    in no unit, without optimizer state."""
 
 
 def compile_rank(
@@ -167,6 +170,7 @@ def compile_rank(
         example=analysis.example,
         buffers=buffers,
         regions=regions,
+        frozen=frozen_params(model),
     )
 
 

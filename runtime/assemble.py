@@ -108,6 +108,7 @@ def assemble(
         tied=tied,
         forward_contexts=tuple(forward_contexts),
         dtypes=program.dtypes,
+        frozen=program.frozen,
         buffers=buffers,
         names=program.names,
         example=program.example,

@@ -57,6 +57,8 @@ class ProgramParts:
     buffers: Buffers = field(default_factory=Buffers)  # persistent buffers (buffers.py)
     # Every key of the model's state_dict(), in order -> its canonical parameter or buffer.
     names: dict[str, str] = field(default_factory=dict)
+    # Canonical names of the parameters that take no gradient: no optimizer state.
+    frozen: frozenset[str] = frozenset()
 
     @property
     def stage(self) -> StageGraph:

@@ -254,10 +254,12 @@ def model_pieces(parts: ProgramParts, layout: RankLayout, *, loading: bool) -> l
     keys = {name: f"{MODEL}{name}" for name in parts.full_shapes}
     plan = parts.plan
     if plan.zero == 3 or (plan.zero >= 1 and (plan.mixed or not loading)):
+        # Frozen parameters are in no unit (compiler/layout.py `frozen_params`): whole.
+        frozen = [(n, p) for n, p in parts.local_params.items() if not p.requires_grad]
         return [
             piece
             for unit in shard_units(parts)
             for piece in layout.sharded(unit, unit.shard.detach(), keys)
-        ]
+        ] + [piece for name, param in frozen for piece in layout.whole(keys[name], name, param)]
     whole = stepped_params(parts) if plan.mixed else parts.local_params.items()
     return [piece for name, param in whole for piece in layout.whole(keys[name], name, param)]

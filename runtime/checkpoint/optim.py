@@ -99,7 +99,7 @@ class OptimizerLoad:
         index = {id(p): i for i, p in enumerate(_optimizer_params(self.optimizer))}
         if parts.plan.zero == 0:
             for name, param in stepped_params(parts):
-                if id(param) not in index:  # a parameter the factory's optimizer leaves out
+                if id(param) not in index or name in parts.frozen:  # no state: none saved
                     continue
                 entry = self._state.setdefault(index[id(param)], {})
                 for spec in states:

@@ -195,7 +195,8 @@ def load_checkpoint(
     metadata = reader.read_metadata()
     check_parameters(metadata, parts.full_shapes, path)
     check_buffers(metadata, parts.buffers.shapes, path)
-    states = _optimizer_states(metadata, parts.full_shapes, path)
+    trained = {n: s for n, s in parts.full_shapes.items() if n not in parts.frozen}
+    states = _optimizer_states(metadata, trained, path)
     if states and info.get("optimizer") != type(parts.optimizer).__name__:
         raise ParcError(
             f"checkpoint {path} holds {info.get('optimizer')} state; this program's optimizer "

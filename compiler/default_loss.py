@@ -22,7 +22,7 @@ loss leaves out.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +31,7 @@ from parc.errors import ModelError
 
 from .ops.vocab import tp_vocab_cross_entropy
 
-__all__ = ["IGNORE_INDEX", "DefaultLoss", "VocabShards"]
+__all__ = ["IGNORE_INDEX", "DefaultLoss", "TargetScan", "VocabShards", "scan_targets"]
 
 IGNORE_INDEX = -100  # F.cross_entropy's default: targets equal to it are skipped
 _FIX = "define loss_fn(output, targets) in {path}, or {other}"
@@ -90,6 +90,11 @@ class DefaultLoss:
             return F.cross_entropy(logits, flat, reduction="sum") / per_call
         return F.cross_entropy(logits, flat)
 
+    @staticmethod
+    def scan(targets: torch.Tensor) -> TargetScan:
+        """`scan_targets`: the targets' range and count, one read."""
+        return scan_targets(targets)
+
     def classes(self, output: torch.Tensor) -> int:
         """The number of classes: the output's last dim, or its share of `vocab.classes`."""
         return self.classes_of(output.shape[-1])
@@ -134,17 +139,20 @@ class DefaultLoss:
         if self.check_range:
             self.check_range_of(targets, output.shape[-1])
 
-    def check_range_of(self, targets: torch.Tensor, last_dim: int) -> None:
+    def check_range_of(
+        self, targets: torch.Tensor, last_dim: int, scan: TargetScan | None = None
+    ) -> None:
         """Every target in [0, classes) or the ignore index, else a ModelError; `last_dim`:
         the size of the output's last dim as this rank holds it (a vocab shard under loss
-        parallel)."""
+        parallel). `scan`: `scan(targets)` already read (of these targets, or of a batch
+        holding them)."""
         classes = self.classes_of(last_dim)
         if targets.numel() == 0:
             return
         # One read of the targets (out of range is an IndexError on the CPU and a
         # device-side assert on a GPU); only a negative one (the ignore index, or not)
         # asks for the element-wise test.
-        low, high = (int(v) for v in torch.stack(targets.aminmax()).tolist())
+        low, high = (scan or self.scan(targets))[:2]
         if high < classes and low >= 0:
             return
         negative = (targets < 0) & (targets != IGNORE_INDEX)
@@ -161,6 +169,26 @@ class DefaultLoss:
                 f"make the output's last dim the number of classes (or the vocabulary size, "
                 f"at least {int(targets.max()) + 1} here), or fix the targets",
             )
+
+
+class TargetScan(NamedTuple):
+    """What one read of a batch's targets gives: their range and how many count (are not
+    the ignore index)."""
+
+    low: int
+    high: int
+    counted: int
+    total: int
+
+
+def scan_targets(targets: torch.Tensor) -> TargetScan:
+    """`targets`' range and count in one read (the step's one read of its host targets)."""
+    if targets.numel() == 0:
+        return TargetScan(0, 0, 0, 0)
+    low, high = targets.aminmax()
+    counted = (targets != IGNORE_INDEX).sum()
+    values = torch.stack([low.long(), high.long(), counted.long()]).tolist()
+    return TargetScan(values[0], values[1], values[2], targets.numel())
 
 
 def _wanted(classes: int) -> str:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from parc.compiler.default_loss import IGNORE_INDEX, DefaultLoss
+from parc.compiler.default_loss import DefaultLoss, TargetScan, scan_targets
 from parc.compiler.model import off_batch
 from parc.compiler.model_output import input_tensors
 from parc.compiler.saved import cast_inputs
@@ -63,6 +63,7 @@ class Program:
         # True, skips that step's update on every rank and is recorded in `skipped`.
         self.skip_nonfinite = False
         self._per_call: float | None = None  # DefaultLoss.per_call of the current step
+        self._scan: TargetScan | None = None  # the step's targets, read once (default loss)
         self.skipped: list[tuple[int, str]] = []  # (step, what was not finite)
         # The last step's global gradient norm (before clipping), the same on every rank.
         self.last_grad_norm = math.nan
@@ -134,19 +135,26 @@ class Program:
         """DefaultLoss.per_call for this step: None unless the default loss ignores some
         of the global batch's targets (then the counted targets over the loss calls a
         step sums). `targets`: the global batch's, or (`shared`) this rank's share, None
-        on a rank without the last stage; the shares' counts are summed over the world."""
+        on a rank without the last stage; the shares' counts are summed over the world.
+        The scan is also the range check's read (`_scan`): one read of the host targets,
+        on a rank holding the last stage only."""
+        self._scan = None
         if not isinstance(self.parts.loss_fn, DefaultLoss):
             return None
-        plan = self.plan
-        if shared:
-            counts = torch.zeros(2, dtype=torch.float64)
-            if targets is not None and self._counts_loss():
-                counts[0] = float((targets != IGNORE_INDEX).sum())
-                counts[1] = targets.numel()
-            counted, total = self.comm.metric_sum(counts.to(self.parts.device)).tolist()
-        else:
+        last = self.parts.holds_last_stage and targets is not None
+        if last:
             assert targets is not None
-            counted, total = float((targets != IGNORE_INDEX).sum()), float(targets.numel())
+            self._scan = scan_targets(targets)
+        if shared:
+            counts = torch.zeros(2, dtype=torch.float64, device=self.parts.device)
+            if self._scan is not None and self._counts_loss():
+                counts[0], counts[1] = self._scan.counted, self._scan.total
+            counted, total = self.comm.metric_sum(counts).tolist()
+        elif self._scan is not None:
+            counted, total = self._scan.counted, self._scan.total
+        else:
+            return None  # a rank without the loss: it never calls it
+        plan = self.plan
         if counted == total:
             return None  # every target counts: each call's mean is already the global one
         return max(counted, 1.0) / (plan.dp * plan.microbatches * plan.grad_accum)
@@ -221,7 +229,7 @@ class Program:
         loss_fn = self.parts.loss_fn
         if isinstance(loss_fn, DefaultLoss):
             if self._unchecked_targets is not None and isinstance(output, torch.Tensor):
-                loss_fn.check_range_of(self._unchecked_targets, output.shape[-1])
+                loss_fn.check_range_of(self._unchecked_targets, output.shape[-1], self._scan)
                 self._unchecked_targets = None
             loss_fn = replace(loss_fn, check_range=False, per_call=self._per_call)
         loss = checked_loss(loss_fn(output, targets), self.parts.loss_fn)

@@ -119,7 +119,8 @@ def untraced_writes(
     ]
     if changed:
         raise ModelError(
-            f"forward() updates buffer(s) {', '.join(repr(n) for n in changed[:3])} with an "
+            f"forward() updates buffer(s) {', '.join(repr(n) for n in changed[:3])}"
+            f"{f' ... ({len(changed)} in all)' if len(changed) > 3 else ''} with an "
             "operation torch.fx cannot record (all its operands are the module's own tensors "
             "or constants, e.g. `self.count.add_(1)`): it ran once while parc traced the model "
             "and would never run in training",

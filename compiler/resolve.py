@@ -286,9 +286,11 @@ def _stacked_weights(module: torch.nn.Module) -> str:
     ]
     if not stacked:
         return ""
+    conv = isinstance(module, torch.nn.modules.conv._ConvNd)
+    example = "a convolution's kernels" if conv else "e.g. an MoE layer's experts, one matrix each"
     return (
-        f" whose parameters have more than 2 dims ({', '.join(stacked)}; e.g. an MoE layer's"
-        " experts, one matrix per expert), which tensor parallelism does not shard yet"
+        f" whose parameters have more than 2 dims ({', '.join(stacked)}: {example}), which "
+        "tensor parallelism does not shard yet"
     )
 
 

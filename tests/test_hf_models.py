@@ -147,7 +147,7 @@ def test_sharding_mixtrals_experts_or_router_is_refused_naming_the_reason(patter
     assert "'model.layers.0.mlp" in message and "Mixtral" in message, message
     assert "leave 'model.layers.0.mlp" in message, message  # the fix
     if pattern == "*.mlp.experts":  # why: one matrix per expert, stacked
-        assert "more than 2 dims (gate_up_proj (4, 128, 64), down_proj (4, 64, 64);" in message
+        assert "more than 2 dims (gate_up_proj (4, 128, 64), down_proj (4, 64, 64):" in message
 
 
 def test_stage_auto_splits_llama_as_the_stage_lines_it_prints() -> None:

@@ -122,3 +122,13 @@ def test_a_checkpoint_of_a_frozen_model_resumes_under_another_layout(
         assert torch.allclose(got["b"][name], value, rtol=1e-4, atol=1e-6), name
     for name in FROZEN:
         assert torch.equal(got["b"][name], got["a"][name]), name
+
+
+def test_the_planner_proposes_no_zero_3_for_a_frozen_model() -> None:
+    # check_frozen refuses it: a proposal the user could not run.
+    from parc.compiler.planner.model_profile import profile_model
+    from parc.compiler.planner.search import _zero_levels
+
+    profile = profile_model(load_model(MODEL))
+    assert profile.frozen
+    assert _zero_levels(profile, 2) == (0, 1, 2) and _zero_levels(profile, 1) == (0,)

@@ -130,6 +130,8 @@ class ModelProfile:
     parallel with the default loss): shard_layout.vocab_lines added to the blocks' lines."""
     sequence: dict[int, TPProfile] = field(default_factory=dict)
     """Per tp size, `sequence_parallel tp` added to those (where the analysis takes it)."""
+    frozen: bool = False
+    """The model has frozen parameters (requires_grad=False), which `zero 3` refuses."""
 
 
 def profile_model(
@@ -204,6 +206,7 @@ def _profile(
         precision=precision,
         vocab=vocab_profiles,
         sequence=sequence,
+        frozen=any(not p.requires_grad for p in model.parameters()),
     )
 
 

@@ -140,12 +140,20 @@ def _candidates(
                         if key not in cache:  # Step 2
                             cache[key] = stage_sums(profile, tpp, pp * virtual, recompute)
                         stages = cache[key]
-                        for zero in (0, 1, 2, 3) if dp > 1 else (0,):
+                        for zero in _zero_levels(profile, dp):
                             cand = dataclasses.replace(
                                 base, zero=zero, microbatches=m, grad_accum=a,
                                 cuts=stages.cuts, schedule=kind, virtual=virtual,
                             )  # fmt: skip
                             yield cand, stages
+
+
+def _zero_levels(profile: ModelProfile, dp: int) -> tuple[int, ...]:
+    """The zero levels a dp size is tried with: 1-3 only with dp > 1, and not 3 for a
+    model with frozen parameters (model_state.check_frozen refuses it)."""
+    if dp == 1:
+        return (0,)
+    return (0, 1, 2) if profile.frozen else (0, 1, 2, 3)
 
 
 def _variants(profile: ModelProfile, tp: int) -> Iterator[tuple[bool, bool, bool]]:

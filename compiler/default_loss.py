@@ -90,11 +90,6 @@ class DefaultLoss:
             return F.cross_entropy(logits, flat, reduction="sum") / per_call
         return F.cross_entropy(logits, flat)
 
-    @staticmethod
-    def scan(targets: torch.Tensor) -> TargetScan:
-        """`scan_targets`: the targets' range and count, one read."""
-        return scan_targets(targets)
-
     def classes(self, output: torch.Tensor) -> int:
         """The number of classes: the output's last dim, or its share of `vocab.classes`."""
         return self.classes_of(output.shape[-1])
@@ -144,7 +139,7 @@ class DefaultLoss:
     ) -> None:
         """Every target in [0, classes) or the ignore index, else a ModelError; `last_dim`:
         the size of the output's last dim as this rank holds it (a vocab shard under loss
-        parallel). `scan`: `scan(targets)` already read (of these targets, or of a batch
+        parallel). `scan`: `scan_targets(targets)` already read (of these targets, or of a batch
         holding them)."""
         classes = self.classes_of(last_dim)
         if targets.numel() == 0:
@@ -152,7 +147,7 @@ class DefaultLoss:
         # One read of the targets (out of range is an IndexError on the CPU and a
         # device-side assert on a GPU); only a negative one (the ignore index, or not)
         # asks for the element-wise test.
-        low, high = (scan or self.scan(targets))[:2]
+        low, high = (scan or scan_targets(targets))[:2]
         if high < classes and low >= 0:
             return
         negative = (targets < 0) & (targets != IGNORE_INDEX)

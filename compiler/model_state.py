@@ -174,7 +174,7 @@ def check_all_used(gm: torch.fx.GraphModule, model: torch.nn.Module, file: str) 
     used = {canonical.get(n, n) for node in gm.graph.nodes for n in params_of_node(node, gm)}
     unused = [n for n in dict.fromkeys(canonical.values()) if n not in used]
     if unused:
-        shown = ", ".join(repr(n) for n in unused[:4]) + (" ..." if len(unused) > 4 else "")
+        shown = _first_four(unused)
         choice = gm.meta.get("parc_output")
         why, hint = "forward never reads", "remove the unused module or parameter from "
         hint += "build_model(), or register it as a buffer if it is not trained"
@@ -206,7 +206,7 @@ def check_frozen(model: torch.nn.Module, plan: Plan, spec: Spec) -> None:
         what = "`precision bf16` keeps fp32 masters of the trained parameters only"
     else:
         return
-    shown = ", ".join(repr(n) for n in frozen[:4]) + (" ..." if len(frozen) > 4 else "")
+    shown = _first_four(frozen)
     raise PlanError(
         f"the model has {len(frozen)} frozen parameter{'s' if len(frozen) > 1 else ''} "
         f"(requires_grad=False: {shown}); {what}, and frozen parameters are not built there",
@@ -215,3 +215,8 @@ def check_frozen(model: torch.nn.Module, plan: Plan, spec: Spec) -> None:
         "stepped there), or set requires_grad=True",
         names=tuple(frozen),
     )
+
+
+def _first_four(names: list[str]) -> str:
+    """Up to four quoted names, "..." after them when there are more."""
+    return ", ".join(repr(n) for n in names[:4]) + (" ..." if len(names) > 4 else "")

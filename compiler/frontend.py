@@ -39,6 +39,7 @@ from .model_state import (
 )
 from .node_info import node_source
 from .optimizers import optimizer_warnings
+from .passes.own_loss import count_own_loss
 from .passes.pipeline_split import annotate_stages
 from .plan import Plan
 from .plan_schedule import HandSchedule, with_schedule
@@ -140,6 +141,9 @@ def _analyse(
     gm = trace_model(built, inputs, own_loss=own, file=source.path, compute=compute)
     if gm.meta["parc_output"].is_loss:
         source = dataclasses.replace(source, loss_fn=ModelLoss(source.path))
+        calls = batch_plan.dp * batch_plan.microbatches * batch_plan.grad_accum
+        if calls > 1:
+            count_own_loss(gm)  # its mean over the global batch's counted targets
     untraced_writes(built, versions, source.path)
     _check_module_state_dtypes(gm, compute)
     check_all_used(gm, built, source.path)

@@ -51,7 +51,14 @@ from .sync_protocol import GradientSync
 if TYPE_CHECKING:
     from .parts import ProgramParts
 
-__all__ = ["CLIP_EPS", "NormLayout", "check_max_norm", "clip_grads", "flag_and_square_sum"]
+__all__ = [
+    "CLIP_EPS",
+    "NormLayout",
+    "check_max_norm",
+    "clip_grads",
+    "flag_and_square_sum",
+    "scale_grads",
+]
 
 CLIP_EPS = 1e-6  # added to the norm before dividing, as torch.nn.utils.clip_grad_norm_
 
@@ -131,10 +138,15 @@ def clip_grads(sync: GradientSync, max_norm: float, norm: float) -> float:
     """Scale every gradient the optimizer reads by torch's coefficient (step 4); returns it."""
     coef = min(1.0, max_norm / (norm + CLIP_EPS))
     if coef < 1.0:
-        grads = [p.grad for p in sync.optimizer_params() if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, coef)
+        scale_grads(sync, coef)
     return coef
+
+
+def scale_grads(sync: GradientSync, factor: float) -> None:
+    """Multiply every gradient the optimizer reads by `factor`."""
+    grads = [p.grad for p in sync.optimizer_params() if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, factor)
 
 
 def check_max_norm(value: float | None) -> float | None:

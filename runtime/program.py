@@ -32,13 +32,14 @@ import torch.distributed as dist
 from parc.compiler.default_loss import DefaultLoss, TargetScan, scan_targets
 from parc.compiler.model import off_batch
 from parc.compiler.model_output import input_tensors
+from parc.compiler.ops.own_loss import OWN_LOSS_COUNTS, OwnLossCounts
 from parc.compiler.saved import cast_inputs
 from parc.dsl.ast import AXIS_DP, AXIS_PP
 from parc.errors import RuntimeFault
 from parc.runtime.pipeline.executor import StageExecutor
 from parc.runtime.pipeline.user_checks import checked_loss
 
-from .clip import NormLayout, check_max_norm, clip_grads, flag_and_square_sum
+from .clip import NormLayout, check_max_norm, clip_grads, flag_and_square_sum, scale_grads
 from .collectives import CommKind
 from .compiled import compile_seconds
 from .gather import gather_full_state, iter_full_state
@@ -172,10 +173,40 @@ class Program:
         # The default loss' range check reads the targets: once per step, on the host's.
         self._unchecked_targets = targets
         ys = targets.to(self.parts.device) if targets is not None else None
+        losses: list[torch.Tensor] = []  # on the device: read once, in _global_loss
+        counts = OwnLossCounts()  # the model's own mean loss' targets (ops/own_loss.py)
+        with OWN_LOSS_COUNTS.activated(counts):
+            self._rounds(losses, xs, ys)
+        self._unchecked_targets = None  # a stage without the loss never reads them
+        self.parts.sync.finish(self._tied_reduce)
+        self.hooks.synced(self.steps_done)
+        self.parts.sync.arm(False)
+        # Before the optimizer step: a NaN/inf must never reach the parameters (nonfinite.py).
+        views = ((view, self._counts[name]) for name, view in grad_views(self.parts))
+        flag, square_sum = flag_and_square_sum(views, self.parts.device)  # clip.py
+        loss, flagged, self.last_grad_norm = self._global_loss(losses, flag, square_sum, counts)
+        # A flag may be a finite norm whose squares overflowed: only the exact search can tell.
+        param = first_nonfinite_param(self.parts) if flagged and math.isfinite(loss) else None
+        if param is not None or not math.isfinite(loss):
+            self._nonfinite(loss, param)
+        else:
+            if self._clip is not None:  # after the non-finite check, before the step
+                clip_grads(self.parts.sync, self._clip, self.last_grad_norm)
+            self.optimizer.step()
+            self.parts.sync.after_step()
+        self._stats, self._bytes = comm.stats.snapshot(), comm.stats.bytes_snapshot()
+        self.steps_done += 1
+        return loss
+
+    def _rounds(
+        self, losses: list[torch.Tensor], xs: list[torch.Tensor], ys: torch.Tensor | None
+    ) -> None:
+        """The step's grad_accum pipeline rounds on this rank's share; each microbatch's
+        loss is appended to `losses`."""
+        plan = self.plan
         rounds, m = plan.grad_accum, plan.microbatches
         chunk = plan.batch.micro
         scale = 1.0 / (rounds * m)
-        losses: list[torch.Tensor] = []  # on the device: read once, in _global_loss
         for r in range(rounds):
             micro_x = [
                 [x[(r * m + i) * chunk : (r * m + i + 1) * chunk] for x in xs] for i in range(m)
@@ -195,27 +226,6 @@ class Program:
                 # its gradient shards between steps), where the rank first idles.
                 before_backward=self.parts.sync.prepare if r == 0 else None,
             )
-        self._unchecked_targets = None  # a stage without the loss never reads them
-        self.parts.sync.finish(self._tied_reduce)
-        self.hooks.synced(self.steps_done)
-        self.parts.sync.arm(False)
-        # Before the optimizer step: a NaN/inf must never reach the parameters (nonfinite.py).
-        counts = self._counts
-        views = ((view, counts[name]) for name, view in grad_views(self.parts))
-        flag, square_sum = flag_and_square_sum(views, self.parts.device)  # clip.py
-        loss, flagged, self.last_grad_norm = self._global_loss(losses, flag, square_sum)
-        # A flag may be a finite norm whose squares overflowed: only the exact search can tell.
-        param = first_nonfinite_param(self.parts) if flagged and math.isfinite(loss) else None
-        if param is not None or not math.isfinite(loss):
-            self._nonfinite(loss, param)
-        else:
-            if self._clip is not None:  # after the non-finite check, before the step
-                clip_grads(self.parts.sync, self._clip, self.last_grad_norm)
-            self.optimizer.step()
-            self.parts.sync.after_step()
-        self._stats, self._bytes = comm.stats.snapshot(), comm.stats.bytes_snapshot()
-        self.steps_done += 1
-        return loss
 
     def _loss(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
         """The model's loss (checked: its error names the model's loss_fn), then the hooks'.
@@ -304,23 +314,36 @@ class Program:
         )
 
     def _global_loss(
-        self, losses: list[torch.Tensor], flag: torch.Tensor, square_sum: torch.Tensor
+        self,
+        losses: list[torch.Tensor],
+        flag: torch.Tensor,
+        square_sum: torch.Tensor,
+        counts: OwnLossCounts,
     ) -> tuple[float, int, float]:
         """The mean loss over the global batch, how many ranks flagged their gradients
         (`flag`: clip.flag_and_square_sum) and the global gradient norm (`square_sum`: this
-        rank's share of its square, clip.py). One all-reduce and the step's one host sync."""
+        rank's share of its square, clip.py). One all-reduce and the step's one host sync.
+        A model's own mean loss over counted targets (`counts`, compiler/ops/own_loss.py)
+        becomes the global batch's here: the loss, norm and gradients times T / N."""
         plan, comm = self.plan, self.comm
         mine = self._counts_loss()
         # On the rank's device, with no read before the reduction: NCCL reduces no CPU
         # tensors, and each read of a device tensor waits for the device.
-        total = torch.zeros(3, dtype=torch.float64, device=self.parts.device)
+        total = torch.zeros(5, dtype=torch.float64, device=self.parts.device)
         for loss in losses if mine else ():
             total[0] += loss.reshape(()).to(torch.float64)
         total[1], total[2] = flag, square_sum
+        if mine and counts.calls:
+            total[3], total[4] = counts.totals(self.parts.device)
         comm.metric_sum(total)
-        loss_sum, flagged, squares = total.tolist()
+        loss_sum, flagged, squares, counted, targets = total.tolist()
         loss = loss_sum / (plan.dp * plan.microbatches * plan.grad_accum)
-        return loss, int(flagged), math.sqrt(squares)  # NaN or inf on a non-finite step
+        norm = math.sqrt(squares)  # NaN or inf on a non-finite step
+        if counted != targets:  # some targets ignored: each call divided its sum by its n
+            factor = targets / counted if counted else math.nan
+            scale_grads(self.parts.sync, factor)
+            loss, norm = loss * factor, norm * factor
+        return loss, int(flagged), norm
 
     # ------------------------------------------------------------ inspection
 

@@ -127,6 +127,17 @@ def test_its_own_loss_given_labels_trains_as_one_device_under_pp2(gloo_pool: Any
     assert comparison.ok, comparison.describe()
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("spec", ["mesh dp=2\n", AUTO])
+def test_its_own_loss_over_masked_prompts_trains_as_one_device(gloo_pool: Any, spec: str) -> None:
+    # Half the rows ignore a prompt of their labels: the model's mean over the counted
+    # labels must be the global batch's, not the mean of each share's mean.
+    env = {"HF_LABELS": "masked"}
+    comparison, _ = check_equivalent(gloo_pool, spec, LLAMA.file, env=env, steps=2)
+    assert comparison.ok, comparison.describe()
+
+
 def test_mistrals_sliding_window_is_shorter_than_the_sequence_and_changes_the_logits() -> None:
     source = load_model(MISTRAL.file)
     torch.manual_seed(0)

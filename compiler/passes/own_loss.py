@@ -1,0 +1,137 @@
+"""own_loss: a model's own mean cross-entropy made the global batch's mean.
+
+The model computes its loss (`labels` passed to forward) as a mean over the
+targets it counts (not `ignore_index`). When the step splits the batch into
+several loss calls (dp, microbatches, grad_accum), parc averages the calls'
+losses, which is the global mean only if every call counts as many targets
+(compiler/ops/own_loss.py says how the step fixes that).
+
+Analysis (`mean_loss`): the graph's output is one mean-reduced cross-entropy or
+NLL loss (a function, an aten op or an `nn.CrossEntropyLoss`/`nn.NLLLoss`
+module call; the forms are the table `_FORMS`) without class weights; None
+otherwise (a loss of another shape is left as it is, and averaged per call).
+
+Rewriting (`count_own_loss`): that node becomes the same loss reduced by sum,
+then `own_loss_mean(sum, target, ignore_index)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch.fx.operator_schemas import normalize_function
+
+from ..node_meta import set_comment
+from ..ops.own_loss import own_loss_mean
+
+__all__ = ["MeanLoss", "count_own_loss", "mean_loss"]
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True, slots=True)
+class _Form:
+    """How a loss target spells its reductions."""
+
+    mean: object
+    sum: object
+
+
+# The mean-reduced losses over class targets, by call target (aten: Reduction enum).
+_FORMS: dict[object, _Form] = {
+    F.cross_entropy: _Form("mean", "sum"),
+    F.nll_loss: _Form("mean", "sum"),
+    aten.cross_entropy_loss.default: _Form(1, 2),
+    aten.nll_loss.default: _Form(1, 2),
+    aten.nll_loss_nd.default: _Form(1, 2),
+}
+# Module calls, and the function each one is.
+_MODULES: dict[type[torch.nn.Module], object] = {
+    torch.nn.CrossEntropyLoss: F.cross_entropy,
+    torch.nn.NLLLoss: F.nll_loss,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class MeanLoss:
+    """The output's mean loss: its node, and the sum-reduced call that replaces it."""
+
+    node: torch.fx.Node
+    target: object  # the function or op to call
+    kwargs: dict[str, Any]  # every argument by name (in order), reduction the sum's
+    ignore_index: int
+
+    def call(self, graph: torch.fx.Graph) -> torch.fx.Node:
+        """The sum-reduced call (an aten op takes its arguments by position)."""
+        if isinstance(self.target, torch._ops.OpOverload):
+            return graph.call_function(self.target, tuple(self.kwargs.values()))
+        return graph.call_function(self.target, (), self.kwargs)  # type: ignore[arg-type]
+
+
+def mean_loss(gm: torch.fx.GraphModule) -> MeanLoss | None:
+    """The mean loss the graph outputs, when it is one of the table's (module docstring)."""
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    node = output.args[0]
+    if not isinstance(node, torch.fx.Node) or len(node.users) != 1:
+        return None
+    if node.op == "call_module":
+        return _module_loss(gm, node)
+    target = node.target
+    if node.op != "call_function" or not callable(target) or target not in _FORMS:
+        return None
+    form = _FORMS[target]
+    pair = normalize_function(
+        target, tuple(node.args), dict(node.kwargs), normalize_to_only_use_kwargs=True
+    )
+    if pair is None:
+        return None
+    kwargs = dict(pair.kwargs)
+    legacy = kwargs.get("size_average") is not None or kwargs.get("reduce") is not None
+    if legacy or kwargs["reduction"] != form.mean or kwargs["weight"] is not None:
+        return None
+    if not isinstance(kwargs["ignore_index"], int):
+        return None
+    kwargs["reduction"] = form.sum
+    return MeanLoss(node, target, kwargs, kwargs["ignore_index"])
+
+
+def _module_loss(gm: torch.fx.GraphModule, node: torch.fx.Node) -> MeanLoss | None:
+    module = gm.get_submodule(str(node.target))
+    function = _MODULES.get(type(module))
+    if function is None or len(node.args) != 2 or node.kwargs:
+        return None
+    ignore_index = getattr(module, "ignore_index", None)
+    if getattr(module, "reduction", None) != "mean" or getattr(module, "weight", None) is not None:
+        return None
+    if not isinstance(ignore_index, int):
+        return None
+    kwargs: dict[str, Any] = {"input": node.args[0], "target": node.args[1]}
+    kwargs.update(ignore_index=ignore_index, reduction="sum")
+    if isinstance(module, torch.nn.CrossEntropyLoss):
+        kwargs["label_smoothing"] = module.label_smoothing
+    return MeanLoss(node, function, kwargs, ignore_index)
+
+
+def count_own_loss(gm: torch.fx.GraphModule) -> bool:
+    """Rewrite the graph's mean loss (`mean_loss`) in place; whether there was one."""
+    found = mean_loss(gm)
+    if found is None:
+        return False
+    node, graph = found.node, gm.graph
+    with graph.inserting_after(node):
+        total = found.call(graph)
+    with graph.inserting_after(total):
+        mean = graph.call_function(
+            own_loss_mean, (total, found.kwargs["target"], found.ignore_index)
+        )
+    for new in (total, mean):
+        new.meta = dict(node.meta)
+    set_comment(mean, "the model's mean loss: over the global batch's counted targets")
+    node.replace_all_uses_with(mean)
+    graph.erase_node(node)
+    gm.recompile()
+    return True

@@ -1,0 +1,143 @@
+"""A model's own mean loss over targets the ignore index leaves out, unevenly split
+(tests/models/own_loss_ignored.py: labels passed to forward, shifted inside it).
+
+Every layout that splits the batch into several loss calls (dp, grad_accum, pipeline
+microbatches, with ZeRO and tp) trains as one device, whose loss is the global
+batch's mean over its counted targets. Before, each call took its own mean and the
+means were averaged: `parc check` said NOT EQUIVALENT at step 0 for each of them.
+
+compiler/passes/own_loss.py makes the mean a sum the step divides by the global count
+(compiler/ops/own_loss.py, runtime/program.py `_global_loss`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.fx
+import torch.nn as nn
+import torch.nn.functional as F
+from helpers import ROOT, check_equivalent
+
+from parc.compiler.model import load_model
+from parc.compiler.ops.own_loss import OWN_LOSS_COUNTS, OwnLossCounts, own_loss_mean
+from parc.compiler.passes.own_loss import count_own_loss, mean_loss
+from parc.runtime.equivalence import make_optimizer
+
+MODEL = str(ROOT / "tests" / "models" / "own_loss_ignored.py")
+
+SPECS = {
+    "dp": "mesh dp=2\n",
+    "dp_accum_zero1": "mesh dp=2\ngrad_accum 2\nzero 1\n",
+    "pp_dp": "mesh pp=2 dp=2\nstage auto\nmicrobatches 2\n",
+    "dp_zero3": "mesh dp=2\nzero 3\n",
+    "dp_tp": "mesh dp=2 tp=2\nshard layers.*.1 col tp\nshard layers.*.3 row tp\n",
+}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("spec", SPECS)
+def test_trains_as_one_device(gloo_pool, spec: str) -> None:
+    # SGD, and the tolerances every equivalence test uses (Tolerance.for_optimizer).
+    comparison, _ = check_equivalent(gloo_pool, SPECS[spec], MODEL, env={}, steps=2)
+    assert comparison.ok, comparison
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("form", ["module", "nll"])
+def test_each_form_of_the_loss_trains_as_one_device(gloo_pool, form: str) -> None:
+    # nn.CrossEntropyLoss with label smoothing, and log_softmax + nll_loss.
+    env = {"OWN_LOSS": form}
+    comparison, _ = check_equivalent(gloo_pool, "mesh dp=2\ngrad_accum 2\n", MODEL, env=env)
+    assert comparison.ok, comparison
+
+
+def _global_and_local(spec: str) -> tuple[list[float], list[float]]:
+    """Two steps through `step` (the global batch) and through `step_local` (each dp
+    rank's share), from the same start."""
+    import parc
+
+    source = load_model(MODEL)
+    runs = []
+    for local in (False, True):
+        program = parc.compile(spec, source, batch=8, seed=0, optimizer=make_optimizer("sgd"))
+        losses = []
+        for step in range(2):
+            x, y = source.batch(8, step)
+            if local:
+                b = program.plan.batch.per_replica
+                start = program.comm.index("dp") * b
+                share: Any = {k: v[start : start + b] for k, v in x.items()}
+                losses.append(program.step_local(share, y[start : start + b]))
+            else:
+                losses.append(program.step(x, y))
+        runs.append(losses)
+    return runs[0], runs[1]
+
+
+@pytest.mark.multiprocess
+def test_step_local_counts_the_shares_targets_as_step_does(gloo_pool) -> None:
+    whole, shares = gloo_pool(2).run(_global_and_local, SPECS["dp"])[0]
+    assert whole == shares
+    x, _ = load_model(MODEL).batch(8, 0)
+    assert (x["labels"] == -100).any() and torch.isfinite(torch.tensor(whole)).all()
+
+
+# ---------------------------------------------------------------- the pass and the op
+
+
+class _Loss(nn.Module):
+    """logits -> a loss written as `how` says, over (N, C) logits and (N,) targets."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.head = nn.Linear(4, 5)
+        self.criterion = nn.CrossEntropyLoss(
+            weight=torch.ones(5) if how == "module_weighted" else None, label_smoothing=0.1
+        )
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> Any:
+        y = self.head(x)
+        if how := {"function": "mean", "sum": "sum"}.get(self.how):
+            return F.cross_entropy(y, t, ignore_index=-1, reduction=how)
+        if self.how == "nll":
+            return F.nll_loss(F.log_softmax(y, -1), t)
+        if self.how == "weighted":
+            return F.cross_entropy(y, t, weight=torch.ones(5))
+        if self.how == "scaled":
+            return F.cross_entropy(y, t) * 2
+        return self.criterion(y, t)
+
+
+@pytest.mark.parametrize("how", ["function", "nll", "module"])
+def test_the_pass_makes_the_mean_a_sum_and_keeps_its_value(how: str) -> None:
+    gm = torch.fx.symbolic_trace(_Loss(how))
+    x, t = torch.randn(6, 4), torch.tensor([0, 1, -100, 4, -100, 2])
+    t = t.clamp(min=-1) if how == "function" else t  # the function form ignores -1
+    before = gm(x, t)
+    assert count_own_loss(gm)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert own_loss_mean in targets
+    # Outside a step the graph is the model's mean, to the bit.
+    assert torch.equal(gm(x, t), before)
+
+
+@pytest.mark.parametrize("how", ["sum", "weighted", "scaled", "module_weighted"])
+def test_the_pass_leaves_other_losses(how: str) -> None:
+    gm = torch.fx.symbolic_trace(_Loss(how))
+    assert mean_loss(gm) is None
+    assert not count_own_loss(gm)
+
+
+def test_in_a_step_each_call_divides_by_its_targets_and_records_the_count() -> None:
+    loss_sum, target = torch.tensor(6.0), torch.tensor([1, -100, 2, -100])
+    assert own_loss_mean(loss_sum, target, -100).item() == 3.0  # the mean: 6 / 2 counted
+    counts = OwnLossCounts()
+    with OWN_LOSS_COUNTS.activated(counts):
+        assert own_loss_mean(loss_sum, target, -100).item() == 1.5  # 6 / 4 targets
+        own_loss_mean(loss_sum, torch.tensor([-100, -100, 3, 4]), -100)
+    counted, total = counts.totals(torch.device("cpu"))
+    assert (counted.item(), total) == (4.0, 8.0)

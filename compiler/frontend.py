@@ -27,7 +27,7 @@ from parc.errors import CompileError
 from .deferred_init import DeferredModel, record_build
 from .dropout import dropout_warnings
 from .estimate import Estimate, estimate
-from .memory_model import memory_model_of
+from .memory_model import built_dtype, memory_model_of
 from .model import BatchSignature, ModelSource, load_model, owns_loss
 from .model_output import ModelLoss, input_tensors
 from .model_state import (
@@ -173,7 +173,9 @@ def _analyse(
         + tuple(dropout_warnings(gm, plan, spec))
         + tuple(optimizer_warnings(source.configure_optimizer, plan, spec)),
     )
-    memory = memory_model_of(source.configure_optimizer, plan.precision, plan.reduce)
+    memory = memory_model_of(
+        source.configure_optimizer, plan.precision, plan.reduce, built_dtype(built)
+    )
     costs = estimate(plan, gm, built, saved, memory=memory, loss_fn=source.loss_fn)
     return Analysis(spec, source, built, gm, plan, costs, saved, example, deferred)
 

@@ -6,7 +6,10 @@ each parameter element costs, with Adam (the ZeRO paper's 16Ψ):
 
     bf16 compute copy 2 + bf16 gradient 2 + fp32 master 4 + fp32 states 4 + 4
 
-and `reduce fp32` makes the gradient 4 (18Ψ). Under `reduce bf16` the
+and `reduce fp32` makes the gradient 4 (18Ψ). Under `precision fp32` a model
+built in another floating dtype (`model.to(torch.bfloat16)`, a Hugging Face
+model loaded in bf16) trains as built: its parameters, gradients and optimizer
+states (`zeros_like` the parameter) take its element size (`built_dtype`). Under `reduce bf16` the
 optimizer step also holds the master's fp32 gradient, the cast of the reduced
 bf16 one (`step_bytes`, 4 per optimizer element): made after the reduction,
 freed after the step. ZeRO-2 then keeps no bf16 shard (`held_grad_bytes`):
@@ -22,13 +25,21 @@ The number of optimizer states comes from the model file's own optimizer:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from parc.dsl.ast import Precision
 
-__all__ = ["ADAMW", "WIDTH", "MemoryModel", "Precision", "memory_model_of", "states_of"]
+__all__ = [
+    "ADAMW",
+    "WIDTH",
+    "MemoryModel",
+    "Precision",
+    "built_dtype",
+    "memory_model_of",
+    "states_of",
+]
 
 # Bytes per element of a floating tensor at each precision.
 WIDTH = {Precision.FP32: 4, Precision.BF16: 2, Precision.FP16: 2}
@@ -43,6 +54,16 @@ class MemoryModel:
     precision: Precision = Precision.FP32
     reduce: Precision | None = None
     """The gradients' format (`Plan.reduce`); None: the precision's own."""
+    built: torch.dtype | None = None
+    """Under `precision fp32`, the dtype the model's parameters were built in when it
+    is not float32 (`built_dtype`); None: float32."""
+
+    @property
+    def _width(self) -> int:
+        """Bytes per element of a parameter as the graphs read it."""
+        if self.built is not None and not self.mixed:
+            return self.built.itemsize
+        return WIDTH[self.precision]
 
     @property
     def mixed(self) -> bool:
@@ -56,12 +77,12 @@ class MemoryModel:
     @property
     def param_bytes(self) -> int:
         """The parameters the graphs read (bf16 compute copies under bf16)."""
-        return WIDTH[self.precision]
+        return self._width
 
     @property
     def grad_bytes(self) -> int:
         """Gradient buffers, accumulated and reduced in the reduce format."""
-        return WIDTH[self.reduce_format]
+        return WIDTH[self.reduce_format] if self.mixed else self._width
 
     @property
     def master_bytes(self) -> int:
@@ -70,8 +91,8 @@ class MemoryModel:
 
     @property
     def state_bytes(self) -> int:
-        """The optimizer's fp32 states."""
-        return 4 * self.states
+        """The optimizer's states: fp32, or the dtype of a model built in another."""
+        return (4 if self.mixed else self._width) * self.states
 
     @property
     def optimizer_bytes(self) -> int:
@@ -101,18 +122,23 @@ class MemoryModel:
             return 1.0
         return WIDTH[self.precision] / WIDTH[profiled]
 
+    def _what(self) -> str:
+        if self.built is not None and not self.mixed:
+            return f"{str(self.built).removeprefix('torch.')} as built"
+        return str(self.precision)
+
     def describe(self) -> str:
         plural = "s" if self.states != 1 else ""
         master = ", fp32 master weights" if self.mixed else ""
         return (
-            f"{self.precision}; optimizer {self.optimizer}: {self.states} state{plural} "
+            f"{self._what()}; optimizer {self.optimizer}: {self.states} state{plural} "
             f"per parameter{master}"
         )
 
     def precision_line(self) -> str:
         """What is bf16 and what fp32 (the report's `Precision` line)."""
         if not self.mixed:
-            return f"{self.precision}: parameters, gradients, optimizer state and activations"
+            return f"{self._what()}: parameters, gradients, optimizer state and activations"
         return (
             f"{self.precision} compute copies of the parameters, activations and "
             f"tensor/pipeline messages (autocast); gradients accumulated and reduced in "
@@ -138,17 +164,29 @@ def states_of(opt: torch.optim.Optimizer) -> int:
     return 2  # an unknown optimizer: assume Adam-like
 
 
+def built_dtype(model: torch.nn.Module) -> torch.dtype | None:
+    """The dtype of the model's floating parameters when it is one other than float32;
+    None otherwise. Of parameters in several dtypes the widest is taken (an upper bound:
+    None when it is float32)."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    widest = max(dtypes, key=lambda d: d.itemsize, default=torch.float32)
+    return None if widest == torch.float32 else widest
+
+
 def memory_model_of(
     optimizer_factory: object,
     precision: Precision = Precision.FP32,
     reduce: Precision | None = None,
+    built: torch.dtype | None = None,
 ) -> MemoryModel:
-    """The memory model of a model file's `configure_optimizer`, built on one tiny parameter."""
+    """The memory model of a model file's `configure_optimizer`, built on one tiny parameter;
+    `built`: the model's `built_dtype`."""
     probe = torch.nn.Parameter(torch.zeros(1))
+    plain = MemoryModel(precision=precision, reduce=reduce, built=built)
     try:
         opt = optimizer_factory([probe])  # type: ignore[operator]
     except Exception:
-        return MemoryModel(precision=precision, reduce=reduce)  # its error surfaces at run
+        return plain  # its error surfaces at run
     if not isinstance(opt, torch.optim.Optimizer):
-        return MemoryModel(precision=precision, reduce=reduce)
-    return MemoryModel(type(opt).__name__, states_of(opt), precision, reduce)
+        return plain
+    return replace(plain, optimizer=type(opt).__name__, states=states_of(opt))

@@ -101,7 +101,7 @@ def plan_model(
     gpus = min(machines.gpus, machines.world)
     profile = profile_model(source, gpus_per_node=gpus, seq=seq, precision=precision)
     profiled = time.perf_counter()
-    memory = memory_model_of(source.configure_optimizer, precision)
+    memory = memory_model_of(source.configure_optimizer, precision, built=profile.built)
     # Step 2
     found = search(
         profile, machines, batch=batch, memory=memory, schedule=schedule, host_budget=budget

@@ -45,6 +45,7 @@ from ..cost import node_costs
 from ..host_memory import HostFacts, host_facts
 from ..layout import canonical_names, local_shape, param_slices, zero3_owner
 from ..loss_memory import LossMemory, loss_memory
+from ..memory_model import built_dtype
 from ..model import ModelSource, owns_loss
 from ..model_output import input_tensors
 from ..node_meta import meta_of
@@ -132,6 +133,8 @@ class ModelProfile:
     """Per tp size, `sequence_parallel tp` added to those (where the analysis takes it)."""
     frozen: bool = False
     """The model has frozen parameters (requires_grad=False), which `zero 3` refuses."""
+    built: torch.dtype | None = None
+    """The dtype the model's parameters were built in, when not float32 (`built_dtype`)."""
 
 
 def profile_model(
@@ -207,6 +210,7 @@ def _profile(
         vocab=vocab_profiles,
         sequence=sequence,
         frozen=any(not p.requires_grad for p in model.parameters()),
+        built=built_dtype(model),
     )
 
 

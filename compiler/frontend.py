@@ -167,11 +167,12 @@ def _analyse(
     batch_stats = batch_statistics_warnings(built, plan, spec)
     if batch_stats:
         plan = dataclasses.replace(plan, warnings=plan.warnings + tuple(batch_stats))
+    params = list(built.parameters())
     plan = dataclasses.replace(
         plan,
         warnings=plan.warnings
         + tuple(dropout_warnings(gm, plan, spec))
-        + tuple(optimizer_warnings(source.configure_optimizer, plan, spec)),
+        + tuple(optimizer_warnings(source.configure_optimizer, plan, spec, params)),
     )
     memory = memory_model_of(
         source.configure_optimizer, plan.precision, plan.reduce, built_dtype(built)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -213,24 +213,26 @@ def factory_origin(factory: object, source: Any) -> tuple[str, str | None]:
     return f"configure_optimizer (line {code.co_firstlineno})", source.path
 
 
-def optimizer_warnings(factory: object, plan: Any, spec: Any) -> list[PlanWarning]:
+def optimizer_warnings(
+    factory: object, plan: Any, spec: Any, params: Sequence[torch.nn.Parameter] = ()
+) -> list[PlanWarning]:
     """`parc compile`'s warning when the model's optimizer would be refused at launch.
 
     A warning, not an error: `parc check --optimizer` and `parc.compile(optimizer=...)`
     may override the model's optimizer. Built on one small parameter, as the memory
-    model is; a factory that fails there raises its own error when it runs.
+    model is, and under ZeRO once more on the model's `params` (its parameter groups
+    may be made from them); a factory that fails there raises its own error when it runs.
     """
-    try:
-        opt = factory([torch.nn.Parameter(torch.zeros(2, 3))])  # type: ignore[operator]
-    except Exception:
-        return []
-    if not isinstance(opt, torch.optim.Optimizer):
-        return []
-    problem = optimizer_problem(opt, plan)
-    if problem is None:
-        return []
     node = spec.statement(Zero) if plan.zero else None
     span = spec.locate(node.span if node is not None else spec.mesh.span)
+    groups = parameter_groups(factory, params) if plan.zero else 1
+    if groups > 1:
+        message, hint = zero_groups_message(groups, "configure_optimizer")
+        return [PlanWarning(f"{message}; `parc run` and `parc check` refuse it ({hint})", span)]
+    opt = _built(factory, [torch.nn.Parameter(torch.zeros(2, 3))])
+    problem = None if opt is None else optimizer_problem(opt, plan)
+    if opt is None or problem is None:
+        return []
     return [
         PlanWarning(
             f"configure_optimizer returns {type(opt).__name__}: {problem}; `parc run` and "
@@ -239,6 +241,30 @@ def optimizer_warnings(factory: object, plan: Any, spec: Any) -> list[PlanWarnin
             span,
         )
     ]
+
+
+def zero_groups_message(groups: int, origin: str) -> tuple[str, str]:
+    """Why ZeRO refuses an optimizer of several parameter groups, and the fix."""
+    return (
+        f"{origin} made {groups} parameter groups; ZeRO shards flatten all parameters into "
+        "one buffer and need exactly one group",
+        "use one group, e.g. the same weight decay for every parameter, or zero 0",
+    )
+
+
+def _built(factory: object, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer | None:
+    try:
+        opt = factory(params)  # type: ignore[operator]
+    except Exception:
+        return None
+    return opt if isinstance(opt, torch.optim.Optimizer) else None
+
+
+def parameter_groups(factory: object, params: Sequence[torch.nn.Parameter]) -> int:
+    """How many parameter groups the factory makes of the model's parameters (1 when
+    it fails on them: its own error is raised when it runs)."""
+    opt = _built(factory, list(params)) if params else None
+    return 1 if opt is None else len(opt.param_groups)
 
 
 def _needs_closure(cls: type[torch.optim.Optimizer]) -> bool:

@@ -40,7 +40,7 @@ import torch.fx
 from parc.compiler.model import ModelSource
 from parc.compiler.optimizer_factory import OptimizerFactory
 from parc.compiler.optimizer_rebuild import rebuilt_like
-from parc.compiler.optimizers import check_optimizer, factory_origin
+from parc.compiler.optimizers import check_optimizer, factory_origin, zero_groups_message
 from parc.compiler.plan import Plan
 from parc.compiler.rank_program import RankProgram, TiedGroup
 from parc.dsl.ast import AXIS_DP, Precision
@@ -220,11 +220,7 @@ def _optimizer(
     if plan.zero == 0:
         return opt
     if len(opt.param_groups) != 1:
-        raise ParcError(
-            f"configure_optimizer made {len(opt.param_groups)} parameter groups; ZeRO shards "
-            "flatten all parameters into one buffer and needs exactly one group",
-            hint="use one parameter group (e.g. the same weight decay for every parameter) "
-            "or zero 0",
-        )
+        message, hint = zero_groups_message(len(opt.param_groups), origin)
+        raise ParcError(message, hint=hint)
     new: torch.optim.Optimizer = rebuilt_like(opt, shards)
     return new

@@ -50,6 +50,7 @@ from ..model import ModelSource, owns_loss
 from ..model_output import input_tensors
 from ..node_meta import meta_of
 from ..ops.collectives import CommKind
+from ..optimizers import parameter_groups
 from ..passes.placement import Partial, Shard
 from ..passes.tp_loss import loss_on_shards, takes_shards
 from ..plan import Plan
@@ -133,6 +134,9 @@ class ModelProfile:
     """Per tp size, `sequence_parallel tp` added to those (where the analysis takes it)."""
     frozen: bool = False
     """The model has frozen parameters (requires_grad=False), which `zero 3` refuses."""
+    groups: int = 1
+    """The parameter groups the model file's optimizer makes of its parameters (ZeRO
+    refuses more than one)."""
     built: torch.dtype | None = None
     """The dtype the model's parameters were built in, when not float32 (`built_dtype`)."""
 
@@ -211,6 +215,7 @@ def _profile(
         sequence=sequence,
         frozen=any(not p.requires_grad for p in model.parameters()),
         built=built_dtype(model),
+        groups=parameter_groups(source.configure_optimizer, list(model.parameters())),
     )
 
 

@@ -149,9 +149,10 @@ def _candidates(
 
 
 def _zero_levels(profile: ModelProfile, dp: int) -> tuple[int, ...]:
-    """The zero levels a dp size is tried with: 1-3 only with dp > 1, and not 3 for a
-    model with frozen parameters (model_state.check_frozen refuses it)."""
-    if dp == 1:
+    """The zero levels a dp size is tried with: 1-3 only with dp > 1 and an optimizer of
+    one parameter group (runtime/assemble.py refuses more), and not 3 for a model with
+    frozen parameters (model_state.check_frozen refuses it)."""
+    if dp == 1 or profile.groups > 1:
         return (0,)
     return (0, 1, 2) if profile.frozen else (0, 1, 2, 3)
 

@@ -1,0 +1,40 @@
+"""An optimizer of several parameter groups (tests/models/decay_groups.py: decay on the
+matrices, none on the biases) under ZeRO, which needs one group (runtime/assemble.py).
+
+Before, `parc compile` printed the plan without a word, `parc plan` proposed `zero 1`
+for such a model, and only the launched ranks refused it. Now compile warns at the
+`zero` line (the optimizer is built on the model's own parameters, which its groups
+are made from) and the planner keeps such a model at zero 0.
+"""
+
+from __future__ import annotations
+
+import pytest
+from helpers import ROOT
+
+from parc.compiler.frontend import analyse
+from parc.compiler.model import load_model
+from parc.compiler.planner.model_profile import profile_model
+from parc.compiler.planner.search import _zero_levels
+
+MODEL = str(ROOT / "tests" / "models" / "decay_groups.py")
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_compile_warns_at_the_zero_line(zero: int) -> None:
+    plan = analyse(f"mesh dp=2\nzero {zero}\n", MODEL, batch=8).plan
+    found = [w for w in plan.warnings if "parameter groups" in w.message]
+    assert len(found) == 1, plan.warnings
+    assert "made 2 parameter groups" in found[0].message
+    assert found[0].span is not None and found[0].span.line == 2
+
+
+def test_no_warning_without_zero() -> None:
+    plan = analyse("mesh dp=2\n", MODEL, batch=8).plan
+    assert not [w for w in plan.warnings if "parameter groups" in w.message]
+
+
+def test_the_planner_keeps_such_a_model_at_zero_0() -> None:
+    profile = profile_model(load_model(MODEL), gpus_per_node=2)
+    assert profile.groups == 2
+    assert _zero_levels(profile, dp=2) == (0,)

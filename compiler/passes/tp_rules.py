@@ -184,7 +184,10 @@ def _mm_out(role: str | int | None, nd: int) -> int:
 
 
 def sdpa(ctx: OpContext) -> Decision | None:
-    """Attention on q, k, v sharded on the same head (or batch) dim is local."""
+    """Attention on q, k, v sharded on the same head (or batch) dim is local. A replicated
+    k or v is sliced to match, unless it has one head (grouped-query attention's single
+    kv head, which every rank reads whole); heads that do not divide over tp are
+    gathered instead (a rank's query heads would need a kv head another rank holds)."""
     q, k, v = (ctx.arg(i, name) for i, name in enumerate(("query", "key", "value")))
     n = len(ctx.out_shape)
     shards = {(s.dim, s.blocks) for s in map(ctx.sharded, (q, k, v)) if s is not None}
@@ -194,7 +197,16 @@ def sdpa(ctx: OpContext) -> Decision | None:
     if d >= n - 2:
         return None
     out = Shard(d, blocks)
-    wants = [(t, out) for t in (q, k, v) if isinstance(ctx.placement(t), Replicate)]
+    wants = []
+    for t in (q, k, v):
+        if not isinstance(ctx.placement(t), Replicate):
+            continue
+        heads = ctx.shape(t)[d - (n - len(ctx.shape(t)))]
+        if heads == 1:  # one kv head (GQA, `enable_gqa`) serves every rank's query heads
+            continue
+        if heads % (blocks * ctx.tp):  # fewer kv heads than ranks: no rank holds whole ones
+            return None
+        wants.append((t, out))
     mask = ctx.arg(3, "attn_mask")
     if isinstance(ctx.placement(mask), Replicate):
         shape = ctx.shape(mask)

@@ -3,7 +3,9 @@ vocabulary (embedding rows and LM head) when the model has one.
 
 - `megatron_layout`: a Linear inside a block is `row` when every Linear whose
   output reaches its input (without passing another Linear) is `col`, else
-  `col`: q, k, v → o and gate, up → down; fc1 → fc2.
+  `col`: q, k, v → o and gate, up → down; fc1 → fc2. A model input reaches no
+  Linear's count: an attention mask or a gate made from an input, mixed into a
+  col layer's output, leaves the row layer after it row.
 - `shard_lines`: `shard layers[*].attn.q col tp` where every block of a list
   agrees, else one line per module.
 - `vocab_lines`: `shard <embedding> vocab tp` and `shard <head> col tp` for the
@@ -23,7 +25,6 @@ from parc.dsl.ast import ShardKind
 
 from ..blocks import Blocks
 from ..cost import tensor_metas
-from ..input_vocab import input_vocab
 from ..linear_forms import linear_form
 from ..passes.tp_analysis import analyse_tensor_parallel
 from ..passes.tp_padding import check_padding
@@ -48,7 +49,7 @@ def megatron_layout(
             node.op == "call_module" and linear_form(gm.get_submodule(str(node.target))) is not None
         )
         if node.op == "placeholder":
-            feeds[node] = frozenset({None})
+            feeds[node] = frozenset()  # replicated data: it keeps a col output sharded
         elif linear and unit_of[node.name] in blocks:
             kind = ShardKind.ROW if reaching == {ShardKind.COL} else ShardKind.COL
             layout[str(node.target)] = kind
@@ -83,27 +84,31 @@ def shard_lines(
 
 def vocab_lines(gm: torch.fx.GraphModule) -> tuple[str, ...]:
     """The vocab-parallel shard lines of the graph's embedding and LM head (see above):
-    the embedding's alone without a head, the head's alone without an embedding looked
-    up by an input, none without either."""
+    the widest embedding an input looks up (a BERT's word embeddings, not its token
+    types), the head when its outputs are that embedding's rows (an LM head, not a
+    classifier over a few labels) or no embedding is looked up; none without either."""
     lines: list[str] = []
-    rows = input_vocab(gm)
-    for node in gm.graph.nodes:
-        module = gm.get_submodule(str(node.target)) if node.op == "call_module" else None
-        if not isinstance(module, torch.nn.Embedding) or not _is_input(node.args[0]):
-            continue
-        if module.num_embeddings == rows and not _options(module):
-            lines.append(f"shard {node.target} vocab tp")
-            break
+    tables = [
+        (module.num_embeddings, str(node.target))
+        for node in gm.graph.nodes
+        if node.op == "call_module"
+        and isinstance(module := gm.get_submodule(str(node.target)), torch.nn.Embedding)
+        and _is_input(node.args[0])
+        and not _options(module)
+    ]
+    rows, table = max(tables, default=(None, ""))
+    if table:
+        lines.append(f"shard {table} vocab tp")
     last = _feeds_only_the_loss(gm)
     heads = [
-        str(n.target)
+        (form.out_features, str(n.target))
         for n in gm.graph.nodes
         if n.op == "call_module"
-        and linear_form(gm.get_submodule(str(n.target))) is not None
+        and (form := linear_form(gm.get_submodule(str(n.target)))) is not None
         and last[str(n.target)]
     ]
-    if len(heads) == 1:
-        lines.append(f"shard {heads[0]} col tp")
+    if len(heads) == 1 and rows in (None, heads[0][0]):
+        lines.append(f"shard {heads[0][1]} col tp")
     return tuple(dict.fromkeys(lines))
 
 

@@ -42,6 +42,7 @@ from torch.export.graph_signature import ExportGraphSignature, InputKind, Output
 from torch.fx.graph_module import _copy_attr
 
 from .aten_raise import DROPPED, IDENTITY, index_key, raised
+from .capture_regions import REGIONS, inline_region, subgraph
 from .export_twin import export_model, has_attr
 from .linear_forms import reform_linear_maps
 from .model_output import Path
@@ -66,7 +67,7 @@ def capture_model(
     # The exported graph itself, its lifted inputs read back as attributes: what
     # `exported.module()` gives, without its deep copy of the graph and two more
     # compiles of its code (a tenth of a 70B capture).
-    copier = _Copier(device, exported.graph_signature)
+    copier = _Copier(device, exported.graph_signature, compute)
     graph = copier.graph
     for node in exported.graph.nodes:
         copier.copy(node)
@@ -142,8 +143,14 @@ _MUTATION = (
 class _Copier:
     """Step 2: copies an exported graph's nodes, raising aten ops on the way."""
 
-    def __init__(self, device: torch.device, signature: ExportGraphSignature) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        signature: ExportGraphSignature,
+        compute: torch.dtype | None = None,
+    ) -> None:
         self.graph = torch.fx.Graph()
+        self.compute = compute  # the capture's autocast dtype (None: fp32, no autocast)
         self.env: dict[torch.fx.Node, Any] = {}
         self.device = device
         self.first_input: torch.fx.Node | None = None
@@ -168,6 +175,12 @@ class _Copier:
             self._output(node)
         elif node.op == "call_module" or node.target in DROPPED:
             return  # export's guards function and metadata asserts
+        elif node.op == "get_attr" and isinstance(sub := subgraph(node), torch.fx.GraphModule):
+            self.env[node] = sub  # a region's body (below), inlined where it is called
+        elif node.op == "call_function" and node.target in REGIONS:
+            self.env[node] = inline_region(self, node)
+        elif node.target is operator.getitem and isinstance(self._region_out(node), tuple):
+            self.env[node] = self._region_out(node)[node.args[1]]
         elif node.op == "call_function" and node.target in IDENTITY:
             self.env[node] = self._arg(node.args[0])
         elif node.op == "call_function":
@@ -175,6 +188,11 @@ class _Copier:
         else:
             new = self.graph.node_copy(node, self._arg)
             self.env[node] = new
+
+    def _region_out(self, node: torch.fx.Node) -> Any:
+        """What a getitem node indexes, as copied (a region's outputs are a tuple)."""
+        base = node.args[0]
+        return self.env.get(base) if isinstance(base, torch.fx.Node) else None
 
     def _placeholder(self, node: torch.fx.Node) -> None:
         if not isinstance(node.meta.get("val"), torch.Tensor):

@@ -133,6 +133,8 @@ def _exported(
 
     try:
         captured = capture_model(model, inputs, compute)
+    except CompileError:
+        raise  # the capture's own refusal, naming the line
     except Exception as exc:
         raise _export_error(exc, model, fx_error) from exc
     gm = captured.gm

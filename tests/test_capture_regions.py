@@ -1,0 +1,42 @@
+"""`torch.no_grad()` and `torch.autocast(..., enabled=False)` blocks in a forward that
+torch.export captures (tests/models/grad_regions.py). Before, every such model failed
+to capture ("'Module' object has no attribute 'submod_1'", blamed on a shape `if`).
+Now the blocks are inlined (compiler/capture_regions.py) and train as one device;
+an autocast block that turns bf16 on is refused at its line."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from helpers import ROOT, check_equivalent
+
+from parc.compiler.frontend import analyse
+from parc.errors import CompileError
+from parc.runtime.equivalence import model_env
+
+MODEL = str(ROOT / "tests" / "models" / "grad_regions.py")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("region", ["", "autocast_off"])
+@pytest.mark.parametrize("spec", ["mesh dp=2\n", "mesh pp=2\nstage a -> 0\nstage b, c -> 1\n"])
+def test_trains_as_one_device(gloo_pool: Any, region: str, spec: str) -> None:
+    comparison, _ = check_equivalent(gloo_pool, spec, MODEL, env={"REGION": region}, steps=2)
+    assert comparison.ok, comparison
+
+
+def test_no_gradient_flows_through_a_no_grad_block() -> None:
+    gm = analyse("mesh dp=2\n", MODEL, batch=4).gm
+    assert gm.meta["parc_capture"] == "export"
+    detached = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "detach"]
+    assert len(detached) == 1
+    assert not any(isinstance(getattr(gm, n, None), torch.fx.GraphModule) for n in dir(gm))
+
+
+def test_an_autocast_block_that_turns_bf16_on_is_refused_at_its_line() -> None:
+    with model_env({"REGION": "autocast_on"}), pytest.raises(CompileError) as info:
+        analyse("mesh dp=2\n", MODEL, batch=4)
+    assert "torch.autocast" in info.value.message and "precision bf16" in (info.value.hint or "")
+    assert "grad_regions.py:37" in (info.value.source or "")  # the block's first line

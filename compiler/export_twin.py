@@ -19,6 +19,7 @@ import torch.utils._pytree as pytree
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
 from .model_output import call_kwargs
+from .user_checkpoint import adopt_twin
 
 __all__ = ["export_model", "has_attr"]
 
@@ -92,7 +93,9 @@ def _meta_twin(
                 twin = twin.to(compute)
             twin = torch.nn.Parameter(twin, requires_grad=tensor.requires_grad)
         memo[id(tensor)] = twin
-    return copy.deepcopy(model, memo)
+    copied = copy.deepcopy(model, memo)
+    adopt_twin(copied)  # its torch.utils.checkpoint calls are the model's
+    return copied
 
 
 def has_attr(module: torch.nn.Module, target: str) -> bool:

@@ -39,6 +39,7 @@ from parc.errors import CompileError
 from .model_output import Path, choose_output, leaves
 from .node_info import module_path, node_source
 from .trace_asserts import ASSERT_FIX, TracedAssert, assert_site, check_asserts
+from .user_checkpoint import watch_checkpoints
 
 __all__ = ["choose_single_output", "module_path", "node_source", "propagate_shapes", "trace_model"]
 
@@ -106,8 +107,23 @@ def trace_model(
     floating parameters at that dtype run it. A forward that returns several outputs has one
     chosen (`compiler/model_output.py`; `own_loss`: the model file has no
     loss_fn, so a loss the model computes is taken). `gm.meta["parc_output"]`
-    is the `OutputChoice`, `gm.meta["parc_capture"]` "fx" or "export".
+    is the `OutputChoice`, `gm.meta["parc_capture"]` "fx" or "export",
+    `gm.meta["parc_checkpointed"]` forward's `torch.utils.checkpoint` calls
+    (`compiler/user_checkpoint.py`).
     """
+    with watch_checkpoints(model) as checkpointed:
+        gm = _traced(model, inputs, own_loss, file, compute)
+    gm.meta["parc_checkpointed"] = checkpointed
+    return gm
+
+
+def _traced(
+    model: torch.nn.Module,
+    inputs: Sequence[Any] | Mapping[str, Any] | None,
+    own_loss: bool,
+    file: str,
+    compute: torch.dtype | None,
+) -> torch.fx.GraphModule:
     if isinstance(inputs, Mapping):
         return _exported(model, inputs, own_loss, file, None, compute)
     try:

@@ -1,0 +1,121 @@
+"""The `torch.utils.checkpoint` calls a model's forward makes, kept as `recompute`.
+
+torch.fx and torch.export both run forward as Python and trace through
+`checkpoint(block, x)`: the graph calls the block like any other and its
+activations would stay saved, so a model that checkpoints its blocks would use
+more memory under parc than on its own, with no word. `watch_checkpoints` sees
+the calls while the model is traced (a profile hook on the checkpoint function's
+code, set only when the model may call it: `_may_checkpoint`):
+
+- a module of the model passed to it (`checkpoint(self.layers[i], x)`, or a bound
+  method of one: Hugging Face's `gradient_checkpointing_enable()`) becomes a
+  `recompute` region (compiler/resolve.py adds it to the spec's), with a note
+  naming it and the line of the call;
+- any other callable (a function, a lambda, a bound method) cannot be a region:
+  a warning names the line and says to write a `recompute` line instead.
+
+`gm.meta["parc_checkpointed"]` is the `Checkpointed` of the trace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import sys
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils.checkpoint
+
+__all__ = ["Checkpointed", "adopt_twin", "watch_checkpoints"]
+
+_CODE = inspect.unwrap(torch.utils.checkpoint.checkpoint).__code__
+_TORCH = str(torch.__path__[0])
+
+
+@dataclass
+class Checkpointed:
+    """What forward passed to `torch.utils.checkpoint`: modules by name, each with the
+    line of its first call, and the lines where it passed something else."""
+
+    modules: dict[str, str] = field(default_factory=dict)
+    others: list[str] = field(default_factory=list)
+
+
+# module id -> qualified name, of the model being watched and its twins; None: no watch
+_NAMES: dict[int, str] | None = None
+
+
+def adopt_twin(twin: torch.nn.Module) -> None:
+    """The capture runs a copy of the model (compiler/export_twin.py): its modules are
+    the watched model's, under the same names."""
+    if _NAMES is not None:
+        _NAMES.update({id(m): name for name, m in twin.named_modules()})
+
+
+@contextlib.contextmanager
+def watch_checkpoints(model: torch.nn.Module) -> Iterator[Checkpointed]:
+    """Record the checkpoint calls made inside the block (see the module docstring)."""
+    global _NAMES
+    found = Checkpointed()
+    if not _may_checkpoint(model):
+        yield found
+        return
+    names = {id(m): name for name, m in model.named_modules()}
+
+    def profile(frame: types.FrameType, event: str, arg: Any) -> None:
+        if event != "call" or frame.f_code is not _CODE:
+            return
+        site = _caller(frame)
+        name = names.get(id(_module_of(frame.f_locals.get("function"))))
+        if name:  # the root module itself ("") cannot be a region either
+            found.modules.setdefault(name, site)
+        elif site not in found.others:
+            found.others.append(site)
+
+    previous, outer = sys.getprofile(), _NAMES
+    sys.setprofile(profile)
+    _NAMES = names
+    try:
+        yield found
+    finally:
+        sys.setprofile(previous)
+        _NAMES = outer
+
+
+def _module_of(function: Any) -> Any:
+    """The module a checkpointed callable runs: itself, or the module a bound method or a
+    `functools.partial` of one belongs to (Hugging Face's gradient checkpointing passes
+    `partial(forward, self, ...)`)."""
+    while isinstance(function, functools.partial):
+        if function.args and isinstance(function.args[0], torch.nn.Module):
+            return function.args[0]  # partial(forward, self, ...)
+        function = function.func
+    owner = getattr(function, "__self__", None)
+    return owner if isinstance(owner, torch.nn.Module) else function
+
+
+def _may_checkpoint(model: torch.nn.Module) -> bool:
+    """Whether forward may call checkpoint: the module defining a class of the model's
+    modules imports it, or a module holds it (or a `functools.partial` of it) as an
+    attribute, as Hugging Face's `gradient_checkpointing_enable()` leaves it. Only then
+    is the (costly) profile hook set."""
+    ours = (torch.utils.checkpoint, torch.utils.checkpoint.checkpoint)
+    for m in model.modules():
+        namespace = vars(sys.modules.get(type(m).__module__, types.ModuleType("_")))
+        held = [v.func if isinstance(v, functools.partial) else v for v in vars(m).values()]
+        if any(value is o for value in (*namespace.values(), *held) for o in ours):
+            return True
+    return False
+
+
+def _caller(frame: types.FrameType) -> str:
+    """file:line of the first frame outside torch that led to `frame`."""
+    outer = frame.f_back
+    while outer is not None and outer.f_code.co_filename.startswith(_TORCH):
+        outer = outer.f_back
+    return "?" if outer is None else f"{outer.f_code.co_filename}:{outer.f_lineno}"

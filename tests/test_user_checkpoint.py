@@ -1,0 +1,50 @@
+"""A forward that checkpoints its own blocks with torch.utils.checkpoint
+(tests/models/user_checkpoint.py). torch.fx and torch.export trace through
+checkpoint, so before, parc kept every activation of those blocks with no word: a
+run used more memory than the model on its own, and the report said so nowhere.
+Now each checkpointed module is a `recompute` region (compiler/user_checkpoint.py,
+compiler/resolve.py) with a note; checkpoint on a plain function is a warning."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from helpers import ROOT, check_equivalent
+
+from parc.compiler.frontend import analyse
+from parc.runtime.equivalence import model_env
+
+MODEL = str(ROOT / "tests" / "models" / "user_checkpoint.py")
+SPEC = "mesh dp=2\n"
+
+
+def _analysed(how: str, dict_input: bool = False) -> Any:
+    with model_env({"CHECKPOINT": how, "DICT": "1" if dict_input else "0"}):
+        return analyse(SPEC, MODEL, batch=8)
+
+
+@pytest.mark.parametrize("dict_input", [False, True])  # torch.fx, torch.export
+def test_checkpointed_blocks_are_recomputed(dict_input: bool) -> None:
+    done, plain = _analysed("module", dict_input), _analysed("none", dict_input)
+    assert done.gm.meta["parc_capture"] == ("export" if dict_input else "fx")
+    assert done.plan.recompute == ("blocks.0", "blocks.1", "blocks.2")
+    assert plain.plan.recompute == ()
+    kept = done.estimate.stages[0].activation_bytes, plain.estimate.stages[0].activation_bytes
+    assert kept[0] < kept[1] / 2  # each block keeps its input only
+    notes = [w.message for w in done.plan.warnings if "checkpoints 3 module(s)" in w.message]
+    assert len(notes) == 1 and "user_checkpoint.py:47" in notes[0]
+
+
+def test_checkpoint_of_a_function_is_a_warning() -> None:
+    analysis = _analysed("function")
+    assert analysis.plan.recompute == ()
+    found = [w.message for w in analysis.plan.warnings if "not a module" in w.message]
+    assert len(found) == 1 and "user_checkpoint.py:49" in found[0], analysis.plan.warnings
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("spec", [SPEC, "mesh pp=2\nstage auto\nmicrobatches 2\n"])
+def test_trains_as_one_device(gloo_pool: Any, spec: str) -> None:
+    comparison, _ = check_equivalent(gloo_pool, spec, MODEL, env={"CHECKPOINT": "module"})
+    assert comparison.ok, comparison

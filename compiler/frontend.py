@@ -33,6 +33,7 @@ from .model_output import ModelLoss, input_tensors
 from .model_state import (
     batch_statistics_warnings,
     buffer_versions,
+    buffer_write_warnings,
     check_all_used,
     check_frozen,
     untraced_writes,
@@ -165,6 +166,7 @@ def _analyse(
         plan = dataclasses.replace(plan, warnings=plan.warnings + tuple(found))
         source = dataclasses.replace(source, loss_fn=loss_on_shards(source.loss_fn, gm, plan))
     batch_stats = batch_statistics_warnings(built, plan, spec)
+    batch_stats += buffer_write_warnings(gm, built, plan, spec)
     if batch_stats:
         plan = dataclasses.replace(plan, warnings=plan.warnings + tuple(batch_stats))
     params = list(built.parameters())

@@ -36,6 +36,7 @@ __all__ = [
     "batch_statistics_warnings",
     "buffer_aliases",
     "buffer_versions",
+    "buffer_write_warnings",
     "check_frozen",
     "inplace_writes",
     "name_state",
@@ -163,6 +164,55 @@ def batch_statistics_warnings(model: torch.nn.Module, plan: Plan, spec: Spec) ->
             spec.locate(spec.mesh.span),
         )
     ]
+
+
+def buffer_write_warnings(
+    gm: torch.fx.GraphModule, model: torch.nn.Module, plan: Plan, spec: Spec
+) -> list[PlanWarning]:
+    """A warning when forward writes buffers in place (a step counter, an EMA; not a
+    BatchNorm's statistics, `batch_statistics_warnings`) and a step runs forward more
+    than once, each time over a share of the batch."""
+    split = plan.dp * plan.microbatches * plan.grad_accum
+    normed = {
+        f"{name}.{b}" if name else b
+        for name, m in model.named_modules()
+        if isinstance(m, BATCH_STATISTICS)
+        for b, _ in m.named_buffers(recurse=False)
+    }
+    buffers = {name for name, _ in model.named_buffers()} - normed
+    written = list(dict.fromkeys(w for n in inplace_writes(gm) if (w := _written(n)) in buffers))
+    if split == 1 or not written:
+        return []
+    names = ", ".join(f"'{n}'" for n in written[:3]) + (" ..." if len(written) > 3 else "")
+    runs = plan.microbatches * plan.grad_accum
+    count = f"a count kept there advances {runs}× as fast, and " if runs > 1 else ""
+    return [
+        PlanWarning(
+            f"forward writes buffer(s) {names} in place: each rank runs forward {runs} "
+            f"time(s) a step, each over {plan.batch.micro} of its {plan.batch.global_batch} "
+            f"samples (dp {plan.dp} × microbatches {plan.microbatches} × grad_accum "
+            f"{plan.grad_accum}), where one device runs it once over all of them: {count}"
+            "a value computed from the data reflects only the samples one forward saw (the "
+            "buffers kept by state_dict, checkpoints and export are dp rank 0's). To keep "
+            "them as one device does: dp=1, microbatches 1 and grad_accum 1, or update them "
+            "outside forward",
+            spec.locate(spec.mesh.span),
+        )
+    ]
+
+
+def _written(node: torch.fx.Node) -> str | None:
+    """The attribute an in-place write lands in (through views), or None."""
+    value: object = node.args[0]
+    for _ in range(8):
+        if not isinstance(value, torch.fx.Node):
+            return None
+        if value.op == "get_attr":
+            return str(value.target)
+        if value.op not in ("call_method", "call_function") or not value.args:
+            return None
+        value = value.args[0]
+    return None
 
 
 def check_all_used(gm: torch.fx.GraphModule, model: torch.nn.Module, file: str) -> None:

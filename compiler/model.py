@@ -45,6 +45,7 @@ __all__ = [
     "TensorKind",
     "check_pair",
     "default_loss",
+    "default_optimizer",
     "load_model",
     "off_batch",
     "owns_loss",
@@ -58,7 +59,8 @@ def default_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(output.reshape(-1, output.shape[-1]), targets.reshape(-1))
 
 
-def _default_optimizer(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+def default_optimizer(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """What a model file without configure_optimizer trains with."""
     return torch.optim.AdamW(params, lr=3e-4)
 
 
@@ -316,6 +318,6 @@ def load_model(source: str | Path | ModuleType) -> ModelSource:
         data=data,
         loss_fn=_function(module, "loss_fn", path, False) or DefaultLoss(path),
         configure_optimizer=_function(module, "configure_optimizer", path, False)
-        or _default_optimizer,
+        or default_optimizer,
         configure_scheduler=_function(module, "configure_scheduler", path, False),
     )

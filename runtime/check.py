@@ -31,18 +31,20 @@ How the result prints (text and JSON): runtime/check_format.py.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from parc.compiler.frontend import as_spec
-from parc.compiler.model import ModelSource, load_model
+from parc.compiler.model import ModelSource, default_optimizer, load_model
 from parc.dsl.ast import Precision
+from parc.errors import ParcError
 from parc.precision import override_compile, override_precision
 
 from .calibration import calibrated_compare, twin_unstable
-from .check_format import check_json, format_check
+from .check_format import DEFAULT, check_json, format_check
 from .equivalence import (
     Comparison,
     Tolerance,
@@ -140,7 +142,8 @@ def run_check(
         from parc.runtime.hf_weights import check_weights
 
         check_weights(weights, analysis.model)
-    opt_class = _check_optimizer(source, optimizer, plan, lr_schedule)
+    params = list(analysis.model.parameters())
+    opt_class = _check_optimizer(source, optimizer, plan, lr_schedule, params)
     runs = _Runs(
         steps, batch, seed, optimizer, weights, plan.precision, clip=clip, lr_schedule=lr_schedule
     )
@@ -257,16 +260,31 @@ def precision_gap(mixed: dict[str, Any], fp32: dict[str, Any]) -> PrecisionGap:
 
 
 def _check_optimizer(
-    source: ModelSource, name: str, plan: Any, schedule: Schedule | None = None
+    source: ModelSource,
+    name: str,
+    plan: Any,
+    schedule: Schedule | None = None,
+    params: Sequence[torch.nn.Parameter] = (),
 ) -> str:
     """Refuse an optimizer the plan cannot run (as parc.compile would on every rank);
-    its class name. Built on one small parameter: a factory that fails there raises
-    its own error in the reference run. `schedule`: the lr schedule both sides step,
-    checked against that optimizer (runtime/schedules.py `check_schedule`)."""
-    from parc.compiler.optimizers import check_optimizer, factory_origin
+    its class name (`DEFAULT` and the call when the file defines none). Built on one
+    small parameter: a factory that fails there raises its own error in the reference
+    run; under ZeRO once more on the model's `params`, whose groups it may make.
+    `schedule`: the lr schedule both sides step, checked against that optimizer
+    (runtime/schedules.py `check_schedule`)."""
+    from parc.compiler.optimizers import (
+        check_optimizer,
+        factory_origin,
+        parameter_groups,
+        zero_groups_message,
+    )
 
     factory = source.configure_optimizer if name == "model" else make_optimizer(name)
     check_schedule(schedule, source, factory)  # and the lr schedule over it
+    groups = parameter_groups(factory, params) if plan.zero else 1
+    if groups > 1:
+        message, hint = zero_groups_message(groups, factory_origin(factory, source)[0])
+        raise ParcError(message, hint=hint)
     try:
         opt = factory([torch.nn.Parameter(torch.zeros(2, 3))])
     except Exception:
@@ -275,4 +293,6 @@ def _check_optimizer(
         return ""
     origin, file = factory_origin(factory, source)
     check_optimizer(opt, plan, origin=origin, file=file)
+    if factory is default_optimizer:
+        return f"{DEFAULT} {type(opt).__name__}(lr={opt.defaults['lr']})"
     return type(opt).__name__

@@ -16,10 +16,15 @@ from .calibration import CALIBRATIONS
 if TYPE_CHECKING:
     from .check import CheckResult
 
+# How CheckResult.optimizer_class starts for a file without configure_optimizer.
+DEFAULT = "parc's default"
+
 __all__ = ["check_json", "format_check"]
 
 
 def _describe_optimizer(result: CheckResult) -> str:
+    if result.optimizer == "model" and result.optimizer_class.startswith(DEFAULT):
+        return f"{result.optimizer_class} (the model file defines no configure_optimizer)"
     if result.optimizer == "model":
         return f"the model's configure_optimizer ({result.optimizer_class or '?'})"
     return f"{result.optimizer} (--optimizer)"

@@ -9,8 +9,10 @@ are made from) and the planner keeps such a model at zero 0.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
-from helpers import ROOT
+from helpers import ROOT, parc_main
 
 from parc.compiler.frontend import analyse
 from parc.compiler.model import load_model
@@ -38,3 +40,24 @@ def test_the_planner_keeps_such_a_model_at_zero_0() -> None:
     profile = profile_model(load_model(MODEL), gpus_per_node=2)
     assert profile.groups == 2
     assert _zero_levels(profile, dp=2) == (0,)
+
+
+def test_parc_check_refuses_it_before_any_rank_starts(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    code, _ = parc_main(tmp_path, "zero1.par", "mesh dp=2\nzero 1\n", "check", MODEL)
+    out, err = capfd.readouterr()
+    assert code == 2, out + err
+    assert "made 2 parameter groups" in err and "raised by ranks" not in err
+    assert "Traceback" not in out + err
+
+
+def test_parc_check_names_parcs_default_optimizer(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # tests/models/forward_returns_tuple.py defines no configure_optimizer.
+    plain = str(ROOT / "tests" / "models" / "forward_returns_tuple.py")
+    code, _ = parc_main(tmp_path, "dp2.par", "mesh dp=2\n", "check", plain)
+    out, err = capfd.readouterr()
+    assert code == 0, out + err
+    assert "parc's default AdamW(lr=0.0003) (the model file defines no configure_optimizer)" in out

@@ -24,6 +24,11 @@ def match_modules(spec: Spec, pattern: Pattern, modules: dict[str, torch.nn.Modu
         return names
     close = suggest(pattern, modules)
     hint = f"did you mean {', '.join(repr(c) for c in close)}?" if close else None
+    if not close and "." not in str(pattern):  # perhaps the model's own nn.Parameter
+        hint = (
+            "patterns name modules, not parameters: a parameter the model holds itself "
+            "(outside any submodule) needs no line, it goes to the stages that read it"
+        )
     raise PlanError(
         f"pattern '{clip(pattern)}' matches no module of the model",
         spec.locate(pattern.span),

@@ -465,6 +465,17 @@ BAD_SPECS = [
         ("pattern 'layer[0:2]' matches no module", "did you mean 'layers[0:2]'"),
     ),
     BadSpec(
+        "stage_names_a_parameter_of_the_model_itself",  # e.g. a root nn.Parameter `pos`
+        "gpt",
+        """
+        mesh pp=2
+        stage wte, pos -> 0
+        stage layers[0:4] -> 1
+        """,
+        "2:12",
+        ("pattern 'pos' matches no module", "patterns name modules, not parameters"),
+    ),
+    BadSpec(
         "recompute_pattern_misspelt",
         "gpt",
         """

@@ -165,22 +165,25 @@ def _analyse(
         check_padding(gm, plan, spec)  # a padded vocabulary's columns reach no user's code
         plan = dataclasses.replace(plan, warnings=plan.warnings + tuple(found))
         source = dataclasses.replace(source, loss_fn=loss_on_shards(source.loss_fn, gm, plan))
-    batch_stats = batch_statistics_warnings(built, plan, spec)
-    batch_stats += buffer_write_warnings(gm, built, plan, spec)
-    if batch_stats:
-        plan = dataclasses.replace(plan, warnings=plan.warnings + tuple(batch_stats))
-    params = list(built.parameters())
-    plan = dataclasses.replace(
-        plan,
-        warnings=plan.warnings
-        + tuple(dropout_warnings(gm, plan, spec))
-        + tuple(optimizer_warnings(source.configure_optimizer, plan, spec, params)),
-    )
+    plan = _with_model_warnings(plan, spec, gm, built, source)
     memory = memory_model_of(
         source.configure_optimizer, plan.precision, plan.reduce, built_dtype(built)
     )
     costs = estimate(plan, gm, built, saved, memory=memory, loss_fn=source.loss_fn)
     return Analysis(spec, source, built, gm, plan, costs, saved, example, deferred)
+
+
+def _with_model_warnings(
+    plan: Plan, spec: Spec, gm: torch.fx.GraphModule, built: torch.nn.Module, source: ModelSource
+) -> Plan:
+    """The plan with the warnings about the model's state, dropout and optimizer."""
+    found = [
+        *batch_statistics_warnings(built, plan, spec),
+        *buffer_write_warnings(gm, built, plan, spec),
+        *dropout_warnings(gm, plan, spec),
+        *optimizer_warnings(source.configure_optimizer, plan, spec, list(built.parameters())),
+    ]
+    return dataclasses.replace(plan, warnings=plan.warnings + tuple(found))
 
 
 def _check_module_state_dtypes(gm: torch.fx.GraphModule, compute: torch.dtype | None) -> None:

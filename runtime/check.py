@@ -31,7 +31,6 @@ How the result prints (text and JSON): runtime/check_format.py.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,8 +141,7 @@ def run_check(
         from parc.runtime.hf_weights import check_weights
 
         check_weights(weights, analysis.model)
-    params = list(analysis.model.parameters())
-    opt_class = _check_optimizer(source, optimizer, plan, lr_schedule, params)
+    opt_class = _check_optimizer(source, optimizer, plan, lr_schedule, analysis.model)
     runs = _Runs(
         steps, batch, seed, optimizer, weights, plan.precision, clip=clip, lr_schedule=lr_schedule
     )
@@ -264,12 +262,12 @@ def _check_optimizer(
     name: str,
     plan: Any,
     schedule: Schedule | None = None,
-    params: Sequence[torch.nn.Parameter] = (),
+    model: torch.nn.Module | None = None,
 ) -> str:
     """Refuse an optimizer the plan cannot run (as parc.compile would on every rank);
     its class name (`DEFAULT` and the call when the file defines none). Built on one
     small parameter: a factory that fails there raises its own error in the reference
-    run; under ZeRO once more on the model's `params`, whose groups it may make.
+    run; under ZeRO once more on the `model`'s parameters, whose groups it may make.
     `schedule`: the lr schedule both sides step, checked against that optimizer
     (runtime/schedules.py `check_schedule`)."""
     from parc.compiler.optimizers import (
@@ -281,6 +279,7 @@ def _check_optimizer(
 
     factory = source.configure_optimizer if name == "model" else make_optimizer(name)
     check_schedule(schedule, source, factory)  # and the lr schedule over it
+    params = list(model.parameters()) if model is not None else []
     groups = parameter_groups(factory, params) if plan.zero else 1
     if groups > 1:
         message, hint = zero_groups_message(groups, factory_origin(factory, source)[0])

@@ -46,6 +46,7 @@ from .match import match_modules
 from .passes.tp_padding import feeds_only_the_loss
 from .passes.tp_sequence_checks import check_sequence_parallel
 from .plan import BatchPlan, MeshPlan, ModuleShard, Plan, PlanWarning
+from .user_checkpoint import checkpointed_modules
 
 __all__ = ["check_batch", "match_modules", "resolve"]
 
@@ -384,7 +385,7 @@ def _resolve_recompute(
     names: list[str] = []
     for stmt in spec.recomputes:
         names.extend(n for n in match_modules(spec, stmt.pattern, modules) if n not in names)
-    names.extend(n for n in _checkpointed(gm, modules, warnings) if n not in names)
+    names.extend(n for n in checkpointed_modules(gm, modules, warnings) if n not in names)
     outer = tuple(n for n in names if not any(n.startswith(o + ".") for o in names))
     used = set(recompute_regions(gm, outer).values())
     idle = [n for n in outer if n not in used]
@@ -397,32 +398,3 @@ def _resolve_recompute(
             )
         )
     return outer
-
-
-def _checkpointed(
-    gm: torch.fx.GraphModule, modules: dict[str, torch.nn.Module], warnings: list[PlanWarning]
-) -> list[str]:
-    """The modules forward checkpoints itself, with a note; a warning for each call of
-    checkpoint on something that is not a module of the model."""
-    seen = gm.meta.get("parc_checkpointed")
-    if seen is None:
-        return []
-    names = [n for n in seen.modules if n in modules]
-    if names:
-        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-        warnings.append(
-            PlanWarning(
-                f"forward checkpoints {len(names)} module(s) with torch.utils.checkpoint "
-                f"({shown}; at {seen.modules[names[0]]}): parc recomputes them in backward "
-                "as a `recompute` line would"
-            )
-        )
-    for site in seen.others:
-        warnings.append(
-            PlanWarning(
-                f"forward calls torch.utils.checkpoint on a function that is not a module of "
-                f"the model, at {site}: parc traces through it and keeps its activations; "
-                "name the module it runs in a `recompute` line to recompute it"
-            )
-        )
-    return names

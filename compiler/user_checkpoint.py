@@ -29,9 +29,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.fx
 import torch.utils.checkpoint
 
-__all__ = ["Checkpointed", "adopt_twin", "watch_checkpoints"]
+from .plan import PlanWarning
+
+__all__ = ["Checkpointed", "adopt_twin", "checkpointed_modules", "watch_checkpoints"]
 
 _CODE = inspect.unwrap(torch.utils.checkpoint.checkpoint).__code__
 _TORCH = str(torch.__path__[0])
@@ -119,3 +122,32 @@ def _caller(frame: types.FrameType) -> str:
     while outer is not None and outer.f_code.co_filename.startswith(_TORCH):
         outer = outer.f_back
     return "?" if outer is None else f"{outer.f_code.co_filename}:{outer.f_lineno}"
+
+
+def checkpointed_modules(
+    gm: torch.fx.GraphModule, modules: dict[str, torch.nn.Module], warnings: list[PlanWarning]
+) -> list[str]:
+    """The modules forward checkpoints itself, with a note; a warning for each call of
+    checkpoint on something that is not a module of the model."""
+    seen = gm.meta.get("parc_checkpointed")
+    if seen is None:
+        return []
+    names = [n for n in seen.modules if n in modules]
+    if names:
+        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        warnings.append(
+            PlanWarning(
+                f"forward checkpoints {len(names)} module(s) with torch.utils.checkpoint "
+                f"({shown}; at {seen.modules[names[0]]}): parc recomputes them in backward "
+                "as a `recompute` line would"
+            )
+        )
+    for site in seen.others:
+        warnings.append(
+            PlanWarning(
+                f"forward calls torch.utils.checkpoint on a function that is not a module of "
+                f"the model, at {site}: parc traces through it and keeps its activations; "
+                "name the module it runs in a `recompute` line to recompute it"
+            )
+        )
+    return names

@@ -134,11 +134,8 @@ class ModelProfile:
     """Per tp size, `sequence_parallel tp` added to those (where the analysis takes it)."""
     frozen: bool = False
     """The model has frozen parameters (requires_grad=False), which `zero 3` refuses."""
-    groups: int = 1
-    """The parameter groups the model file's optimizer makes of its parameters (ZeRO
-    refuses more than one)."""
-    built: torch.dtype | None = None
-    """The dtype the model's parameters were built in, when not float32 (`built_dtype`)."""
+    groups: int = 1  # the parameter groups its optimizer makes of them (ZeRO takes 1)
+    built: torch.dtype | None = None  # its parameters' dtype when not float32 (built_dtype)
 
 
 def profile_model(

@@ -2,7 +2,9 @@
 
 A cut after node c sends what `pipeline_split` would send across it: every
 activation placed at or before c and used after it. A legal cut sends exactly
-one tensor, c itself (for a transformer: the residual stream between blocks).
+one tensor, c itself (for a transformer: the residual stream between blocks),
+or ends a repeated block (`compiler/blocks.py`) and sends several: blocks that
+pass a second tensor along, decoder blocks that all read the encoder's output.
 
 What never blocks a cut:
 - the model inputs and what is computed from them alone (`idx`, `targets`, a
@@ -37,6 +39,7 @@ import itertools
 import torch.fx
 from torch.fx.passes.shape_prop import TensorMetadata
 
+from .blocks import Blocks
 from .cost import CPU_RATES, DeviceRates, NodeCost
 from .node_info import module_path
 
@@ -69,9 +72,13 @@ def placed_order(gm: torch.fx.GraphModule, activations: set[str]) -> list[torch.
     return sorted(nodes, key=lambda n: (home[n.name], index[n.name]))
 
 
-def legal_cuts(gm: torch.fx.GraphModule, activations: set[str]) -> list[str]:
+def legal_cuts(
+    gm: torch.fx.GraphModule, activations: set[str], blocks: Blocks | None = None
+) -> list[str]:
     """Activation nodes (in placed order) after which exactly one tensor, the node's own
-    output, crosses to the next stage, and some work on the model inputs is left."""
+    output, crosses to the next stage, and some work on the model inputs is left; with
+    `blocks`, also the end of a block after which several tensors cross (blocks that
+    pass a second tensor along, an encoder's output read by every decoder block)."""
     order = placed_order(gm, activations)
     at = {n.name: i for i, n in enumerate(order)}
     fed = _input_fed(gm)
@@ -84,6 +91,7 @@ def legal_cuts(gm: torch.fx.GraphModule, activations: set[str]) -> list[str]:
     for i in range(len(order) - 1, -1, -1):
         name = order[i].name
         work_after[i] = work_after[i + 1] or (name in activations and name in fed)
+    ends = _block_ends(order, activations, blocks)
     cuts: list[str] = []
     crossing: set[str] = set()
     for i, node in enumerate(order):
@@ -92,9 +100,28 @@ def legal_cuts(gm: torch.fx.GraphModule, activations: set[str]) -> list[str]:
         crossing = {c for c in crossing if last_use[c] > i}
         if last_use[node.name] > i:
             crossing.add(node.name)
-        if crossing == {node.name} and node.name in fed and work_after[i + 1] and _is_tensor(node):
+        if node.name not in crossing or node.name not in fed or not work_after[i + 1]:
+            continue
+        if all(_is_tensor(order[at[c]]) for c in crossing) and (
+            crossing == {node.name} or node.name in ends
+        ):
             cuts.append(node.name)
     return cuts
+
+
+def _block_ends(
+    order: list[torch.fx.Node], activations: set[str], blocks: Blocks | None
+) -> set[str]:
+    """Activations that end a block: the next activation is in another block or none."""
+    if blocks is None:
+        return set()
+    names = [n for n in order if n.name in activations]
+    unit = {n.name: blocks.block_of(module_path(n)[-1]) if module_path(n) else None for n in names}
+    return {
+        a.name
+        for a, b in itertools.pairwise(names)
+        if unit[a.name] is not None and unit[a.name] != unit[b.name]
+    }
 
 
 def _is_tensor(node: torch.fx.Node) -> bool:
@@ -131,10 +158,11 @@ def balanced_cuts(
     costs: dict[str, NodeCost],
     stages: int,
     rates: DeviceRates = CPU_RATES,
+    blocks: Blocks | None = None,
 ) -> list[str] | None:
     """stages−1 legal cuts minimising the slowest stage's seconds at `rates`, or None if
-    there are too few."""
-    cuts = legal_cuts(gm, activations)
+    there are too few; `blocks`: the model's (`legal_cuts`)."""
+    cuts = legal_cuts(gm, activations, blocks)
     if len(cuts) < stages - 1:
         return None
     order = [n.name for n in placed_order(gm, activations)]

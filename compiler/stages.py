@@ -281,8 +281,10 @@ def split_modules(
 def auto_stages(
     spec: Spec, gm: torch.fx.GraphModule, modules: dict[str, torch.nn.Module]
 ) -> tuple[NodeStages, StageModules]:
-    """`stage auto`: cut where one tensor crosses, balancing training seconds."""
+    """`stage auto`: cut where one tensor crosses or a block ends, balancing training
+    seconds."""
     from .auto_stage import balanced_cuts, cut_stages
+    from .blocks import find_blocks
 
     pp = spec.mesh.size(AXIS_PP)
     auto = spec.stage_auto
@@ -296,7 +298,11 @@ def auto_stages(
     n = pp * virtual_per_rank(spec)
     check_pipeline_statements(spec, n)
     activations = activation_nodes(gm)
-    cuts = balanced_cuts(gm, activations, node_costs(gm), n)
+    root = torch.nn.Module()  # the model's hierarchy, for its blocks
+    for name, module in modules.items():
+        if "." not in name:
+            root.add_module(name, module)
+    cuts = balanced_cuts(gm, activations, node_costs(gm), n, blocks=find_blocks(root))
     if cuts is None:
         per_rank = f" ({n // pp} per pp rank)" if n > pp else ""
         raise PlanError(

@@ -46,7 +46,7 @@ def test_trains_as_one_device(gloo_pool, spec: str) -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("form", ["module", "nll"])
+@pytest.mark.parametrize("form", ["module", "nll", "soft"])
 def test_each_form_of_the_loss_trains_as_one_device(gloo_pool, form: str) -> None:
     # nn.CrossEntropyLoss with label smoothing, and log_softmax + nll_loss.
     env = {"OWN_LOSS": form}
@@ -141,3 +141,16 @@ def test_in_a_step_each_call_divides_by_its_targets_and_records_the_count() -> N
         own_loss_mean(loss_sum, torch.tensor([-100, -100, 3, 4]), -100)
     counted, total = counts.totals(torch.device("cpu"))
     assert (counted.item(), total) == (4.0, 8.0)
+
+
+def test_soft_targets_count_rows_not_elements() -> None:
+    # F.cross_entropy with class probabilities: the mean is over rows, none ignored.
+    logits, probs = torch.randn(6, 5), torch.softmax(torch.randn(6, 5), -1)
+    loss_sum = F.cross_entropy(logits, probs, reduction="sum")
+    want = F.cross_entropy(logits, probs)
+    assert torch.allclose(own_loss_mean(loss_sum, probs, -100), want)
+    counts = OwnLossCounts()
+    with OWN_LOSS_COUNTS.activated(counts):
+        assert torch.allclose(own_loss_mean(loss_sum, probs, -100), want)
+    counted, total = counts.totals(torch.device("cpu"))
+    assert (counted.item(), total) == (6.0, 6.0)  # nothing ignored: no rescale

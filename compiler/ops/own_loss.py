@@ -52,10 +52,15 @@ OWN_LOSS_COUNTS: ActiveSlot[OwnLossCounts] = ActiveSlot(
 
 @torch.compiler.disable
 def own_loss_mean(loss_sum: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """The model's mean loss from its sum over the targets (see the module docstring)."""
-    counted = (target != ignore_index).sum()
+    """The model's mean loss from its sum over the targets (see the module docstring).
+    Class probabilities (floating targets, class dim 1) ignore nothing: every row counts."""
+    if target.is_floating_point():
+        rows = target.numel() // target.shape[1] if target.dim() > 1 else 1
+        counted, total = torch.tensor(rows, device=target.device), rows
+    else:
+        counted, total = (target != ignore_index).sum(), target.numel()
     counts = OWN_LOSS_COUNTS.current()
     if counts is None:
         return loss_sum / counted
-    counts.calls.append((counted.detach(), target.numel()))
-    return loss_sum / target.numel()
+    counts.calls.append((counted.detach(), total))
+    return loss_sum / total

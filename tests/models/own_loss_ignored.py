@@ -4,8 +4,9 @@ positions (prompt masking), the second half none.
 
 The model's loss is the mean over its counted targets, shifted inside forward as a
 Hugging Face causal LM shifts them. `OWN_LOSS` picks how it is written:
-`function` (F.cross_entropy), `module` (an nn.CrossEntropyLoss with label smoothing)
-or `nll` (F.log_softmax, then F.nll_loss).
+`function` (F.cross_entropy), `module` (an nn.CrossEntropyLoss with label smoothing),
+`nll` (F.log_softmax, then F.nll_loss) or `soft` (cross-entropy against class
+probabilities, which ignore nothing).
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ class Tiny(nn.Module):
         shifted = labels[:, 1:].reshape(-1)
         if self.form == "module":
             loss = self.criterion(flat, shifted)
+        elif self.form == "soft":  # class probabilities: every row counts
+            probs = F.one_hot(shifted.clamp(min=0), VOCAB).float() * 0.9 + 0.1 / VOCAB
+            loss = F.cross_entropy(flat, probs)
         elif self.form == "nll":
             loss = F.nll_loss(F.log_softmax(flat, dim=-1), shifted)
         else:

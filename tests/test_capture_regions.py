@@ -20,7 +20,7 @@ MODEL = str(ROOT / "tests" / "models" / "grad_regions.py")
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("region", ["", "autocast_off"])
+@pytest.mark.parametrize("region", ["", "autocast_off", "alias"])
 @pytest.mark.parametrize("spec", ["mesh dp=2\n", "mesh pp=2\nstage a -> 0\nstage b, c -> 1\n"])
 def test_trains_as_one_device(gloo_pool: Any, region: str, spec: str) -> None:
     comparison, _ = check_equivalent(gloo_pool, spec, MODEL, env={"REGION": region}, steps=2)
@@ -39,4 +39,4 @@ def test_an_autocast_block_that_turns_bf16_on_is_refused_at_its_line() -> None:
     with model_env({"REGION": "autocast_on"}), pytest.raises(CompileError) as info:
         analyse("mesh dp=2\n", MODEL, batch=4)
     assert "torch.autocast" in info.value.message and "precision bf16" in (info.value.hint or "")
-    assert "grad_regions.py:37" in (info.value.source or "")  # the block's first line
+    assert "grad_regions.py:42" in (info.value.source or "")  # the block's first line

@@ -1,7 +1,8 @@
 """Blocks torch.export records as regions (compiler/capture_regions.py): a per-sample
 scale computed under `torch.no_grad()` (no gradient flows through it) and, with
 REGION=autocast_off, a projection under `torch.autocast("cpu", enabled=False)`
-(Hugging Face's fp32 rotary tables); REGION=autocast_on asks for bf16 autocast in
+(Hugging Face's fp32 rotary tables); REGION=alias reads a no-op `h.float()` under
+no_grad (the block returns `h` itself); REGION=autocast_on asks for bf16 autocast in
 forward, which parc refuses. The shape branch makes torch.fx fail, so export captures."""
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ class Net(nn.Module):
             scale = h.abs().amax(dim=-1, keepdim=True) + 1.0
         h = h / scale
         region = os.environ.get("REGION", "")
+        if region == "alias":  # `h.float()` of fp32 `h` is `h` itself: its gradient stays
+            with torch.no_grad():
+                centre = h.float().mean(-1, keepdim=True)
+            h = h - centre
         if region == "autocast_off":
             with torch.autocast("cpu", enabled=False):
                 h = self.b(h)

@@ -389,7 +389,7 @@ def _resolve_recompute(
     outer = tuple(n for n in names if not any(n.startswith(o + ".") for o in names))
     used = set(recompute_regions(gm, outer).values())
     idle = [n for n in outer if n not in used]
-    if idle:
+    if idle and spec.recomputes:  # checkpointed modules are all module calls
         warnings.append(
             PlanWarning(
                 f"recompute names {len(idle)} module(s) that never run in forward "

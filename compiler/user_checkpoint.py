@@ -105,15 +105,25 @@ def _module_of(function: Any) -> Any:
 def _may_checkpoint(model: torch.nn.Module) -> bool:
     """Whether forward may call checkpoint: the module defining a class of the model's
     modules imports it, or a module holds it (or a `functools.partial` of it) as an
-    attribute, as Hugging Face's `gradient_checkpointing_enable()` leaves it. Only then
-    is the (costly) profile hook set."""
+    attribute, as Hugging Face's `gradient_checkpointing_enable()` leaves it, or a
+    forward names `checkpoint` (`torch.utils.checkpoint.checkpoint(...)` after a bare
+    `import torch`). Only then is the (costly) profile hook set."""
     ours = (torch.utils.checkpoint, torch.utils.checkpoint.checkpoint)
     for m in model.modules():
         namespace = vars(sys.modules.get(type(m).__module__, types.ModuleType("_")))
         held = [v.func if isinstance(v, functools.partial) else v for v in vars(m).values()]
         if any(value is o for value in (*namespace.values(), *held) for o in ours):
             return True
+        code = getattr(type(m).forward, "__code__", None)  # torch.utils.checkpoint.checkpoint
+        if code is not None and "checkpoint" in _names(code):
+            return True
     return False
+
+
+def _names(code: types.CodeType) -> set[str]:
+    """The global and attribute names a function's code reads, its nested code's too."""
+    nested = (c for c in code.co_consts if isinstance(c, types.CodeType))
+    return set(code.co_names).union(*(_names(c) for c in nested))
 
 
 def _caller(frame: types.FrameType) -> str:
@@ -128,11 +138,16 @@ def checkpointed_modules(
     gm: torch.fx.GraphModule, modules: dict[str, torch.nn.Module], warnings: list[PlanWarning]
 ) -> list[str]:
     """The modules forward checkpoints itself, with a note; a warning for each call of
-    checkpoint on something that is not a module of the model."""
+    checkpoint on something that is not a module call of the model (a function, or a
+    module's `forward` called directly, which the graph holds no call of)."""
+    from .passes.recompute import recompute_regions
+
     seen = gm.meta.get("parc_checkpointed")
     if seen is None:
         return []
-    names = [n for n in seen.modules if n in modules]
+    called = set(recompute_regions(gm, tuple(n for n in seen.modules if n in modules)).values())
+    names = [n for n in seen.modules if n in called]
+    others = [*seen.others, *(seen.modules[n] for n in seen.modules if n not in called)]
     if names:
         shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
         warnings.append(
@@ -142,12 +157,13 @@ def checkpointed_modules(
                 "as a `recompute` line would"
             )
         )
-    for site in seen.others:
+    for site in dict.fromkeys(others):
         warnings.append(
             PlanWarning(
-                f"forward calls torch.utils.checkpoint on a function that is not a module of "
-                f"the model, at {site}: parc traces through it and keeps its activations; "
-                "name the module it runs in a `recompute` line to recompute it"
+                f"forward calls torch.utils.checkpoint on something that is not a module "
+                f"call (a function, or a module's forward called directly), at {site}: parc "
+                "traces through it and keeps its activations; checkpoint the module itself, "
+                "or name it in a `recompute` line, to recompute it"
             )
         )
     return names

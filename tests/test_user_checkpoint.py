@@ -10,6 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
+import torch.utils.checkpoint
 from helpers import ROOT, check_equivalent
 
 from parc.compiler.frontend import analyse
@@ -33,14 +35,15 @@ def test_checkpointed_blocks_are_recomputed(dict_input: bool) -> None:
     kept = done.estimate.stages[0].activation_bytes, plain.estimate.stages[0].activation_bytes
     assert kept[0] < kept[1] / 2  # each block keeps its input only
     notes = [w.message for w in done.plan.warnings if "checkpoints 3 module(s)" in w.message]
-    assert len(notes) == 1 and "user_checkpoint.py:47" in notes[0]
+    assert len(notes) == 1 and "user_checkpoint.py:48" in notes[0]
 
 
-def test_checkpoint_of_a_function_is_a_warning() -> None:
-    analysis = _analysed("function")
+@pytest.mark.parametrize(("how", "line"), [("function", 50), ("method", 52)])
+def test_checkpoint_of_anything_but_a_module_call_is_a_warning(how: str, line: int) -> None:
+    analysis = _analysed(how)
     assert analysis.plan.recompute == ()
-    found = [w.message for w in analysis.plan.warnings if "not a module" in w.message]
-    assert len(found) == 1 and "user_checkpoint.py:49" in found[0], analysis.plan.warnings
+    found = [w.message for w in analysis.plan.warnings if "not a module call" in w.message]
+    assert len(found) == 1 and f"user_checkpoint.py:{line}" in found[0], analysis.plan.warnings
 
 
 @pytest.mark.multiprocess
@@ -48,3 +51,27 @@ def test_checkpoint_of_a_function_is_a_warning() -> None:
 def test_trains_as_one_device(gloo_pool: Any, spec: str) -> None:
     comparison, _ = check_equivalent(gloo_pool, spec, MODEL, env={"CHECKPOINT": "module"})
     assert comparison.ok, comparison
+
+
+class _BarePath(torch.nn.Module):
+    """Calls checkpoint through `torch.utils.checkpoint.checkpoint` after `import torch`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.lin, x, use_reentrant=False)
+
+
+def test_a_call_through_the_torch_path_is_watched_too() -> None:
+    from parc.compiler.trace import trace_model
+
+    model = _BarePath()
+    gm = trace_model(model, (torch.randn(2, 4),))
+    assert list(gm.meta["parc_checkpointed"].modules) == ["lin"]
+    assert (
+        not trace_model(torch.nn.Linear(4, 4), (torch.randn(2, 4),))
+        .meta["parc_checkpointed"]
+        .modules
+    )

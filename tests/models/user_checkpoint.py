@@ -1,6 +1,7 @@
 """Residual MLP blocks the forward checkpoints itself with torch.utils.checkpoint:
 CHECKPOINT=module passes each block (`checkpoint(block, x)`), CHECKPOINT=function a
-plain function running it, CHECKPOINT=none calls the blocks directly. DICT=1 feeds a
+plain function running it, CHECKPOINT=method its bound `forward`, CHECKPOINT=none
+calls the blocks directly. DICT=1 feeds a
 dict input, so torch.export captures instead of torch.fx."""
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class Net(nn.Module):
                 x = checkpoint(block, x, use_reentrant=False)
             elif how == "function":
                 x = checkpoint(_run, block, x, use_reentrant=False)
+            elif how == "method":  # forward called directly: no module call to recompute
+                x = checkpoint(block.forward, x, use_reentrant=False)
             else:
                 x = block(x)
         return self.head(x)

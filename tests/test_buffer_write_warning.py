@@ -7,6 +7,7 @@ batch: `parc compile` warns at the mesh line (compiler/model_state.py
 from __future__ import annotations
 
 import pytest
+import torch
 from helpers import ROOT
 
 from parc.compiler.frontend import analyse
@@ -41,3 +42,14 @@ def test_no_warning_when_forward_sees_the_whole_batch() -> None:
 def test_batchnorm_statistics_are_left_to_their_own_warning() -> None:
     (found,) = _warnings("mesh dp=2\n", BATCHNORM)  # its own counter, not the statistics
     assert "'calls'" in found and "running" not in found
+
+
+def test_a_buffer_rebound_in_forward_is_captured_by_export() -> None:
+    # `self.mean = ...` under torch.fx left the model holding a Proxy (an internal error
+    # later); now fx gives up, the model is restored, and export captures it.
+    with model_env({"REBIND": "1", "DICT": "0"}):
+        analysis = analyse("mesh dp=2\n", MODEL, batch=8)
+    assert analysis.gm.meta["parc_capture"] == "export"
+    assert all(isinstance(b, torch.Tensor) for b in analysis.model.buffers())
+    (found,) = [w.message for w in analysis.plan.warnings if "writes buffer" in w.message]
+    assert "'mean'" in found

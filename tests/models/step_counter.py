@@ -1,5 +1,6 @@
 """A model whose forward writes its own buffers in place: a call counter and a running
-mean of its input (an EMA); DICT=1 feeds a dict input, so torch.export captures."""
+mean of its input (an EMA; REBIND=1 assigns it a new tensor instead of writing it in
+place); DICT=1 feeds a dict input, so torch.export captures."""
 
 from __future__ import annotations
 
@@ -22,7 +23,10 @@ class Net(nn.Module):
     def forward(self, x: Any) -> torch.Tensor:
         x = x["x"] if isinstance(x, dict) else x
         self.calls.add_(torch.ones_like(x[0, 0], dtype=torch.long))  # traced: reads x
-        self.mean.copy_(0.9 * self.mean + 0.1 * x.mean(0))
+        if os.environ.get("REBIND") == "1":  # a new tensor: fx cannot trace it, export can
+            self.mean = 0.9 * self.mean + 0.1 * x.mean(0)
+        else:
+            self.mean.copy_(0.9 * self.mean + 0.1 * x.mean(0))
         return self.fc2(torch.relu(self.fc1(x)))
 
 

@@ -61,3 +61,12 @@ def test_parc_check_names_parcs_default_optimizer(
     out, err = capfd.readouterr()
     assert code == 0, out + err
     assert "parc's default AdamW(lr=0.0003) (the model file defines no configure_optimizer)" in out
+
+
+def test_the_plan_says_why_zero_is_left_out() -> None:
+    from parc.compiler.planner.advise import plan_model
+    from parc.compiler.planner.format import format_plan
+
+    cluster = "nodes=1 gpus=2 mem=80GiB tflops=400 fp32_tflops=30 intra=450GB/s inter=50GB/s"
+    text = format_plan(plan_model(MODEL, cluster, batch=8))
+    assert "makes 2 parameter groups, and ZeRO needs one" in text, text

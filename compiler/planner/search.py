@@ -204,6 +204,14 @@ def _why(
         return f"not possible: {sizes or 'one GPU per node, and TP stays inside a node'}"
     if cluster.world == 1:
         return "not possible: one GPU"
+    zero = family in (Family.ZERO_1_2, Family.ZERO_3)
+    if zero and profile.groups > 1:
+        return (
+            f"not possible: the model's optimizer makes {profile.groups} parameter groups, "
+            "and ZeRO needs one"
+        )
+    if family is Family.ZERO_3 and profile.frozen:
+        return "not possible: the model has frozen parameters, which zero 3 refuses"
     units = len(profile.units)
     if family in (Family.PP, Family.TP_PP) and units < 2:
         return "not possible: the model is one unit, nothing to cut into stages"

@@ -40,7 +40,7 @@ from .model_state import (
 )
 from .node_info import node_source
 from .optimizers import optimizer_warnings
-from .passes.own_loss import count_own_loss
+from .passes.own_loss import count_own_loss, mixed_loss_warnings
 from .passes.pipeline_split import annotate_stages
 from .plan import Plan
 from .plan_schedule import HandSchedule, with_schedule
@@ -181,6 +181,7 @@ def _with_model_warnings(
         *batch_statistics_warnings(built, plan, spec),
         *buffer_write_warnings(gm, built, plan, spec),
         *dropout_warnings(gm, plan, spec),
+        *mixed_loss_warnings(gm, plan, spec),
         *optimizer_warnings(source.configure_optimizer, plan, spec, list(built.parameters())),
     ]
     return dataclasses.replace(plan, warnings=plan.warnings + tuple(found))

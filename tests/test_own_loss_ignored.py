@@ -154,3 +154,14 @@ def test_soft_targets_count_rows_not_elements() -> None:
         assert torch.allclose(own_loss_mean(loss_sum, probs, -100), want)
     counted, total = counts.totals(torch.device("cpu"))
     assert (counted.item(), total) == (6.0, 6.0)  # nothing ignored: no rescale
+
+
+@pytest.mark.parametrize(("form", "warned"), [("scaled", True), ("function", False)])
+def test_a_loss_combining_the_cross_entropy_is_warned_about(form: str, warned: bool) -> None:
+    from parc.compiler.frontend import analyse
+    from parc.runtime.equivalence import model_env
+
+    with model_env({"OWN_LOSS": form}):
+        plan = analyse(SPECS["dp"], MODEL, batch=8).plan
+    found = [w for w in plan.warnings if "combines a mean cross-entropy" in w.message]
+    assert bool(found) == warned, plan.warnings

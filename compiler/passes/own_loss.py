@@ -25,10 +25,14 @@ import torch.fx
 import torch.nn.functional as F
 from torch.fx.operator_schemas import normalize_function
 
+from parc.dsl.ast import Spec
+
+from ..node_info import node_source
 from ..node_meta import set_comment
 from ..ops.own_loss import own_loss_mean
+from ..plan import Plan, PlanWarning
 
-__all__ = ["MeanLoss", "count_own_loss", "mean_loss"]
+__all__ = ["MeanLoss", "count_own_loss", "mean_loss", "mixed_loss_warnings", "mixed_mean_loss"]
 
 aten = torch.ops.aten
 
@@ -78,6 +82,18 @@ def mean_loss(gm: torch.fx.GraphModule) -> MeanLoss | None:
     node = output.args[0]
     if not isinstance(node, torch.fx.Node) or len(node.users) != 1:
         return None
+    return _mean_loss_at(gm, node)
+
+
+def mixed_mean_loss(gm: torch.fx.GraphModule) -> torch.fx.Node | None:
+    """A mean cross-entropy or NLL loss of the table the graph computes but does not output
+    as it is (scaled, or summed with other terms): averaged per loss call."""
+    if mean_loss(gm) is not None or any(n.target is own_loss_mean for n in gm.graph.nodes):
+        return None
+    return next((n for n in gm.graph.nodes if _mean_loss_at(gm, n) is not None), None)
+
+
+def _mean_loss_at(gm: torch.fx.GraphModule, node: torch.fx.Node) -> MeanLoss | None:
     if node.op == "call_module":
         return _module_loss(gm, node)
     target = node.target
@@ -135,3 +151,24 @@ def count_own_loss(gm: torch.fx.GraphModule) -> bool:
     graph.erase_node(node)
     gm.recompile()
     return True
+
+
+def mixed_loss_warnings(gm: torch.fx.GraphModule, plan: Plan, spec: Spec) -> list[PlanWarning]:
+    """A warning when the model's own loss holds a mean cross-entropy parc could not make
+    the global batch's (`mixed_mean_loss`) and the step splits the batch into calls."""
+    choice = gm.meta.get("parc_output")
+    calls = plan.dp * plan.microbatches * plan.grad_accum
+    node = mixed_mean_loss(gm) if choice is not None and choice.is_loss and calls > 1 else None
+    if node is None:
+        return []
+    where = node_source(node)
+    return [
+        PlanWarning(
+            f"the model's own loss combines a mean cross-entropy{f' ({where})' if where else ''} "
+            f"with other terms: parc averages its value over the step's {calls} loss calls, "
+            "so when some targets are ignored (ignore_index) and the calls count different "
+            "numbers of them, it is not the global batch's mean as on one device (return the "
+            "cross-entropy itself as the loss, or ignore no target, to train as one device)",
+            spec.locate(spec.mesh.span),
+        )
+    ]

@@ -6,7 +6,8 @@ The model's loss is the mean over its counted targets, shifted inside forward as
 Hugging Face causal LM shifts them. `OWN_LOSS` picks how it is written:
 `function` (F.cross_entropy), `module` (an nn.CrossEntropyLoss with label smoothing),
 `nll` (F.log_softmax, then F.nll_loss) or `soft` (cross-entropy against class
-probabilities, which ignore nothing).
+probabilities, which ignore nothing); `scaled` (twice the cross-entropy) is a loss
+parc cannot make the global batch's mean, and warns about.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ class Tiny(nn.Module):
         elif self.form == "soft":  # class probabilities: every row counts
             probs = F.one_hot(shifted.clamp(min=0), VOCAB).float() * 0.9 + 0.1 / VOCAB
             loss = F.cross_entropy(flat, probs)
+        elif self.form == "scaled":  # not the cross-entropy itself: averaged per call
+            loss = F.cross_entropy(flat, shifted) * 2
         elif self.form == "nll":
             loss = F.nll_loss(F.log_softmax(flat, dim=-1), shifted)
         else:

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from parc.errors import CompileError
+from parc.errors import CompileError, ParcError
 
 from .model_output import Path, choose_output, leaves
 from .node_info import module_path, node_source
@@ -112,7 +112,13 @@ def trace_model(
     (`compiler/user_checkpoint.py`).
     """
     with watch_checkpoints(model) as checkpointed:
-        gm = _traced(model, inputs, own_loss, file, compute)
+        try:
+            gm = _traced(model, inputs, own_loss, file, compute)
+        except ParcError as exc:
+            explained = checkpointed.explained(exc)
+            if explained is exc:
+                raise
+            raise explained from exc
     gm.meta["parc_checkpointed"] = checkpointed
     return gm
 

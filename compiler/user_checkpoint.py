@@ -32,6 +32,8 @@ import torch
 import torch.fx
 import torch.utils.checkpoint
 
+from parc.errors import CompileError, ParcError
+
 from .plan import PlanWarning
 
 __all__ = ["Checkpointed", "adopt_twin", "checkpointed_modules", "watch_checkpoints"]
@@ -47,6 +49,20 @@ class Checkpointed:
 
     modules: dict[str, str] = field(default_factory=dict)
     others: list[str] = field(default_factory=list)
+    reentrant: list[str] = field(default_factory=list)  # sites with use_reentrant=True
+
+    def explained(self, error: ParcError) -> ParcError:
+        """A capture's error, said to come from a reentrant checkpoint if there was one
+        (torch.export cannot capture its autograd.Function)."""
+        if not self.reentrant:
+            return error
+        return CompileError(
+            "forward runs torch.utils.checkpoint with use_reentrant=True (at "
+            f"{self.reentrant[0]}), which torch.export cannot capture ({error.message})",
+            hint="pass use_reentrant=False (Hugging Face: gradient_checkpointing_enable("
+            "gradient_checkpointing_kwargs={'use_reentrant': False})), or drop the "
+            "checkpoint and name the blocks in a `recompute` line",
+        )
 
 
 # module id -> qualified name, of the model being watched and its twins; None: no watch
@@ -74,6 +90,8 @@ def watch_checkpoints(model: torch.nn.Module) -> Iterator[Checkpointed]:
         if event != "call" or frame.f_code is not _CODE:
             return
         site = _caller(frame)
+        if frame.f_locals.get("use_reentrant") is True and site not in found.reentrant:
+            found.reentrant.append(site)
         name = names.get(id(_module_of(frame.f_locals.get("function"))))
         if name:  # the root module itself ("") cannot be a region either
             found.modules.setdefault(name, site)

@@ -75,3 +75,23 @@ def test_a_call_through_the_torch_path_is_watched_too() -> None:
         .meta["parc_checkpointed"]
         .modules
     )
+
+
+def test_a_reentrant_checkpoint_export_cannot_capture_is_named() -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from parc.compiler.trace import trace_model
+    from parc.errors import CompileError
+
+    config = AutoConfig.for_model(
+        "llama", vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, intermediate_size=32,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.train()
+    ids = torch.randint(0, 32, (2, 5))
+    with pytest.raises(CompileError) as info:
+        trace_model(model, {"input_ids": ids, "labels": ids}, own_loss=True)
+    assert "use_reentrant=True" in info.value.message
+    assert "use_reentrant': False" in (info.value.hint or "")

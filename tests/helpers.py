@@ -128,3 +128,30 @@ def assert_equivalent(
         f"{spec_text!r} on {model} {env}: {comparison.describe()}\n{comparison.rows}"
     )
     return result
+
+
+def global_and_local_losses(model: str, spec: str, steps: int = 2) -> tuple[list[float], ...]:
+    """On a pool rank: `steps` SGD steps of `spec` through `Program.step` (the global batch
+    of 8) and again from the same start through `step_local` (this dp rank's share of the
+    inputs, a tensor or a dict of them, and targets where the last stage is)."""
+    import parc
+    from parc.compiler.model import load_model
+    from parc.runtime.equivalence import make_optimizer
+
+    source = load_model(model)
+    runs = []
+    for local in (False, True):
+        program = parc.compile(spec, source, batch=8, seed=0, optimizer=make_optimizer("sgd"))
+        losses = []
+        for step in range(steps):
+            x, y = source.batch(8, step)
+            if not local:
+                losses.append(program.step(x, y))
+                continue
+            b = program.plan.batch.per_replica
+            cut = slice(program.comm.index("dp") * b, (program.comm.index("dp") + 1) * b)
+            share = {k: v[cut] for k, v in x.items()} if isinstance(x, dict) else x[cut]
+            ys = y[cut] if program.parts.holds_last_stage else None
+            losses.append(program.step_local(share, ys))
+        runs.append(losses)
+    return runs[0], runs[1]

@@ -10,14 +10,11 @@ shares) sums the shares' counts in one metric all-reduce: both give the same ste
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
-from helpers import ROOT, check_equivalent
+from helpers import ROOT, check_equivalent, global_and_local_losses
 
 from parc.compiler.model import load_model
-from parc.runtime.equivalence import make_optimizer
 
 MODEL = str(ROOT / "tests" / "models" / "ignored_targets.py")
 
@@ -38,32 +35,10 @@ def test_trains_as_one_device(gloo_pool, spec: str) -> None:
     assert comparison.ok, comparison
 
 
-def _global_and_local(spec: str) -> tuple[list[float], list[float]]:
-    """Two steps through `step` (the global batch) and through `step_local` (each dp
-    rank's share, targets only where the last stage is), from the same start."""
-    import parc
-
-    source = load_model(MODEL)
-    runs = []
-    for local in (False, True):
-        program = parc.compile(spec, source, batch=8, seed=0, optimizer=make_optimizer("sgd"))
-        losses = []
-        for step in range(2):
-            x, y = source.batch(8, step)
-            if local:
-                b = program.plan.batch.per_replica
-                start = program.comm.index("dp") * b
-                ys: Any = y[start : start + b] if program.parts.holds_last_stage else None
-                losses.append(program.step_local(x[start : start + b], ys))
-            else:
-                losses.append(program.step(x, y))
-        runs.append(losses)
-    return runs[0], runs[1]
-
-
 @pytest.mark.multiprocess
 def test_step_local_counts_the_shares_targets_as_step_does(gloo_pool) -> None:
-    whole, shares = gloo_pool(4).run(_global_and_local, SPECS["pp_dp"])[0]
+    run = gloo_pool(4).run
+    whole, shares = run(global_and_local_losses, MODEL, SPECS["pp_dp"])[0]
     assert whole == shares
     _, y = load_model(MODEL).batch(8, 0)
     assert (y == -100).any() and torch.isfinite(torch.tensor(whole)).all()

@@ -19,12 +19,11 @@ import torch
 import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import ROOT, check_equivalent
+from helpers import ROOT, check_equivalent, global_and_local_losses
 
 from parc.compiler.model import load_model
 from parc.compiler.ops.own_loss import OWN_LOSS_COUNTS, OwnLossCounts, own_loss_mean
 from parc.compiler.passes.own_loss import count_own_loss, mean_loss
-from parc.runtime.equivalence import make_optimizer
 
 MODEL = str(ROOT / "tests" / "models" / "own_loss_ignored.py")
 
@@ -54,32 +53,10 @@ def test_each_form_of_the_loss_trains_as_one_device(gloo_pool, form: str) -> Non
     assert comparison.ok, comparison
 
 
-def _global_and_local(spec: str) -> tuple[list[float], list[float]]:
-    """Two steps through `step` (the global batch) and through `step_local` (each dp
-    rank's share), from the same start."""
-    import parc
-
-    source = load_model(MODEL)
-    runs = []
-    for local in (False, True):
-        program = parc.compile(spec, source, batch=8, seed=0, optimizer=make_optimizer("sgd"))
-        losses = []
-        for step in range(2):
-            x, y = source.batch(8, step)
-            if local:
-                b = program.plan.batch.per_replica
-                start = program.comm.index("dp") * b
-                share: Any = {k: v[start : start + b] for k, v in x.items()}
-                losses.append(program.step_local(share, y[start : start + b]))
-            else:
-                losses.append(program.step(x, y))
-        runs.append(losses)
-    return runs[0], runs[1]
-
-
 @pytest.mark.multiprocess
 def test_step_local_counts_the_shares_targets_as_step_does(gloo_pool) -> None:
-    whole, shares = gloo_pool(2).run(_global_and_local, SPECS["dp"])[0]
+    run = gloo_pool(2).run
+    whole, shares = run(global_and_local_losses, MODEL, SPECS["dp"])[0]
     assert whole == shares
     x, _ = load_model(MODEL).batch(8, 0)
     assert (x["labels"] == -100).any() and torch.isfinite(torch.tensor(whole)).all()

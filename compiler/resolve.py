@@ -46,7 +46,7 @@ from .match import match_modules
 from .passes.tp_padding import feeds_only_the_loss
 from .passes.tp_sequence_checks import check_sequence_parallel
 from .plan import BatchPlan, MeshPlan, ModuleShard, Plan, PlanWarning
-from .user_checkpoint import checkpointed_modules
+from .user_recompute import checkpointed_modules
 
 __all__ = ["check_batch", "match_modules", "resolve"]
 

@@ -29,14 +29,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.fx
 import torch.utils.checkpoint
 
 from parc.errors import CompileError, ParcError
 
-from .plan import PlanWarning
-
-__all__ = ["Checkpointed", "adopt_twin", "checkpointed_modules", "watch_checkpoints"]
+__all__ = ["Checkpointed", "adopt_twin", "watch_checkpoints"]
 
 _CODE = inspect.unwrap(torch.utils.checkpoint.checkpoint).__code__
 _TORCH = str(torch.__path__[0])
@@ -150,38 +147,3 @@ def _caller(frame: types.FrameType) -> str:
     while outer is not None and outer.f_code.co_filename.startswith(_TORCH):
         outer = outer.f_back
     return "?" if outer is None else f"{outer.f_code.co_filename}:{outer.f_lineno}"
-
-
-def checkpointed_modules(
-    gm: torch.fx.GraphModule, modules: dict[str, torch.nn.Module], warnings: list[PlanWarning]
-) -> list[str]:
-    """The modules forward checkpoints itself, with a note; a warning for each call of
-    checkpoint on something that is not a module call of the model (a function, or a
-    module's `forward` called directly, which the graph holds no call of)."""
-    from .passes.recompute import recompute_regions
-
-    seen = gm.meta.get("parc_checkpointed")
-    if seen is None:
-        return []
-    called = set(recompute_regions(gm, tuple(n for n in seen.modules if n in modules)).values())
-    names = [n for n in seen.modules if n in called]
-    others = [*seen.others, *(seen.modules[n] for n in seen.modules if n not in called)]
-    if names:
-        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-        warnings.append(
-            PlanWarning(
-                f"forward checkpoints {len(names)} module(s) with torch.utils.checkpoint "
-                f"({shown}; at {seen.modules[names[0]]}): parc recomputes them in backward "
-                "as a `recompute` line would"
-            )
-        )
-    for site in dict.fromkeys(others):
-        warnings.append(
-            PlanWarning(
-                f"forward calls torch.utils.checkpoint on something that is not a module "
-                f"call (a function, or a module's forward called directly), at {site}: parc "
-                "traces through it and keeps its activations; checkpoint the module itself, "
-                "or name it in a `recompute` line, to recompute it"
-            )
-        )
-    return names

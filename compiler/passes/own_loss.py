@@ -6,13 +6,14 @@ several loss calls (dp, microbatches, grad_accum), parc averages the calls'
 losses, which is the global mean only if every call counts as many targets
 (compiler/ops/own_loss.py says how the step fixes that).
 
-Analysis (`mean_loss`): the graph's output is one mean-reduced cross-entropy or
-NLL loss (a function, an aten op or an `nn.CrossEntropyLoss`/`nn.NLLLoss`
-module call; the forms are the table `_FORMS`) without class weights; None
-otherwise (a loss of another shape is left as it is, and averaged per call).
-
-Rewriting (`count_own_loss`): that node becomes the same loss reduced by sum,
-then `own_loss_mean(sum, target, ignore_index)`.
+Algorithm (`count_own_loss`):
+1. Analysis (`mean_loss`): the graph's output is one mean-reduced cross-entropy
+   or NLL loss (a function, an aten op or an `nn.CrossEntropyLoss`/`nn.NLLLoss`
+   module call; the forms are the table `_FORMS`) without class weights; else
+   nothing is rewritten (a loss of another shape is averaged per call, and
+   `mixed_loss_warnings` says so when it holds such a cross-entropy).
+2. The same loss reduced by sum, inserted after it.
+3. `own_loss_mean(sum, target, ignore_index)` after that, in its place.
 """
 
 from __future__ import annotations
@@ -134,12 +135,15 @@ def _module_loss(gm: torch.fx.GraphModule, node: torch.fx.Node) -> MeanLoss | No
 
 def count_own_loss(gm: torch.fx.GraphModule) -> bool:
     """Rewrite the graph's mean loss (`mean_loss`) in place; whether there was one."""
+    # Step 1
     found = mean_loss(gm)
     if found is None:
         return False
     node, graph = found.node, gm.graph
+    # Step 2
     with graph.inserting_after(node):
         total = found.call(graph)
+    # Step 3
     with graph.inserting_after(total):
         mean = graph.call_function(
             own_loss_mean, (total, found.kwargs["target"], found.ignore_index)

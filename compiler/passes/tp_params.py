@@ -71,8 +71,23 @@ def _parts(user: torch.fx.Node, source: torch.fx.Node, ndim: int) -> int:
         dst = tuple(user.meta["tensor_meta"].shape)
         for gi, gj in view_groups(src, dst):
             if gi and gi[0] == ndim - 1 and len(gj) >= 3:  # (k, heads, head_dim)
-                return dst[gj[0]]
+                return 1 if _selects_along(user, dst, gj[1], gj[0]) else dst[gj[0]]
     return 1
+
+
+def _selects_along(view: torch.fx.Node, dst: tuple[int, ...], dim: int, other: int) -> bool:
+    """Whether a user of the view picks entries along `dim` and not `other` (BLOOM's
+    (heads, 3, head_dim) read as `[..., 0, :]`: the q/k/v index is the second dim, so
+    the first is heads, each rank's whole ones under a contiguous split)."""
+    without = dst[:dim] + dst[dim + 1 :]
+    if without == dst[:other] + dst[other + 1 :]:
+        return False  # as many heads as parts: the shapes cannot tell
+    for user in view.users:
+        meta = user.meta.get("tensor_meta")
+        metas = output_metas(meta) or ([meta] if hasattr(meta, "shape") else [])
+        if any(m is not None and tuple(m.shape) == without for m in metas):
+            return True
+    return False
 
 
 def param_placements(

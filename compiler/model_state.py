@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import operator
+from typing import Any
 
 import torch
 import torch.fx
@@ -39,8 +40,10 @@ __all__ = [
     "buffer_write_warnings",
     "check_frozen",
     "inplace_writes",
+    "module_state",
     "name_state",
     "persistent_buffers",
+    "restore_rebound",
     "state_names",
     "untraced_writes",
 ]
@@ -107,6 +110,33 @@ def buffer_versions(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
     """Each buffer's (identity, version counter): every in-place write bumps the counter,
     on any device; a buffer replaced by a new tensor is not a write."""
     return {name: (id(b), b._version) for name, b in model.named_buffers()}
+
+
+ModuleState = list[tuple[torch.nn.Module, dict[str, Any], dict[str, Any]]]
+
+
+def module_state(model: torch.nn.Module) -> ModuleState:
+    """Each module with its buffers and attributes as they are now (before a trace)."""
+    return [(m, dict(m._buffers), dict(vars(m))) for m in model.modules()]
+
+
+def restore_rebound(state: ModuleState) -> str:
+    """Put back each buffer or attribute tracing rebound to an fx Proxy (`self.ema = 0.9 *
+    self.ema + ...` under torch.fx); the first such name, or ""."""
+    found = ""
+    for module, buffers, attrs in state:
+        for name, value in list(module._buffers.items()):
+            if isinstance(value, torch.fx.Proxy):
+                module._buffers[name] = buffers.get(name)
+                found = found or f"buffer '{name}'"
+        for name, value in list(vars(module).items()):
+            if isinstance(value, torch.fx.Proxy):
+                if name in attrs:
+                    setattr(module, name, attrs[name])
+                else:
+                    delattr(module, name)
+                found = found or f"attribute '{name}'"
+    return found
 
 
 def untraced_writes(

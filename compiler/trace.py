@@ -37,6 +37,7 @@ import torch.fx
 from parc.errors import CompileError, ParcError
 
 from .model_output import Path, choose_output, leaves
+from .model_state import module_state, restore_rebound
 from .node_info import module_path, node_source
 from .trace_asserts import ASSERT_FIX, TracedAssert, assert_site, check_asserts
 from .user_checkpoint import watch_checkpoints
@@ -187,7 +188,7 @@ def _symbolic(model: torch.nn.Module, inputs: Sequence[Any] | None = None) -> to
     """
     defaults = _defaults_not_given(model, inputs)
     tracer = _ParcTracer()
-    state = [(m, dict(m._buffers), dict(vars(m))) for m in model.modules()]
+    state = module_state(model)
     try:
         with warnings.catch_warnings():
             # fx cannot guard a default of a type it does not know; the graph has no such input.
@@ -196,7 +197,7 @@ def _symbolic(model: torch.nn.Module, inputs: Sequence[Any] | None = None) -> to
     except Exception as exc:
         raise _trace_error(exc, tracer, model) from exc
     finally:
-        rebound = _restore_rebound(state)
+        rebound = restore_rebound(state)
     if rebound:  # `self.ema = 0.9 * self.ema + ...`: fx left the model holding a Proxy
         raise CompileError(f"forward assigns a new tensor to {rebound}, which fx cannot trace")
     gm = torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
@@ -204,24 +205,6 @@ def _symbolic(model: torch.nn.Module, inputs: Sequence[Any] | None = None) -> to
         _drop_default_inputs(gm, len(inputs or ()))
     check_asserts(gm, tracer.asserts, inputs)
     return gm
-
-
-def _restore_rebound(state: list[tuple[torch.nn.Module, dict[str, Any], dict[str, Any]]]) -> str:
-    """Put back each buffer or attribute tracing rebound to an fx Proxy; the first name."""
-    found = ""
-    for module, buffers, attrs in state:
-        for name, value in list(module._buffers.items()):
-            if isinstance(value, torch.fx.Proxy):
-                module._buffers[name] = buffers.get(name)
-                found = found or f"buffer '{name}'"
-        for name, value in list(vars(module).items()):
-            if isinstance(value, torch.fx.Proxy):
-                if name in attrs:
-                    setattr(module, name, attrs[name])
-                else:
-                    delattr(module, name)
-                found = found or f"attribute '{name}'"
-    return found
 
 
 def _defaults_not_given(model: torch.nn.Module, inputs: Sequence[Any] | None) -> dict[str, Any]:

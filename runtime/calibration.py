@@ -78,6 +78,21 @@ under autocast), so the bounds measure parallelism, not precision:
   a tied alias (a state_dict entry equal to a reference parameter) must equal
   its parameter in the parallel run (fp32's allclose failed the tied lm_head).
 
+A model built in bf16 or fp16 and trained as built (`precision fp32`) rounds its
+gradients, parameters and optimizer states in that format (`calibration_for`): its
+calibration is bf16's, with the floor of both gradients and parameters from the
+built format's epsilon, since there are no fp32 masters. Each tensor's floor takes
+at least its own dtype's epsilon (a model mixing bf16 Linears and fp32 norms).
+Measured on tests/models/mlp_bf16.py (dp=2, SGD) and a bf16-built HF Llama (dp=2
+and tp=2, AdamW): fp32's floor put the MLP's head bias 570× past its bound (the
+twin reproduces it bit for bit); now 0.01, while `skip-grad-sync` and `grad-scale`
+put step 0's gradients 7.6× and 5.6× (Llama: 4.7× and 3.4×) past theirs. The
+order-dependence gate cannot read such a model's own loss: it is one bf16 ulp
+(7e-3) from another order's. It reads instead a one-step pair with the loss of the
+output upcast to fp32 and the batch reversed without the nudge (runtime/check.py
+`_measure`): a bf16 Llama's samples come out bit for bit in either order, so the
+pair differs by 1e-7, and attention dropout 0.1 moves it by 6e-4.
+
 Measured (bf16, gloo, 2 cores; examples/gpt.py at 4 layers of width 32,
 examples/llama.py at 4 layers, examples/mlp.py at 4 layers of width 16; the
 specs/ files gpt_dp (dp=4, grad_accum 2), gpt_zero3 (dp=4), gpt_tp, gpt_pp,
@@ -113,6 +128,7 @@ __all__ = [
     "GradientProbe",
     "TensorBound",
     "calibrated_compare",
+    "calibration_for",
     "nudge_outputs",
     "twin_unstable",
 ]
@@ -170,6 +186,29 @@ class TensorBound:
         return self.diff / self.bound if self.bound > 0 else (0.0 if self.diff == 0 else 1e30)
 
 
+def calibration_for(precision: Precision, ref_params: dict[str, torch.Tensor]) -> Calibration:
+    """`precision`'s calibration, or where the model was built in a lower precision (its
+    reference parameters bf16 or fp16 under `precision fp32`) that of its built format:
+    the gradients and parameters are then rounded in it, so its sign flips and loss
+    swings are bf16's (the module docstring). Each tensor's floor takes its own dtype's
+    epsilon at least (`tensor_bounds`)."""
+    cal = CALIBRATIONS[precision]
+    low = [
+        torch.finfo(p.dtype).eps
+        for p in ref_params.values()
+        if p.is_floating_point() and torch.finfo(p.dtype).eps > cal.param_eps
+    ]
+    if not low:
+        return cal
+    return dataclasses.replace(
+        cal,
+        grad_eps=max(cal.grad_eps, *low),
+        param_eps=max(low),
+        excuse_flips=True,
+        loss_running_max=True,
+    )
+
+
 def floor(steps: int, eps: float = FP32_EPS) -> float:
     """The relative floor after `steps` updates of tensors rounded to `eps` (the module
     docstring)."""
@@ -186,14 +225,16 @@ def tensor_bounds(
     keep: dict[str, torch.Tensor] | None = None,
 ) -> list[TensorBound]:
     """Every reference tensor's distance and bound; a tensor missing from `par` gets inf.
-    `keep`: per tensor, the elements the distances are measured on (default: all)."""
+    `keep`: per tensor, the elements the distances are measured on (default: all). The
+    floor takes `eps`, or the tensor's own dtype's epsilon where that is larger."""
     out = []
     for name, expected in ref.items():
         got = par.get(name)
         scale = float(expected.norm())
         mask = (keep or {}).get(name)
         noise = float(_masked(twin[name] - expected, mask).norm())
-        bound = noise_mult * noise + floor(steps, eps) * scale
+        own = torch.finfo(expected.dtype).eps if expected.is_floating_point() else 0.0
+        bound = noise_mult * noise + floor(steps, max(eps, own)) * scale
         if got is None or got.shape != expected.shape:
             out.append(TensorBound(name, float("inf"), bound))
         else:
@@ -293,7 +334,7 @@ def calibrated_compare(
     `GradientProbe` parallel run. Buffers are held to the twin's bound as parameters are
     (a tied alias: to being its parameter).
     """
-    steps, cal = len(ref["losses"]), CALIBRATIONS[precision]
+    steps, cal = len(ref["losses"]), calibration_for(precision, ref["params"])
     base = compare_runs(ref, par, Tolerance())  # losses, parameters, buffers redone below
     rows, first_bad = _loss_rows(ref["losses"], twin["losses"], par["losses"], cal)
     keep = same_sign(ref["grads"], twin["grads"], par_grads) if cal.excuse_flips else None

@@ -42,7 +42,13 @@ from parc.dsl.ast import Precision
 from parc.errors import ParcError
 from parc.precision import override_compile, override_precision
 
-from .calibration import calibrated_compare, twin_unstable
+from .calibration import (
+    CALIBRATIONS,
+    Calibration,
+    calibrated_compare,
+    calibration_for,
+    twin_unstable,
+)
 from .check_format import DEFAULT, check_json, format_check
 from .equivalence import (
     Comparison,
@@ -95,6 +101,13 @@ class CheckResult:
     notes: tuple[str, ...] = ()  # what --precision changed in the spec
     clip: float | None = None  # both sides clipped gradients to this global norm
     lr_schedule: Schedule | None = None  # both sides stepped this lr schedule
+    # The bounds' calibration (runtime/calibration.py `calibration_for`): the precision's,
+    # or the built format's for a model built in bf16 / fp16. None: the precision's.
+    calibration: Calibration | None = None
+
+    @property
+    def cal(self) -> Calibration:
+        return self.calibration or CALIBRATIONS[self.precision]
 
     @property
     def ok(self) -> bool:
@@ -165,6 +178,7 @@ def run_check(
         overridden.notes,
         clip,
         lr_schedule=lr_schedule,
+        calibration=measured.calibration,
     )
 
 
@@ -194,6 +208,7 @@ class _Measured:
     comparison: Comparison
     twin_loss_diff: float | None
     gap: PrecisionGap | None  # under a mixed precision: one device's against its fp32
+    calibration: Calibration
 
 
 def _measure(
@@ -215,7 +230,19 @@ def _measure(
     probe = pool.run(*case, **probe_kwargs, fault=fault)
     results = pool.run(*case, **runs.kwargs(), fault=fault)
     comparison = calibrated_compare(ref, twin, results[0], probe[0]["params"], runs.precision)
-    return _Measured(comparison, twin_unstable(fp32, fp32_twin), gap)
+    cal = calibration_for(runs.precision, ref["params"])
+    gate = fp32, fp32_twin
+    if calibration_for(Precision.FP32, fp32["params"]) is not CALIBRATIONS[Precision.FP32]:
+        # Built in bf16 / fp16: its loss is one ulp (~4e-3) from another order's, more than
+        # dropout moves it. Reversing the samples alone moves no sample's output (measured
+        # on a bf16 HF Llama: bit for bit), and the loss of their fp32 upcast resolves
+        # ~1e-7: that pair's step 0 tells order dependence.
+        one_step = runs.kwargs(steps=1)
+        gate = (
+            reference_run(model_file, **one_step, gate=True),
+            reference_run(model_file, **one_step, twin=True, gate=True),
+        )
+    return _Measured(comparison, twin_unstable(*gate), gap, cal)
 
 
 def compare_in_pool(

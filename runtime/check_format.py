@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from parc.dsl.ast import Precision
 
-from .calibration import CALIBRATIONS
+from .calibration import CALIBRATIONS, FP32_EPS
 
 if TYPE_CHECKING:
     from .check import CheckResult
@@ -41,15 +41,28 @@ def _describe_precision(result: CheckResult) -> str:
 
 
 def _precision_lines(result: CheckResult) -> list[str]:
-    """Under bf16: where the tolerances come from, and bf16 against fp32 on one device."""
+    """Under bf16: where the tolerances come from, and bf16 against fp32 on one device;
+    for a model built in a lower precision, its calibration."""
+    cal = result.cal
     if result.precision is Precision.FP32:
-        return []
-    cal = CALIBRATIONS[result.precision]
+        if cal is CALIBRATIONS[Precision.FP32]:
+            return []
+        return [
+            "  tolerances: the model's parameters are built in a lower precision than fp32 "
+            f"(epsilon {cal.param_eps:.3g}), so its gradients and parameters are rounded in "
+            "it: the floor takes that epsilon, and sign flips of near-zero gradients are "
+            "excused as under bf16 (runtime/calibration.py, calibration_for)"
+        ]
     lines = [
         f"  tolerances: {result.precision}'s calibration (runtime/calibration.py): the reference "
         f"is the same {result.precision} recipe on one device, the floor from "
         f"{result.precision}'s epsilon {cal.grad_eps:.3g} for the gradients (rounded in "
-        f"{result.precision}) and fp32's {cal.param_eps:.3g} for the parameters (fp32 masters)",
+        f"{result.precision}) and "
+        + (
+            f"fp32's {cal.param_eps:.3g} for the parameters (fp32 masters)"
+            if cal.param_eps == FP32_EPS
+            else f"{cal.param_eps:.3g} for the parameters (built in a lower precision)"
+        ),
     ]
     if result.gap is not None:
         g = result.gap
@@ -63,7 +76,7 @@ def _precision_lines(result: CheckResult) -> list[str]:
 
 def _floors(result: CheckResult) -> str:
     """The floors as the bounds line prints them: one number when they are the same."""
-    cal = CALIBRATIONS[result.precision]
+    cal = result.cal
     grads, params = cal.grad_floor(), cal.param_floor(result.steps)
     if cal.grad_eps == cal.param_eps:
         return f"{params:.1e}"
@@ -72,7 +85,7 @@ def _floors(result: CheckResult) -> str:
 
 def format_check(result: CheckResult) -> str:
     c = result.comparison
-    cal = CALIBRATIONS[result.precision]
+    cal = result.cal
     lines = [
         f"parc check {result.spec} {result.model}: {result.steps} steps, batch {result.batch}, "
         f"{_describe_optimizer(result)}"
@@ -130,7 +143,7 @@ def _where(result: CheckResult) -> list[str]:
 
 
 def check_json(result: CheckResult) -> dict[str, Any]:
-    c, g, cal = result.comparison, result.gap, CALIBRATIONS[result.precision]
+    c, g, cal = result.comparison, result.gap, result.cal
     return {
         "spec": result.spec,
         "model": result.model,

@@ -35,7 +35,7 @@ from parc.dsl.ast import Precision
 from parc.errors import RuntimeFault
 from parc.runtime.pipeline.user_checks import checked_loss, checked_optimizer
 
-from .master_weights import Recipe
+from .master_weights import Recipe, upcast
 from .probes import GradientProbe, nudge_outputs
 from .schedules import Schedule, scheduler_for, step_scheduler
 from .tolerances import (
@@ -120,6 +120,7 @@ def reference_run(
     precision: Precision = Precision.FP32,
     clip: float | None = None,
     lr_schedule: Schedule | None = None,
+    gate: bool = False,
 ) -> dict[str, Any]:
     """Train the unmodified model on one process; losses per step, final parameters and
     buffers, the gradients of step 0 ("grads", by parameter name, after clipping) and each
@@ -127,7 +128,10 @@ def reference_run(
 
     `twin` runs the noise twin of runtime/calibration.py instead: the same
     training, rounded differently (every batch in reverse sample order, every
-    module's output moved by one ulp). `weights`: a checkpoint directory to start
+    module's output moved by one ulp). `gate`: a run of the order-dependence gate for a
+    model built in bf16 / fp16 (runtime/calibration.py `twin_unstable`): the loss
+    computed from an fp32 upcast of the output and, with `twin`, the batch reversed
+    without the nudge. `weights`: a checkpoint directory to start
     from (runtime/hf_weights.py), as `parc.compile(weights=...)` does.
     `lr_schedule`: the learning-rate schedule the run steps (without one, the model file's
     configure_scheduler if it has one, runtime/schedules.py). `precision` bf16: the
@@ -138,7 +142,7 @@ def reference_run(
     with model_env(env):
         source = load_model(model_file)
         return _reference(
-            source, steps, batch, seed, optimizer, twin, weights, precision, clip, lr_schedule
+            source, steps, batch, seed, optimizer, twin, weights, precision, clip, lr_schedule, gate
         )
 
 
@@ -160,6 +164,7 @@ def _reference(
     precision: Precision = Precision.FP32,
     clip: float | None = None,
     lr_schedule: Schedule | None = None,
+    gate: bool = False,
 ) -> dict[str, Any]:
     torch.manual_seed(seed)
     model = source.build()
@@ -167,7 +172,7 @@ def _reference(
         from .hf_weights import load_full
 
         load_full(model, weights)
-    if twin:
+    if twin and not gate:
         nudge_outputs(model)
     recipe = Recipe.of(model, precision)
     # Everything below is the user's code on plain PyTorch: its errors are the model
@@ -183,7 +188,7 @@ def _reference(
             inputs, targets = _flipped(inputs), targets.flip(0)
         opt.zero_grad(set_to_none=True)
         model.zero_grad(set_to_none=True)  # under bf16 the compute copies' (opt: masters')
-        loss = _reference_loss(source, model, recipe, inputs, targets, step)
+        loss = _reference_loss(source, model, recipe, inputs, targets, step, fp32_loss=gate)
         with user_code(path, f"the backward of the loss {ref}", step=step):
             loss.backward()
         recipe.load_grads()
@@ -216,9 +221,11 @@ def _reference_loss(
     inputs: Any,
     targets: torch.Tensor,
     step: int,
+    fp32_loss: bool = False,
 ) -> torch.Tensor:
     """The reference's forward and loss of one step (checked finite); the errors of the
-    user's code in it name the model file's function and line."""
+    user's code in it name the model file's function and line. `fp32_loss`: the loss of
+    the output upcast to fp32 (the gate's resolution, not what training computes)."""
     ref, path = "in the single-device reference run", source.path
     fed = recipe.for_inputs(inputs)  # as the parallel run feeds them (bf16: floating cast)
     dtypes = functools.partial(input_dtype_hint, input_tensors(fed), model)
@@ -227,6 +234,8 @@ def _reference_loss(
         output = call_model(model, fed)
     choice = eager_choice(output, owns_loss(source, inputs, targets), path)
     output = recipe.for_loss(take(output, choice.path))
+    if fp32_loss:
+        output = upcast(output)
     loss_fn = ModelLoss(path) if choice.is_loss else source.loss_fn
     with user_code(path, f"loss_fn {ref}", step=step):
         loss = checked_loss(loss_fn(output, targets), loss_fn)

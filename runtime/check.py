@@ -38,7 +38,8 @@ import torch
 
 from parc.compiler.frontend import as_spec
 from parc.compiler.model import ModelSource, default_optimizer, load_model
-from parc.dsl.ast import Precision
+from parc.compiler.plan import Plan
+from parc.dsl.ast import Precision, Spec
 from parc.errors import ParcError
 from parc.precision import override_compile, override_precision
 
@@ -135,7 +136,7 @@ def run_check(
     overrides the spec's (parc/precision.py); with `clip` both clip their gradients to
     that global norm (the reference with `torch.nn.utils.clip_grad_norm_`); `compiled`
     adds `compile` to the parallel side (the reference stays eager)."""
-    from parc.compiler.frontend import analyse, default_batch
+    from parc.compiler.frontend import default_batch
     from parc.runtime.mesh import check_local_ranks, local_backend
     from parc.testing.pool import WorkerPool
 
@@ -147,14 +148,7 @@ def run_check(
     check_local_ranks(world, backend_name=local_backend(world))
     source = load_model(model_file)
     batch = batch or default_batch(spec)
-    # Every spec and model error, before any process starts.
-    analysis = analyse(spec, source, batch=batch)
-    plan = analysis.plan
-    if weights:
-        from parc.runtime.hf_weights import check_weights
-
-        check_weights(weights, analysis.model)
-    opt_class = _check_optimizer(source, optimizer, plan, lr_schedule, analysis.model)
+    plan, opt_class = _before_launch(spec, source, batch, weights, optimizer, lr_schedule)
     runs = _Runs(
         steps, batch, seed, optimizer, weights, plan.precision, clip=clip, lr_schedule=lr_schedule
     )
@@ -180,6 +174,27 @@ def run_check(
         lr_schedule=lr_schedule,
         calibration=measured.calibration,
     )
+
+
+def _before_launch(
+    spec: Spec,
+    source: ModelSource,
+    batch: int,
+    weights: str | None,
+    optimizer: str,
+    lr_schedule: Schedule | None,
+) -> tuple[Plan, str]:
+    """Every spec, model, weights and optimizer error, before any process starts: the plan
+    and the optimizer's class name."""
+    from parc.compiler.frontend import analyse
+
+    analysis = analyse(spec, source, batch=batch)
+    if weights:
+        from parc.runtime.hf_weights import check_weights
+
+        check_weights(weights, analysis.model)
+    opt_class = _check_optimizer(source, optimizer, analysis.plan, lr_schedule, analysis.model)
+    return analysis.plan, opt_class
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,9 +4,10 @@
     >>> blocks.lists, blocks.unit_of("model.layers.3.self_attn.q_proj")    # doctest: +SKIP
     (('model.layers',), 'model.layers.3')
 
-A *block list* is a ModuleList or Sequential whose children all have one
-structure: the same class, the same parameter names, and children of the same
-names and structures, recursively. Sizes do not count: a stack whose first
+A *block list* is a ModuleList, Sequential or ModuleDict (torchtitan keeps its
+layers in one, keyed "0", "1", ...) whose children all have one structure: the
+same class, the same parameter names, and children of the same names and
+structures, recursively. Sizes do not count: a stack whose first
 layer is wider is still a stack. Its children are *blocks*, unless they sit
 inside another block (the outermost list wins: a Sequential of two Linears
 inside every block does not make those Linears blocks).
@@ -30,8 +31,7 @@ import torch
 
 __all__ = ["Blocks", "find_blocks"]
 
-_LISTS = (torch.nn.ModuleList, torch.nn.Sequential)
-_CONTAINERS = (*_LISTS, torch.nn.ModuleDict)
+_CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)
 
 Structure = tuple[object, ...]
 
@@ -79,7 +79,7 @@ def find_blocks(model: torch.nn.Module) -> Blocks:
         inside = name in blocks or _inside_any(name, blocks)
         # A model that is itself a Sequential has units `0`, `1`, ... but no blocks: a
         # `.par` pattern cannot name its list (`[*]` needs a name before it).
-        if inside or not name or not isinstance(module, _LISTS):
+        if inside or not name or not isinstance(module, _CONTAINERS):
             continue
         children = list(module.named_children())
         if children and len({_structure(c, cache) for _, c in children}) == 1:

@@ -12,7 +12,7 @@ compiler/rank_memory.py, host memory during compile from compiler/host_memory.py
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,9 +109,11 @@ def estimate(
     bucket_elems: int = DEFAULT_BUCKET_ELEMS,
     memory: MemoryModel = ADAMW,
     loss_fn: Any = None,
+    groups: Mapping[str, int] | None = None,
 ) -> Estimate:
     """Per-stage costs, memory for every rank, collectives per stage; with the model's
-    `loss_fn`, the loss's bytes (`Estimate.loss`, compiler/loss_memory.py).
+    `loss_fn`, the loss's bytes (`Estimate.loss`, compiler/loss_memory.py). `groups`:
+    parameter name -> optimizer group, which ZeRO's flat units never mix.
 
     Bytes held per rank, with N the rank's local parameter elements, P = Σ
     units padded to a multiple of dp, and p, g, o the bytes per element of
@@ -142,7 +144,7 @@ def estimate(
     stages, per_stage_memory, comms, all_units = [], [], [], []
     in_flight = plan_in_flight(plan)
     for s in range(plan.num_stages):
-        units, n_local, tied = stage_units(plan, model, per_stage, s, bucket_elems)
+        units, n_local, tied = stage_units(plan, model, per_stage, s, bucket_elems, groups)
         all_units.append(units)
         act = activations[s]
         stages.append(
@@ -248,14 +250,23 @@ def _regions(plan: Plan, gm: torch.fx.GraphModule) -> dict[str, str]:
 
 
 def stage_units(
-    plan: Plan, model: torch.nn.Module, per_stage: list[list[str]], s: int, bucket_elems: int
+    plan: Plan,
+    model: torch.nn.Module,
+    per_stage: list[list[str]],
+    s: int,
+    bucket_elems: int,
+    groups: Mapping[str, int] | None = None,
 ) -> tuple[tuple[FlatUnit, ...], int, frozenset[str]]:
     """Stage `s`'s flat units (as the runtime builds them), local elements (frozen
-    parameters' too, which no unit holds), tied weights."""
+    parameters' too, which no unit holds), tied weights. A unit holds one dtype and one
+    optimizer group (`groups`: name -> index)."""
     slices = param_slices(plan, model)
     canonical = canonical_names(model)
     shapes = {canonical[n]: tuple(p.shape) for n, p in model.named_parameters()}
-    dtypes = {canonical[n]: p.dtype for n, p in model.named_parameters()}
+    group = groups or {}
+    kinds = {
+        canonical[n]: (p.dtype, group.get(canonical[n], 0)) for n, p in model.named_parameters()
+    }
     tied = frozenset(n for n in per_stage[s] if sum(n in other for other in per_stage) > 1)
     blocks = find_blocks(model)
     frozen = frozen_params(model)  # in no unit: held whole, never reduced or stepped
@@ -265,7 +276,7 @@ def stage_units(
     ]
     trained = [item for item in local if item[0] not in frozen]
     units = flat_units(
-        trained, zero=plan.zero, dp=plan.dp, bucket_elems=bucket_elems, solo=tied, dtypes=dtypes
+        trained, zero=plan.zero, dp=plan.dp, bucket_elems=bucket_elems, solo=tied, kinds=kinds
     )
     return units, sum(n for _, n, _ in local), tied
 

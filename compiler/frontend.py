@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -39,7 +40,7 @@ from .model_state import (
     untraced_writes,
 )
 from .node_info import node_source
-from .optimizers import optimizer_warnings
+from .optimizers import optimizer_warnings, param_group_map
 from .passes.own_loss import count_own_loss, mixed_loss_warnings
 from .passes.pipeline_split import annotate_stages
 from .plan import Plan
@@ -67,6 +68,9 @@ class Analysis:
     later batch must match beyond dim 0 (runtime/program.py, runtime/data.py)."""
     deferred: DeferredModel | None = None
     """With `analyse(deferred=True)`: the model's initial values, one tensor at a time."""
+    groups: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    """Under ZeRO, parameter name -> its group in the model's optimizer
+    (compiler/optimizers.py `param_group_map`); ZeRO's flat units never mix two."""
 
 
 def as_spec(spec: Spec | str | Path) -> Spec:
@@ -169,8 +173,10 @@ def _analyse(
     memory = memory_model_of(
         source.configure_optimizer, plan.precision, plan.reduce, built_dtype(built)
     )
-    costs = estimate(plan, gm, built, saved, memory=memory, loss_fn=source.loss_fn)
-    return Analysis(spec, source, built, gm, plan, costs, saved, example, deferred)
+    named = list(built.named_parameters())
+    groups = param_group_map(source.configure_optimizer, named) if plan.zero else {}
+    costs = estimate(plan, gm, built, saved, memory=memory, loss_fn=source.loss_fn, groups=groups)
+    return Analysis(spec, source, built, gm, plan, costs, saved, example, deferred, groups)
 
 
 def _with_model_warnings(
@@ -182,7 +188,7 @@ def _with_model_warnings(
         *buffer_write_warnings(gm, built, plan, spec),
         *dropout_warnings(gm, plan, spec),
         *mixed_loss_warnings(gm, plan, spec),
-        *optimizer_warnings(source.configure_optimizer, plan, spec, list(built.parameters())),
+        *optimizer_warnings(source.configure_optimizer, plan, spec),
     ]
     return dataclasses.replace(plan, warnings=plan.warnings + tuple(found))
 

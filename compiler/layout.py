@@ -24,7 +24,7 @@ memory and traffic the report predicts are the ones a run has.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -242,7 +242,7 @@ def flat_units(
     dp: int,
     bucket_elems: int,
     solo: frozenset[str] = frozenset(),
-    dtypes: Mapping[str, torch.dtype] | None = None,
+    kinds: Mapping[str, Hashable] | None = None,
 ) -> tuple[FlatUnit, ...]:
     """Group (name, local numel, owner module) in order of first use into flat units.
 
@@ -250,11 +250,12 @@ def flat_units(
     reverse order of use, each closed once it reaches `bucket_elems`. A name in
     `solo` (a weight tied across stages) is a unit of its own, so every stage
     holding it lays it out the same way and their gradients can be summed. A unit
-    is one flat buffer, so it holds one dtype (`dtypes`, name -> dtype): a bf16
-    Linear beside an fp32 norm lands in two units, never in a buffer of the other's
-    dtype.
+    is one flat buffer stepped as one tensor, so it holds one kind (`kinds`, name ->
+    e.g. (dtype, optimizer group)): a bf16 Linear beside an fp32 norm lands in two
+    units, never in a buffer of the other's dtype, and a bias without weight decay in
+    another unit than its weight with it.
     """
-    kind = dict(dtypes or {})
+    kind = dict(kinds or {})
     groups: list[list[tuple[str, int]]] = []
     if zero == 3:
         owners: dict[tuple[str, object], list[tuple[str, int]]] = {}
@@ -272,7 +273,7 @@ def flat_units(
                 groups.append([(name, numel)])
                 continue
             if current and kind.get(current[-1][0]) != kind.get(name):
-                groups.append(current)  # another dtype: another flat buffer
+                groups.append(current)  # another kind: another flat buffer
                 current = []
             current.append((name, numel))
             if sum(n for _, n in current) >= limit:

@@ -88,10 +88,15 @@ def _hyper(opt: torch.optim.Optimizer) -> dict[str, Any]:
     return {k: v for k, v in opt.param_groups[0].items() if k != "params"}
 
 
-def rebuilt_like(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> Any:
-    """`type(opt)` over `params` in one group with `opt`'s first group's settings and its
-    own attributes; a ParcError when an attribute cannot be restored."""
-    new = construct_like(opt, [{"params": params, **_hyper(opt)}])
+def rebuilt_like(opt: torch.optim.Optimizer, params: list[list[torch.nn.Parameter]]) -> Any:
+    """`type(opt)` over `params[g]` in group g with the settings of `opt`'s group g (one
+    list per group of `opt`), and `opt`'s own attributes; a ParcError when an attribute
+    cannot be restored."""
+    groups = [
+        {"params": ps, **{k: v for k, v in group.items() if k != "params"}}
+        for ps, group in zip(params, opt.param_groups, strict=True)
+    ]
+    new = construct_like(opt, groups)
     lost = _differences(opt, new)
     if lost:
         raise ParcError(

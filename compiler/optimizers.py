@@ -213,22 +213,15 @@ def factory_origin(factory: object, source: Any) -> tuple[str, str | None]:
     return f"configure_optimizer (line {code.co_firstlineno})", source.path
 
 
-def optimizer_warnings(
-    factory: object, plan: Any, spec: Any, params: Sequence[torch.nn.Parameter] = ()
-) -> list[PlanWarning]:
+def optimizer_warnings(factory: object, plan: Any, spec: Any) -> list[PlanWarning]:
     """`parc compile`'s warning when the model's optimizer would be refused at launch.
 
     A warning, not an error: `parc check --optimizer` and `parc.compile(optimizer=...)`
     may override the model's optimizer. Built on one small parameter, as the memory
-    model is, and under ZeRO once more on the model's `params` (its parameter groups
-    may be made from them); a factory that fails there raises its own error when it runs.
+    model is; a factory that fails there raises its own error when it runs.
     """
     node = spec.statement(Zero) if plan.zero else None
     span = spec.locate(node.span if node is not None else spec.mesh.span)
-    groups = parameter_groups(factory, params) if plan.zero else 1
-    if groups > 1:
-        message, hint = zero_groups_message(groups, "configure_optimizer")
-        return [PlanWarning(f"{message}; `parc run` and `parc check` refuse it ({hint})", span)]
     opt = _built(factory, [torch.nn.Parameter(torch.zeros(2, 3))])
     problem = None if opt is None else optimizer_problem(opt, plan)
     if opt is None or problem is None:
@@ -243,15 +236,6 @@ def optimizer_warnings(
     ]
 
 
-def zero_groups_message(groups: int, origin: str) -> tuple[str, str]:
-    """Why ZeRO refuses an optimizer of several parameter groups, and the fix."""
-    return (
-        f"{origin} made {groups} parameter groups; ZeRO shards flatten all parameters into "
-        "one buffer and need exactly one group",
-        "use one group, e.g. the same weight decay for every parameter, or zero 0",
-    )
-
-
 def _built(factory: object, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer | None:
     try:
         opt = factory(params)  # type: ignore[operator]
@@ -260,11 +244,27 @@ def _built(factory: object, params: list[torch.nn.Parameter]) -> torch.optim.Opt
     return opt if isinstance(opt, torch.optim.Optimizer) else None
 
 
-def parameter_groups(factory: object, params: Sequence[torch.nn.Parameter]) -> int:
-    """How many parameter groups the factory makes of the model's parameters (1 when
-    it fails on them: its own error is raised when it runs)."""
-    opt = _built(factory, list(params)) if params else None
-    return 1 if opt is None else len(opt.param_groups)
+def param_group_map(
+    factory: object, named: Sequence[tuple[str, torch.nn.Parameter]]
+) -> dict[str, int]:
+    """Parameter name -> the index of the parameter group the factory puts it in (-1: in
+    none, so never stepped), from one call on stand-ins of the model's `named`
+    parameters (their shapes, dtypes and requires_grad, no memory); {} when
+    that is one group holding all of them, or when the factory fails on them (its own
+    error is raised when it runs). ZeRO's flat units never mix two groups
+    (compiler/layout.py `flat_units`), so each shard steps with its group's settings."""
+    # Stand-ins, as ZeRO-3's factory call gets (runtime/assemble.py): real CPU tensors of
+    # the parameters' shapes and dtypes that hold no memory, the model maybe on meta.
+    stand_ins = [
+        torch.nn.Parameter(torch.zeros((), dtype=p.dtype).expand(p.shape), p.requires_grad)
+        for _, p in named
+    ]
+    opt = _built(factory, stand_ins) if named else None
+    if opt is None:
+        return {}
+    where = {id(p): g for g, group in enumerate(opt.param_groups) for p in group["params"]}
+    out = {name: where.get(id(p), -1) for (name, _), p in zip(named, stand_ins, strict=True)}
+    return {} if set(out.values()) == {0} else out
 
 
 def _needs_closure(cls: type[torch.optim.Optimizer]) -> bool:

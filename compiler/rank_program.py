@@ -113,9 +113,16 @@ class RankProgram:
 
 
 def compile_rank(
-    analysis: Analysis, coords: Mapping[str, int], *, bucket_elems: int
+    analysis: Analysis,
+    coords: Mapping[str, int],
+    *,
+    bucket_elems: int,
+    groups: Mapping[str, int] | None = None,
 ) -> RankProgram:
-    """The program of the rank at `coords` (axis -> index; a missing axis is index 0)."""
+    """The program of the rank at `coords` (axis -> index; a missing axis is index 0).
+    `groups`: parameter name -> the group the optimizer the program runs puts it in
+    (compiler/optimizers.py `param_group_map`), which ZeRO's units never mix; default
+    the model's own optimizer's (`analysis.groups`)."""
     plan, model = analysis.plan, analysis.model
     pp_index = coords.get(AXIS_PP, 0)
     # Step 1
@@ -135,14 +142,11 @@ def compile_rank(
     # Step 4
     params = _local_params(stages, canonical, per_stage)
     # Step 5
-    units, unit_stages = _rank_units(plan, model, per_stage, sorted(stages), bucket_elems)
+    units, unit_stages = _rank_units(analysis, per_stage, sorted(stages), bucket_elems, groups)
     # Step 6
     tied = rank_tied(plan, per_stage, pp_index)
     # Step 7
-    layout: Zero3Layout | None = None
-    shards: tuple[torch.nn.Parameter, ...] = ()
-    if plan.zero == 3:
-        layout, shards = _zero3(stages, params, units, unit_stages, canonical, coords)
+    layout, shards = _zero3(plan, stages, params, units, unit_stages, canonical, coords)
     # Step 8
     for stage in stages.values():
         recompute_modules(stage.gm, plan)
@@ -245,14 +249,18 @@ def _local_params(
 
 
 def _zero3(
+    plan: Plan,
     stages: Mapping[int, StageGraph],
     params: Mapping[str, torch.nn.Parameter],
     units: tuple[FlatUnit, ...],
     unit_stages: tuple[int, ...],
     canonical: Mapping[str, str],
     coords: Mapping[str, int],
-) -> tuple[Zero3Layout, tuple[torch.nn.Parameter, ...]]:
-    """The rank's ZeRO-3 layout and its dp index's shards, read by every stage graph."""
+) -> tuple[Zero3Layout | None, tuple[torch.nn.Parameter, ...]]:
+    """The rank's ZeRO-3 layout and its dp index's shards, read by every stage graph;
+    none but under `zero 3`."""
+    if plan.zero != 3:
+        return None, ()
     shapes = {n: tuple(p.shape) for n, p in params.items()}
     layout = zero3_layout(units, shapes, unit_stages)
     shards = zero3_shards(layout, params, coords.get(AXIS_DP, 0))
@@ -262,18 +270,20 @@ def _zero3(
 
 
 def _rank_units(
-    plan: Plan,
-    model: torch.nn.Module,
+    analysis: Analysis,
     per_stage: list[list[str]],
     stages: list[int],
     bucket_elems: int,
+    groups: Mapping[str, int] | None,
 ) -> tuple[tuple[FlatUnit, ...], tuple[int, ...]]:
     """The units of `stages`, in order, and the stage of each; a tied weight's unit (its
-    own) appears once, with the first stage reading it."""
+    own) appears once, with the first stage reading it. `groups`: compile_rank's."""
+    plan, model = analysis.plan, analysis.model
+    groups = analysis.groups if groups is None else groups
     out: list[tuple[FlatUnit, int]] = []
     seen: set[str] = set()
     for s in stages:
-        for unit in stage_units(plan, model, per_stage, s, bucket_elems)[0]:
+        for unit in stage_units(plan, model, per_stage, s, bucket_elems, groups)[0]:
             if seen.isdisjoint(unit.params):
                 out.append((unit, s))
             elif not seen.issuperset(unit.params):

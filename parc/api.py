@@ -35,6 +35,7 @@ from parc.compiler.frontend import Analysis, analyse, as_spec
 from parc.compiler.layout import DEFAULT_BUCKET_ELEMS
 from parc.compiler.model import ModelSource, load_model
 from parc.compiler.optimizer_factory import OptimizerFactory
+from parc.compiler.optimizers import param_group_map
 from parc.compiler.plan_schedule import HandSchedule
 from parc.compiler.rank_program import RankProgram, compile_rank
 from parc.dsl.ast import AXIS_DP, AXIS_PP, Precision, Spec
@@ -89,18 +90,14 @@ def compile(
     source = model if isinstance(model, ModelSource) else load_model(model)
     spec = override_compile(override_precision(as_spec(spec), precision).spec, compiled)
     device = device or device_for_rank()
+    factory = optimizer or source.configure_optimizer
     options = {"batch": batch, "seed": seed, "strict": strict, "schedule": schedule}
+    build = (spec, source, options, bucket_elems, factory)
     try:
-        comm, program, source = _deferred(spec, source, options, bucket_elems, device, weights)
+        comm, program, source = _deferred(*build, device, weights)
     except CannotDefer as why:
-        comm, program, source = _built_whole(spec, source, options, bucket_elems, why, weights)
-    parts = assemble(
-        program,
-        comm,
-        source=source,
-        optimizer=optimizer or source.configure_optimizer,
-        device=device,
-    )
+        comm, program, source = _built_whole(*build, why, weights)
+    parts = assemble(program, comm, source=source, optimizer=factory, device=device)
     _seed_random_streams(seed, comm.index(AXIS_DP), comm.index(AXIS_PP))
     return Program(parts)
 
@@ -110,6 +107,7 @@ def _deferred(
     source: ModelSource,
     options: dict[str, Any],
     bucket_elems: int,
+    factory: OptimizerFactory,
     device: torch.device,
     weights: str | Path | None,
 ) -> tuple[Comm, RankProgram, ModelSource]:
@@ -118,7 +116,8 @@ def _deferred(
     analysis = analyse(spec, source, deferred=True, **options)
     assert analysis.deferred is not None
     comm = build_comm(analysis.plan.mesh)
-    program = compile_rank(analysis, comm.coords, bucket_elems=bucket_elems)
+    groups = _groups(analysis, factory)
+    program = compile_rank(analysis, comm.coords, bucket_elems=bucket_elems, groups=groups)
     # The same outcome on every rank.
     materialise(program, analysis.deferred, source, device, weights)
     return comm, program, analysis.source
@@ -129,6 +128,7 @@ def _built_whole(
     source: ModelSource,
     options: dict[str, Any],
     bucket_elems: int,
+    factory: OptimizerFactory,
     why: CannotDefer,
     weights: str | Path | None,
 ) -> tuple[Comm, RankProgram, ModelSource]:
@@ -141,7 +141,17 @@ def _built_whole(
         load_full(analysis.model, weights)
     comm = build_comm(analysis.plan.mesh)
     warnings.warn(_fallback_words(analysis, why), CannotDeferWarning, stacklevel=3)
-    return comm, compile_rank(analysis, comm.coords, bucket_elems=bucket_elems), analysis.source
+    groups = _groups(analysis, factory)
+    program = compile_rank(analysis, comm.coords, bucket_elems=bucket_elems, groups=groups)
+    return comm, program, analysis.source
+
+
+def _groups(analysis: Analysis, factory: OptimizerFactory) -> dict[str, int] | None:
+    """The parameter groups of the optimizer the program runs, when it is not the model
+    file's (whose `analysis.groups` are): ZeRO's flat units never mix two."""
+    if not analysis.plan.zero or factory is analysis.source.configure_optimizer:
+        return None
+    return param_group_map(factory, list(analysis.model.named_parameters()))
 
 
 def _fallback_words(analysis: Analysis, why: CannotDefer) -> str:

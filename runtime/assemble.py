@@ -20,7 +20,7 @@ Algorithm:
    stage forward runs under `torch.autocast(device.type, dtype=torch.bfloat16)`.
 5. The optimizer: the model's `configure_optimizer`, refused where the layout
    would change what it computes (compiler/optimizers.py), rebuilt over the
-   flat shards under ZeRO (one parameter group required). Under ZeRO-3 the
+   flat shards under ZeRO (each shard in its parameters' group). Under ZeRO-3 the
    factory sees stand-ins of the whole parameters (no rank holds them). Under
    bf16 it steps the fp32 masters: at zero 0 the factory is given them (its
    parameter groups kept), under ZeRO fp32 stand-ins, rebuilt over the master
@@ -40,7 +40,7 @@ import torch.fx
 from parc.compiler.model import ModelSource
 from parc.compiler.optimizer_factory import OptimizerFactory
 from parc.compiler.optimizer_rebuild import rebuilt_like
-from parc.compiler.optimizers import check_optimizer, factory_origin, zero_groups_message
+from parc.compiler.optimizers import check_optimizer, factory_origin
 from parc.compiler.plan import Plan
 from parc.compiler.rank_program import RankProgram, TiedGroup
 from parc.dsl.ast import AXIS_DP, Precision
@@ -87,7 +87,7 @@ def assemble(
     sync, forward_contexts = _gradient_sync(program, comm, device)
     # Step 5
     local = _factory_params(program, device, sync)
-    opt = _optimizer(optimizer, source, plan, local, sync.optimizer_params())
+    opt = _optimizer(optimizer, source, plan, dict(zip(program.params, local, strict=True)), sync)
     # Step 6
     return ProgramParts(
         plan=plan,
@@ -205,22 +205,46 @@ def _optimizer(
     factory: OptimizerFactory,
     source: ModelSource,
     plan: Plan,
-    params: list[torch.nn.Parameter],
-    shards: list[torch.nn.Parameter],
+    params: dict[str, torch.nn.Parameter],
+    sync: GradientSync,
 ) -> torch.optim.Optimizer:
-    """The factory's optimizer over this rank's parameters, or rebuilt over its ZeRO shards.
+    """The factory's optimizer over this rank's parameters (`params`, by canonical name),
+    or rebuilt over its ZeRO shards, each shard in the group of the parameters it holds
+    (ZeRO's units never mix two groups: compiler/layout.py `flat_units`).
 
     Refuses (ParcError, on every rank alike) an optimizer the layout would make
     train a different model (compiler/optimizers.py): not elementwise under ZeRO
     or tp, cross-tensor under pp, or closure-based anywhere.
     """
-    opt = checked_optimizer(factory(params), source.path)
+    opt = checked_optimizer(factory(list(params.values())), source.path)
     origin, file = factory_origin(factory, source)
     check_optimizer(opt, plan, origin=origin, file=file)
     if plan.zero == 0:
         return opt
-    if len(opt.param_groups) != 1:
-        message, hint = zero_groups_message(len(opt.param_groups), origin)
-        raise ParcError(message, hint=hint)
-    new: torch.optim.Optimizer = rebuilt_like(opt, shards)
+    where = {id(p): g for g, group in enumerate(opt.param_groups) for p in group["params"]}
+    groups: list[list[torch.nn.Parameter]] = [[] for _ in opt.param_groups]
+    for names, stepped in zip(sync.optimizer_units(), sync.optimizer_params(), strict=True):
+        found = {where.get(id(params[n]), -1) for n in names}
+        if len(found) > 1:
+            raise ParcError(_mixed_groups(origin, names, found), hint=_MIXED_HINT)
+        (group,) = found
+        if group >= 0:  # a parameter in no group is never stepped, as on one device
+            groups[group].append(stepped)
+    new: torch.optim.Optimizer = rebuilt_like(opt, groups)
     return new
+
+
+_MIXED_HINT = (
+    "choose each parameter's group from the parameter alone (its shape, dtype or name), "
+    "the same whichever parameters the factory is given"
+)
+
+
+def _mixed_groups(origin: str, names: tuple[str, ...], found: set[int]) -> str:
+    return (
+        f"{origin} put parameters of one ZeRO flat unit ({', '.join(names[:4])}"
+        + (", ..." if len(names) > 4 else "")
+        + f") in different parameter groups ({', '.join(map(str, sorted(found)))}) on this "
+        "rank; parc laid the units out by the groups it made of the whole model's "
+        "parameters, which differ"
+    )

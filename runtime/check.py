@@ -40,7 +40,6 @@ from parc.compiler.frontend import as_spec
 from parc.compiler.model import ModelSource, default_optimizer, load_model
 from parc.compiler.plan import Plan
 from parc.dsl.ast import Precision, Spec
-from parc.errors import ParcError
 from parc.precision import override_compile, override_precision
 
 from .calibration import (
@@ -193,7 +192,7 @@ def _before_launch(
         from parc.runtime.hf_weights import check_weights
 
         check_weights(weights, analysis.model)
-    opt_class = _check_optimizer(source, optimizer, analysis.plan, lr_schedule, analysis.model)
+    opt_class = _check_optimizer(source, optimizer, analysis.plan, lr_schedule)
     return analysis.plan, opt_class
 
 
@@ -300,32 +299,17 @@ def precision_gap(mixed: dict[str, Any], fp32: dict[str, Any]) -> PrecisionGap:
 
 
 def _check_optimizer(
-    source: ModelSource,
-    name: str,
-    plan: Any,
-    schedule: Schedule | None = None,
-    model: torch.nn.Module | None = None,
+    source: ModelSource, name: str, plan: Any, schedule: Schedule | None = None
 ) -> str:
     """Refuse an optimizer the plan cannot run (as parc.compile would on every rank);
     its class name (`DEFAULT` and the call when the file defines none). Built on one
     small parameter: a factory that fails there raises its own error in the reference
-    run; under ZeRO once more on the `model`'s parameters, whose groups it may make.
-    `schedule`: the lr schedule both sides step, checked against that optimizer
+    run. `schedule`: the lr schedule both sides step, checked against that optimizer
     (runtime/schedules.py `check_schedule`)."""
-    from parc.compiler.optimizers import (
-        check_optimizer,
-        factory_origin,
-        parameter_groups,
-        zero_groups_message,
-    )
+    from parc.compiler.optimizers import check_optimizer, factory_origin
 
     factory = source.configure_optimizer if name == "model" else make_optimizer(name)
     check_schedule(schedule, source, factory)  # and the lr schedule over it
-    params = list(model.parameters()) if model is not None else []
-    groups = parameter_groups(factory, params) if plan.zero else 1
-    if groups > 1:
-        message, hint = zero_groups_message(groups, factory_origin(factory, source)[0])
-        raise ParcError(message, hint=hint)
     try:
         opt = factory([torch.nn.Parameter(torch.zeros(2, 3))])
     except Exception:

@@ -384,6 +384,12 @@ class GradSync:
             return [p for unit in self.units for p in unit.params]
         return [u.shard for u in self.units if u.shard is not None]
 
+    def optimizer_units(self) -> list[tuple[str, ...]]:
+        """The parameters each tensor of `optimizer_params()` holds (canonical names)."""
+        if self.zero == 0:
+            return [(name,) for unit in self.units for name in unit.spec.params]
+        return [u.spec.params for u in self.units if u.shard is not None]
+
     def after_step(self) -> None:
         """Under bf16 the compute copies are written from the masters (their gradients
         dropped); ZeRO-1/2: all-gather the updated shards into the flat parameters."""

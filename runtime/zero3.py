@@ -310,6 +310,10 @@ class Zero3:
         """What the optimizer steps: the shards, or under bf16 their fp32 masters."""
         return list(self.shards if self.masters is None else self.masters.masters)
 
+    def optimizer_units(self) -> list[tuple[str, ...]]:
+        """The parameters each tensor of `optimizer_params()` holds (canonical names)."""
+        return [unit.params for unit in self.units]
+
     def full_local(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's whole (tensor-parallel local) value of parameter `name`, uncounted,
         in `out` (contiguous, its shape and dtype) or a fresh tensor: assembled from the

@@ -244,12 +244,12 @@ def test_zero_refuses_an_optimizer_whose_settings_a_rebuild_would_lose() -> None
     assert problem is not None and "scale=0.01 (rebuilt: 1.0)" in problem
     assert optimizer_problem(opt, _plan(zero=0)) is None  # used as built: nothing lost
     with pytest.raises(ParcError, match=r"scale=0\.01"):
-        rebuilt_like(opt, [torch.nn.Parameter(torch.zeros(3))])
+        rebuilt_like(opt, [[torch.nn.Parameter(torch.zeros(3))]])
 
 
 def test_a_rebuild_passes_the_constructor_keywords_the_groups_hold() -> None:
     # A required `lr` made the rebuild raise, and the probe call the class "not elementwise".
     opt = _LrRequired([torch.nn.Parameter(torch.zeros(2, 3))], lr=0.05)
     assert locality_of(opt) is Locality.ELEMENTWISE
-    new = rebuilt_like(opt, [torch.nn.Parameter(torch.zeros(3))])
+    new = rebuilt_like(opt, [[torch.nn.Parameter(torch.zeros(3))]])
     assert type(new) is _LrRequired and new.param_groups[0]["lr"] == 0.05

@@ -1,72 +1,121 @@
-"""An optimizer of several parameter groups (tests/models/decay_groups.py: decay on the
-matrices, none on the biases) under ZeRO, which needs one group (runtime/assemble.py).
+"""An optimizer of several parameter groups under ZeRO (tests/models/decay_groups.py:
+AdamW with weight decay 0.1 on the matrices and none on the biases, the optimizer most
+training scripts write).
 
-Before, `parc compile` printed the plan without a word, `parc plan` proposed `zero 1`
-for such a model, and only the launched ranks refused it. Now compile warns at the
-`zero` line (the optimizer is built on the model's own parameters, which its groups
-are made from) and the planner keeps such a model at zero 0.
+ZeRO flattens parameters into units and steps each rank's shard of a unit as one
+tensor, so it took exactly one group: `parc check` and the ranks refused this model
+under `zero 1/2/3`. Now the units never mix two groups (compiler/layout.py
+`flat_units`, from the groups the optimizer makes of the model's parameters:
+compiler/optimizers.py `param_group_map`) and each shard is stepped in its
+parameters' group (runtime/assemble.py `_optimizer`). Equivalence is checked at the
+calibrated bounds of `parc check` (runtime/calibration.py).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import Any, cast
 
 import pytest
-from helpers import ROOT, parc_main
+import torch
+from helpers import ROOT
 
 from parc.compiler.frontend import analyse
 from parc.compiler.model import load_model
+from parc.compiler.optimizers import param_group_map
 from parc.compiler.planner.model_profile import profile_model
 from parc.compiler.planner.search import _zero_levels
+from parc.compiler.rank_program import compile_rank
+from parc.errors import ParcError
+from parc.runtime.assemble import _optimizer
+from parc.runtime.check import compare_in_pool
+from parc.runtime.equivalence import model_env
 
 MODEL = str(ROOT / "tests" / "models" / "decay_groups.py")
+SMALL = {"MLP_LAYERS": "3", "MLP_DIM": "16"}
 
 
-@pytest.mark.parametrize("zero", [1, 2, 3])
-def test_compile_warns_at_the_zero_line(zero: int) -> None:
-    plan = analyse(f"mesh dp=2\nzero {zero}\n", MODEL, batch=8).plan
-    found = [w for w in plan.warnings if "parameter groups" in w.message]
-    assert len(found) == 1, plan.warnings
-    assert "made 2 parameter groups" in found[0].message
-    assert found[0].span is not None and found[0].span.line == 2
+def test_no_unit_mixes_two_groups() -> None:
+    with model_env(SMALL):
+        for zero in (1, 3):
+            analysis = analyse(f"mesh dp=2\nzero {zero}\n", MODEL, batch=8)
+            groups = analysis.groups
+            assert {g for n, g in groups.items() if n.endswith("bias")} == {1}
+            assert {g for n, g in groups.items() if n.endswith("weight")} == {0}
+            units = compile_rank(analysis, {"dp": 0}, bucket_elems=10**9).units
+            assert len(units) >= 2
+            for unit in units:
+                assert len({groups[n] for n in unit.params}) == 1, unit.params
 
 
-def test_no_warning_without_zero() -> None:
-    plan = analyse("mesh dp=2\n", MODEL, batch=8).plan
-    assert not [w for w in plan.warnings if "parameter groups" in w.message]
+def test_zero_0_keeps_its_buckets_whole() -> None:
+    with model_env(SMALL):
+        analysis = analyse("mesh dp=2\n", MODEL, batch=8)
+        assert analysis.groups == {}
+        assert len(compile_rank(analysis, {"dp": 0}, bucket_elems=10**9).units) == 1
 
 
-def test_the_planner_keeps_such_a_model_at_zero_0() -> None:
+def test_one_group_or_a_failing_factory_maps_nothing() -> None:
+    with model_env(SMALL):
+        named = list(load_model(MODEL).build().named_parameters())
+    assert param_group_map(lambda ps: torch.optim.SGD(ps, lr=0.1), named) == {}
+    assert param_group_map(lambda ps: 1 / 0, named) == {}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "spec",
+    [f"mesh dp=2\nzero {z}\n" for z in (1, 2, 3)]
+    + [f"mesh dp=2\nzero {z}\nprecision bf16\n" for z in (1, 3)],
+    ids=["zero1", "zero2", "zero3", "zero1-bf16", "zero3-bf16"],
+)
+def test_each_group_trains_as_on_one_device(gloo_pool: Any, spec: str) -> None:
+    comparison, twin = compare_in_pool(
+        gloo_pool(2), spec, MODEL, steps=4, batch=8, optimizer="model", env=SMALL
+    )
+    assert twin is None
+    assert comparison.ok, comparison.describe()
+
+
+@pytest.mark.multiprocess
+def test_biases_stepped_with_the_matrices_decay_would_be_seen(gloo_pool: Any) -> None:
+    # The bug this layout prevents: every shard stepped with group 0's settings. The
+    # model file's DECAY_ALL=1 gives the biases decay in the parallel run only.
+    comparison, _ = compare_in_pool(
+        gloo_pool(2),
+        "mesh dp=2\nzero 1\n",
+        MODEL,
+        steps=4,
+        batch=8,
+        optimizer="model",
+        env={**SMALL, "DECAY_ALL_PARALLEL": "1"},
+    )
+    assert not comparison.ok
+    assert comparison.bad_param is not None and comparison.bad_param.endswith("bias")
+
+
+def test_the_planner_tries_every_zero_level() -> None:
     profile = profile_model(load_model(MODEL), gpus_per_node=2)
-    assert profile.groups == 2
-    assert _zero_levels(profile, dp=2) == (0,)
+    assert _zero_levels(profile, dp=2) == (0, 1, 2, 3)
 
 
-def test_parc_check_refuses_it_before_any_rank_starts(
-    tmp_path: Path, capfd: pytest.CaptureFixture[str]
-) -> None:
-    code, _ = parc_main(tmp_path, "zero1.par", "mesh dp=2\nzero 1\n", "check", MODEL)
-    out, err = capfd.readouterr()
-    assert code == 2, out + err
-    assert "made 2 parameter groups" in err and "raised by ranks" not in err
-    assert "Traceback" not in out + err
+class _OneUnit:
+    """A sync whose one flat shard holds parameters `a` and `b` (runtime/sync_protocol.py)."""
+
+    def optimizer_units(self) -> list[tuple[str, ...]]:
+        return [("a", "b")]
+
+    def optimizer_params(self) -> list[torch.nn.Parameter]:
+        return [torch.nn.Parameter(torch.zeros(4))]
 
 
-def test_parc_check_names_parcs_default_optimizer(
-    tmp_path: Path, capfd: pytest.CaptureFixture[str]
-) -> None:
-    # tests/models/forward_returns_tuple.py defines no configure_optimizer.
-    plain = str(ROOT / "tests" / "models" / "forward_returns_tuple.py")
-    code, _ = parc_main(tmp_path, "dp2.par", "mesh dp=2\n", "check", plain)
-    out, err = capfd.readouterr()
-    assert code == 0, out + err
-    assert "parc's default AdamW(lr=0.0003) (the model file defines no configure_optimizer)" in out
+def test_groups_that_change_with_the_call_are_refused_naming_the_unit() -> None:
+    with model_env(SMALL):
+        plan = analyse("mesh dp=2\nzero 1\n", MODEL, batch=8).plan
+    params = {"a": torch.nn.Parameter(torch.zeros(2)), "b": torch.nn.Parameter(torch.zeros(2))}
 
+    def by_position(ps: Any) -> torch.optim.Optimizer:  # groups from the call, not the tensor
+        ps = list(ps)
+        return torch.optim.AdamW([{"params": ps[:1]}, {"params": ps[1:], "weight_decay": 0}])
 
-def test_the_plan_says_why_zero_is_left_out() -> None:
-    from parc.compiler.planner.advise import plan_model
-    from parc.compiler.planner.format import format_plan
-
-    cluster = "nodes=1 gpus=2 mem=80GiB tflops=400 fp32_tflops=30 intra=450GB/s inter=50GB/s"
-    text = format_plan(plan_model(MODEL, cluster, batch=8))
-    assert "makes 2 parameter groups, and ZeRO needs one" in text, text
+    with pytest.raises(ParcError, match=r"one ZeRO flat unit \(a, b\) in different parameter"):
+        _optimizer(by_position, load_model(MODEL), plan, params, cast(Any, _OneUnit()))

@@ -50,7 +50,6 @@ from ..model import ModelSource, owns_loss
 from ..model_output import input_tensors
 from ..node_meta import meta_of
 from ..ops.collectives import CommKind
-from ..optimizers import parameter_groups
 from ..passes.placement import Partial, Shard
 from ..passes.tp_loss import loss_on_shards, takes_shards
 from ..plan import Plan
@@ -134,7 +133,6 @@ class ModelProfile:
     """Per tp size, `sequence_parallel tp` added to those (where the analysis takes it)."""
     frozen: bool = False
     """The model has frozen parameters (requires_grad=False), which `zero 3` refuses."""
-    groups: int = 1  # the parameter groups its optimizer makes of them (ZeRO takes 1)
     built: torch.dtype | None = None  # its parameters' dtype when not float32 (built_dtype)
 
 
@@ -212,7 +210,6 @@ def _profile(
         sequence=sequence,
         frozen=any(not p.requires_grad for p in model.parameters()),
         built=built_dtype(model),
-        groups=parameter_groups(source.configure_optimizer, list(model.parameters())),
     )
 
 

@@ -149,10 +149,9 @@ def _candidates(
 
 
 def _zero_levels(profile: ModelProfile, dp: int) -> tuple[int, ...]:
-    """The zero levels a dp size is tried with: 1-3 only with dp > 1 and an optimizer of
-    one parameter group (runtime/assemble.py refuses more), and not 3 for a model with
-    frozen parameters (model_state.check_frozen refuses it)."""
-    if dp == 1 or profile.groups > 1:
+    """The zero levels a dp size is tried with: 1-3 only with dp > 1, and not 3 for a
+    model with frozen parameters (model_state.check_frozen refuses it)."""
+    if dp == 1:
         return (0,)
     return (0, 1, 2) if profile.frozen else (0, 1, 2, 3)
 
@@ -204,12 +203,6 @@ def _why(
         return f"not possible: {sizes or 'one GPU per node, and TP stays inside a node'}"
     if cluster.world == 1:
         return "not possible: one GPU"
-    zero = family in (Family.ZERO_1_2, Family.ZERO_3)
-    if zero and profile.groups > 1:
-        return (
-            f"not possible: the model's optimizer makes {profile.groups} parameter groups, "
-            "and ZeRO needs one"
-        )
     if family is Family.ZERO_3 and profile.frozen:
         return "not possible: the model has frozen parameters, which zero 3 refuses"
     units = len(profile.units)

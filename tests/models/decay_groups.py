@@ -1,20 +1,28 @@
 """examples/mlp.py with the optimizer most training scripts write: AdamW with weight
-decay on the matrices and none on the biases (two parameter groups, chosen by shape)."""
+decay on the matrices and none on the biases (two parameter groups, chosen by shape).
+
+DECAY_ALL_PARALLEL=1 makes a bug on purpose: in a parallel run (torch.distributed
+initialised) the biases get the matrices' decay, as if every ZeRO shard were stepped
+with the first group's settings; the single-device reference keeps two groups."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 
-from parc.examples.mlp import build_model, sample_batch
+from parc.examples.mlp import build_model, loss_fn, sample_batch
 
-__all__ = ["build_model", "configure_optimizer", "sample_batch"]
+__all__ = ["build_model", "configure_optimizer", "loss_fn", "sample_batch"]
 
 
 def configure_optimizer(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
     params = list(params)
     decay = [p for p in params if p.dim() >= 2]
     rest = [p for p in params if p.dim() < 2]
+    if os.environ.get("DECAY_ALL_PARALLEL") == "1" and dist.is_initialized():
+        return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=1e-3)

@@ -119,3 +119,42 @@ def test_groups_that_change_with_the_call_are_refused_naming_the_unit() -> None:
 
     with pytest.raises(ParcError, match=r"one ZeRO flat unit \(a, b\) in different parameter"):
         _optimizer(by_position, load_model(MODEL), plan, params, cast(Any, _OneUnit()))
+
+
+def straight_and_resumed(spec: str, directory: str) -> dict[str, Any]:
+    """4 steps straight; then 2, save, a freshly compiled program, load, 2 more (a rank)."""
+    import torch.distributed as dist
+
+    from parc.api import compile as parc_compile
+    from parc.runtime.checkpoint.store import load_checkpoint, save_checkpoint
+
+    with model_env(SMALL):
+        source = load_model(MODEL)
+        straight = parc_compile(spec, source, batch=8)
+        losses = [straight.step(*source.batch(8, s)) for s in range(4)]
+        first = parc_compile(spec, source, batch=8)
+        resumed = [first.step(*source.batch(8, s)) for s in range(2)]
+        save_checkpoint(first, directory, 2)
+        second = parc_compile(spec, source, batch=8)
+        start = load_checkpoint(second, directory)
+        resumed += [second.step(*source.batch(8, s)) for s in range(start, 4)]
+        mine = dist.get_rank() == 0
+        straight_params, resumed_params = straight.state_dict(), second.state_dict()  # all ranks
+        return {
+            "straight": losses,
+            "resumed": resumed,
+            "groups": [g["weight_decay"] for g in second.optimizer.param_groups],
+            "straight_params": straight_params if mine else {},
+            "resumed_params": resumed_params if mine else {},
+        }
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("zero", [1, 3])
+def test_a_resumed_run_keeps_each_groups_state(gloo_pool: Any, tmp_path: Any, zero: int) -> None:
+    spec = f"mesh dp=2\nzero {zero}\n"
+    result = gloo_pool(2).run(straight_and_resumed, spec, str(tmp_path))[0]
+    assert result["groups"] == [0.1, 0.0]
+    assert result["resumed"] == result["straight"], "losses after resuming differ"
+    for name, value in result["straight_params"].items():
+        assert torch.equal(result["resumed_params"][name], value), name

@@ -58,6 +58,7 @@ from .equivalence import (
     reference_run,
 )
 from .schedules import Schedule, check_schedule
+from .twins import Variant
 
 __all__ = [
     "OPTIMIZERS",
@@ -228,35 +229,56 @@ class _Measured:
 def _measure(
     pool: Any, spec_text: str, model_file: str, runs: _Runs, *, fault: str | None
 ) -> _Measured:
-    """The fp32 reference and its noise twin here (the twin gate's pair), under bf16 the
-    bf16 reference and twin too; the program twice on `pool` (a gradient probe step,
-    then the training steps), compared with the pair of its precision."""
-    ref = fp32 = reference_run(model_file, **runs.kwargs())
-    twin = fp32_twin = reference_run(model_file, **runs.kwargs(), twin=True)
-    gap = None
-    if runs.precision is not Precision.FP32:
-        ref = reference_run(model_file, **runs.kwargs(precision=runs.precision))
-        twin = reference_run(model_file, **runs.kwargs(precision=runs.precision), twin=True)
-        gap = precision_gap(ref, fp32)
+    """The references here (`_References`); the program twice on `pool` (a gradient probe
+    step, then the training steps), compared with those of its precision."""
+    refs = _References.run(model_file, runs)
     case = (parallel_case, spec_text, model_file)
     # The probe writes step 0's gradients into the parameters: no lr, so no schedule.
     probe_kwargs = runs.kwargs(steps=1, optimizer="gradient", lr_schedule=None)
     probe = pool.run(*case, **probe_kwargs, fault=fault)
     results = pool.run(*case, **runs.kwargs(), fault=fault)
-    comparison = calibrated_compare(ref, twin, results[0], probe[0]["params"], runs.precision)
-    cal = calibration_for(runs.precision, ref["params"])
-    gate = fp32, fp32_twin
-    if calibration_for(Precision.FP32, fp32["params"]) is not CALIBRATIONS[Precision.FP32]:
-        # Built in bf16 / fp16: its loss is one ulp (~4e-3) from another order's, more than
-        # dropout moves it. Reversing the samples alone moves no sample's output (measured
-        # on a bf16 HF Llama: bit for bit), and the loss of their fp32 upcast resolves
-        # ~1e-7: that pair's step 0 tells order dependence.
-        one_step = runs.kwargs(steps=1)
-        gate = (
-            reference_run(model_file, **one_step, gate=True),
-            reference_run(model_file, **one_step, twin=True, gate=True),
-        )
-    return _Measured(comparison, twin_unstable(*gate), gap, cal)
+    comparison = calibrated_compare(
+        refs.ref, refs.twin, results[0], probe[0]["params"], runs.precision, split=refs.split
+    )
+    cal = calibration_for(runs.precision, refs.ref["params"])
+    return _Measured(comparison, twin_unstable(*refs.gate), refs.gap, cal)
+
+
+@dataclass(frozen=True, slots=True)
+class _References:
+    """The single-device runs a check compares with (runtime/twins.py)."""
+
+    ref: dict[str, Any]  # at the run's precision
+    twin: dict[str, Any]  # its noise twin
+    split: dict[str, Any]  # step 0 in two halves
+    gate: tuple[dict[str, Any], dict[str, Any]]  # the order-dependence gate's pair
+    gap: PrecisionGap | None  # under a mixed precision: one device's against its fp32
+
+    @staticmethod
+    def run(model_file: str, runs: _Runs) -> _References:
+        """The fp32 reference and its twin (the gate's pair), under bf16 the bf16 ones too,
+        and step 0 in halves at the run's precision."""
+        ref = fp32 = reference_run(model_file, **runs.kwargs())
+        twin = fp32_twin = reference_run(model_file, **runs.kwargs(), variant=Variant.TWIN)
+        gap = None
+        precision = runs.kwargs(precision=runs.precision)
+        if runs.precision is not Precision.FP32:
+            ref = reference_run(model_file, **precision)
+            twin = reference_run(model_file, **precision, variant=Variant.TWIN)
+            gap = precision_gap(ref, fp32)
+        split = reference_run(model_file, **{**precision, "steps": 1}, variant=Variant.SPLIT)
+        gate = fp32, fp32_twin
+        if calibration_for(Precision.FP32, fp32["params"]) is not CALIBRATIONS[Precision.FP32]:
+            # Built in bf16 / fp16: its loss is one ulp (~4e-3) from another order's, more
+            # than dropout moves it. Reversing the samples alone moves no sample's output
+            # (measured on a bf16 HF Llama: bit for bit), and the loss of their fp32 upcast
+            # resolves ~1e-7: that pair's step 0 tells order dependence.
+            one_step = runs.kwargs(steps=1)
+            gate = (
+                reference_run(model_file, **one_step, variant=Variant.GATE),
+                reference_run(model_file, **one_step, variant=Variant.GATE_TWIN),
+            )
+        return _References(ref, twin, split, gate, gap)
 
 
 def compare_in_pool(

@@ -49,6 +49,7 @@ from .tolerances import (
     SGD_MOMENTUM,
     Tolerance,
 )
+from .twins import Variant, halves, reversed_batch
 
 __all__ = [
     "ADAMW_LR",
@@ -115,24 +116,22 @@ def reference_run(
     seed: int = 0,
     optimizer: str = "sgd",
     env: dict[str, str] | None = None,
-    twin: bool = False,
+    variant: Variant = Variant.REFERENCE,
     weights: str | None = None,
     precision: Precision = Precision.FP32,
     clip: float | None = None,
     lr_schedule: Schedule | None = None,
-    gate: bool = False,
 ) -> dict[str, Any]:
     """Train the unmodified model on one process; losses per step, final parameters and
     buffers, the gradients of step 0 ("grads", by parameter name, after clipping) and each
     step's global gradient norm before clipping ("grad_norms").
 
-    `twin` runs the noise twin of runtime/calibration.py instead: the same
-    training, rounded differently (every batch in reverse sample order, every
-    module's output moved by one ulp). `gate`: a run of the order-dependence gate for a
-    model built in bf16 / fp16 (runtime/calibration.py `twin_unstable`): the loss
-    computed from an fp32 upcast of the output and, with `twin`, the batch reversed
-    without the nudge. `weights`: a checkpoint directory to start
-    from (runtime/hf_weights.py), as `parc.compile(weights=...)` does.
+    `variant` runs one of the runs `parc check` calibrates against instead
+    (runtime/twins.py): the noise twin (every batch in reverse sample order, every
+    module's output moved by one ulp), the batch in two halves, or the
+    order-dependence gate's pair for a model built in bf16 / fp16. `weights`: a
+    checkpoint directory to start from (runtime/hf_weights.py), as
+    `parc.compile(weights=...)` does.
     `lr_schedule`: the learning-rate schedule the run steps (without one, the model file's
     configure_scheduler if it has one, runtime/schedules.py). `precision` bf16: the
     mixed-precision recipe (runtime/master_weights.py `Recipe`);
@@ -142,15 +141,8 @@ def reference_run(
     with model_env(env):
         source = load_model(model_file)
         return _reference(
-            source, steps, batch, seed, optimizer, twin, weights, precision, clip, lr_schedule, gate
+            source, steps, batch, seed, optimizer, variant, weights, precision, clip, lr_schedule
         )
-
-
-def _flipped(inputs: Any) -> Any:
-    """The inputs in reverse sample order (a tensor, a tuple or a dict of tensors)."""
-    if isinstance(inputs, dict):
-        return {k: v.flip(0) for k, v in inputs.items()}
-    return tuple(x.flip(0) for x in input_tensors(inputs))
 
 
 def _reference(
@@ -159,12 +151,11 @@ def _reference(
     batch: int,
     seed: int,
     optimizer: str,
-    twin: bool = False,
+    variant: Variant = Variant.REFERENCE,
     weights: str | None = None,
     precision: Precision = Precision.FP32,
     clip: float | None = None,
     lr_schedule: Schedule | None = None,
-    gate: bool = False,
 ) -> dict[str, Any]:
     torch.manual_seed(seed)
     model = source.build()
@@ -172,7 +163,7 @@ def _reference(
         from .hf_weights import load_full
 
         load_full(model, weights)
-    if twin and not gate:
+    if variant.nudges:
         nudge_outputs(model)
     recipe = Recipe.of(model, precision)
     # Everything below is the user's code on plain PyTorch: its errors are the model
@@ -183,14 +174,9 @@ def _reference(
         scheduler = _scheduler(opt, optimizer, lr_schedule, source)  # as the parallel run's
     losses, grads, norms = [], {}, []
     for step in range(steps):
-        inputs, targets = source.batch(batch, step)
-        if twin:
-            inputs, targets = _flipped(inputs), targets.flip(0)
         opt.zero_grad(set_to_none=True)
         model.zero_grad(set_to_none=True)  # under bf16 the compute copies' (opt: masters')
-        loss = _reference_loss(source, model, recipe, inputs, targets, step, fp32_loss=gate)
-        with user_code(path, f"the backward of the loss {ref}", step=step):
-            loss.backward()
+        losses.append(_forward_backward(source, model, recipe, step, batch, variant))
         recipe.load_grads()
         norms.append(_clipped(recipe.stepped(), clip))
         if step == 0:
@@ -202,7 +188,6 @@ def _reference(
             opt.step()
             step_scheduler(scheduler)
         recipe.write_back()
-        losses.append(float(loss.detach()))
     params = {n: p.detach().clone() for n, p in recipe.named_stepped()}
     buffers = _buffers(model, recipe)
     return {
@@ -212,6 +197,32 @@ def _reference(
         "grads": grads,
         "grad_norms": norms,
     }
+
+
+def _forward_backward(
+    source: ModelSource,
+    model: torch.nn.Module,
+    recipe: Recipe,
+    step: int,
+    batch: int,
+    variant: Variant,
+) -> float:
+    """One step's forward and backward of the reference (or of `variant`: the batch
+    reversed, or in two halves each weighted by its share); the step's loss."""
+    inputs, targets = source.batch(batch, step)
+    if variant.reverses:
+        inputs, targets = reversed_batch(inputs, targets)
+    parts = halves(inputs, targets) if variant is Variant.SPLIT else [(inputs, targets, 1.0)]
+    done = []
+    for rows, ys, share in parts:
+        part = _reference_loss(source, model, recipe, rows, ys, step, variant.fp32_loss)
+        with user_code(source.path, f"the backward of the loss {_REF}", step=step):
+            (part * share if share != 1.0 else part).backward()
+        done.append(float(part.detach()) * share)
+    return done[0] if len(done) == 1 else sum(done)
+
+
+_REF = "in the single-device reference run"
 
 
 def _reference_loss(

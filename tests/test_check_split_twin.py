@@ -1,0 +1,63 @@
+"""`parc check` on a gradient that nearly cancels: the split twin (runtime/twins.py).
+
+BERT's 2-label classifier bias gradient is the batch mean of softmax minus one-hot;
+with balanced labels it cancels to 3.7e-4 while its terms are ~0.06. dp=2 averages
+the halves' means, which rounds it 1.05e-8 away; the noise twin (reversed, nudged)
+rounded it bit for bit the same, and the floor scales with the cancelled value, so
+a correct run was 42x past its bound (found by a probe over HF models). Step 0's
+gradients are now also held to the reference run in two halves, whichever of the
+two is farther; a split whose loss is not the reference's up to rounding (a loss
+that is no mean over samples, or samples that interact) is not used.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from helpers import ROOT
+
+from parc.runtime.calibration import _split_noise
+from parc.runtime.check import compare_in_pool
+
+pytestmark = [pytest.mark.timeout(300)]
+
+BERT = str(ROOT / "tests" / "models" / "hf" / "bert_classifier.py")
+BALANCED = {"BERT_SEED_OFFSET": "505"}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("fault", "equivalent"), [(None, True), ("skip-grad-sync", False), ("grad-scale", False)]
+)
+def test_a_cancelling_bias_gradient_is_judged_at_the_splits_rounding(
+    gloo_pool: Any, fault: str | None, equivalent: bool
+) -> None:
+    comparison, twin = compare_in_pool(
+        gloo_pool(2), "mesh dp=2\n", BERT, steps=3, batch=8, env=BALANCED, fault=fault
+    )
+    assert twin is None
+    assert comparison.ok is equivalent, comparison.describe()
+    if equivalent:
+        assert comparison.grad_margin < 0.5
+    else:
+        assert comparison.bad_grad is not None
+
+
+def _run(loss: float, grad: float) -> dict[str, Any]:
+    return {"losses": [loss], "grads": {"b": torch.tensor([grad])}}
+
+
+def test_the_farther_of_twin_and_split_bounds_each_gradient() -> None:
+    ref, twin = _run(1.0, 0.5), _run(1.0, 0.5)
+    picked = _split_noise(ref, twin, _run(1.0 + 1e-7, 0.5 + 1e-6))
+    assert float(picked["b"]) == pytest.approx(0.5 + 1e-6)
+    assert float(_split_noise(ref, _run(1.0, 0.75), _run(1.0, 0.5 + 1e-6))["b"]) == 0.75
+
+
+def test_a_split_that_changes_the_loss_is_not_used() -> None:
+    # BatchNorm over half batches, a summed loss or uneven ignored targets: not rounding.
+    ref, twin = _run(1.0, 0.5), _run(1.0, 0.5)
+    assert float(_split_noise(ref, twin, _run(1.01, 0.9))["b"]) == 0.5
+    assert float(_split_noise(ref, twin, None)["b"]) == 0.5

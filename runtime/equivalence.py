@@ -1,8 +1,8 @@
 """The equivalence check: a parallel run against one device (docs/architecture.md, Equivalence).
 
 Reference: the unmodified model on one process, same initial weights (same
-seed), same global batches, same optimizer (runtime/reference.py). Parallel: the compiled program on a
-gloo world. Compare the loss at every step, and every parameter and persistent
+seed), same global batches, same optimizer (runtime/reference.py). Parallel: the
+compiled program on a gloo world. Compare the loss at every step, and every parameter and persistent
 buffer (BatchNorm's running statistics, counters) after the last.
 
 The tolerances, with the measurements behind them, are in runtime/tolerances.py

@@ -23,6 +23,19 @@ ROOT = Path(__file__).resolve().parent.parent
 GPT = str(ROOT / "examples" / "gpt.py")
 MLP = str(ROOT / "examples" / "mlp.py")
 LLAMA = str(ROOT / "examples" / "llama.py")
+# Megatron's plan for a Hugging Face Llama (model.layers[i].self_attn / .mlp).
+HF_LLAMA_TP = "".join(
+    f"shard model.layers[*].{module} {kind} tp\n"
+    for module, kind in [
+        ("self_attn.q_proj", "col"),
+        ("self_attn.k_proj", "col"),
+        ("self_attn.v_proj", "col"),
+        ("self_attn.o_proj", "row"),
+        ("mlp.gate_proj", "col"),
+        ("mlp.up_proj", "col"),
+        ("mlp.down_proj", "row"),
+    ]
+)
 
 
 def thorough() -> bool:

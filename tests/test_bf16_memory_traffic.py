@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import GPT, ci_rows, world_size
+from helpers import GPT, HF_LLAMA_TP, ci_rows, world_size
 from measure import measure_rank
 from peak_memory import measure_peak
 
@@ -204,18 +204,7 @@ def test_bytes_sent_are_the_estimated_ones(
 
 
 HF_LLAMA = "tests/models/hf/llama.py"
-HF_TP = "".join(
-    f"shard model.layers[*].{m} {k} tp\n"
-    for m, k in [
-        ("self_attn.q_proj", "col"),
-        ("self_attn.k_proj", "col"),
-        ("self_attn.v_proj", "col"),
-        ("self_attn.o_proj", "row"),
-        ("mlp.gate_proj", "col"),
-        ("mlp.up_proj", "col"),
-        ("mlp.down_proj", "row"),
-    ]
-)
+HF_TP = HF_LLAMA_TP
 
 
 def test_an_hf_llama_sends_the_estimated_bytes_across_its_fp32_norm_internals(

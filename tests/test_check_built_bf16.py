@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import ROOT
+from helpers import HF_LLAMA_TP, ROOT
 
 from parc.dsl.ast import Precision
 from parc.runtime.calibration import CALIBRATIONS, calibration_for, tensor_bounds
@@ -27,18 +27,7 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.multiprocess]
 MLP_BF16 = str(ROOT / "tests" / "models" / "mlp_bf16.py")
 LLAMA_BF16 = str(ROOT / "tests" / "models" / "hf" / "llama_bf16.py")
 DP2 = "mesh dp=2\n"
-TP2 = "mesh tp=2\n" + "".join(
-    f"shard model.layers.*.{m} {kind} tp\n"
-    for m, kind in [
-        ("self_attn.q_proj", "col"),
-        ("self_attn.k_proj", "col"),
-        ("self_attn.v_proj", "col"),
-        ("self_attn.o_proj", "row"),
-        ("mlp.gate_proj", "col"),
-        ("mlp.up_proj", "col"),
-        ("mlp.down_proj", "row"),
-    ]
-)
+TP2 = "mesh tp=2\n" + HF_LLAMA_TP
 
 
 @pytest.mark.parametrize(

@@ -235,6 +235,18 @@ def _pad(n: int, dp: int) -> int:
     return math.ceil(n / dp) * dp if n else 0
 
 
+def _by_kind(
+    bucket: list[tuple[str, int]], kind: Mapping[str, Hashable]
+) -> list[list[tuple[str, int]]]:
+    """A bucket's parameters as one unit per kind, each in the bucket's order: a model
+    alternating weights with decay and biases without keeps a bucket's two flat buffers,
+    not one per parameter."""
+    out: dict[Hashable, list[tuple[str, int]]] = {}
+    for name, numel in bucket:
+        out.setdefault(kind.get(name), []).append((name, numel))
+    return list(out.values())
+
+
 def flat_units(
     params: list[tuple[str, int, str]],
     *,
@@ -246,8 +258,9 @@ def flat_units(
 ) -> tuple[FlatUnit, ...]:
     """Group (name, local numel, owner module) in order of first use into flat units.
 
-    ZeRO-3: one unit per owner (`zero3_owner`), in order of use. Otherwise: buckets in
-    reverse order of use, each closed once it reaches `bucket_elems`. A name in
+    ZeRO-3: one unit per owner (`zero3_owner`) and kind, in order of use. Otherwise:
+    buckets in reverse order of use, each closed once it reaches `bucket_elems`, then a
+    unit per kind in it (`_by_kind`). A name in
     `solo` (a weight tied across stages) is a unit of its own, so every stage
     holding it lays it out the same way and their gradients can be summed. A unit
     is one flat buffer stepped as one tensor, so it holds one kind (`kinds`, name ->
@@ -272,16 +285,13 @@ def flat_units(
             if name in solo:
                 groups.append([(name, numel)])
                 continue
-            if current and kind.get(current[-1][0]) != kind.get(name):
-                groups.append(current)  # another kind: another flat buffer
-                current = []
             current.append((name, numel))
             if sum(n for _, n in current) >= limit:
-                groups.append(current)
+                groups += _by_kind(current, kind)
                 current = []
                 limit = bucket_elems
         if current:
-            groups.append(current)
+            groups += _by_kind(current, kind)
     units = []
     for group in groups:
         numel = sum(n for _, n in group)

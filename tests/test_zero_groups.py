@@ -31,7 +31,9 @@ from parc.runtime.check import compare_in_pool
 from parc.runtime.equivalence import model_env
 
 MODEL = str(ROOT / "tests" / "models" / "decay_groups.py")
-SMALL = {"MLP_LAYERS": "3", "MLP_DIM": "16"}
+# An odd width: every unit's size is odd, so where units split (at group changes) decides
+# the padding a rank holds.
+SMALL = {"MLP_LAYERS": "3", "MLP_DIM": "15"}
 
 
 def test_no_unit_mixes_two_groups() -> None:
@@ -42,9 +44,11 @@ def test_no_unit_mixes_two_groups() -> None:
             assert {g for n, g in groups.items() if n.endswith("bias")} == {1}
             assert {g for n, g in groups.items() if n.endswith("weight")} == {0}
             units = compile_rank(analysis, {"dp": 0}, bucket_elems=10**9).units
-            assert len(units) >= 2
             for unit in units:
                 assert len({groups[n] for n in unit.params}) == 1, unit.params
+            # One bucket (zero 1): its two groups' units, not one per parameter. Zero 3:
+            # each module's weight and bias apart.
+            assert len(units) == (2 if zero == 1 else len(groups))
 
 
 def test_zero_0_keeps_its_buckets_whole() -> None:
@@ -158,3 +162,18 @@ def test_a_resumed_run_keeps_each_groups_state(gloo_pool: Any, tmp_path: Any, ze
     assert result["resumed"] == result["straight"], "losses after resuming differ"
     for name, value in result["straight_params"].items():
         assert torch.equal(result["resumed_params"][name], value), name
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_a_rank_holds_the_reported_bytes_with_groups(gloo_pool: Any, zero: int) -> None:
+    # The units split at group changes pad each group apart: the report lays them out so.
+    from test_bf16_memory_traffic import held_and_sent
+
+    spec = f"mesh dp=2\nzero {zero}\n"
+    with model_env(SMALL):
+        est = analyse(spec, MODEL, batch=8).estimate
+    for got in gloo_pool(2).run(held_and_sent, spec, MODEL, SMALL, 8):
+        mem = est.memory[got["rank"]]
+        want = {"params": mem.params, "optimizer": mem.optimizer, "grads": mem.grads}
+        assert {k: got[k] for k in want} == want, got["rank"]

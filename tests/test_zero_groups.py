@@ -81,6 +81,16 @@ def test_each_group_trains_as_on_one_device(gloo_pool: Any, spec: str) -> None:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_a_parameter_in_no_group_is_never_stepped(gloo_pool: Any, zero: int) -> None:
+    env = {**SMALL, "DECAY_LEAVE_OUT": "1"}
+    comparison, _ = compare_in_pool(
+        gloo_pool(2), f"mesh dp=2\nzero {zero}\n", MODEL, steps=3, batch=8, env=env
+    )
+    assert comparison.ok, comparison.describe()
+
+
+@pytest.mark.multiprocess
 def test_biases_stepped_with_the_matrices_decay_would_be_seen(gloo_pool: Any) -> None:
     # The bug this layout prevents: every shard stepped with group 0's settings. The
     # model file's DECAY_ALL=1 gives the biases decay in the parallel run only.
@@ -125,14 +135,14 @@ def test_groups_that_change_with_the_call_are_refused_naming_the_unit() -> None:
         _optimizer(by_position, load_model(MODEL), plan, params, cast(Any, _OneUnit()))
 
 
-def straight_and_resumed(spec: str, directory: str) -> dict[str, Any]:
+def straight_and_resumed(spec: str, directory: str, env: dict[str, str]) -> dict[str, Any]:
     """4 steps straight; then 2, save, a freshly compiled program, load, 2 more (a rank)."""
     import torch.distributed as dist
 
     from parc.api import compile as parc_compile
     from parc.runtime.checkpoint.store import load_checkpoint, save_checkpoint
 
-    with model_env(SMALL):
+    with model_env({**SMALL, **env}):
         source = load_model(MODEL)
         straight = parc_compile(spec, source, batch=8)
         losses = [straight.step(*source.batch(8, s)) for s in range(4)]
@@ -154,10 +164,17 @@ def straight_and_resumed(spec: str, directory: str) -> dict[str, Any]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("zero", [1, 3])
-def test_a_resumed_run_keeps_each_groups_state(gloo_pool: Any, tmp_path: Any, zero: int) -> None:
+@pytest.mark.parametrize(
+    ("zero", "leave_out"), [(1, False), (3, False), (0, True), (1, True), (3, True)]
+)
+def test_a_resumed_run_keeps_each_groups_state(
+    gloo_pool: Any, tmp_path: Any, zero: int, leave_out: bool
+) -> None:
+    # leave_out: a parameter in no group has no optimizer state to save or load (loading
+    # wanted it for every parameter and refused the checkpoint as incomplete).
     spec = f"mesh dp=2\nzero {zero}\n"
-    result = gloo_pool(2).run(straight_and_resumed, spec, str(tmp_path))[0]
+    env = {"DECAY_LEAVE_OUT": "1"} if leave_out else {}
+    result = gloo_pool(2).run(straight_and_resumed, spec, str(tmp_path), env)[0]
     assert result["groups"] == [0.1, 0.0]
     assert result["resumed"] == result["straight"], "losses after resuming differ"
     for name, value in result["straight_params"].items():

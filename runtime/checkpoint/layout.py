@@ -53,6 +53,7 @@ __all__ = [
     "ShardUnit",
     "flat_boxes",
     "model_pieces",
+    "optimized_names",
     "rank_layout",
     "shard_units",
     "stepped_params",
@@ -233,6 +234,16 @@ def stepped_params(parts: ProgramParts) -> list[tuple[str, torch.nn.Parameter]]:
         return []
     names = [name for unit in sync.units for name in unit.spec.params]
     return list(zip(names, _stepped(sync, len(names))))
+
+
+def optimized_names(parts: ProgramParts) -> set[str]:
+    """The parameters whose optimizer state this rank keeps: those its optimizer steps,
+    whole or in a ZeRO shard (a parameter its factory left out of every group, and a
+    frozen one, have none)."""
+    held = {id(p) for group in parts.optimizer.param_groups for p in group["params"]}
+    names = {name for name, p in stepped_params(parts) if id(p) in held}
+    names.update(n for u in shard_units(parts) if id(u.shard) in held for n in u.spec.params)
+    return names - set(parts.frozen)
 
 
 def _stepped(sync: GradSync | Zero3, count: int) -> list[torch.nn.Parameter]:

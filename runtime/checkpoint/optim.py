@@ -111,6 +111,8 @@ class OptimizerLoad:
                         self.pieces += layout.whole(key, name, entry[spec.name])
             return
         for unit in shard_units(parts):
+            if id(unit.shard) not in index:  # in no parameter group: never stepped, no state
+                continue
             i = index[id(unit.shard)]
             entry = self._state.setdefault(i, {})
             for spec in states:

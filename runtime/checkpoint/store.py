@@ -89,7 +89,7 @@ from .integrity import (
     reading,
     record_manifest,
 )
-from .layout import MODEL, OPTIM, model_pieces, rank_layout
+from .layout import MODEL, OPTIM, model_pieces, optimized_names, rank_layout
 from .manifest import write_manifest
 from .optim import GROUPS, OptimizerLoad, StateSpec, hyperparameters, optimizer_pieces
 from .planners import PieceLoadPlanner, PieceSavePlanner
@@ -195,8 +195,8 @@ def load_checkpoint(
     metadata = reader.read_metadata()
     check_parameters(metadata, parts.full_shapes, path)
     check_buffers(metadata, parts.buffers.shapes, path)
-    trained = {n: s for n, s in parts.full_shapes.items() if n not in parts.frozen}
-    states = _optimizer_states(metadata, trained, path)
+    stepped = {n: parts.full_shapes[n] for n in sorted(optimized_names(parts))}
+    states = _optimizer_states(metadata, stepped, path)
     if states and info.get("optimizer") != type(parts.optimizer).__name__:
         raise ParcError(
             f"checkpoint {path} holds {info.get('optimizer')} state; this program's optimizer "
@@ -258,7 +258,8 @@ def check_parameters(
 def _optimizer_states(
     metadata: Metadata, full_shapes: dict[str, tuple[int, ...]], path: Path
 ) -> list[StateSpec]:
-    """The optimizer states in the checkpoint; each must be there for every parameter."""
+    """The optimizer states in the checkpoint; each must be there for every parameter of
+    `full_shapes` (those this rank's optimizer steps)."""
     saved = metadata.state_dict_metadata
     found: dict[str, dict[str, TensorStorageMetadata]] = {}
     for key, entry in saved.items():

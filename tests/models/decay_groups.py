@@ -3,7 +3,9 @@ decay on the matrices and none on the biases (two parameter groups, chosen by sh
 
 DECAY_ALL_PARALLEL=1 makes a bug on purpose: in a parallel run (torch.distributed
 initialised) the biases get the matrices' decay, as if every ZeRO shard were stepped
-with the first group's settings; the single-device reference keeps two groups."""
+with the first group's settings; the single-device reference keeps two groups.
+DECAY_LEAVE_OUT=1 leaves the last bias (the head's) out of every group: it is never
+stepped, on one device as in parallel."""
 
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ def configure_optimizer(params: Iterable[torch.nn.Parameter]) -> torch.optim.Opt
     params = list(params)
     decay = [p for p in params if p.dim() >= 2]
     rest = [p for p in params if p.dim() < 2]
+    if os.environ.get("DECAY_LEAVE_OUT") == "1":
+        rest = rest[:-1]
     if os.environ.get("DECAY_ALL_PARALLEL") == "1" and dist.is_initialized():
         return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]

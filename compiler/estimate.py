@@ -263,7 +263,7 @@ def stage_units(
     slices = param_slices(plan, model)
     canonical = canonical_names(model)
     shapes = {canonical[n]: tuple(p.shape) for n, p in model.named_parameters()}
-    group = groups or {}
+    group = (groups or {}) if plan.zero else {}  # zero 0 steps parameters, not units
     kinds = {
         canonical[n]: (p.dtype, group.get(canonical[n], 0)) for n, p in model.named_parameters()
     }

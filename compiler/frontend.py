@@ -68,9 +68,10 @@ class Analysis:
     later batch must match beyond dim 0 (runtime/program.py, runtime/data.py)."""
     deferred: DeferredModel | None = None
     """With `analyse(deferred=True)`: the model's initial values, one tensor at a time."""
-    groups: Mapping[str, int] = dataclasses.field(default_factory=dict)
-    """Under ZeRO, parameter name -> its group in the model's optimizer
-    (compiler/optimizers.py `param_group_map`); ZeRO's flat units never mix two."""
+    groups: Mapping[str, int] | None = None
+    """Parameter name -> its group in the model's optimizer (compiler/optimizers.py
+    `param_group_map`; None when the factory fails on stand-ins): ZeRO's flat units never
+    mix two, and every rank's optimizer must make the same groups (runtime/assemble.py)."""
 
 
 def as_spec(spec: Spec | str | Path) -> Spec:
@@ -174,7 +175,7 @@ def _analyse(
         source.configure_optimizer, plan.precision, plan.reduce, built_dtype(built)
     )
     named = list(built.named_parameters())
-    groups = param_group_map(source.configure_optimizer, named) if plan.zero else {}
+    groups = param_group_map(source.configure_optimizer, named)
     costs = estimate(plan, gm, built, saved, memory=memory, loss_fn=source.loss_fn, groups=groups)
     return Analysis(spec, source, built, gm, plan, costs, saved, example, deferred, groups)
 

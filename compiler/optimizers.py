@@ -246,13 +246,14 @@ def _built(factory: object, params: list[torch.nn.Parameter]) -> torch.optim.Opt
 
 def param_group_map(
     factory: object, named: Sequence[tuple[str, torch.nn.Parameter]]
-) -> dict[str, int]:
+) -> dict[str, int] | None:
     """Parameter name -> the index of the parameter group the factory puts it in (-1: in
     none, so never stepped), from one call on stand-ins of the model's `named`
-    parameters (their shapes, dtypes and requires_grad, no memory); {} when
-    that is one group holding all of them, or when the factory fails on them (its own
-    error is raised when it runs). ZeRO's flat units never mix two groups
-    (compiler/layout.py `flat_units`), so each shard steps with its group's settings."""
+    parameters (their shapes, dtypes and requires_grad, no memory); None when the
+    factory fails on them (its own error is raised when it runs). ZeRO's flat units
+    never mix two groups (compiler/layout.py `flat_units`), so each shard steps with its
+    group's settings, and every rank's optimizer must put its parameters in these groups
+    (runtime/assemble.py)."""
     # Stand-ins, as ZeRO-3's factory call gets (runtime/assemble.py): real CPU tensors of
     # the parameters' shapes and dtypes that hold no memory, the model maybe on meta.
     stand_ins = [
@@ -261,10 +262,9 @@ def param_group_map(
     ]
     opt = _built(factory, stand_ins) if named else None
     if opt is None:
-        return {}
+        return None
     where = {id(p): g for g, group in enumerate(opt.param_groups) for p in group["params"]}
-    out = {name: where.get(id(p), -1) for (name, _), p in zip(named, stand_ins, strict=True)}
-    return {} if set(out.values()) == {0} else out
+    return {name: where.get(id(p), -1) for (name, _), p in zip(named, stand_ins, strict=True)}
 
 
 def _needs_closure(cls: type[torch.optim.Optimizer]) -> bool:

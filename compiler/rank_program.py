@@ -110,6 +110,10 @@ class RankProgram:
     frozen: frozenset[str] = frozenset()
     """Canonical names of the parameters that take no gradient (layout.frozen_params):
     in no unit, without optimizer state."""
+    groups: Mapping[str, int] | None = None
+    """Canonical parameter name -> its group in the optimizer the program runs, made of
+    the whole model's parameters (compiler/optimizers.py `param_group_map`; None when
+    unknown): ZeRO's units never mix two, and the rank's optimizer must agree."""
 
 
 def compile_rank(
@@ -119,10 +123,8 @@ def compile_rank(
     bucket_elems: int,
     groups: Mapping[str, int] | None = None,
 ) -> RankProgram:
-    """The program of the rank at `coords` (axis -> index; a missing axis is index 0).
-    `groups`: parameter name -> the group the optimizer the program runs puts it in
-    (compiler/optimizers.py `param_group_map`), which ZeRO's units never mix; default
-    the model's own optimizer's (`analysis.groups`)."""
+    """The program of the rank at `coords` (axis -> index; a missing axis is index 0);
+    `groups`: `RankProgram.groups`, default the model's own optimizer's."""
     plan, model = analysis.plan, analysis.model
     pp_index = coords.get(AXIS_PP, 0)
     # Step 1
@@ -133,8 +135,7 @@ def compile_rank(
     inputs = [n for n in analysis.gm.graph.nodes if n.op == "placeholder"]
     slices, names = _slices(analysis), state_names(model)
     # Step 2
-    tp_index = coords.get(plan.tp_axis, 0) if plan.tp_axis else 0
-    gm = _tensor_parallel(analysis, tp_index)
+    gm = _tensor_parallel(analysis, coords.get(plan.tp_axis, 0) if plan.tp_axis else 0)
     # Step 3
     every = pipeline_split(gm, plan)
     stages = {s.stage: s for s in every if plan.stage_to_rank[s.stage] == pp_index}
@@ -175,6 +176,7 @@ def compile_rank(
         buffers=buffers,
         regions=regions,
         frozen=frozen_params(model),
+        groups=analysis.groups if groups is None else groups,
     )
 
 

@@ -24,6 +24,7 @@ instead, with a warning saying why and what it costs.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -146,11 +147,11 @@ def _built_whole(
     return comm, program, analysis.source
 
 
-def _groups(analysis: Analysis, factory: OptimizerFactory) -> dict[str, int] | None:
-    """The parameter groups of the optimizer the program runs, when it is not the model
-    file's (whose `analysis.groups` are): ZeRO's flat units never mix two."""
-    if not analysis.plan.zero or factory is analysis.source.configure_optimizer:
-        return None
+def _groups(analysis: Analysis, factory: OptimizerFactory) -> Mapping[str, int] | None:
+    """The parameter groups the optimizer the program runs makes of the model's
+    parameters (the model file's: `analysis.groups`)."""
+    if factory is analysis.source.configure_optimizer:
+        return analysis.groups
     return param_group_map(factory, list(analysis.model.named_parameters()))
 
 

@@ -31,7 +31,7 @@ Algorithm:
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -44,7 +44,7 @@ from parc.compiler.optimizers import check_optimizer, factory_origin
 from parc.compiler.plan import Plan
 from parc.compiler.rank_program import RankProgram, TiedGroup
 from parc.dsl.ast import AXIS_DP, Precision
-from parc.errors import ParcError
+from parc.errors import ModelError, ParcError
 from parc.runtime.pipeline.executor import ForwardContext
 from parc.runtime.pipeline.user_checks import checked_optimizer
 
@@ -87,7 +87,8 @@ def assemble(
     sync, forward_contexts = _gradient_sync(program, comm, device)
     # Step 5
     local = _factory_params(program, device, sync)
-    opt = _optimizer(optimizer, source, plan, dict(zip(program.params, local, strict=True)), sync)
+    named = dict(zip(program.params, local, strict=True))
+    opt = _optimizer(optimizer, source, plan, named, sync, program.groups)
     # Step 6
     return ProgramParts(
         plan=plan,
@@ -207,6 +208,7 @@ def _optimizer(
     plan: Plan,
     params: dict[str, torch.nn.Parameter],
     sync: GradientSync,
+    groups: Mapping[str, int] | None,
 ) -> torch.optim.Optimizer:
     """The factory's optimizer over this rank's parameters (`params`, by canonical name),
     or rebuilt over its ZeRO shards, each shard in the group of the parameters it holds
@@ -214,30 +216,67 @@ def _optimizer(
 
     Refuses (ParcError, on every rank alike) an optimizer the layout would make
     train a different model (compiler/optimizers.py): not elementwise under ZeRO
-    or tp, cross-tensor under pp, or closure-based anywhere.
+    or tp, cross-tensor under pp, or closure-based anywhere; and one that puts this
+    rank's parameters in other groups than it made of the whole model's (`groups`), which
+    would train them with other settings than one device does.
     """
     opt = checked_optimizer(factory(list(params.values())), source.path)
     origin, file = factory_origin(factory, source)
     check_optimizer(opt, plan, origin=origin, file=file)
+    where = {id(p): g for g, group in enumerate(opt.param_groups) for p in group["params"]}
+    if groups is not None:
+        mine = {n: where.get(id(p), -1) for n, p in params.items()}
+        _check_groups(mine, groups, origin, file)
     if plan.zero == 0:
         return opt
-    where = {id(p): g for g, group in enumerate(opt.param_groups) for p in group["params"]}
-    groups: list[list[torch.nn.Parameter]] = [[] for _ in opt.param_groups]
+    stepped_groups: list[list[torch.nn.Parameter]] = [[] for _ in opt.param_groups]
     for names, stepped in zip(sync.optimizer_units(), sync.optimizer_params(), strict=True):
         found = {where.get(id(params[n]), -1) for n in names}
         if len(found) > 1:
-            raise ParcError(_mixed_groups(origin, names, found), hint=_MIXED_HINT)
+            raise _refusal(_mixed_groups(origin, names, found), file)
         (group,) = found
         if group >= 0:  # a parameter in no group is never stepped, as on one device
-            groups[group].append(stepped)
-    new: torch.optim.Optimizer = rebuilt_like(opt, groups)
+            stepped_groups[group].append(stepped)
+    new: torch.optim.Optimizer = rebuilt_like(opt, stepped_groups)
     return new
+
+
+def _check_groups(
+    mine: dict[str, int], every: Mapping[str, int], origin: str, file: str | None
+) -> None:
+    """This rank's parameter -> group (`mine`, -1 for none) must be what the factory made
+    of the whole model's parameters (`every`)."""
+    for name, got in mine.items():
+        want = every.get(name, -1)
+        if got != want:
+            raise _refusal(_other_groups(origin, name, got, want, len(mine), len(every)), file)
+
+
+def _refusal(message: str, file: str | None) -> ParcError:
+    """The factory's refusal, naming the model file when the factory is the file's."""
+    return (
+        ParcError(message, hint=_MIXED_HINT)
+        if file is None
+        else ModelError(message, file=file, hint=_MIXED_HINT)
+    )
 
 
 _MIXED_HINT = (
     "choose each parameter's group from the parameter alone (its shape, dtype or name), "
     "the same whichever parameters the factory is given"
 )
+
+
+def _other_groups(origin: str, name: str, got: int, want: int, mine: int, every: int) -> str:
+    def group(g: int) -> str:
+        return "no group" if g < 0 else f"group {g}"
+
+    return (
+        f"{origin} put parameter '{name}' in {group(got)} when given this rank's {mine} "
+        f"parameters, but in {group(want)} when given all {every} of the model's: its "
+        "groups depend on which parameters it is given (or on how often it is called), so "
+        "this rank would train them with other settings than one device does"
+    )
 
 
 def _mixed_groups(origin: str, names: tuple[str, ...], found: set[int]) -> str:

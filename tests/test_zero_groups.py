@@ -54,15 +54,17 @@ def test_no_unit_mixes_two_groups() -> None:
 def test_zero_0_keeps_its_buckets_whole() -> None:
     with model_env(SMALL):
         analysis = analyse("mesh dp=2\n", MODEL, batch=8)
-        assert analysis.groups == {}
+        assert set(analysis.groups.values()) == {0, 1}  # checked on every rank, not laid out
         assert len(compile_rank(analysis, {"dp": 0}, bucket_elems=10**9).units) == 1
 
 
 def test_one_group_or_a_failing_factory_maps_nothing() -> None:
     with model_env(SMALL):
         named = list(load_model(MODEL).build().named_parameters())
-    assert param_group_map(lambda ps: torch.optim.SGD(ps, lr=0.1), named) == {}
-    assert param_group_map(lambda ps: 1 / 0, named) == {}
+    assert param_group_map(lambda ps: torch.optim.SGD(ps, lr=0.1), named) == {
+        n: 0 for n, _ in named
+    }
+    assert param_group_map(lambda ps: 1 / 0, named) is None
 
 
 @pytest.mark.multiprocess
@@ -132,7 +134,24 @@ def test_groups_that_change_with_the_call_are_refused_naming_the_unit() -> None:
         return torch.optim.AdamW([{"params": ps[:1]}, {"params": ps[1:], "weight_decay": 0}])
 
     with pytest.raises(ParcError, match=r"one ZeRO flat unit \(a, b\) in different parameter"):
-        _optimizer(by_position, load_model(MODEL), plan, params, cast(Any, _OneUnit()))
+        _optimizer(by_position, load_model(MODEL), plan, params, cast(Any, _OneUnit()), None)
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_a_rank_whose_groups_differ_from_the_whole_models_is_refused(zero: int) -> None:
+    # Under pp a rank's factory sees its stages' parameters only: a factory grouping by
+    # position trained them with other settings, silently at zero 0 (found by a probe).
+    with model_env(SMALL):
+        plan = analyse(f"mesh dp=2\nzero {zero}\n", MODEL, batch=8).plan
+    params = {"a": torch.nn.Parameter(torch.zeros(2)), "b": torch.nn.Parameter(torch.zeros(2))}
+
+    def by_position(ps: Any) -> torch.optim.Optimizer:
+        ps = list(ps)
+        return torch.optim.AdamW([{"params": ps[:1]}, {"params": ps[1:], "weight_decay": 0}])
+
+    whole = {"x": 0, "a": 1, "b": 1}  # what it made of the model's three parameters
+    with pytest.raises(ParcError, match=r"put parameter 'a' in group 0 when given this rank's 2"):
+        _optimizer(by_position, load_model(MODEL), plan, params, cast(Any, _OneUnit()), whole)
 
 
 def straight_and_resumed(spec: str, directory: str, env: dict[str, str]) -> dict[str, Any]:

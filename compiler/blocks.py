@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Blocks", "find_blocks"]
+__all__ = ["Blocks", "every_block", "find_blocks"]
 
 _CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)
 
@@ -53,6 +53,11 @@ class Blocks:
             if prefix in self.blocks:
                 return prefix
         return None
+
+    def every(self, lst: str) -> str:
+        """The `.par` pattern naming every block of list `lst`: `layers[*]`, or `layers.*`
+        for a ModuleDict whose keys are no indices (`[*]` matches indices only)."""
+        return every_block(lst, [b for b in self.blocks if b.rpartition(".")[0] == lst])
 
     def unit_of(self, module: str) -> str | None:
         """The unit a module belongs to (see the module docstring); None for a module that
@@ -87,6 +92,12 @@ def find_blocks(model: torch.nn.Module) -> Blocks:
             blocks.update(f"{name}.{child}" for child, _ in children)
     holders = {".".join(b.split(".")[:i]) for b in blocks for i in range(1, b.count(".") + 1)}
     return Blocks(tuple(lists), frozenset(blocks), frozenset(holders), frozenset(containers))
+
+
+def every_block(lst: str, blocks: list[str]) -> str:
+    """`Blocks.every` over the qualified names of the list's `blocks`."""
+    keys = [b.rpartition(".")[2] for b in blocks]
+    return f"{lst}[*]" if all(k.isdigit() for k in keys) else f"{lst}.*"
 
 
 def _inside_any(name: str, found: set[str]) -> bool:

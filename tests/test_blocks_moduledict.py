@@ -66,3 +66,26 @@ def test_planned_specs_of_a_moduledict_model_check_equivalent(
     spec = result.spec_text(ev)
     check, _ = check_equivalent(gloo_pool, spec, TITAN, env=SMALL, batch=result.batch)
     assert check.ok, f"{spec}: {check.describe()}\n{check.rows}"
+
+
+MHA = str(ROOT / "tests" / "models" / "torch_mha.py")  # blocks keyed "b0", "b1"
+
+
+def test_blocks_keyed_by_name_are_named_by_star_not_index() -> None:
+    # `[*]` matches indices only: the planner wrote `blocks[*]...`, which matched nothing,
+    # and said TP was not possible (found by a probe).
+    blocks = find_blocks(load_model(MHA).build(device="meta"))
+    assert blocks.every("blocks") == "blocks.*"
+    with model_env(SMALL):
+        assert find_blocks(load_model(TITAN).build(device="meta")).every("layers") == "layers[*]"
+
+
+@pytest.mark.multiprocess
+def test_a_planned_tp_spec_of_name_keyed_blocks_checks_equivalent(gloo_pool: Any) -> None:
+    result = plan_model(MHA, CLUSTER)
+    assert result.profile.recompute_patterns == ("blocks.*",)
+    ev = next(e for e in result.search.ranked if e.candidate.family is Family.TP)
+    spec = result.spec_text(ev)
+    assert "shard blocks.*." in spec, spec
+    check, _ = check_equivalent(gloo_pool, spec, MHA, env={}, batch=result.batch)
+    assert check.ok, f"{spec}: {check.describe()}\n{check.rows}"

@@ -40,7 +40,7 @@ import torch.fx
 from parc.dsl.ast import Precision
 from parc.errors import ParcError
 
-from ..blocks import Blocks, find_blocks
+from ..blocks import Blocks, every_block, find_blocks
 from ..cost import node_costs
 from ..host_memory import HostFacts, host_facts
 from ..layout import canonical_names, local_shape, param_slices, zero3_owner
@@ -251,8 +251,11 @@ def _units(gm: torch.fx.GraphModule, blocks: Blocks) -> tuple[dict[str, str], li
 
 
 def _recompute_patterns(units: list[str], blocks: tuple[bool, ...]) -> tuple[str, ...]:
-    lists = dict.fromkeys(u.rpartition(".")[0] for u, b in zip(units, blocks) if b)
-    return tuple(f"{name}[*]" for name in lists)
+    lists: dict[str, list[str]] = {}
+    for unit, block in zip(units, blocks):
+        if block:
+            lists.setdefault(unit.rpartition(".")[0], []).append(unit)
+    return tuple(every_block(name, found) for name, found in lists.items())
 
 
 class _Base:

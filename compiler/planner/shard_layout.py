@@ -76,7 +76,7 @@ def shard_lines(
     for (lst, suffix, kind), indices in by_suffix.items():
         container = model.get_submodule(lst)
         if len(indices) == len(list(container.children())):
-            lines.append(f"shard {lst}[*]{'.' + suffix if suffix else ''} {kind} tp")
+            lines.append(f"shard {blocks.every(lst)}{'.' + suffix if suffix else ''} {kind} tp")
         else:
             lines += [f"shard {lst}.{i}{'.' + suffix if suffix else ''} {kind} tp" for i in indices]
     return tuple(lines)

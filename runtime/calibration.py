@@ -39,18 +39,23 @@ put step 0's gradients 1.2e5× or more past their bound, and the parameters
 worst correct run. Batch reversal alone was not enough: under tp=2 with AdamW
 a correct run was 25× its distance.
 
-Step 0's gradients are held to the twin's distance or to that of the split run
-(runtime/twins.py `Variant.SPLIT`: the batch forward and backward in two halves,
-each loss weighted by its share, as dp=2 and two microbatches sum them), whichever
-is farther (`_split_noise`). A gradient that nearly cancels rounds by its terms,
+Every tensor (step 0's gradients, the final parameters) and every step's loss is
+held to the twin's distance or to that of the split run (runtime/twins.py
+`Variant.SPLIT`: each step's batch forward and backward in two halves, each loss
+weighted by its share, as dp=2 and two microbatches sum them), whichever is
+farther (`_noise`). A gradient that nearly cancels rounds by its terms,
 not by its value: BERT's 2-label classifier bias with balanced labels is 3.7e-4
 from terms of ~0.06, dp=2's halves move it 1.05e-8, the twin moved it by nothing,
 and the floor (4·ε·‖T‖) is 2.5e-10, so a correct run was 42× past its bound (a
 probe over 160 HF runs found it; every other run stayed under 0.23). With the
 split it is 0.06, and `skip-grad-sync` / `grad-scale` still fail it
-(tests/test_check_split_twin.py). The split is used only when its loss is the
-reference's within TWIN_GATE: a loss that is no mean over samples, uneven
-ignored targets or samples that interact (BatchNorm) change it beyond rounding.
+(tests/test_check_split_twin.py). Under Adam a near-zero gradient whose rounding
+flips its sign steps a whole lr the other way: a 2-class MLP with a near-zero head
+and balanced labels had its head bias 36× past the twin's bound after 3 steps
+(AdamW lr 1e-2, dp=2); the split run flips it as dp's halves do. The split is
+used only when its loss is the reference's within TWIN_GATE: a loss that is no
+mean over samples, uneven ignored targets or samples that interact (BatchNorm)
+change it beyond rounding.
 
 The floor covers tensors the twin reproduces bit for bit (LayerNorm weights
 whose gradients sum in a fixed order): floor = 4·ε·(steps + 1), ε = 2⁻²³ the
@@ -333,22 +338,35 @@ def _loss_rows(
     return rows, first_bad
 
 
-def _split_noise(
+def _noise(
     ref: dict[str, Any], twin: dict[str, Any], split: dict[str, Any] | None
-) -> dict[str, torch.Tensor]:
-    """Per parameter, the step-0 gradient farther from the reference's: the twin's or the
-    split run's (runtime/twins.py), the latter only when its loss is the reference's up
-    to rounding (not when the loss is no mean over samples, or samples interact)."""
-    if split is None:
-        return dict(twin["grads"])
+) -> dict[str, Any]:
+    """The noise run the bounds read: per tensor (step 0's gradients, the final
+    parameters) and per step's loss, the twin's or the split run's (runtime/twins.py),
+    whichever is farther from the reference; the split only when its step-0 loss is the
+    reference's up to rounding (not when the loss is no mean over samples, or samples
+    interact)."""
+    if split is None or len(split["losses"]) != len(ref["losses"]):
+        return twin
     a, b = ref["losses"][0], split["losses"][0]
     if abs(a - b) > TWIN_GATE * max(abs(a), 1e-12):
-        return dict(twin["grads"])
-    out = {}
-    for name, expected in ref["grads"].items():
-        t, s = twin["grads"][name], split["grads"][name]
-        out[name] = t if float((t - expected).norm()) >= float((s - expected).norm()) else s
+        return twin
+    out: dict[str, Any] = {
+        "losses": [
+            t if abs(t - r) >= abs(s - r) else s
+            for r, t, s in zip(ref["losses"], twin["losses"], split["losses"], strict=True)
+        ]
+    }
+    for kind in ("grads", "params"):
+        out[kind] = {
+            name: _farther(expected, twin[kind][name], split[kind][name])
+            for name, expected in ref[kind].items()
+        }
     return out
+
+
+def _farther(expected: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a if float((a - expected).norm()) >= float((b - expected).norm()) else b
 
 
 def calibrated_compare(
@@ -369,13 +387,13 @@ def calibrated_compare(
     """
     steps, cal = len(ref["losses"]), calibration_for(precision, ref["params"])
     base = compare_runs(ref, par, Tolerance())  # losses, parameters, buffers redone below
-    rows, first_bad = _loss_rows(ref["losses"], twin["losses"], par["losses"], cal)
+    noise = _noise(ref, twin, split)
+    rows, first_bad = _loss_rows(ref["losses"], noise["losses"], par["losses"], cal)
     keep = same_sign(ref["grads"], twin["grads"], par_grads) if cal.excuse_flips else None
     params = tensor_bounds(
-        ref["params"], twin["params"], par["params"], steps, cal.param_eps, cal.noise_mult, keep
+        ref["params"], noise["params"], par["params"], steps, cal.param_eps, cal.noise_mult, keep
     )
-    noise = _split_noise(ref, twin, split)
-    grads = tensor_bounds(ref["grads"], noise, par_grads, 0, cal.grad_eps, cal.noise_mult)
+    grads = tensor_bounds(ref["grads"], noise["grads"], par_grads, 0, cal.grad_eps, cal.noise_mult)
     worst_p = max(params, key=lambda t: t.ratio, default=TensorBound("", 0.0, 1.0))
     worst_g = max(grads, key=lambda t: t.ratio, default=TensorBound("", 0.0, 1.0))
     bad_param = next((t.name for t in params if t.ratio > 1), None)

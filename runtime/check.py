@@ -250,14 +250,14 @@ class _References:
 
     ref: dict[str, Any]  # at the run's precision
     twin: dict[str, Any]  # its noise twin
-    split: dict[str, Any]  # step 0 in two halves
+    split: dict[str, Any]  # every step's batch in two halves
     gate: tuple[dict[str, Any], dict[str, Any]]  # the order-dependence gate's pair
     gap: PrecisionGap | None  # under a mixed precision: one device's against its fp32
 
     @staticmethod
     def run(model_file: str, runs: _Runs) -> _References:
         """The fp32 reference and its twin (the gate's pair), under bf16 the bf16 ones too,
-        and step 0 in halves at the run's precision."""
+        and the run in halves at the run's precision."""
         ref = fp32 = reference_run(model_file, **runs.kwargs())
         twin = fp32_twin = reference_run(model_file, **runs.kwargs(), variant=Variant.TWIN)
         gap = None
@@ -266,7 +266,7 @@ class _References:
             ref = reference_run(model_file, **precision)
             twin = reference_run(model_file, **precision, variant=Variant.TWIN)
             gap = precision_gap(ref, fp32)
-        split = reference_run(model_file, **{**precision, "steps": 1}, variant=Variant.SPLIT)
+        split = reference_run(model_file, **precision, variant=Variant.SPLIT)
         gate = fp32, fp32_twin
         if calibration_for(Precision.FP32, fp32["params"]) is not CALIBRATIONS[Precision.FP32]:
             # Built in bf16 / fp16: its loss is one ulp (~4e-3) from another order's, more

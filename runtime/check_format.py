@@ -110,8 +110,8 @@ def format_check(result: CheckResult) -> str:
         f"+ {_floors(result)} x |reference|; losses: rel. diff <= {t.loss_rtol:g} + "
         f"{cal.noise_mult:g} x the twin's" + (" largest so far" if cal.loss_running_max else ""),
         "  (twin: the reference again, each batch in reverse sample order and every module "
-        "output moved by one ulp; step 0's gradients also against the reference's batch run "
-        "in two halves, whichever is farther)",
+        "output moved by one ulp; or the reference with every batch run in two halves, "
+        "whichever is farther)",
         *_precision_lines(result),
     ]
     if result.ok:

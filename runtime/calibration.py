@@ -98,13 +98,16 @@ under autocast), so the bounds measure parallelism, not precision:
 
 A model built in bf16 or fp16 and trained as built (`precision fp32`) rounds its
 gradients, parameters and optimizer states in that format (`calibration_for`): its
-calibration is bf16's, with the floor of both gradients and parameters from the
-built format's epsilon, since there are no fp32 masters. Each tensor's floor takes
-at least its own dtype's epsilon (a model mixing bf16 Linears and fp32 norms).
-Measured on tests/models/mlp_bf16.py (dp=2, SGD) and a bf16-built HF Llama (dp=2
-and tp=2, AdamW): fp32's floor put the MLP's head bias 570× past its bound (the
-twin reproduces it bit for bit); now 0.01, while `skip-grad-sync` and `grad-scale`
-put step 0's gradients 7.6× and 5.6× (Llama: 4.7× and 3.4×) past theirs. The
+calibration is bf16's, with the floor of both gradients and parameters one ulp of
+the built format per element a step (each run rounds each stored element to it;
+no fp32 masters take the update's rounding, so not 4). A tensor stored in a
+coarser dtype than the calibration's gets that floor too (a model mixing bf16
+Linears and fp32 norms). Measured on tests/models/mlp_bf16.py (dp=2, SGD) and a
+bf16-built HF Llama (dp=2, AdamW): fp32's floor put the MLP's head bias 570× past
+its bound (the twin reproduces it bit for bit); now 0.05 (gradients) and 0.02
+(parameters), while `skip-grad-sync` and `grad-scale` put step 0's gradients
+10.3× and 7.7× (Llama: 5.5× and 4.0×) past theirs. A 4-ulp floor, 12% of a
+tensor's norm after 3 steps, would also pass a run that never stepped. The
 order-dependence gate cannot read such a model's own loss: it is one bf16 ulp
 (7e-3) from another order's. It reads instead a one-step pair with the loss of the
 output upcast to fp32 and the batch reversed without the nudge (runtime/check.py
@@ -175,12 +178,16 @@ class Calibration:
     # Bound each step's loss by the twin's largest relative difference so far, not the
     # step's own: at bf16 the twin's per-step distance swings 60x between steps.
     loss_running_max: bool = False
+    # Ulps per element per step in the floors: 4 where fp32 masters or values take
+    # the rounding of an update (the module docstring), 1 for tensors stored in the
+    # format itself (a model built in bf16): each run rounds each element to it.
+    floor_ulps: float = FLOOR_ULPS
 
     def grad_floor(self) -> float:
-        return floor(0, self.grad_eps)
+        return floor(0, self.grad_eps, self.floor_ulps)
 
     def param_floor(self, steps: int) -> float:
-        return floor(steps, self.param_eps)
+        return floor(steps, self.param_eps, self.floor_ulps)
 
 
 CALIBRATIONS = {
@@ -224,13 +231,14 @@ def calibration_for(precision: Precision, ref_params: dict[str, torch.Tensor]) -
         param_eps=max(low),
         excuse_flips=True,
         loss_running_max=True,
+        floor_ulps=1.0,
     )
 
 
-def floor(steps: int, eps: float = FP32_EPS) -> float:
+def floor(steps: int, eps: float = FP32_EPS, ulps: float = FLOOR_ULPS) -> float:
     """The relative floor after `steps` updates of tensors rounded to `eps` (the module
     docstring)."""
-    return FLOOR_ULPS * eps * (steps + 1)
+    return ulps * eps * (steps + 1)
 
 
 def tensor_bounds(
@@ -241,10 +249,12 @@ def tensor_bounds(
     eps: float = FP32_EPS,
     noise_mult: float = NOISE_MULT,
     keep: dict[str, torch.Tensor] | None = None,
+    ulps: float = FLOOR_ULPS,
 ) -> list[TensorBound]:
     """Every reference tensor's distance and bound; a tensor missing from `par` gets inf.
     `keep`: per tensor, the elements the distances are measured on (default: all). The
-    floor takes `eps`, or the tensor's own dtype's epsilon where that is larger."""
+    floor is `ulps` of `eps` a step, or one of the tensor's own dtype's where that is
+    coarser (it is stored in it)."""
     out = []
     for name, expected in ref.items():
         got = par.get(name)
@@ -252,7 +262,8 @@ def tensor_bounds(
         mask = (keep or {}).get(name)
         noise = float(_masked(twin[name] - expected, mask).norm())
         own = torch.finfo(expected.dtype).eps if expected.is_floating_point() else 0.0
-        bound = noise_mult * noise + floor(steps, max(eps, own)) * scale
+        low = floor(steps, own, 1.0) if own > eps else floor(steps, eps, ulps)
+        bound = noise_mult * noise + low * scale
         if got is None or got.shape != expected.shape:
             out.append(TensorBound(name, float("inf"), bound))
         else:
@@ -303,6 +314,7 @@ def _bad_buffer(
                 steps,
                 cal.param_eps,
                 cal.noise_mult,
+                ulps=cal.floor_ulps,
             )
             same = bound.ratio <= 1
         if not same:
@@ -381,8 +393,8 @@ def calibrated_compare(
 
     `ref` and `twin` are `reference_run` results (with step-0 "grads"), `par` a
     `parallel_case` result, `par_grads` the parameters of a one-step
-    `GradientProbe` parallel run, `split` (optional) a one-step `Variant.SPLIT` run:
-    step 0's gradients are held to the twin's or its distance, the larger. Buffers are
+    `GradientProbe` parallel run, `split` (optional) a `Variant.SPLIT` run: each
+    tensor and loss is held to the twin's or its distance, the larger (`_noise`). Buffers are
     held to the twin's bound as parameters are (a tied alias: to being its parameter).
     """
     steps, cal = len(ref["losses"]), calibration_for(precision, ref["params"])
@@ -391,9 +403,19 @@ def calibrated_compare(
     rows, first_bad = _loss_rows(ref["losses"], noise["losses"], par["losses"], cal)
     keep = same_sign(ref["grads"], twin["grads"], par_grads) if cal.excuse_flips else None
     params = tensor_bounds(
-        ref["params"], noise["params"], par["params"], steps, cal.param_eps, cal.noise_mult, keep
+        *(ref["params"], noise["params"], par["params"], steps, cal.param_eps),
+        *(cal.noise_mult, keep, cal.floor_ulps),
     )
-    grads = tensor_bounds(ref["grads"], noise["grads"], par_grads, 0, cal.grad_eps, cal.noise_mult)
+    grads = tensor_bounds(
+        ref["grads"],
+        noise["grads"],
+        par_grads,
+        0,
+        cal.grad_eps,
+        cal.noise_mult,
+        None,
+        cal.floor_ulps,
+    )
     worst_p = max(params, key=lambda t: t.ratio, default=TensorBound("", 0.0, 1.0))
     worst_g = max(grads, key=lambda t: t.ratio, default=TensorBound("", 0.0, 1.0))
     bad_param = next((t.name for t in params if t.ratio > 1), None)

@@ -50,8 +50,8 @@ def _precision_lines(result: CheckResult) -> list[str]:
         return [
             "  tolerances: the model's parameters are built in a lower precision than fp32 "
             f"(epsilon {cal.param_eps:.3g}), so its gradients and parameters are rounded in "
-            "it: the floor takes that epsilon, and sign flips of near-zero gradients are "
-            "excused as under bf16 (runtime/calibration.py, calibration_for)"
+            "it: the floor is one of its ulps per element a step, and sign flips of near-zero "
+            "gradients are excused as under bf16 (runtime/calibration.py, calibration_for)"
         ]
     lines = [
         f"  tolerances: {result.precision}'s calibration (runtime/calibration.py): the reference "

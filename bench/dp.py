@@ -10,6 +10,10 @@ initial weights (seed 0) on the same global batches with AdamW(lr=3e-4):
     parc `mesh dp=2` `zero 1`   DDP + ZeroRedundancyOptimizer(AdamW)
     parc `mesh dp=2` `zero 3`   FSDP2: fully_shard on every block, then the root
 
+and the ZeRO pairs again with two parameter groups, the optimizer most training
+scripts write: AdamW with weight decay 0.1 on the matrices, none on the rest
+(`_adamw_groups`, on both sides; parc keeps each group in units of its own).
+
 Method:
 1. Time: one case per pair on a 2-rank WorkerPool holds both implementations
    and alternates their steps (parc, native, parc, native, ...) so machine
@@ -88,12 +92,15 @@ class Pair:
     name: str
     spec: str  # parc's .par text
     native: Native
+    groups: bool = False  # both sides' AdamW with two parameter groups (_adamw_groups)
 
 
 PAIRS = (
     Pair(name="DP", spec="mesh dp=2\n", native=Native.DDP),
     Pair(name="ZeRO-1", spec="mesh dp=2\nzero 1\n", native=Native.DDP_ZERO),
     Pair(name="ZeRO-3", spec="mesh dp=2\nzero 3\n", native=Native.FSDP2),
+    Pair(name="ZeRO-1, 2 groups", spec="mesh dp=2\nzero 1\n", native=Native.DDP_ZERO, groups=True),
+    Pair(name="ZeRO-3, 2 groups", spec="mesh dp=2\nzero 3\n", native=Native.FSDP2, groups=True),
 )
 
 
@@ -106,6 +113,21 @@ def _adamw(params: Any) -> Any:
     return torch.optim.AdamW(params, lr=LR)
 
 
+def _groups(params: Any) -> list[dict[str, Any]]:
+    """Weight decay 0.1 on the matrices, none on the biases, norms and the rest."""
+    params = list(params)
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+def _adamw_groups(params: Any) -> Any:
+    import torch
+
+    return torch.optim.AdamW(_groups(params), lr=LR)
+
+
 def _source() -> Any:
     os.environ.update(GPT_ENV)  # examples/gpt.py reads its size when building
     from parc.compiler.model import load_model
@@ -114,11 +136,12 @@ def _source() -> Any:
 
 
 class _Parc:
-    def __init__(self, spec: str, *, compiled: bool = False) -> None:
+    def __init__(self, spec: str, *, compiled: bool = False, groups: bool = False) -> None:
         import parc
 
+        optimizer = _adamw_groups if groups else _adamw
         self.program = parc.compile(
-            spec, _source(), batch=BATCH, seed=0, optimizer=_adamw, compiled=compiled
+            spec, _source(), batch=BATCH, seed=0, optimizer=optimizer, compiled=compiled
         )
 
     def step(self, x: Any, y: Any) -> float:
@@ -149,7 +172,7 @@ def shard_step(impl: Any, x: Any, y: Any, rank: int, world: int) -> Any:
 
 
 class _Native:
-    def __init__(self, kind: Native, *, compile_blocks: bool = False) -> None:
+    def __init__(self, kind: Native, *, compile_blocks: bool = False, groups: bool = False) -> None:
         """`compile_blocks` (FSDP2 only): each block compiled in place before it is
         sharded, as torchtitan compiles under FSDP2."""
         import torch
@@ -178,11 +201,10 @@ class _Native:
         if kind is Native.DDP_ZERO:
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
-            self.opt = ZeroRedundancyOptimizer(
-                self.model.parameters(), optimizer_class=torch.optim.AdamW, lr=LR
-            )
+            params = _groups(self.model.parameters()) if groups else self.model.parameters()
+            self.opt = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, lr=LR)
         else:
-            self.opt = _adamw(self.model.parameters())
+            self.opt = (_adamw_groups if groups else _adamw)(self.model.parameters())
 
     def step(self, x: Any, y: Any) -> float:
         import torch.distributed as dist
@@ -206,7 +228,9 @@ class _Native:
 
 
 def _build(side: str, pair: Pair) -> Any:
-    return _Parc(pair.spec) if side == "parc" else _Native(pair.native)
+    if side == "parc":
+        return _Parc(pair.spec, groups=pair.groups)
+    return _Native(pair.native, groups=pair.groups)
 
 
 def _batches() -> list[Any]:
@@ -388,7 +412,10 @@ def main() -> str:
         [
             "## Data parallelism: parc vs DDP / ZeroRedundancyOptimizer / FSDP2 (2 ranks, gloo)",
             f"Model `examples/gpt.py` with `{size}` (3.24M parameters), global batch "
-            f"{BATCH} ({BATCH // WORLD} per rank), AdamW(lr={LR}) on both sides, one thread "
+            f"{BATCH} ({BATCH // WORLD} per rank), AdamW(lr={LR}) on both sides (the "
+            "*2 groups* rows: weight decay 0.1 on the matrices and none on the rest, two "
+            "parameter groups on both sides; parc keeps each group in flat units of its "
+            "own, so ZeRO-3 gathers a block's two units), one thread "
             "per rank. Steps alternate parc / native in the same ranks, a barrier before "
             f"each; {WARMUP} warm-up steps, then {STEPS} timed ones. A step's time is its "
             "slowest rank's. Ratios are parc/native, lower is better: *parc/native* divides "

@@ -96,6 +96,15 @@ class DropoutSite:
         return f"{self.what}{inside} ({rate})"
 
 
+def _described(sites: list[DropoutSite]) -> list[str]:
+    """Each site once, in graph order, with how often forward applies it when more than
+    once (a Dropout module called twice)."""
+    counts: dict[str, int] = {}
+    for site in sites:
+        counts[str(site)] = counts.get(str(site), 0) + 1
+    return [text if n == 1 else f"{text} applied {n} times" for text, n in counts.items()]
+
+
 def dropout_sites(gm: torch.fx.GraphModule) -> list[DropoutSite]:
     """Every node of `gm` that applies dropout with a rate that is not 0, in graph order."""
     modules = dict(gm.named_modules())
@@ -159,8 +168,9 @@ def dropout_warnings(gm: torch.fx.GraphModule, plan: Plan, spec: Spec) -> list[P
     sites = dropout_sites(gm)
     if not sites or _as_one_device(gm, plan, sites):
         return []
-    shown = ", ".join(str(s) for s in sites[:4])
-    more = f", and {len(sites) - 4} more" if len(sites) > 4 else ""
+    described = _described(sites)
+    shown = ", ".join(described[:4])
+    more = f", and {len(described) - 4} more" if len(described) > 4 else ""
     return [
         PlanWarning(
             f"the model applies dropout at {len(sites)} place(s) ({shown}{more}): each rank "

@@ -118,3 +118,22 @@ def test_replicas_draw_independent_masks_and_a_tp_group_draws_one(gloo_pool: Any
         assert a["whole"].keys() == b["whole"].keys() and a["whole"]
         for name, value in a["whole"].items():
             assert torch.equal(value, b["whole"][name]), name
+
+
+class _TwiceDropped(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.drop = torch.nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.fc(self.drop(x)))
+
+
+def test_a_dropout_module_applied_twice_is_named_once_with_its_count() -> None:
+    # The warning listed 'drop' twice (found by a probe).
+    from parc.compiler.dropout import _described
+
+    sites = dropout_sites(trace_model(_TwiceDropped().train()))
+    assert len(sites) == 2
+    assert _described(sites) == ["module 'drop' (Dropout, p=0.1) applied 2 times"]

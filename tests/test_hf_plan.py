@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 import pytest
+from helpers import HF_LLAMA_TP
 
 from parc.cli import main
 from parc.compiler.memory_model import Precision
@@ -77,18 +78,7 @@ def test_the_profile_counts_the_config_s_parameters_and_finds_the_hf_blocks(
     assert profile.recompute_patterns == ("model.layers[*]",)
     # 64 heads and 8 kv heads split in every tp of a node: none is refused.
     assert sorted(profile.tp) == [1, 2, 4, 8] and profile.rejected_tp == {}
-    assert profile.tp[8].shard_lines == tuple(
-        f"shard model.layers[*].{name} {kind} tp"
-        for name, kind in (
-            ("self_attn.q_proj", "col"),
-            ("self_attn.k_proj", "col"),
-            ("self_attn.v_proj", "col"),
-            ("self_attn.o_proj", "row"),
-            ("mlp.gate_proj", "col"),
-            ("mlp.up_proj", "col"),
-            ("mlp.down_proj", "row"),
-        )
-    )
+    assert profile.tp[8].shard_lines == tuple(HF_LLAMA_TP.splitlines())
     assert profile.tp[8].warnings == 0  # no all-gather fallback in the HF attention
 
 

@@ -54,6 +54,11 @@ def test_every_preset_prints_what_it_holds() -> None:
     )
 
 
+def test_a_small_memory_prints_in_its_own_unit() -> None:
+    # `mem=2MiB` printed "0.00 GiB" (found by a probe).
+    assert "(2.00 MiB, " in str(parse_cluster("nodes=1 preset=h100 mem=2MiB"))
+
+
 def test_a_cluster_prints_as_text_that_parses_back() -> None:
     # `parc plan` writes this text into the spec's check command.
     for cluster in (

@@ -35,6 +35,7 @@ from enum import Enum
 from parc.errors import ParcError
 
 from ..memory_model import Precision
+from ..report_table import human_bytes
 
 __all__ = ["PRESETS", "Cluster", "ComputeRate", "Fp32Math", "parse_cluster", "parse_size"]
 
@@ -148,7 +149,7 @@ class Cluster:
     def __str__(self) -> str:
         nodes = f"{self.nodes} node{'s' if self.nodes > 1 else ''}"
         return (
-            f"{nodes} × {self.gpus} {self.gpu} ({self.mem / GIB:.2f} GiB, {self.tflops:g} "
+            f"{nodes} × {self.gpus} {self.gpu} ({human_bytes(self.mem)}, {self.tflops:g} "
             "TFLOP/s bf16), "
             f"intra {self.intra / GB:g} GB/s, inter {self.inter / GB:g} GB/s"
         )

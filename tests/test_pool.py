@@ -133,6 +133,27 @@ def test_collectives_match_values_computed_by_hand(gloo_pool: PoolFactory, world
         torch.testing.assert_close(got["ring"], torch.tensor([100.0 * ((rank - 1) % world)]))
 
 
+def _mistake_per_rank() -> None:
+    raise ParcError(f"parameter 'p{dist.get_rank()}' is wrong", hint="fix it")
+
+
+def test_ranks_raising_different_mistakes_print_each_without_the_pools_words(
+    gloo_pool: PoolFactory,
+) -> None:
+    # Ranks on other stages name other parameters: each message once, with its rank (was
+    # the pool's "case ... failed ... the pool killed its ranks", found by a probe).
+    with pytest.raises(WorkerError) as caught:
+        gloo_pool(2).run(_mistake_per_rank, timeout=30)
+    text = str(caught.value)
+    assert (
+        "parameter 'p0' is wrong" in text and "(raised by rank 0 of 2 of the parallel run)" in text
+    )
+    assert (
+        "parameter 'p1' is wrong" in text and "(raised by rank 1 of 2 of the parallel run)" in text
+    )
+    assert "pool" not in text and "case" not in text
+
+
 def test_a_raising_rank_is_named_with_its_traceback(gloo_pool: PoolFactory) -> None:
     pool = gloo_pool(2)
     with pytest.raises(WorkerError) as caught:

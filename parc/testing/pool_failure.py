@@ -30,7 +30,8 @@ _TAIL = 3000  # characters of a rank's output quoted in an error
 
 class WorkerError(ParcError):
     """A case failed on a `WorkerPool`; `ranks` are the ranks that failed. `mistake`:
-    the one ParcError (a user's mistake) every failed rank raised, printed alone."""
+    the ParcErrors (a user's mistake) every failed rank raised, each distinct one once
+    with its ranks, printed without the pool's words."""
 
     def __init__(
         self,
@@ -103,13 +104,25 @@ def describe_failure(
         if outcome.errors or outcome.deaths
         else f"{what} did not finish within {limit} s on {where}"
     )
-    mistakes = {e.text for e in outcome.errors.values() if isinstance(e, RankMistake)}
-    alone = len(mistakes) == 1 and len(same) == 1 and not outcome.deaths
     return WorkerError(
         "\n".join([header, *filter(None, parts)]),
         ranks=failed,
         hint="the pool killed its ranks; the next run starts a fresh world",
-        mistake=f"{mistakes.pop()}\n  (raised by {where} of the parallel run)" if alone else None,
+        mistake=_mistake(outcome, same, len(ranks)),
+    )
+
+
+def _mistake(outcome: Outcome, same: dict[str, list[int]], world: int) -> str | None:
+    """The user's mistake, when every failed rank raised one (a ParcError) and none died:
+    each distinct message once, with the ranks that raised it (ranks on other stages
+    name other parameters), without the pool's own words."""
+    errors = outcome.errors
+    if outcome.deaths or not errors or not all(isinstance(e, RankMistake) for e in errors.values()):
+        return None
+    return "\n".join(
+        f"{text}\n  (raised by rank{'s' if len(raised) > 1 else ''} "
+        f"{', '.join(map(str, raised))} of {world} of the parallel run)"
+        for text, raised in same.items()
     )
 
 

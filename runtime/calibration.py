@@ -330,9 +330,13 @@ def twin_unstable(ref: dict[str, Any], twin: dict[str, Any]) -> float | None:
     """The twin's relative loss difference at step 0 when above TWIN_GATE, else None.
     Run on the fp32 pair under every precision: a model's dependence on sample order or
     random draws is its own, and only fp32 rounding (~1e-7) is small enough to see it."""
-    a, b = ref["losses"][0], twin["losses"][0]
-    rel = abs(a - b) / max(abs(a), 1e-12)
+    rel = _rel(ref["losses"][0], twin["losses"][0])
     return rel if rel > TWIN_GATE else None
+
+
+def _rel(expected: float, got: float) -> float:
+    """`got`'s relative difference from `expected`."""
+    return abs(expected - got) / max(abs(expected), 1e-12)
 
 
 def _loss_rows(
@@ -341,8 +345,7 @@ def _loss_rows(
     """(step, reference, parallel, rel. diff) per step, and the first step past its bound."""
     rows, first_bad, noise = [], None, 0.0
     for step, (a, b, t) in enumerate(zip(ref, par, twin, strict=True)):
-        rel = abs(a - b) / max(abs(a), 1e-12)
-        twin_rel = abs(a - t) / max(abs(a), 1e-12)
+        rel, twin_rel = _rel(a, b), _rel(a, t)
         noise = max(noise, twin_rel) if cal.loss_running_max else twin_rel
         rows.append((step, a, b, rel))
         if rel > LOSS_RTOL + cal.noise_mult * noise and first_bad is None:
@@ -358,10 +361,7 @@ def _noise(
     whichever is farther from the reference; the split only when its step-0 loss is the
     reference's up to rounding (not when the loss is no mean over samples, or samples
     interact)."""
-    if split is None or len(split["losses"]) != len(ref["losses"]):
-        return twin
-    a, b = ref["losses"][0], split["losses"][0]
-    if abs(a - b) > TWIN_GATE * max(abs(a), 1e-12):
+    if split is None or _rel(ref["losses"][0], split["losses"][0]) > TWIN_GATE:
         return twin
     out: dict[str, Any] = {
         "losses": [
@@ -403,19 +403,13 @@ def calibrated_compare(
     rows, first_bad = _loss_rows(ref["losses"], noise["losses"], par["losses"], cal)
     keep = same_sign(ref["grads"], twin["grads"], par_grads) if cal.excuse_flips else None
     params = tensor_bounds(
-        *(ref["params"], noise["params"], par["params"], steps, cal.param_eps),
-        *(cal.noise_mult, keep, cal.floor_ulps),
-    )
+        ref["params"], noise["params"], par["params"], steps, cal.param_eps, cal.noise_mult,
+        keep, ulps=cal.floor_ulps,
+    )  # fmt: skip
     grads = tensor_bounds(
-        ref["grads"],
-        noise["grads"],
-        par_grads,
-        0,
-        cal.grad_eps,
-        cal.noise_mult,
-        None,
-        cal.floor_ulps,
-    )
+        ref["grads"], noise["grads"], par_grads, 0, cal.grad_eps, cal.noise_mult,
+        ulps=cal.floor_ulps,
+    )  # fmt: skip
     worst_p = max(params, key=lambda t: t.ratio, default=TensorBound("", 0.0, 1.0))
     worst_g = max(grads, key=lambda t: t.ratio, default=TensorBound("", 0.0, 1.0))
     bad_param = next((t.name for t in params if t.ratio > 1), None)

@@ -42,6 +42,8 @@ from .twins import Variant, halves, reversed_batch
 
 __all__ = ["make_optimizer", "model_env", "optimizer_for", "reference_run", "scheduler_of"]
 
+_REF = "in the single-device reference run"  # where the user's code raised, in its errors
+
 
 def make_optimizer(name: str) -> Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]:
     """The optimizers equivalence runs use, by name (picklable across processes)."""
@@ -141,7 +143,7 @@ def _reference(
     recipe = Recipe.of(model, precision)
     # Everything below is the user's code on plain PyTorch: its errors are the model
     # file's, named by function and line (parc/blame.py).
-    ref, path = "in the single-device reference run", source.path
+    ref, path = _REF, source.path
     with user_code(path, f"creating the optimizer {ref}"):
         opt = checked_optimizer(optimizer_for(source, optimizer)(recipe.stepped()), path)
         scheduler = scheduler_of(opt, optimizer, lr_schedule, source)  # as the parallel run's
@@ -195,9 +197,6 @@ def _forward_backward(
     return done[0] if len(done) == 1 else sum(done)
 
 
-_REF = "in the single-device reference run"
-
-
 def _reference_loss(
     source: ModelSource,
     model: torch.nn.Module,
@@ -210,7 +209,7 @@ def _reference_loss(
     """The reference's forward and loss of one step (checked finite); the errors of the
     user's code in it name the model file's function and line. `fp32_loss`: the loss of
     the output upcast to fp32 (the gate's resolution, not what training computes)."""
-    ref, path = "in the single-device reference run", source.path
+    ref, path = _REF, source.path
     fed = recipe.for_inputs(inputs)  # as the parallel run feeds them (bf16: floating cast)
     dtypes = functools.partial(input_dtype_hint, input_tensors(fed), model)
     forward = user_code(path, f"the model's forward {ref}", step=step, hint=dtypes)

@@ -126,7 +126,7 @@ def compile_rank(
     """The program of the rank at `coords` (axis -> index; a missing axis is index 0);
     `groups`: `RankProgram.groups`, default the model's own optimizer's."""
     plan, model = analysis.plan, analysis.model
-    pp_index = coords.get(AXIS_PP, 0)
+    pp_index, groups = coords.get(AXIS_PP, 0), analysis.groups if groups is None else groups
     # Step 1
     canonical = canonical_names(model)
     named = list(model.named_parameters())  # first names only: canonical
@@ -176,7 +176,7 @@ def compile_rank(
         buffers=buffers,
         regions=regions,
         frozen=frozen_params(model),
-        groups=analysis.groups if groups is None else groups,
+        groups=groups,
     )
 
 
@@ -279,9 +279,8 @@ def _rank_units(
     groups: Mapping[str, int] | None,
 ) -> tuple[tuple[FlatUnit, ...], tuple[int, ...]]:
     """The units of `stages`, in order, and the stage of each; a tied weight's unit (its
-    own) appears once, with the first stage reading it. `groups`: compile_rank's."""
+    own) appears once, with the first stage reading it. `groups`: RankProgram.groups."""
     plan, model = analysis.plan, analysis.model
-    groups = analysis.groups if groups is None else groups
     out: list[tuple[FlatUnit, int]] = []
     seen: set[str] = set()
     for s in stages:

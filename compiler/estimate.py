@@ -11,7 +11,6 @@ compiler/rank_memory.py, host memory during compile from compiler/host_memory.py
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,21 +21,10 @@ import torch.fx
 from parc.dsl.ast import AXIS_PP
 
 from .activations import StageActivations, stage_activations
-from .blocks import find_blocks
 from .cost import NodeCost, node_costs
 from .grad_buffers import backward_buffers
 from .host_memory import HostMemory, host_memories
-from .layout import (
-    DEFAULT_BUCKET_ELEMS,
-    FlatUnit,
-    canonical_names,
-    flat_units,
-    frozen_params,
-    local_shape,
-    param_slices,
-    stage_params,
-    zero3_owner,
-)
+from .layout import DEFAULT_BUCKET_ELEMS, FlatUnit, canonical_names, stage_params
 from .loss_memory import LossMemory, loss_memory, padded_params
 from .memory_model import ADAMW, MemoryModel
 from .node_meta import meta_of
@@ -55,6 +43,7 @@ from .rank_memory import (
 )
 from .recompute_cost import forward_tp_collectives, param_readers
 from .saved import SavedTensors
+from .stage_units import stage_units, unstepped_elements
 from .traffic import Collective, StageTraffic, stage_collectives
 
 __all__ = [
@@ -155,8 +144,9 @@ def estimate(
                                memory.param_bytes, memory.grad_bytes)  # fmt: skip
         comms.append((s, stage_collectives(plan, gm, traffic)))
         walked = _walk_backward(plan, gm, stage_of, s, units, act, readers, tied, memory, scale)
+        idle = unstepped_elements(plan, model, per_stage[s], units, groups)
         mem = _rank_memory(
-            plan, n_local, units, act, in_flight[s], memory, comms[-1][1], walked, scale
+            plan, n_local, units, act, in_flight[s], memory, comms[-1][1], walked, scale, idle
         )
         per_stage_memory.append(mem)
     # Every rank of a pp index holds the same: one record per pp index (rank_memories.py).
@@ -249,38 +239,6 @@ def _regions(plan: Plan, gm: torch.fx.GraphModule) -> dict[str, str]:
     return recompute_regions(gm, plan.recompute)
 
 
-def stage_units(
-    plan: Plan,
-    model: torch.nn.Module,
-    per_stage: list[list[str]],
-    s: int,
-    bucket_elems: int,
-    groups: Mapping[str, int] | None = None,
-) -> tuple[tuple[FlatUnit, ...], int, frozenset[str]]:
-    """Stage `s`'s flat units (as the runtime builds them), local elements (frozen
-    parameters' too, which no unit holds), tied weights. A unit holds one dtype and one
-    optimizer group (`groups`: name -> index)."""
-    slices = param_slices(plan, model)
-    canonical = canonical_names(model)
-    shapes = {canonical[n]: tuple(p.shape) for n, p in model.named_parameters()}
-    group = (groups or {}) if plan.zero else {}  # zero 0 steps parameters, not units
-    kinds = {
-        canonical[n]: (p.dtype, group.get(canonical[n], 0)) for n, p in model.named_parameters()
-    }
-    tied = frozenset(n for n in per_stage[s] if sum(n in other for other in per_stage) > 1)
-    blocks = find_blocks(model)
-    frozen = frozen_params(model)  # in no unit: held whole, never reduced or stepped
-    local = [
-        (n, math.prod(local_shape(shapes[n], slices.get(n))), zero3_owner(n, blocks))
-        for n in per_stage[s]
-    ]
-    trained = [item for item in local if item[0] not in frozen]
-    units = flat_units(
-        trained, zero=plan.zero, dp=plan.dp, bucket_elems=bucket_elems, solo=tied, kinds=kinds
-    )
-    return units, sum(n for _, n, _ in local), tied
-
-
 def _walk_backward(
     plan: Plan,
     gm: torch.fx.GraphModule,
@@ -316,7 +274,11 @@ def _rank_memory(
     comms: tuple[Collective, ...],
     walked: int | None,
     scale: float,
+    unstepped: int = 0,
 ) -> _MemoryParts:
+    """`unstepped`: the optimizer elements of parameters in no optimizer group
+    (`compiler/stage_units.py`), which hold no optimizer state (their masters and step transients
+    are kept as every other's)."""
     padded = sum(u.padded for u in units)
     shard = sum(u.shard for u in units)
     zero = plan.zero if plan.dp > 1 else 0
@@ -354,7 +316,7 @@ def _rank_memory(
     return (
         p * memory.param_bytes,
         g * memory.held_grad_bytes(plan.zero),
-        o * memory.state_bytes,
+        (o - unstepped) * memory.state_bytes,
         activations,
         buffers,
         # Zero 2 drops last step's shards before backward: at its peak no gradient is

@@ -45,7 +45,6 @@ import torch.fx
 from parc.dsl.ast import AXIS_DP, AXIS_PP
 
 from .compile_regions import Region, compile_regions, recomputed_regions, zero3_regions
-from .estimate import stage_units
 from .frontend import Analysis
 from .layout import FlatUnit, ParamSlice, canonical_names, frozen_params, param_slices, stage_params
 from .model import BatchSignature
@@ -59,6 +58,7 @@ from .rank_buffers import BufferLayout, buffer_layout
 from .rank_tied import TiedGroup, rank_tied, tied_groups
 from .rank_zero3 import Zero3Layout, zero3_layout, zero3_shards
 from .schedule import Action
+from .stage_units import stage_units
 
 __all__ = ["RankProgram", "TiedGroup", "compile_rank"]
 

@@ -201,15 +201,21 @@ def test_a_resumed_run_keeps_each_groups_state(
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("zero", [1, 2, 3])
-def test_a_rank_holds_the_reported_bytes_with_groups(gloo_pool: Any, zero: int) -> None:
+@pytest.mark.parametrize(
+    ("zero", "leave_out"), [(1, False), (2, False), (3, False), (0, True), (1, True), (3, True)]
+)
+def test_a_rank_holds_the_reported_bytes_with_groups(
+    gloo_pool: Any, zero: int, leave_out: bool
+) -> None:
     # The units split at group changes pad each group apart: the report lays them out so.
+    # A parameter in no group is never stepped, so it has no optimizer state (leave_out).
     from test_bf16_memory_traffic import held_and_sent
 
     spec = f"mesh dp=2\nzero {zero}\n"
-    with model_env(SMALL):
+    env = {**SMALL, "DECAY_LEAVE_OUT": "1"} if leave_out else SMALL
+    with model_env(env):
         est = analyse(spec, MODEL, batch=8).estimate
-    for got in gloo_pool(2).run(held_and_sent, spec, MODEL, SMALL, 8):
+    for got in gloo_pool(2).run(held_and_sent, spec, MODEL, env, 8):
         mem = est.memory[got["rank"]]
         want = {"params": mem.params, "optimizer": mem.optimizer, "grads": mem.grads}
         assert {k: got[k] for k in want} == want, got["rank"]

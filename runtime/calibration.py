@@ -43,19 +43,19 @@ Every tensor (step 0's gradients, the final parameters) and every step's loss is
 held to the twin's distance or to that of the split run (runtime/twins.py
 `Variant.SPLIT`: each step's batch forward and backward in two halves, each loss
 weighted by its share, as dp=2 and two microbatches sum them), whichever is
-farther (`_noise`). A gradient that nearly cancels rounds by its terms,
-not by its value: BERT's 2-label classifier bias with balanced labels is 3.7e-4
-from terms of ~0.06, dp=2's halves move it 1.05e-8, the twin moved it by nothing,
-and the floor (4·ε·‖T‖) is 2.5e-10, so a correct run was 42× past its bound (a
-probe over 160 HF runs found it; every other run stayed under 0.23). With the
-split it is 0.06, and `skip-grad-sync` / `grad-scale` still fail it
-(tests/test_check_split_twin.py). Under Adam a near-zero gradient whose rounding
-flips its sign steps a whole lr the other way: a 2-class MLP with a near-zero head
-and balanced labels had its head bias 36× past the twin's bound after 3 steps
-(AdamW lr 1e-2, dp=2); the split run flips it as dp's halves do. The split is
-used only when its loss is the reference's within TWIN_GATE: a loss that is no
-mean over samples, uneven ignored targets or samples that interact (BatchNorm)
-change it beyond rounding.
+farther (runtime/calibrated_compare.py `_noise`). A gradient that nearly cancels
+rounds by its terms, not by its value: BERT's 2-label classifier bias with
+balanced labels is 3.7e-4 from terms of ~0.06, dp=2's halves move it 1.05e-8,
+the twin moved it by nothing, and the floor (4·ε·‖T‖) is 2.5e-10, so a correct
+run was 42× past its bound (a probe over 160 HF runs found it; every other run
+stayed under 0.23). With the split it is 0.06, and `skip-grad-sync` / `grad-
+scale` still fail it (tests/test_check_split_twin.py). Under Adam a near-zero
+gradient whose rounding flips its sign steps a whole lr the other way: a 2-class
+MLP with a near-zero head and balanced labels had its head bias 36× past the
+twin's bound after 3 steps (AdamW lr 1e-2, dp=2); the split run flips it as dp's
+halves do. The split is used only when its loss is the reference's within
+TWIN_GATE: a loss that is no mean over samples, uneven ignored targets or
+samples that interact (BatchNorm) change it beyond rounding.
 
 The floor covers tensors the twin reproduces bit for bit (LayerNorm weights
 whose gradients sum in a fixed order): floor = 4·ε·(steps + 1), ε = 2⁻²³ the
@@ -131,13 +131,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from parc.dsl.ast import Precision
 
-from .equivalence import LOSS_RTOL, Comparison, Tolerance, compare_runs
+from .equivalence import LOSS_RTOL
 from .probes import GradientProbe, nudge_outputs
 
 __all__ = [
@@ -148,10 +147,11 @@ __all__ = [
     "Calibration",
     "GradientProbe",
     "TensorBound",
-    "calibrated_compare",
     "calibration_for",
+    "floor",
     "nudge_outputs",
-    "twin_unstable",
+    "same_sign",
+    "tensor_bounds",
 ]
 
 NOISE_MULT = 16.0
@@ -287,147 +287,3 @@ def same_sign(
             sign = torch.sign(g)
             out[name] = (torch.sign(twin[name]) == sign) & (torch.sign(got) == sign)
     return out
-
-
-def _bad_buffer(
-    ref: dict[str, Any], twin: dict[str, Any], par: dict[str, Any], cal: Calibration
-) -> str | None:
-    """The first buffer that is missing, of another dtype, unequal (integer ones), not its
-    parameter (a tied alias: equal to one in the reference; the parameter itself is held
-    to its own bound), or past the twin's bound (other floating-point ones)."""
-    params, steps = ref["params"], len(ref["losses"])
-    for name, expected in ref["buffers"].items():
-        got = par["params"].get(name)
-        if got is None or got.shape != expected.shape or got.dtype != expected.dtype:
-            return name
-        alias = next((p for p, v in params.items() if _same_tensor(v, expected)), None)
-        if alias is not None:
-            same = _same_tensor(got, par["params"].get(alias))
-        elif not expected.is_floating_point():
-            same = torch.equal(got, expected)
-        else:
-            one = {name: expected}
-            (bound,) = tensor_bounds(
-                one,
-                {name: twin["buffers"][name]},
-                {name: got},
-                steps,
-                cal.param_eps,
-                cal.noise_mult,
-                ulps=cal.floor_ulps,
-            )
-            same = bound.ratio <= 1
-        if not same:
-            return name
-    return None
-
-
-def _same_tensor(a: torch.Tensor, b: torch.Tensor | None) -> bool:
-    return b is not None and a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
-
-
-def twin_unstable(ref: dict[str, Any], twin: dict[str, Any]) -> float | None:
-    """The twin's relative loss difference at step 0 when above TWIN_GATE, else None.
-    Run on the fp32 pair under every precision: a model's dependence on sample order or
-    random draws is its own, and only fp32 rounding (~1e-7) is small enough to see it."""
-    rel = _rel(ref["losses"][0], twin["losses"][0])
-    return rel if rel > TWIN_GATE else None
-
-
-def _rel(expected: float, got: float) -> float:
-    """`got`'s relative difference from `expected`."""
-    return abs(expected - got) / max(abs(expected), 1e-12)
-
-
-def _loss_rows(
-    ref: list[float], twin: list[float], par: list[float], cal: Calibration
-) -> tuple[list[tuple[int, float, float, float]], int | None]:
-    """(step, reference, parallel, rel. diff) per step, and the first step past its bound."""
-    rows, first_bad, noise = [], None, 0.0
-    for step, (a, b, t) in enumerate(zip(ref, par, twin, strict=True)):
-        rel, twin_rel = _rel(a, b), _rel(a, t)
-        noise = max(noise, twin_rel) if cal.loss_running_max else twin_rel
-        rows.append((step, a, b, rel))
-        if rel > LOSS_RTOL + cal.noise_mult * noise and first_bad is None:
-            first_bad = step
-    return rows, first_bad
-
-
-def _noise(
-    ref: dict[str, Any], twin: dict[str, Any], split: dict[str, Any] | None
-) -> dict[str, Any]:
-    """The noise run the bounds read: per tensor (step 0's gradients, the final
-    parameters) and per step's loss, the twin's or the split run's (runtime/twins.py),
-    whichever is farther from the reference; the split only when its step-0 loss is the
-    reference's up to rounding (not when the loss is no mean over samples, or samples
-    interact)."""
-    if split is None or _rel(ref["losses"][0], split["losses"][0]) > TWIN_GATE:
-        return twin
-    out: dict[str, Any] = {
-        "losses": [
-            t if abs(t - r) >= abs(s - r) else s
-            for r, t, s in zip(ref["losses"], twin["losses"], split["losses"], strict=True)
-        ]
-    }
-    for kind in ("grads", "params"):
-        out[kind] = {
-            name: _farther(expected, twin[kind][name], split[kind][name])
-            for name, expected in ref[kind].items()
-        }
-    return out
-
-
-def _farther(expected: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return a if float((a - expected).norm()) >= float((b - expected).norm()) else b
-
-
-def calibrated_compare(
-    ref: dict[str, Any],
-    twin: dict[str, Any],
-    par: dict[str, Any],
-    par_grads: dict[str, Any],
-    precision: Precision = Precision.FP32,
-    split: dict[str, Any] | None = None,
-) -> Comparison:
-    """Compare a parallel run with the reference at the twin's noise (module docstring).
-
-    `ref` and `twin` are `reference_run` results (with step-0 "grads"), `par` a
-    `parallel_case` result, `par_grads` the parameters of a one-step
-    `GradientProbe` parallel run, `split` (optional) a `Variant.SPLIT` run: each
-    tensor and loss is held to the twin's or its distance, the larger (`_noise`). Buffers are
-    held to the twin's bound as parameters are (a tied alias: to being its parameter).
-    """
-    steps, cal = len(ref["losses"]), calibration_for(precision, ref["params"])
-    base = compare_runs(ref, par, Tolerance())  # losses, parameters, buffers redone below
-    noise = _noise(ref, twin, split)
-    rows, first_bad = _loss_rows(ref["losses"], noise["losses"], par["losses"], cal)
-    keep = same_sign(ref["grads"], twin["grads"], par_grads) if cal.excuse_flips else None
-    params = tensor_bounds(
-        ref["params"], noise["params"], par["params"], steps, cal.param_eps, cal.noise_mult,
-        keep, ulps=cal.floor_ulps,
-    )  # fmt: skip
-    grads = tensor_bounds(
-        ref["grads"], noise["grads"], par_grads, 0, cal.grad_eps, cal.noise_mult,
-        ulps=cal.floor_ulps,
-    )  # fmt: skip
-    worst_p = max(params, key=lambda t: t.ratio, default=TensorBound("", 0.0, 1.0))
-    worst_g = max(grads, key=lambda t: t.ratio, default=TensorBound("", 0.0, 1.0))
-    bad_param = next((t.name for t in params if t.ratio > 1), None)
-    bad_grad = next((t.name for t in grads if t.ratio > 1), None)
-    ok = first_bad is None and bad_param is None and bad_grad is None
-    bad_buffer = _bad_buffer(ref, twin, par, cal)
-    return dataclasses.replace(
-        base,
-        ok=ok and bad_buffer is None,
-        bad_buffer=bad_buffer,
-        rows=rows,
-        first_bad_step=first_bad,
-        max_param_diff=worst_p.diff,
-        worst_param=worst_p.name,
-        bad_param=bad_param,
-        param_margin=worst_p.ratio,
-        max_grad_diff=worst_g.diff,
-        worst_grad=worst_g.name,
-        bad_grad=bad_grad,
-        grad_margin=worst_g.ratio,
-    )

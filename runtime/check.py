@@ -42,13 +42,8 @@ from parc.compiler.plan import Plan
 from parc.dsl.ast import Precision, Spec
 from parc.precision import override_compile, override_precision
 
-from .calibration import (
-    CALIBRATIONS,
-    Calibration,
-    calibrated_compare,
-    calibration_for,
-    twin_unstable,
-)
+from .calibrated_compare import calibrated_compare, twin_unstable
+from .calibration import CALIBRATIONS, Calibration, calibration_for
 from .check_format import DEFAULT, check_json, format_check
 from .equivalence import (
     Comparison,

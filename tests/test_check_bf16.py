@@ -24,7 +24,7 @@ from parc.cli import main
 from parc.dsl.ast import Precision
 from parc.dsl.parser import parse_spec
 from parc.precision import override_precision
-from parc.runtime.calibration import calibrated_compare
+from parc.runtime.calibrated_compare import calibrated_compare
 from parc.runtime.check import CheckResult, PrecisionGap, check_json, compare_in_pool, format_check
 from parc.runtime.equivalence import Comparison, Tolerance
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 from helpers import ROOT
 
-from parc.runtime.calibration import _noise
+from parc.runtime.calibrated_compare import _noise
 from parc.runtime.check import compare_in_pool
 
 pytestmark = [pytest.mark.timeout(300)]

@@ -24,9 +24,6 @@ nothing and works on a model built on the `meta` device:
 from __future__ import annotations
 
 import inspect
-import linecache
-import os
-import traceback
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -39,18 +36,11 @@ from parc.errors import CompileError, ParcError
 from .model_output import Path, choose_output, leaves
 from .model_state import module_state, restore_rebound
 from .node_info import module_path, node_source
-from .trace_asserts import ASSERT_FIX, TracedAssert, assert_site, check_asserts
+from .trace_asserts import TracedAssert, assert_site, check_asserts
+from .trace_errors import POSITIONAL, arity_error, export_error, trace_error
 from .user_checkpoint import watch_checkpoints
 
 __all__ = ["choose_single_output", "module_path", "node_source", "propagate_shapes", "trace_model"]
-
-_CONTROL_FLOW = "cannot be used as inputs to control flow"
-# parc's own folders (compiler/, runtime/, ...): never the user's source line.
-_PARC_DIRS = tuple(
-    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), d) + os.sep
-    for d in ("compiler", "runtime", "parc", "dsl")
-)
-# Frames in these folders are torch's or parc's, never the user's source line.
 
 
 class _ParcTracer(torch.fx.Tracer):
@@ -159,7 +149,7 @@ def _exported(
     except CompileError:
         raise  # the capture's own refusal, naming the line
     except Exception as exc:
-        raise _export_error(exc, model, fx_error) from exc
+        raise export_error(exc, model, fx_error) from exc
     gm = captured.gm
     gm.meta["parc_capture"] = "export"
     choose_single_output(gm, captured.found, own_loss, file)
@@ -195,7 +185,7 @@ def _symbolic(model: torch.nn.Module, inputs: Sequence[Any] | None = None) -> to
             warnings.filterwarnings("ignore", "Was not able to add assertion")
             graph = tracer.trace(model, concrete_args=defaults or None)
     except Exception as exc:
-        raise _trace_error(exc, tracer, model) from exc
+        raise trace_error(exc, tracer.failed_in, model) from exc
     finally:
         rebound = restore_rebound(state)
     if rebound:  # `self.ema = 0.9 * self.ema + ...`: fx left the model holding a Proxy
@@ -218,48 +208,18 @@ def _defaults_not_given(model: torch.nn.Module, inputs: Sequence[Any] | None) ->
     kinds = {p.kind for p in params}
     if inspect.Parameter.VAR_POSITIONAL in kinds:
         return {}  # forward(*args): any number of inputs is fine
-    positional = [p for p in params if p.kind in _POSITIONAL]
+    positional = [p for p in params if p.kind in POSITIONAL]
     rest = positional[len(inputs) :] + [p for p in params if p.kind is _KEYWORD]
     missing = [p.name for p in rest if p.default is inspect.Parameter.empty]
     if len(inputs) > len(positional) or missing:
-        raise _arity_error(model, params, len(inputs), missing)
+        raise arity_error(model, params, len(inputs), missing)
     return {p.name: p.default for p in rest}
 
 
-_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 _KEYWORD = inspect.Parameter.KEYWORD_ONLY
 
 
-def _arity_error(
-    model: torch.nn.Module, params: list[inspect.Parameter], given: int, missing: list[str]
-) -> CompileError:
-    names = ", ".join(p.name for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD)
-    wants = f"{type(model).__name__}.forward({names})"
-    got = f"sample_batch gives {given} input{'s' if given != 1 else ''} (passed as model(*inputs))"
-    if missing:
-        return CompileError(
-            f"{wants} needs {', '.join(repr(m) for m in missing)}, but {got}",
-            source=_definition(model),
-            hint="return every input forward needs from sample_batch, as a tuple "
-            "(`return (x, mask), targets`), or give the parameter a default",
-        )
-    takes = sum(p.kind in _POSITIONAL for p in params)
-    return CompileError(
-        f"{wants} takes {takes} input{'s' if takes != 1 else ''}, but {got}",
-        source=_definition(model),
-        hint="return only forward's inputs as sample_batch's first item; the targets go "
-        "second (`return inputs, targets`) and reach loss_fn, not forward",
-    )
-
-
-def _definition(model: torch.nn.Module) -> str | None:
-    """`file:line: def forward(...)` of the model's forward."""
-    try:
-        code = type(model).forward.__code__
-    except AttributeError:
-        return None
-    line = linecache.getline(code.co_filename, code.co_firstlineno).strip()
-    return f"{code.co_filename}:{code.co_firstlineno}: {line or 'def forward(...)'}"
+_KEYWORD = inspect.Parameter.KEYWORD_ONLY
 
 
 def _drop_default_inputs(gm: torch.fx.GraphModule, given: int) -> None:
@@ -281,65 +241,6 @@ def _drop_default_inputs(gm: torch.fx.GraphModule, given: int) -> None:
             gm.graph.erase_node(node)
     gm.graph.lint()
     gm.recompile()
-
-
-def _trace_error(exc: Exception, tracer: _ParcTracer, model: torch.nn.Module) -> CompileError:
-    name, cls = tracer.failed_in or ("", type(model))
-    where = f"module '{name}' ({cls.__name__})" if name else f"the model ({cls.__name__})"
-    frame = _user_frame(exc)
-    code = frame.split(": ", 1)[1] if frame and ": " in frame else ""
-    if isinstance(exc, AssertionError) or (code.startswith("assert") and _CONTROL_FLOW in str(exc)):
-        return _assert_error(exc, where, frame)
-    if _CONTROL_FLOW in str(exc):
-        return CompileError(
-            f"{where} cannot be traced: its forward uses a value computed from the "
-            "input in Python control flow (a data-dependent `if`, `for`, `while`, "
-            "`bool()`, `int()` or `len()`)",
-            source=frame,
-            hint="make the condition a constant known when the model is built (a config "
-            "attribute), use torch.where for data-dependent choices, or move the helper "
-            "out of the traced code with torch.fx.wrap",
-        )
-    return CompileError(
-        f"{where} cannot be traced: {type(exc).__name__}: {exc}",
-        source=frame,
-        hint="parc traces forward() with torch.fx.symbolic_trace; keep forward free of "
-        "data-dependent Python and of calls that inspect tensor values",
-    )
-
-
-def _assert_error(exc: Exception, where: str, frame: str | None) -> CompileError:
-    """An assert that tracing cannot pass: on a traced value's type, or a test that chooses."""
-    at = frame.rsplit(": ", 1)[0] if frame else "forward"
-    if isinstance(exc, AssertionError):
-        said = f" ({exc})" if str(exc) else ""
-        what = (
-            f"an assert in {where} failed while tracing, at {at}{said}: parc traces forward "
-            "with torch.fx, where a tensor is a symbolic Proxy (no values, no torch.Tensor "
-            "type), so an assert on a tensor's type or on a value computed from its data fails"
-        )
-        return CompileError(what, source=frame, hint=ASSERT_FIX)
-    what = (
-        f"an assert in {where} cannot be traced, at {at}: its test combines traced values "
-        "with `or`, `not`, `... if ... else ...` or a comprehension, so whether it holds "
-        "is not known while tracing"
-    )
-    hint = (
-        "write it as comparisons joined by `and` (`assert not t > n` as `assert t <= n`), "
-        "which parc checks at the traced shapes; or " + ASSERT_FIX[0].lower() + ASSERT_FIX[1:]
-    )
-    return CompileError(what, source=frame, hint=hint)
-
-
-def _user_frame(exc: BaseException) -> str | None:
-    """`file:line: code` of the innermost traceback frame outside torch."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    user = [f for f in frames if "/torch/" not in f.filename and "/parc/" not in f.filename]
-    user = [f for f in user if not f.filename.startswith(_PARC_DIRS)]
-    if not user:
-        return None
-    last = user[-1]
-    return f"{last.filename}:{last.lineno}: {(last.line or '').strip()}"
 
 
 def propagate_shapes(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> None:
@@ -380,42 +281,3 @@ def _described(value: Any) -> tuple[int | None, bool]:
     shape, dtype = getattr(meta, "shape", None), getattr(meta, "dtype", None)
     ndim = None if shape is None else len(shape)
     return ndim, dtype is not None and dtype.is_floating_point
-
-
-def _export_error(
-    exc: Exception, model: torch.nn.Module, fx_error: CompileError | None
-) -> CompileError:
-    """Neither capture worked: the fx error (it names the module and line), with why
-    torch.export could not capture the model either."""
-    reason = (
-        f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
-        if str(exc)
-        else (type(exc).__name__)
-    )
-    frame = _user_frame(exc)
-    if fx_error is not None:
-        fx_error.message += f" (torch.export could not capture it either: {reason})"
-        return fx_error
-    inner = _failing_module(exc)
-    where = f" (in {inner}.forward)" if inner and inner != type(model).__name__ else ""
-    return CompileError(
-        f"the model ({type(model).__name__}) cannot be captured with torch.export{where}: {reason}",
-        source=frame,
-        hint="keep forward free of Python that reads tensor values (an `if`, `.item()`, "
-        "`.tolist()` on data): shapes and config values are fine; move the check to "
-        "sample_batch, or use torch.where for a data-dependent choice",
-    )
-
-
-def _failing_module(exc: BaseException) -> str | None:
-    """The class of the innermost module whose forward (outside torch and parc) raised."""
-    found = None
-    tb = exc.__traceback__
-    while tb is not None:
-        code = tb.tb_frame.f_code.co_filename
-        owner = tb.tb_frame.f_locals.get("self")
-        user = "/torch/" not in code and not code.startswith(_PARC_DIRS)
-        if isinstance(owner, torch.nn.Module) and user:
-            found = type(owner).__name__
-        tb = tb.tb_next
-    return found

@@ -215,6 +215,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ParcError as exc:
         if args.debug:
             traceback.print_exc()
+            if getattr(exc, "mistake", None):  # a pool's short form: its full report too
+                print(exc.message, file=sys.stderr)
         print(str(exc), file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:

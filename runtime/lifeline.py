@@ -30,7 +30,13 @@ import sys
 import threading
 from collections.abc import MutableMapping
 
-__all__ = ["LAUNCHER_PID_ENV", "mark_launcher", "release_semaphores", "tie_to_launcher"]
+__all__ = [
+    "LAUNCHER_PID_ENV",
+    "mark_launcher",
+    "no_semaphores",
+    "release_semaphores",
+    "tie_to_launcher",
+]
 
 LAUNCHER_PID_ENV = "PARC_LAUNCHER_PID"
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -97,3 +103,15 @@ def release_semaphores() -> None:
     import multiprocessing.util
 
     multiprocessing.util._run_finalizers(0)  # type: ignore[attr-defined]
+
+
+def no_semaphores() -> None:
+    """Make this process's tqdm lock a thread lock, not the named semaphore it makes by
+    default (torch.fx's Interpreter opens a disabled tqdm bar): a process killed before
+    `release_semaphores` could run (a worker pool's rank after a failed case) leaves none
+    for the resource tracker to report as leaked. No bar is shared across processes."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return
+    tqdm.set_lock(threading.RLock())

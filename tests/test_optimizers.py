@@ -152,6 +152,24 @@ def test_parc_check_refuses_the_models_adafactor_under_zero_1(
     assert "Traceback" not in out + err
 
 
+def test_parc_check_names_the_users_line_a_rank_raised_at(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # The factory raises on the ranks only: the user's line, as `parc run` names it, once
+    # for both ranks (was a traceback through parc's frames, found by a probe).
+    model = str(MODELS / "optimizer_raises_on_ranks.py")
+    code, _ = parc_main(tmp_path, "dp2.par", "mesh dp=2\n", "check", model)
+    out, err = capfd.readouterr()
+    assert code == 2, out + err
+    line = _line_of(model, 'raise RuntimeError("no optimizer on a rank")')
+    assert err.startswith(
+        f"{model}: error: configure_optimizer raised RuntimeError: no optimizer on a rank\n"
+        f"  at {model}:{line} in configure_optimizer:"
+    ), err
+    assert "(raised by ranks 0, 1 of 2 of the parallel run)" in err
+    assert "Traceback" not in out + err and "leaked" not in err
+
+
 def test_parc_check_uses_the_models_elementwise_optimizer_and_passes(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:

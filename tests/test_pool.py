@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -154,17 +155,51 @@ def test_ranks_raising_different_mistakes_print_each_without_the_pools_words(
     assert "pool" not in text and "case" not in text
 
 
-def test_a_raising_rank_is_named_with_its_traceback(gloo_pool: PoolFactory) -> None:
+def test_a_raising_rank_is_named_with_its_line_and_traceback(gloo_pool: PoolFactory) -> None:
     pool = gloo_pool(2)
     with pytest.raises(WorkerError) as caught:
         pool.run(_raise_on_rank, 1, timeout=30)
 
     assert caught.value.ranks == (1,)
-    message = str(caught.value)
-    assert "rank 1 raised" in message
-    assert "in _raise_on_rank" in message  # the original traceback
-    assert "ValueError: bad value on rank 1" in message
+    # Code outside parc raised (as a model file's does under `parc check`): its line, as
+    # `parc run` names it, without the pool's words or a traceback (was a traceback
+    # through parc's own frames under the pool's header, found by a probe).
+    short = str(caught.value)
+    assert "_raise_on_rank raised ValueError: bad value on rank 1" in short
+    assert f"at {__file__}:" in short and "(raised by rank 1 of 2 of the parallel run)" in short
+    assert "Traceback" not in short and "the pool killed" not in short
+    full = caught.value.message  # what --debug prints: the rank's traceback
+    assert "rank 1 raised" in full and "Traceback" in full
+    assert "ValueError: bad value on rank 1" in full
     assert pool.run(_raise_on_rank, 5) == [0, 1]  # the rebuilt pool works
+
+
+def _interpret_then_raise() -> None:
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    torch.fx.Interpreter(gm).run(torch.ones(1, 2))  # opens a (disabled) tqdm bar
+    raise ValueError("after the interpreter ran")
+
+
+def test_ranks_killed_after_a_failure_leave_no_semaphore_to_report() -> None:
+    # torch.fx's Interpreter made tqdm create a named semaphore in every rank; the pool
+    # kills a failed case's ranks before their exit could unlink it, so the resource
+    # tracker warned "leaked semaphore objects" at the owner's exit (found by a probe).
+    script = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import test_pool\n"
+        "from parc.testing.pool import WorkerError, WorkerPool\n"
+        "with WorkerPool(2, timeout=60) as pool:\n"
+        "    try:\n"
+        "        pool.run(test_pool._interpret_then_raise)\n"
+        "    except WorkerError:\n"
+        "        print('failed as expected')\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", script, os.path.dirname(__file__)],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert "failed as expected" in done.stdout, done.stderr
+    assert "leaked" not in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize(

@@ -30,8 +30,9 @@ _TAIL = 3000  # characters of a rank's output quoted in an error
 
 class WorkerError(ParcError):
     """A case failed on a `WorkerPool`; `ranks` are the ranks that failed. `mistake`:
-    the ParcErrors (a user's mistake) every failed rank raised, each distinct one once
-    with its ranks, printed without the pool's words."""
+    the ParcErrors (a user's mistake) or user-code failures every failed rank raised,
+    each distinct one once with its ranks, printed without the pool's words (`message`
+    keeps the pool's full report, tracebacks included)."""
 
     def __init__(
         self,
@@ -51,9 +52,12 @@ class WorkerError(ParcError):
 
 @dataclass(frozen=True, slots=True)
 class RankMistake:
-    """A rank's reply for a case that raised a ParcError: its text, no traceback."""
+    """A rank's reply for a case that raised a ParcError, or whose user code raised (its
+    line named as `parc run` names it): its text; `trace`, the traceback of the latter,
+    quoted only in the pool's full report."""
 
     text: str
+    trace: str = ""
 
     def __str__(self) -> str:
         return self.text
@@ -85,11 +89,13 @@ def describe_failure(
         dump = _read_from(ranks[rank].spec.stack, 0)  # written only by a fatal signal here
         parts.append(_quote(dump and _tidy_stack(dump), "its stack when it died"))
     same: dict[str, list[int]] = {}  # every rank raising the same error: said once
+    traces: dict[str, str] = {}
     for rank, error in sorted(outcome.errors.items()):
         same.setdefault(str(error), []).append(rank)
+        traces[str(error)] = getattr(error, "trace", "") or str(error)
     for text, raised in same.items():
         who = f"rank {raised[0]}" if len(raised) == 1 else f"ranks {_ranks(raised)}"
-        parts.append(f"{who} raised:\n{_indent(text)}")
+        parts.append(f"{who} raised:\n{_indent(traces[text])}")
     waited = f"{GRACE} s after the failure above" if outcome.cut_short else f"{limit} s"
     for rank in outcome.unfinished:
         parts.append(f"rank {rank} was still running after {waited}; its stack:")

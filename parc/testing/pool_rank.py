@@ -27,8 +27,9 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map_only
 
+from parc import blame
 from parc.errors import ParcError
-from parc.runtime.lifeline import release_semaphores
+from parc.runtime.lifeline import no_semaphores, release_semaphores
 from parc.testing.pool_failure import RankMistake
 
 __all__ = ["RankSpec", "join_world", "rank_main"]
@@ -83,6 +84,7 @@ def _set_up_rank(spec: RankSpec, lifeline: Connection) -> None:
     faulthandler.register(signal.SIGUSR1, file=_STACK_FILE, all_threads=True)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the owner's to handle
     threading.Thread(target=_exit_when_orphaned, args=(lifeline,), daemon=True).start()
+    no_semaphores()  # the pool kills a failed case's ranks: nothing may be left to leak
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)  # the same thread count gives bit-identical results
     if sys.platform == "linux" and os.path.exists("/sys/class/net/lo"):
@@ -140,6 +142,14 @@ def _run_case(request: bytes) -> bytes:
         return pickle.dumps((True, portable))
     except ParcError as exc:  # a user's mistake: its message, which names the fix
         return pickle.dumps((False, RankMistake(str(exc))))
+    except Exception as exc:
+        # The user's code failing (their optimizer factory, their forward): its line, as
+        # `parc run` prints it; the traceback only in the pool's full report (--debug).
+        frame = blame.raised_by_user(exc)
+        if frame is None:
+            return pickle.dumps((False, traceback.format_exc()))
+        text = str(blame.user_error(exc, frame))
+        return pickle.dumps((False, RankMistake(text, traceback.format_exc())))
     except BaseException:
         return pickle.dumps((False, traceback.format_exc()))
     finally:

@@ -65,6 +65,7 @@ from .deferred_record import (
     ref_of,
 )
 from .init_tables import loaded_tables
+from .param_attrs import keep_attributes
 
 __all__ = ["CannotDefer", "DeferredModel", "Keep", "record_build", "replay"]
 
@@ -162,7 +163,11 @@ class DeferredModel:
             full = self.value_of(old, name=aliases[0])
             local = _owned(keep(aliases[0], full) if keep else full, full).to(device)
             del full
-            new = nn.Parameter(local, old.requires_grad) if group[0].is_param else local
+            new = (
+                keep_attributes(old, nn.Parameter(local, old.requires_grad))
+                if group[0].is_param
+                else local
+            )
             for slot in group:
                 slot.table()[slot.leaf] = new
             done += aliases

@@ -19,6 +19,7 @@ import torch.utils._pytree as pytree
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
 from .model_output import call_kwargs
+from .param_attrs import keep_attributes
 from .user_checkpoint import adopt_twin
 
 __all__ = ["export_model", "has_attr"]
@@ -91,7 +92,7 @@ def _meta_twin(
         if isinstance(tensor, torch.nn.Parameter):
             if compute is not None and tensor.dtype.is_floating_point:
                 twin = twin.to(compute)
-            twin = torch.nn.Parameter(twin, requires_grad=tensor.requires_grad)
+            twin = keep_attributes(tensor, torch.nn.Parameter(twin, tensor.requires_grad))
         memo[id(tensor)] = twin
     copied = copy.deepcopy(model, memo)
     adopt_twin(copied)  # its torch.utils.checkpoint calls are the model's

@@ -45,6 +45,7 @@ from parc.dsl.ast import Zero
 from parc.errors import ParcError
 
 from .optimizer_rebuild import construct_like, lost_settings
+from .param_attrs import keep_attributes
 from .plan import PlanWarning
 
 __all__ = [
@@ -257,7 +258,9 @@ def param_group_map(
     # Stand-ins, as ZeRO-3's factory call gets (runtime/assemble.py): real CPU tensors of
     # the parameters' shapes and dtypes that hold no memory, the model maybe on meta.
     stand_ins = [
-        torch.nn.Parameter(torch.zeros((), dtype=p.dtype).expand(p.shape), p.requires_grad)
+        keep_attributes(
+            p, torch.nn.Parameter(torch.zeros((), dtype=p.dtype).expand(p.shape), p.requires_grad)
+        )
         for _, p in named
     ]
     opt = _built(factory, stand_ins) if named else None

@@ -41,6 +41,7 @@ from parc.compiler.model import ModelSource
 from parc.compiler.optimizer_factory import OptimizerFactory
 from parc.compiler.optimizer_rebuild import rebuilt_like
 from parc.compiler.optimizers import check_optimizer, factory_origin
+from parc.compiler.param_attrs import keep_attributes
 from parc.compiler.plan import Plan
 from parc.compiler.rank_program import RankProgram, TiedGroup
 from parc.dsl.ast import AXIS_DP, Precision
@@ -148,7 +149,7 @@ def _factory_params(
     for p in params:
         dtype = MASTER_DTYPE if plan.mixed else p.dtype
         one_zero = torch.zeros((), dtype=dtype, device=device).expand(p.shape)
-        stand_ins.append(torch.nn.Parameter(one_zero, p.requires_grad))
+        stand_ins.append(keep_attributes(p, torch.nn.Parameter(one_zero, p.requires_grad)))
     return stand_ins
 
 
@@ -262,8 +263,9 @@ def _refusal(message: str, file: str | None) -> ParcError:
 
 
 _MIXED_HINT = (
-    "choose each parameter's group from the parameter alone (its shape, dtype or name), "
-    "the same whichever parameters the factory is given"
+    "choose each parameter's group from the parameter alone (p.dim(), its dtype, or a tag "
+    "set on it in build_model such as p.no_decay = True; not its shape, which tp slices, "
+    "nor its position in the list), the same whichever parameters the factory is given"
 )
 
 

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from parc.compiler.param_attrs import keep_attributes
 from parc.compiler.saved import cast_inputs
 from parc.dsl.ast import Precision
 
@@ -61,7 +62,9 @@ class MasterWeights:
         """Masters from `params`' fp32 values; each parameter becomes its bf16 compute copy."""
         pairs = MasterWeights()
         for p in params:
-            master = torch.nn.Parameter(p.data.to(MASTER_DTYPE), p.requires_grad)
+            master = keep_attributes(
+                p, torch.nn.Parameter(p.data.to(MASTER_DTYPE), p.requires_grad)
+            )
             p.data = p.data.to(COMPUTE_DTYPE)  # the fp32 storage now lives on in `master` only
             pairs.add(master, p)
         return pairs

@@ -53,6 +53,7 @@ from parc.compiler.deferred_init import CannotDefer, DeferredModel
 from parc.compiler.freed_memory import release_freed
 from parc.compiler.layout import local_part
 from parc.compiler.model import ModelSource
+from parc.compiler.param_attrs import keep_attributes
 from parc.compiler.rank_program import RankProgram
 from parc.dsl.ast import AXIS_DP
 from parc.errors import ModelError
@@ -225,6 +226,7 @@ class _Filler:
         new = new if device is None else new.to(device)
         if isinstance(old, nn.Parameter):
             new = nn.Parameter(new, requires_grad=old.requires_grad)
+        keep_attributes(old, new)  # swap_tensors swaps __dict__ too: old keeps its tags
         swap_tensors(old, new)
         self.done.add(id(old))
 

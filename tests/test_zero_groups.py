@@ -82,6 +82,35 @@ def test_each_group_trains_as_on_one_device(gloo_pool: Any, spec: str) -> None:
     assert comparison.ok, comparison.describe()
 
 
+def test_groups_chosen_by_a_tag_set_in_build_model_are_kept() -> None:
+    # The factory sees parc's copies of the parameters (of a deferred build, stand-ins);
+    # they lost the model's tags, so every parameter was in the first group, silently
+    # (found by a probe).
+    with model_env({**SMALL, "DECAY_BY_TAG": "1"}):
+        groups = analyse("mesh dp=2\nzero 1\n", MODEL, batch=8).groups
+    assert {n: g for n, g in groups.items()} == {n: int(n.endswith("bias")) for n in groups}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "mesh dp=2\n",
+        "mesh dp=2\nzero 1\n",
+        "mesh dp=2\nzero 3\n",
+        "mesh tp=2\nshard layers[0] col tp\nshard layers[1] row tp\n",
+        "mesh pp=2\nstage auto\nmicrobatches 2\n",
+        "mesh dp=2\nprecision bf16\n",
+    ],
+    ids=["zero0", "zero1", "zero3", "tp", "pp", "bf16"],
+)
+def test_groups_by_tag_train_as_on_one_device(gloo_pool: Any, spec: str) -> None:
+    even = {"MLP_DIM": "16"} if "tp" in spec else {}  # tp divides the width
+    env = {**SMALL, "DECAY_BY_TAG": "1", **even}
+    comparison, _ = compare_in_pool(gloo_pool(2), spec, MODEL, steps=3, batch=8, env=env)
+    assert comparison.ok, comparison.describe()
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("zero", [0, 1, 3])
 def test_a_parameter_in_no_group_is_never_stepped(gloo_pool: Any, zero: int) -> None:

@@ -45,6 +45,7 @@ import torch.fx
 from ..conversions import Conversion, ConvKind
 from ..layout import canonical_names, pad_dim, param_slices
 from ..node_meta import meta_of, set_collectives, set_comment, set_stage, set_tp_rewrite
+from ..param_attrs import keep_attributes
 from ..plan import Plan
 from .functional import emit_conversion, emit_lowered, local_meta, local_slice, where_from
 from .placement import NodeRewrite, ParamUse, SizeOp
@@ -176,7 +177,8 @@ class _Rewriter:
             return
         padded = pad_dim(full.detach(), use.shard.dim, self.pads.get(use.target, 0))
         data = local_slice(padded, use.shard, self.index, self.tp)
-        self.root[use.target] = torch.nn.Parameter(data, requires_grad=full.requires_grad)
+        local = torch.nn.Parameter(data, requires_grad=full.requires_grad)
+        self.root[use.target] = keep_attributes(full, local)
 
     def _convert(self, name: str, steps: Conversion, consumer: torch.fx.Node) -> torch.fx.Node:
         """Step 4: `name`'s value after `steps`; each prefix made once, then shared."""

@@ -87,7 +87,7 @@ def _loss_rows(
         rel, twin_rel = _rel(a, b), _rel(a, t)
         noise = max(noise, twin_rel) if cal.loss_running_max else twin_rel
         rows.append((step, a, b, rel))
-        if rel > LOSS_RTOL + cal.noise_mult * noise and first_bad is None:
+        if rel > LOSS_RTOL + cal.loss_floor + cal.noise_mult * noise and first_bad is None:
             first_bad = step
     return rows, first_bad
 

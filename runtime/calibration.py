@@ -100,7 +100,10 @@ A model built in bf16 or fp16 and trained as built (`precision fp32`) rounds its
 gradients, parameters and optimizer states in that format (`calibration_for`): its
 calibration is bf16's, with the floor of both gradients and parameters one ulp of
 the built format per element a step (each run rounds each stored element to it;
-no fp32 masters take the update's rounding, so not 4). A tensor stored in a
+no fp32 masters take the update's rounding, so not 4), and each step's loss
+bound adds one ulp of it (`loss_floor`: the loss is a value of the format; a
+probe's tp=2 classifier under Adam was one bf16 ulp, 7.3e-3, apart at step 1
+with its tensors at 0.13 of their bounds). A tensor stored in a
 coarser dtype than the calibration's gets that floor too (a model mixing bf16
 Linears and fp32 norms). Measured on tests/models/mlp_bf16.py (dp=2, SGD) and a
 bf16-built HF Llama (dp=2, AdamW): fp32's floor put the MLP's head bias 570× past
@@ -182,6 +185,11 @@ class Calibration:
     # the rounding of an update (the module docstring), 1 for tensors stored in the
     # format itself (a model built in bf16): each run rounds each element to it.
     floor_ulps: float = FLOOR_ULPS
+    # Added to each step's loss bound: one ulp of the format a model built in it computes
+    # its loss in (a bf16 loss is a bf16 value: two runs one rounding apart differ by 2⁻⁸
+    # to 2⁻⁷ of it, found by a probe at 7.3e-3 under tp=2); 0 for fp32 and the bf16 recipe,
+    # whose losses are fp32.
+    loss_floor: float = 0.0
 
     def grad_floor(self) -> float:
         return floor(0, self.grad_eps, self.floor_ulps)
@@ -232,6 +240,7 @@ def calibration_for(precision: Precision, ref_params: dict[str, torch.Tensor]) -
         excuse_flips=True,
         loss_running_max=True,
         floor_ulps=1.0,
+        loss_floor=max(low),
     )
 
 

@@ -107,7 +107,8 @@ def format_check(result: CheckResult) -> str:
         f"  parameters after step {result.steps - 1}: closest to its bound {c.worst_param or '-'} "
         f"(|diff| {c.max_param_diff:.3e}, {c.param_margin:.2g} of the bound)",
         f"  bounds: per tensor |parallel - reference| <= {cal.noise_mult:g} x |twin - reference| "
-        f"+ {_floors(result)} x |reference|; losses: rel. diff <= {t.loss_rtol:g} + "
+        f"+ {_floors(result)} x |reference|; losses: rel. diff <= "
+        f"{t.loss_rtol + cal.loss_floor:g} + "
         f"{cal.noise_mult:g} x the twin's" + (" largest so far" if cal.loss_running_max else ""),
         "  (twin: the reference again, each batch in reverse sample order and every module "
         "output moved by one ulp; or the reference with every batch run in two halves, "
@@ -174,6 +175,7 @@ def check_json(result: CheckResult) -> dict[str, Any]:
         "warnings": list(result.warnings),
         "tolerance": {
             "loss_rtol": result.tolerance.loss_rtol,
+            "loss_floor": cal.loss_floor,
             "noise_multiple": cal.noise_mult,
             "floor": cal.param_floor(result.steps),
             "gradient_floor": cal.grad_floor(),

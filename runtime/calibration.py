@@ -54,8 +54,13 @@ gradient whose rounding flips its sign steps a whole lr the other way: a 2-class
 MLP with a near-zero head and balanced labels had its head bias 36× past the
 twin's bound after 3 steps (AdamW lr 1e-2, dp=2); the split run flips it as dp's
 halves do. The split is used only when its loss is the reference's within
-TWIN_GATE: a loss that is no mean over samples, uneven ignored targets or
-samples that interact (BatchNorm) change it beyond rounding.
+TWIN_GATE (a loss that is no mean over samples, uneven ignored targets or
+samples that interact, BatchNorm, change it beyond rounding) and its step-0
+gradients are the reference's within 1e-3 of their whole norm
+(calibrated_compare.py `_split_rounds`): a loss averaged over counted targets
+with a zero-initialised head has every token's loss ln V, so the halves'
+weighting left the loss alone and changed the objective (a probe's Qwen2: a
+parallel run averaging per share passed at the split's distance).
 
 The floor covers tensors the twin reproduces bit for bit (LayerNorm weights
 whose gradients sum in a fixed order): floor = 4·ε·(steps + 1), ε = 2⁻²³ the

@@ -22,6 +22,7 @@ import torch
 from helpers import ROOT
 
 from parc.runtime.calibrated_compare import _noise
+from parc.runtime.calibration import FP32_EPS
 from parc.runtime.check import compare_in_pool
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -55,19 +56,45 @@ def _run(loss: float, grad: float) -> dict[str, Any]:
 
 def test_the_farther_of_twin_and_split_bounds_each_tensor_and_loss() -> None:
     ref, twin = _run(1.0, 0.5), _run(1.0, 0.5)
-    picked = _noise(ref, twin, _run(1.0 + 1e-7, 0.5 + 1e-6))
+    picked = _noise(ref, twin, _run(1.0 + 1e-7, 0.5 + 1e-6), FP32_EPS)
     assert float(picked["grads"]["b"]) == pytest.approx(0.5 + 1e-6)
     assert float(picked["params"]["b"]) == pytest.approx(0.5 + 1e-6)
     assert picked["losses"] == [1.0 + 1e-7]
-    other = _noise(ref, _run(1.0, 0.75), _run(1.0, 0.5 + 1e-6))
+    other = _noise(ref, _run(1.0, 0.75), _run(1.0, 0.5 + 1e-6), FP32_EPS)
     assert float(other["grads"]["b"]) == 0.75
 
 
 def test_a_split_that_changes_the_loss_is_not_used() -> None:
     # BatchNorm over half batches, a summed loss or uneven ignored targets: not rounding.
     ref, twin = _run(1.0, 0.5), _run(1.0, 0.5)
-    assert _noise(ref, twin, _run(1.01, 0.9)) is twin
-    assert _noise(ref, twin, None) is twin
+    assert _noise(ref, twin, _run(1.01, 0.9), FP32_EPS) is twin
+    assert _noise(ref, twin, None, FP32_EPS) is twin
+
+
+def test_a_split_with_the_loss_but_other_gradients_is_not_used() -> None:
+    # Another objective whose step-0 loss is the reference's by accident (every token's
+    # loss ln V): its gradients show it, against their whole norm (bf16's gate: 4 of its
+    # ulps of it).
+    ref, twin = _run(1.0, 0.5), _run(1.0, 0.5)
+    assert _noise(ref, twin, _run(1.0, 0.51), FP32_EPS) is twin
+    assert _noise(ref, twin, _run(1.0, 0.51), 2.0**-7) is not twin
+
+
+ZERO_HEAD = str(ROOT / "tests" / "models" / "zero_head_ignored_targets.py")
+
+
+@pytest.mark.multiprocess
+def test_a_loss_averaged_per_share_over_uneven_targets_is_not_equivalent(
+    gloo_pool: Any,
+) -> None:
+    # The parallel run averages each rank's mean over its own counted targets: another
+    # objective. The split run computed it too, with the reference's step-0 loss, and its
+    # distance bounded the check: EQUIVALENT with the head's gradient 0.46 off on a
+    # probe's Qwen2 (found by the probe).
+    comparison, twin = compare_in_pool(gloo_pool(2), "mesh dp=2\n", ZERO_HEAD, steps=2, batch=8)
+    assert twin is None
+    assert not comparison.ok, comparison.describe()
+    assert comparison.bad_grad is not None
 
 
 SMALL_HEAD = str(ROOT / "tests" / "models" / "small_head_classifier.py")

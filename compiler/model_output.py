@@ -64,7 +64,7 @@ class OutputChoice:
     @property
     def note(self) -> str:
         """The report's line: what parc trains on, and what it leaves out."""
-        if not self.path and not self.others:
+        if not self.path and not self.others and not self.is_loss:
             return ""
         left = ", ".join(map(_where, self.others))
         unused = f"; not used: {left} ({self.remedy})" if left else ""
@@ -118,7 +118,10 @@ def choose_output(
     `own_loss`: the model file defines no loss_fn, so a loss the model computes is used.
     """
     if len(found) == 1 and found[0][0] == ():
-        return OutputChoice((), False)  # one output, whatever it is: loss_fn's to judge
+        # One output, whatever it is: loss_fn's to judge; a 0-d floating one the model
+        # computed from the targets it was given, with no loss_fn, is its own loss.
+        _, ndim, is_float = found[0]
+        return OutputChoice((), own_loss and ndim == 0 and is_float)
     chosen = _choose(found, own_loss, file)
     others = tuple(p for p, d, f in found if d is not None and f and p != chosen.path)
     return OutputChoice(chosen.path, chosen.is_loss, others)

@@ -238,7 +238,10 @@ class Program:
             output = upcast(output)
         loss_fn = self.parts.loss_fn
         if isinstance(loss_fn, DefaultLoss):
-            if self._unchecked_targets is not None and isinstance(output, torch.Tensor):
+            # An output the default loss cannot read (a 0-d loss forward computed itself)
+            # has no last dim to check against: the loss's own check names the fix.
+            readable = isinstance(output, torch.Tensor) and output.dim() >= 1
+            if self._unchecked_targets is not None and readable:
                 loss_fn.check_range_of(self._unchecked_targets, output.shape[-1], self._scan)
                 self._unchecked_targets = None
             loss_fn = replace(loss_fn, check_range=False, per_call=self._per_call)

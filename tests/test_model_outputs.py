@@ -30,6 +30,9 @@ DP2 = "mesh dp=2\n"
         ([((0,), 3, True), ((1,), None, False)], True, (0,), False),  # (logits, None)
         ([((0,), 3, True), ((1,), 0, True)], False, (0,), False),  # (logits, aux loss)
         ([(("hidden",), 3, True), (("logits",), 3, True)], False, ("logits",), False),
+        ([((), 0, True)], True, (), True),  # the loss alone, computed from given targets
+        ([((), 0, True)], False, (), False),  # loss_fn's to judge
+        ([((), 2, True)], True, (), False),  # one tensor of logits
     ],
 )
 def test_the_choice_follows_the_structure(
@@ -116,3 +119,41 @@ def test_a_head_only_a_left_out_output_reads_is_named_with_the_way_to_train_it(
     assert "the output parc trains on, output['logits'], never reads parameters" in error.message
     assert "'reg.weight'" in error.message
     assert "loss_fn gets output['logits'] alone" in (error.hint or "")
+
+
+_SCALAR = """
+import torch, torch.nn as nn
+
+class Summed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def forward(self, x):
+        return self.net(x).sum()
+
+def build_model():
+    return Summed()
+
+def sample_batch(batch_size, step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(batch_size, 4, generator=g), torch.randint(0, 3, (batch_size,), generator=g)
+"""
+
+
+def test_a_0d_output_without_loss_fn_or_given_targets_is_named_at_run(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No targets go to forward, so a 0-d output is no loss the model computes: the
+    # default loss refuses it by its own message (was an IndexError inside parc's range
+    # check of the targets, found by a probe).
+    monkeypatch.chdir(tmp_path)  # parc run writes runs/ here
+    model = tmp_path / "scalar.py"
+    model.write_text(_SCALAR)
+    spec = tmp_path / "dp2.par"
+    spec.write_text(DP2)
+    code = main(["run", str(spec), str(model), "--steps", "1"])
+    out, err = capfd.readouterr()
+    assert code == 2, out + err
+    assert "forward returned a torch.float32 tensor of shape ()" in err, err
+    assert "IndexError" not in err and "Traceback" not in err

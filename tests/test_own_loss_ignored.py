@@ -54,6 +54,16 @@ def test_each_form_of_the_loss_trains_as_one_device(gloo_pool, form: str) -> Non
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("spec", ["dp", "pp_dp"])
+def test_a_bare_loss_forward_returns_trains_as_one_device(gloo_pool, spec: str) -> None:
+    # forward returns the 0-d loss alone: taken as the model's own loss (was taken as
+    # logits, and `parc run` failed with an IndexError inside parc; found by a probe).
+    env = {"OWN_RETURN": "bare"}
+    comparison, _ = check_equivalent(gloo_pool, SPECS[spec], MODEL, env=env, steps=2)
+    assert comparison.ok, comparison
+
+
+@pytest.mark.multiprocess
 def test_step_local_counts_the_shares_targets_as_step_does(gloo_pool) -> None:
     run = gloo_pool(2).run
     whole, shares = run(global_and_local_losses, MODEL, SPECS["dp"])[0]

@@ -7,13 +7,15 @@ Hugging Face causal LM shifts them. `OWN_LOSS` picks how it is written:
 `function` (F.cross_entropy), `module` (an nn.CrossEntropyLoss with label smoothing),
 `nll` (F.log_softmax, then F.nll_loss) or `soft` (cross-entropy against class
 probabilities, which ignore nothing); `scaled` (twice the cross-entropy) is a loss
-parc cannot make the global batch's mean, and warns about.
+parc cannot make the global batch's mean, and warns about. `OWN_RETURN=bare` returns
+the loss alone, a 0-d tensor, instead of a dict.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -40,7 +42,7 @@ class Tiny(nn.Module):
         self.head = nn.Linear(DIM, VOCAB)
         self.criterion = nn.CrossEntropyLoss(label_smoothing=0.1)
 
-    def forward(self, idx: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    def forward(self, idx: torch.Tensor, labels: torch.Tensor) -> Any:
         x = self.emb(idx)
         for layer in self.layers:
             x = x + layer(x)
@@ -58,6 +60,8 @@ class Tiny(nn.Module):
             loss = F.nll_loss(F.log_softmax(flat, dim=-1), shifted)
         else:
             loss = F.cross_entropy(flat, shifted)
+        if os.environ.get("OWN_RETURN") == "bare":
+            return loss
         return {"loss": loss, "logits": logits}
 
 

@@ -26,6 +26,7 @@ The number of optimizer states comes from the model file's own optimizer:
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -151,8 +152,14 @@ ADAMW = MemoryModel()
 
 
 def states_of(opt: torch.optim.Optimizer) -> int:
-    """Optimizer state tensors per parameter element, from the optimizer's type and settings."""
-    group = opt.param_groups[0]
+    """Optimizer state tensors per parameter element: the most any of the optimizer's
+    groups holding parameters keeps (one group may have momentum and another none), from
+    the type and the group's settings for torch's classes, else by stepping it."""
+    counts = [_group_states(opt, g) for g in opt.param_groups if g["params"]]
+    return max(counts, default=0)
+
+
+def _group_states(opt: torch.optim.Optimizer, group: dict[str, Any]) -> int:
     if isinstance(opt, torch.optim.Adam | torch.optim.AdamW | torch.optim.Adamax):
         return 3 if group.get("amsgrad") else 2
     if isinstance(opt, torch.optim.SGD):
@@ -161,7 +168,27 @@ def states_of(opt: torch.optim.Optimizer) -> int:
         return 1 + bool(group.get("momentum", 0)) + bool(group.get("centered"))
     if isinstance(opt, torch.optim.Adagrad | torch.optim.Adadelta):
         return 1 if isinstance(opt, torch.optim.Adagrad) else 2
-    return 2  # an unknown optimizer: assume Adam-like
+    return _stepped_states(opt, group)
+
+
+def _stepped_states(opt: torch.optim.Optimizer, group: dict[str, Any]) -> int:
+    """The state tensors the size of its parameter that `type(opt)`, with `group`'s
+    settings, keeps for a small matrix after two steps (a hand-written class, ASGD's
+    `ax`); 2, Adam's, when it cannot be stepped so. Factored states (Adafactor's rows
+    and columns) and scalars (a step count) are no per-element memory."""
+    from .optimizer_rebuild import construct_like
+
+    probe = torch.nn.Parameter(torch.zeros(3, 5))
+    settings = {k: v for k, v in group.items() if k != "params"}
+    try:
+        stepped = construct_like(opt, [{"params": [probe], **settings}])
+        for _ in range(2):
+            probe.grad = torch.full_like(probe, 0.1)
+            stepped.step()
+    except Exception:
+        return 2
+    state = stepped.state.get(probe, {})
+    return sum(isinstance(v, torch.Tensor) and v.numel() == probe.numel() for v in state.values())
 
 
 def built_dtype(model: torch.nn.Module) -> torch.dtype | None:
@@ -179,12 +206,13 @@ def memory_model_of(
     reduce: Precision | None = None,
     built: torch.dtype | None = None,
 ) -> MemoryModel:
-    """The memory model of a model file's `configure_optimizer`, built on one tiny parameter;
-    `built`: the model's `built_dtype`."""
-    probe = torch.nn.Parameter(torch.zeros(1))
+    """The memory model of a model file's `configure_optimizer`, built on two tiny
+    parameters; `built`: the model's `built_dtype`."""
+    # A vector and a matrix: a factory grouping by p.dim() makes both of its groups.
+    probes = [torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(3, 5))]
     plain = MemoryModel(precision=precision, reduce=reduce, built=built)
     try:
-        opt = optimizer_factory([probe])  # type: ignore[operator]
+        opt = optimizer_factory(probes)  # type: ignore[operator]
     except Exception:
         return plain  # its error surfaces at run
     if not isinstance(opt, torch.optim.Optimizer):

@@ -159,6 +159,37 @@ def test_optimizer_states_come_from_the_model_file() -> None:
     assert "optimizer SGD: 1 state per parameter" in sgd.memory_model.describe()
 
 
+class _SignMomentum(torch.optim.Optimizer):
+    """A hand-written optimizer with one state the size of its parameter."""
+
+    def __init__(self, params: Any, lr: float = 1e-2) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                m = self.state[p].setdefault("m", torch.zeros_like(p))
+                m.mul_(0.9).add_(p.grad)
+                p.add_(m.sign(), alpha=-group["lr"])
+
+
+def test_optimizer_states_are_the_most_a_group_keeps_or_what_a_step_keeps() -> None:
+    # Found by a probe: the first group's settings were read alone (SGD with momentum on
+    # the matrices only was "0 states", 0 bytes), and any class outside the table was
+    # taken as Adam's 2 (ASGD and a hand-written one keep 1).
+    def mixed(params: Any) -> torch.optim.Optimizer:
+        ps = list(params)
+        vecs, mats = [p for p in ps if p.dim() < 2], [p for p in ps if p.dim() >= 2]
+        groups = [{"params": vecs, "momentum": 0.0}, {"params": mats, "momentum": 0.9}]
+        return torch.optim.SGD(groups, lr=0.1)
+
+    assert memory_model_of(mixed).states == 1
+    assert memory_model_of(lambda ps: torch.optim.ASGD(ps, lr=1e-2)).states == 1
+    assert memory_model_of(lambda ps: _SignMomentum(ps)).states == 1
+    assert memory_model_of(lambda ps: torch.optim.NAdam(ps)).states == 2  # stepped too
+
+
 def test_mixed_precision_costs_16_bytes_per_parameter_with_adam() -> None:
     model = memory_model_of(lambda params: torch.optim.AdamW(params), Precision.BF16)
     # bf16 weights (2) and gradients (2), fp32 master weights and two states (12).

@@ -286,8 +286,12 @@ def _with_lr(factory: OptimizerFactory, lr: float) -> OptimizerFactory:
     return make
 
 
-def exit_hard(code: int) -> None:
-    """End a worker without running interpreter teardown (see the module docstring)."""
+def exit_hard(code: int = 0) -> None:
+    """End a worker without running interpreter teardown (see the module docstring):
+    stdout and stderr flushed, the process's named semaphores unlinked, then `os._exit`.
+    `parc.finish()` is this, for the last line of a user's own torchrun loop: torch with
+    gloo can abort at interpreter exit after a correct run ("terminate called without an
+    active exception", exit -6), which torchrun reports as a failed run."""
     sys.stdout.flush()
     sys.stderr.flush()
     release_semaphores()

@@ -126,7 +126,21 @@ def init_world(mesh: MeshPlan, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
 
 
 def build_comm(mesh: MeshPlan) -> Comm:
-    """This rank's process groups by axis (None for size-1 axes) and its coordinates."""
+    """This rank's process groups by axis (None for size-1 axes) and its coordinates. A
+    process torchrun started (its RANK, WORLD_SIZE, MASTER_ADDR set) whose code made no
+    process group joins torchrun's (`init_world`): a user's own loop calls `parc.compile`
+    alone on every rank."""
+    if not dist.is_initialized() and mesh.world_size > 1:
+        if all(os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
+            init_world(mesh)
+        else:
+            raise RuntimeFault(
+                f"no process group: the mesh '{mesh}' needs {mesh.world_size} processes, "
+                "and this one was not started by torchrun nor joined a group",
+                hint=f"start {mesh.world_size} processes with torchrun --nproc-per-node "
+                f"{mesh.world_size} (parc.compile joins torchrun's group), call "
+                "torch.distributed.init_process_group first, or run `parc run`",
+            )
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     if world != mesh.world_size:

@@ -31,6 +31,7 @@ from test_tp_equivalence import cases as tp_cases
 from parc.compiler.frontend import analyse
 from parc.compiler.node_meta import meta_of
 from parc.compiler.passes.placement import LowerKind, Shard
+from parc.errors import PlanError
 from parc.runtime.equivalence import model_env
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
@@ -241,3 +242,22 @@ def test_random_tensor_parallel_specs_with_sequence_parallel_match_one_device(
     spec = case.spec + "sequence_parallel tp\n"
     model = str(Path(GPT).parent / case.model)
     _check(gloo_pool, spec, model, case.env, batch=2, seed=7)
+
+
+SEQ_FIRST = str(Path(__file__).parent / "models" / "seq_first_blocks.py")
+SEQ_FIRST_TP = (
+    "mesh tp=2\nshard blocks.*.qkv col tp\nshard blocks.*.o row tp\n"
+    "shard blocks.*.up col tp\nshard blocks.*.down row tp\n"
+)
+
+
+def test_blocks_on_seq_batch_activations_refuse_sequence_parallel_at_its_line() -> None:
+    # The region is (batch, seq, hidden) activations; blocks on (seq, batch, hidden) kept
+    # none, the report said sequence parallel and the run all-reduced as tp alone does,
+    # with a slice and a gather more (found by a probe).
+    with pytest.raises(PlanError) as caught:
+        analyse(SEQ_FIRST_TP + "sequence_parallel tp\n", SEQ_FIRST, batch=4)
+    text = str(caught.value)
+    assert text.startswith("<spec>:6:1: error: sequence_parallel shards activations")
+    assert "the row layers compute on (seq, batch, hidden) (e.g. 'blocks.0.o': [8, 4, 16])" in text
+    analyse(SEQ_FIRST_TP, SEQ_FIRST, batch=4)  # tp alone is fine

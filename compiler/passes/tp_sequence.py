@@ -111,6 +111,7 @@ def sequence_region(
     for group in _groups(found):  # Step 4
         if any(n in rows or n in entered or _scatters_into(n, place, lead) for n in group):
             kept |= group
+    _check_rows_reached(gm, plan, spec, place, rows, kept, lead)
     dropouts = {n.name for n in kept if n.name in sites}
     return SeqRegion(
         lead,
@@ -118,6 +119,70 @@ def sequence_region(
         frozenset(n.name for n in kept & rows),
         frozenset(dropouts),
     )
+
+
+def _check_rows_reached(
+    gm: torch.fx.GraphModule,
+    plan: Plan,
+    spec: Spec | None,
+    place: dict[Any, Any],
+    rows: set[torch.fx.Node],
+    kept: set[torch.fx.Node],
+    lead: tuple[int, int],
+) -> None:
+    """Sequence parallel replaces the all-reduce after a row layer by a reduce-scatter into
+    the region of (batch, seq, hidden) activations. A model whose row layers compute on
+    (seq, batch, hidden) (Megatron's layout: a transpose after the embedding) keeps none
+    of their outputs, and the region replaces none of their all-reduces: refused rather
+    than run as plain tp with a slice and a gather more (found by a probe: the report
+    said sequence parallel, the run all-reduced as before, with more bytes)."""
+    swapped = (lead[1], lead[0])
+    row_layers = [
+        n
+        for n in gm.graph.nodes
+        if _is_row(plan, n) and _is_tensor(n) and len(_shape(n)) == 3
+        and _shape(n)[:2] == swapped
+    ]  # fmt: skip
+    replaced = kept & rows or any(
+        _from_row(plan, a, place)
+        for n in kept
+        for a in n.all_input_nodes
+        if a not in kept and isinstance(place.get(a), Partial) and _activation(a, lead)
+    )
+    if not row_layers or replaced:
+        return
+    stmt = spec.sequence_parallel if spec is not None else None
+    where = spec.locate(stmt.span) if spec is not None and stmt is not None else None
+    batch, length = lead
+    raise PlanError(
+        "sequence_parallel shards activations of shape (batch, seq, hidden) = "
+        f"({batch}, {length}, ...) along the sequence, but the row layers compute on "
+        f"(seq, batch, hidden) (e.g. '{row_layers[0].target}': {list(_shape(row_layers[0]))}"
+        "), so none of their all-reduces can become a reduce-scatter; parc's sequence "
+        "parallel takes batch-first activations only",
+        where,
+        hint="remove `sequence_parallel` (tp works without it), or keep the activations "
+        "batch-first between blocks",
+    )
+
+
+def _is_row(plan: Plan, node: torch.fx.Node) -> bool:
+    shard = plan.shard_of(str(node.target)) if node.op == "call_module" else None
+    return shard is not None and shard.kind is ShardKind.ROW
+
+
+def _from_row(plan: Plan, node: torch.fx.Node, place: dict[Any, Any]) -> bool:
+    """A partial value computed by a row layer, through ops that keep it partial."""
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        if n in seen or not isinstance(place.get(n), Partial):
+            continue
+        if _is_row(plan, n):
+            return True
+        seen.add(n)
+        todo += n.all_input_nodes
+    return False
 
 
 def entered_values(

@@ -44,7 +44,7 @@ from .optimizers import optimizer_warnings, param_group_map
 from .passes.own_loss import count_own_loss, mixed_loss_warnings
 from .passes.pipeline_split import annotate_stages
 from .plan import Plan
-from .plan_schedule import HandSchedule, with_schedule
+from .plan_schedule import HandSchedule, check_generated, with_schedule
 from .resolve import check_batch, resolve
 from .saved import SavedTensors, cast_inputs, compute_dtype, profile_forward
 from .trace import trace_model
@@ -159,6 +159,7 @@ def _analyse(
     plan = dataclasses.replace(plan, capture=_capture_note(gm))
     if schedule is not None:
         plan = with_schedule(plan, schedule)
+    check_generated(plan, spec)
     annotate_stages(gm, plan)
     if plan.tp_axis is not None and plan.tp > 1:
         from .passes.tp_analysis import analyse_tensor_parallel

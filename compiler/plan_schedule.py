@@ -21,7 +21,9 @@ import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TypeAlias
 
-from parc.dsl.ast import ScheduleKind
+from parc.dsl.ast import Microbatches, ScheduleKind, Spec
+from parc.dsl.ast import Schedule as ScheduleStmt
+from parc.errors import PlanError
 
 from .plan import Plan
 from .schedule import (
@@ -44,6 +46,7 @@ from .schedule_zero_bubble import zb1_bubble
 
 __all__ = [
     "HandSchedule",
+    "check_generated",
     "compute_schedule",
     "plan_bubble",
     "plan_in_flight",
@@ -74,6 +77,21 @@ def with_schedule(plan: Plan, schedule: HandSchedule) -> Plan:
     validate(parsed, plan.num_stages, plan.microbatches, plan.stage_to_rank)
     ranks = tuple(tuple(parsed.get(r, ())) for r in range(plan.pp))
     return dataclasses.replace(plan, hand_schedule=ranks)
+
+
+def check_generated(plan: Plan, spec: Spec) -> None:
+    """The spec's generated schedule must run (gpipe or 1f1b merged onto virtual stages
+    may not at some microbatch counts): else a PlanError at the line that asked for it
+    (`virtual_stages`, `schedule`, else the `microbatches`), the grid and the fix."""
+    if plan.pp == 1 or plan.hand_schedule is not None:
+        return
+    try:
+        compute_schedule(plan)
+    except ScheduleError as e:
+        stmt = spec.virtual_stages or spec._one(ScheduleStmt) or spec._one(Microbatches)
+        grid = "".join("\n    " + line for line in (e.grid or "").splitlines())
+        where = spec.locate(stmt.span) if stmt is not None else None
+        raise PlanError(e.message + grid, where, hint=e.hint) from e
 
 
 def compute_schedule(plan: Plan) -> Schedule:

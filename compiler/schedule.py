@@ -228,8 +228,9 @@ def generate(
         validate(merged, stages, microbatches, ranks)
     except ScheduleError as e:
         raise ScheduleError(
-            f"{kind} over {stages} stages on {len(merged)} pp ranks cannot run with each "
-            f"rank's stages merged by start time: {e.message}",
+            f"{kind} over {stages} stages on {len(merged)} pp ranks cannot run at "
+            f"{microbatches} microbatches with each rank's stages merged by start time: "
+            f"{e.message.removeprefix('after lower_comms: ')}",
             grid=e.grid,
             hint="use `schedule interleaved` (microbatches a multiple of pp), or write the "
             "schedule by hand and pass it to parc.compile(schedule=...)",

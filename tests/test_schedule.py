@@ -511,7 +511,10 @@ def test_a_generated_virtual_schedule_validates_or_says_it_cannot_run(
     try:
         compute = generate(kind, stages, microbatches, stage_to_rank)
     except ScheduleError as e:
-        assert "cannot run with each rank's stages merged by start time" in e.message
+        assert f"cannot run at {microbatches} microbatches with each rank's stages merged" in (
+            e.message
+        )
+        assert "lower_comms" not in e.message  # parc's own words, not the user's
         assert e.grid and "parc.compile(schedule=...)" in str(e)
     else:
         validate(lower_comms(compute, stage_to_rank), stages, microbatches, stage_to_rank)
@@ -522,3 +525,19 @@ def test_schedule_actions_and_grid_docstring_examples_run() -> None:
         result = doctest.testmod(module)
         assert result.failed == 0, module.__name__
     assert doctest.testmod(schedule_actions).attempted > 0
+
+
+def test_a_virtual_schedule_that_cannot_run_is_named_at_its_spec_line() -> None:
+    # Was the schedule's internal words ("after lower_comms: ...") with no spec line
+    # (found by a probe): now the `virtual_stages` line, the grid and the fix.
+    from helpers import MLP
+
+    from parc.compiler.frontend import analyse
+    from parc.errors import PlanError
+
+    spec = "mesh pp=2\nstage auto\nvirtual_stages 2\nmicrobatches 8\n"
+    with pytest.raises(PlanError) as caught:
+        analyse(spec, MLP, batch=8)
+    text = str(caught.value)
+    assert text.startswith("<spec>:3:1: error: 1f1b over 4 stages on 2 pp ranks cannot run at 8")
+    assert "    virtual_stages 2\n    ^" in text and "schedule interleaved" in text

@@ -138,6 +138,8 @@ def export_error(
         else (type(exc).__name__)
     )
     frame = user_frame(exc)
+    if "found at least two devices" in str(exc) and "meta" in str(exc):
+        return _device_error(exc, model, frame)
     if fx_error is not None:
         fx_error.message += f" (torch.export could not capture it either: {reason})"
         return fx_error
@@ -149,6 +151,23 @@ def export_error(
         hint="keep forward free of Python that reads tensor values (an `if`, `.item()`, "
         "`.tolist()` on data): shapes and config values are fine; move the check to "
         "sample_batch, or use torch.where for a data-dependent choice",
+    )
+
+
+def _device_error(exc: Exception, model: torch.nn.Module, frame: str | None) -> CompileError:
+    """forward made a tensor on a fixed device (a factory such as torch.zeros without
+    device=, so the CPU) and mixed it with the model's: parc builds the model on `meta`
+    while capturing it (a GPU run would mix CPU and CUDA the same way). The cause leads:
+    fx's own failure on the same line said something else (found by a probe)."""
+    inner = _failing_module(exc) or type(model).__name__
+    return CompileError(
+        f"{inner}.forward mixes a tensor it creates on a fixed device (the CPU: a factory "
+        "such as torch.zeros/ones/full/arange without device=) with the model's tensors, "
+        "which parc builds on the meta device while it captures the model (on a GPU run "
+        "they would be on cuda)",
+        source=frame,
+        hint="create the tensor on the device of the tensors it meets: torch.zeros(..., "
+        "device=x.device), or torch.zeros_like / x.new_zeros(...)",
     )
 
 

@@ -111,6 +111,13 @@ BROKEN = [
         ("Net.forward(x, mask) needs 'mask', but sample_batch gives 1 input",),
         "or give the parameter a default",
     ),
+    Broken(  # the cause leads: fx's own failure on the line said something else (a probe)
+        "factory_without_device",
+        MODELS / "factory_without_device.py",
+        "return self.body(x + bias)",  # where the two devices meet
+        ("mixes a tensor it creates on a fixed device (the CPU",),
+        "torch.zeros(..., device=x.device)",
+    ),
 ]
 
 

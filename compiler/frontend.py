@@ -23,11 +23,12 @@ import torch.fx
 
 from parc.dsl import load_spec, parse_spec
 from parc.dsl.ast import Spec
-from parc.errors import CompileError
+from parc.errors import CompileError, ModelError
 
 from .deferred_init import DeferredModel, record_build
 from .dropout import dropout_warnings
 from .estimate import Estimate, estimate
+from .layout import canonical_names, local_shape, param_slices
 from .memory_model import built_dtype, memory_model_of
 from .model import BatchSignature, ModelSource, load_model, owns_loss
 from .model_output import ModelLoss, input_tensors
@@ -40,7 +41,8 @@ from .model_state import (
     untraced_writes,
 )
 from .node_info import node_source
-from .optimizers import optimizer_warnings, param_group_map
+from .optimizer_groups import MIXED_HINT, other_groups, param_group_map, sliced_group_problem
+from .optimizers import optimizer_warnings
 from .passes.own_loss import count_own_loss, mixed_loss_warnings
 from .passes.pipeline_split import annotate_stages
 from .plan import Plan
@@ -177,8 +179,36 @@ def _analyse(
     )
     named = list(built.named_parameters())
     groups = param_group_map(source.configure_optimizer, named)
+    _check_sliced_groups(source, named, plan, built, groups)
     costs = estimate(plan, gm, built, saved, memory=memory, loss_fn=source.loss_fn, groups=groups)
     return Analysis(spec, source, built, gm, plan, costs, saved, example, deferred, groups)
+
+
+def _check_sliced_groups(
+    source: ModelSource,
+    named: list[tuple[str, torch.nn.Parameter]],
+    plan: Plan,
+    built: torch.nn.Module,
+    groups: dict[str, int] | None,
+) -> None:
+    """Under tp, the factory given a rank's tp-local slices must make the groups it made of
+    the whole model's parameters (`sliced_group_problem`): refused before launch, as the
+    rank would refuse it."""
+    if groups is None or plan.tp == 1:
+        return
+    canonical, slices = canonical_names(built), param_slices(plan, built)
+    local = {
+        n: local_shape(tuple(p.shape), slices.get(canonical[n]))
+        for n, p in named
+        if canonical[n] in slices
+    }
+    found = sliced_group_problem(source.configure_optimizer, named, local, groups)
+    if found is not None:
+        name, got, want = found
+        origin = "configure_optimizer"
+        message = other_groups(origin, name, got, want, len(named), len(named))
+        message = message.replace("this rank's", "a tp rank's sliced", 1)
+        raise ModelError(message, file=source.path, hint=MIXED_HINT)
 
 
 def _with_model_warnings(

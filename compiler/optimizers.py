@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -45,7 +45,6 @@ from parc.dsl.ast import Zero
 from parc.errors import ParcError
 
 from .optimizer_rebuild import construct_like, lost_settings
-from .param_attrs import keep_attributes
 from .plan import PlanWarning
 
 __all__ = [
@@ -243,31 +242,6 @@ def _built(factory: object, params: list[torch.nn.Parameter]) -> torch.optim.Opt
     except Exception:
         return None
     return opt if isinstance(opt, torch.optim.Optimizer) else None
-
-
-def param_group_map(
-    factory: object, named: Sequence[tuple[str, torch.nn.Parameter]]
-) -> dict[str, int] | None:
-    """Parameter name -> the index of the parameter group the factory puts it in (-1: in
-    none, so never stepped), from one call on stand-ins of the model's `named`
-    parameters (their shapes, dtypes and requires_grad, no memory); None when the
-    factory fails on them (its own error is raised when it runs). ZeRO's flat units
-    never mix two groups (compiler/layout.py `flat_units`), so each shard steps with its
-    group's settings, and every rank's optimizer must put its parameters in these groups
-    (runtime/assemble.py)."""
-    # Stand-ins, as ZeRO-3's factory call gets (runtime/assemble.py): real CPU tensors of
-    # the parameters' shapes and dtypes that hold no memory, the model maybe on meta.
-    stand_ins = [
-        keep_attributes(
-            p, torch.nn.Parameter(torch.zeros((), dtype=p.dtype).expand(p.shape), p.requires_grad)
-        )
-        for _, p in named
-    ]
-    opt = _built(factory, stand_ins) if named else None
-    if opt is None:
-        return None
-    where = {id(p): g for g, group in enumerate(opt.param_groups) for p in group["params"]}
-    return {name: where.get(id(p), -1) for (name, _), p in zip(named, stand_ins, strict=True)}
 
 
 def _needs_closure(cls: type[torch.optim.Optimizer]) -> bool:

@@ -112,7 +112,7 @@ class RankProgram:
     in no unit, without optimizer state."""
     groups: Mapping[str, int] | None = None
     """Canonical parameter name -> its group in the optimizer the program runs, made of
-    the whole model's parameters (compiler/optimizers.py `param_group_map`; None when
+    the whole model's parameters (compiler/optimizer_groups.py `param_group_map`; None when
     unknown): ZeRO's units never mix two, and the rank's optimizer must agree."""
 
 

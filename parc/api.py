@@ -36,7 +36,7 @@ from parc.compiler.frontend import Analysis, analyse, as_spec
 from parc.compiler.layout import DEFAULT_BUCKET_ELEMS
 from parc.compiler.model import ModelSource, load_model
 from parc.compiler.optimizer_factory import OptimizerFactory
-from parc.compiler.optimizers import param_group_map
+from parc.compiler.optimizer_groups import param_group_map
 from parc.compiler.plan_schedule import HandSchedule
 from parc.compiler.rank_program import RankProgram, compile_rank
 from parc.dsl.ast import AXIS_DP, AXIS_PP, Precision, Spec

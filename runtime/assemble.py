@@ -39,6 +39,7 @@ import torch.fx
 
 from parc.compiler.model import ModelSource
 from parc.compiler.optimizer_factory import OptimizerFactory
+from parc.compiler.optimizer_groups import MIXED_HINT, other_groups
 from parc.compiler.optimizer_rebuild import rebuilt_like
 from parc.compiler.optimizers import check_optimizer, factory_origin
 from parc.compiler.param_attrs import keep_attributes
@@ -250,34 +251,15 @@ def _check_groups(
     for name, got in mine.items():
         want = every.get(name, -1)
         if got != want:
-            raise _refusal(_other_groups(origin, name, got, want, len(mine), len(every)), file)
+            raise _refusal(other_groups(origin, name, got, want, len(mine), len(every)), file)
 
 
 def _refusal(message: str, file: str | None) -> ParcError:
     """The factory's refusal, naming the model file when the factory is the file's."""
     return (
-        ParcError(message, hint=_MIXED_HINT)
+        ParcError(message, hint=MIXED_HINT)
         if file is None
-        else ModelError(message, file=file, hint=_MIXED_HINT)
-    )
-
-
-_MIXED_HINT = (
-    "choose each parameter's group from the parameter alone (p.dim(), its dtype, or a tag "
-    "set on it in build_model such as p.no_decay = True; not its shape, which tp slices, "
-    "nor its position in the list), the same whichever parameters the factory is given"
-)
-
-
-def _other_groups(origin: str, name: str, got: int, want: int, mine: int, every: int) -> str:
-    def group(g: int) -> str:
-        return "no group" if g < 0 else f"group {g}"
-
-    return (
-        f"{origin} put parameter '{name}' in {group(got)} when given this rank's {mine} "
-        f"parameters, but in {group(want)} when given all {every} of the model's: its "
-        "groups depend on which parameters it is given (or on how often it is called), so "
-        "this rank would train them with other settings than one device does"
+        else ModelError(message, file=file, hint=MIXED_HINT)
     )
 
 

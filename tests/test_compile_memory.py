@@ -300,5 +300,5 @@ def test_the_optimizer_factory_sees_real_tensors_of_the_local_shapes(spec_text: 
         program.step(*source.batch(4, 0))  # the (rebuilt) optimizer steps real tensors
     # Under ZeRO-3 stand-ins (no memory), else the rank's own Parameters: never meta.
     # It is asked once more first, on stand-ins, for the groups it makes of the whole
-    # model's parameters (compiler/optimizers.py param_group_map).
+    # model's parameters (compiler/optimizer_groups.py param_group_map).
     assert seen == [("cpu", tuple(p.shape)) for p in reference.parameters()] * 2

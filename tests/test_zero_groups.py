@@ -6,7 +6,7 @@ ZeRO flattens parameters into units and steps each rank's shard of a unit as one
 tensor, so it took exactly one group: `parc check` and the ranks refused this model
 under `zero 1/2/3`. Now the units never mix two groups (compiler/layout.py
 `flat_units`, from the groups the optimizer makes of the model's parameters:
-compiler/optimizers.py `param_group_map`) and each shard is stepped in its
+compiler/optimizer_groups.py `param_group_map`) and each shard is stepped in its
 parameters' group (runtime/assemble.py `_optimizer`). Equivalence is checked at the
 calibrated bounds of `parc check` (runtime/calibration.py).
 """
@@ -21,11 +21,11 @@ from helpers import ROOT
 
 from parc.compiler.frontend import analyse
 from parc.compiler.model import load_model
-from parc.compiler.optimizers import param_group_map
+from parc.compiler.optimizer_groups import param_group_map
 from parc.compiler.planner.model_profile import profile_model
 from parc.compiler.planner.search import _zero_levels
 from parc.compiler.rank_program import compile_rank
-from parc.errors import ParcError
+from parc.errors import ModelError, ParcError
 from parc.runtime.assemble import _optimizer
 from parc.runtime.check import compare_in_pool
 from parc.runtime.equivalence import model_env
@@ -89,6 +89,19 @@ def test_groups_chosen_by_a_tag_set_in_build_model_are_kept() -> None:
     with model_env({**SMALL, "DECAY_BY_TAG": "1"}):
         groups = analyse("mesh dp=2\nzero 1\n", MODEL, batch=8).groups
     assert {n: g for n, g in groups.items()} == {n: int(n.endswith("bias")) for n in groups}
+
+
+def test_groups_a_tp_slice_changes_are_refused_before_launch() -> None:
+    # A factory grouping by size puts a col layer's sliced bias in another group on a tp
+    # rank: the rank refused it, `parc compile` said nothing (found by a probe).
+    spec = "mesh tp=2\nshard layers[0] col tp\nshard layers[1] row tp\n"
+    with model_env({"MLP_LAYERS": "3", "MLP_DIM": "16", "DECAY_BY_SHAPE": "1"}):
+        with pytest.raises(ModelError) as caught:
+            analyse(spec, MODEL, batch=8)
+        analyse("mesh dp=2\n", MODEL, batch=8)  # no slices: the same groups
+    text = str(caught.value)
+    assert "put parameter 'layers.0.bias' in group 0 when given a tp rank's sliced" in text
+    assert "not its shape, which tp slices" in text
 
 
 @pytest.mark.multiprocess

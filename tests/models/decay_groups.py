@@ -6,7 +6,9 @@ initialised) the biases get the matrices' decay, as if every ZeRO shard were ste
 with the first group's settings; the single-device reference keeps two groups.
 DECAY_LEAVE_OUT=1 leaves the last bias (the head's) out of every group: it is never
 stepped, on one device as in parallel. DECAY_BY_TAG=1 tags the biases in build_model
-(`p.no_decay = True`, as libraries mark parameters) and groups by the tag instead."""
+(`p.no_decay = True`, as libraries mark parameters) and groups by the tag instead.
+DECAY_BY_SHAPE=1 groups by size instead (no decay on vectors of MLP_DIM elements), which
+a tp rank's slices change."""
 
 from __future__ import annotations
 
@@ -32,7 +34,11 @@ def build_model() -> torch.nn.Module:
 
 def configure_optimizer(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
     params = list(params)
-    if os.environ.get("DECAY_BY_TAG") == "1":
+    width = int(os.environ.get("MLP_DIM", "0"))
+    if os.environ.get("DECAY_BY_SHAPE") == "1":
+        rest = [p for p in params if p.dim() == 1 and p.shape[0] == width]
+        decay = [p for p in params if not (p.dim() == 1 and p.shape[0] == width)]
+    elif os.environ.get("DECAY_BY_TAG") == "1":
         decay = [p for p in params if not p.no_decay]  # raises where a tag was lost
         rest = [p for p in params if p.no_decay]
     else:

@@ -1,0 +1,99 @@
+"""The parameter groups an optimizer factory makes, as ZeRO lays out units by them.
+
+`param_group_map` asks the factory once, on memory-free stand-ins of the model's
+parameters, which group each goes in (compiler/layout.py `flat_units` never puts
+two groups in one unit; runtime/assemble.py steps each shard in its group). Every
+rank's factory call must put its parameters in the same groups: under tp a rank
+gives it tp-local slices, so a factory that groups by shape can put a sliced
+parameter elsewhere. `sliced_group_problem` finds that before launch (found by a
+probe: the run refused it, `parc compile` said nothing), with the words the
+rank's own refusal uses (`other_groups`, `MIXED_HINT`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from .param_attrs import keep_attributes
+
+__all__ = ["MIXED_HINT", "other_groups", "param_group_map", "sliced_group_problem"]
+
+MIXED_HINT = (
+    "choose each parameter's group from the parameter alone (p.dim(), its dtype, or a tag "
+    "set on it in build_model such as p.no_decay = True; not its shape, which tp slices, "
+    "nor its position in the list), the same whichever parameters the factory is given"
+)
+
+
+def _built(factory: object, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer | None:
+    try:
+        opt = factory(params)  # type: ignore[operator]
+    except Exception:
+        return None
+    return opt if isinstance(opt, torch.optim.Optimizer) else None
+
+
+def param_group_map(
+    factory: object, named: Sequence[tuple[str, torch.nn.Parameter]]
+) -> dict[str, int] | None:
+    """Parameter name -> the index of the parameter group the factory puts it in (-1: in
+    none, so never stepped), from one call on stand-ins of the model's `named`
+    parameters (their shapes, dtypes and requires_grad, no memory); None when the
+    factory fails on them (its own error is raised when it runs). ZeRO's flat units
+    never mix two groups (compiler/layout.py `flat_units`), so each shard steps with its
+    group's settings, and every rank's optimizer must put its parameters in these groups
+    (runtime/assemble.py)."""
+    # Stand-ins, as ZeRO-3's factory call gets (runtime/assemble.py): real CPU tensors of
+    # the parameters' shapes and dtypes that hold no memory, the model maybe on meta.
+    stand_ins = [
+        keep_attributes(
+            p, torch.nn.Parameter(torch.zeros((), dtype=p.dtype).expand(p.shape), p.requires_grad)
+        )
+        for _, p in named
+    ]
+    opt = _built(factory, stand_ins) if named else None
+    if opt is None:
+        return None
+    where = {id(p): g for g, group in enumerate(opt.param_groups) for p in group["params"]}
+    return {name: where.get(id(p), -1) for (name, _), p in zip(named, stand_ins, strict=True)}
+
+
+def sliced_group_problem(
+    factory: object,
+    named: Sequence[tuple[str, torch.nn.Parameter]],
+    local: Mapping[str, tuple[int, ...]],
+    groups: Mapping[str, int],
+) -> tuple[str, int, int] | None:
+    """(name, group, whole model's group) of the first parameter the factory puts in
+    another group than `groups` when given the shapes a tp rank gives it (`local`: name
+    -> its tp-local shape; the others whole), in the model's order; None if none."""
+    sliced = [(n, _with_shape(p, local[n])) for n, p in named if n in local and local[n] != p.shape]
+    if not sliced:
+        return None
+    changed = dict(sliced)
+    mine = param_group_map(factory, [(n, changed.get(n, p)) for n, p in named])
+    if mine is None:
+        return None
+    return next(((n, mine[n], groups[n]) for n in mine if mine[n] != groups.get(n, -1)), None)
+
+
+def _with_shape(p: torch.nn.Parameter, shape: tuple[int, ...]) -> torch.nn.Parameter:
+    stand_in = torch.nn.Parameter(torch.zeros((), dtype=p.dtype).expand(shape), p.requires_grad)
+    return keep_attributes(p, stand_in)
+
+
+def other_groups(origin: str, name: str, got: int, want: int, mine: int, every: int) -> str:
+    """The refusal of a factory whose call on `mine` parameters put `name` in group `got`
+    (-1: none), where its call on all `every` of the model's put it in `want`."""
+
+    def group(g: int) -> str:
+        return "no group" if g < 0 else f"group {g}"
+
+    return (
+        f"{origin} put parameter '{name}' in {group(got)} when given this rank's {mine} "
+        f"parameters, but in {group(want)} when given all {every} of the model's: its "
+        "groups depend on which parameters it is given (or on how often it is called), so "
+        "this rank would train them with other settings than one device does"
+    )

@@ -53,14 +53,16 @@ scale` still fail it (tests/test_check_split_twin.py). Under Adam a near-zero
 gradient whose rounding flips its sign steps a whole lr the other way: a 2-class
 MLP with a near-zero head and balanced labels had its head bias 36× past the
 twin's bound after 3 steps (AdamW lr 1e-2, dp=2); the split run flips it as dp's
-halves do. The split is used only when its loss is the reference's within
-TWIN_GATE (a loss that is no mean over samples, uneven ignored targets or
-samples that interact, BatchNorm, change it beyond rounding) and its step-0
-gradients are the reference's within 1e-3 of their whole norm
-(calibrated_compare.py `_split_rounds`): a loss averaged over counted targets
-with a zero-initialised head has every token's loss ln V, so the halves'
-weighting left the loss alone and changed the objective (a probe's Qwen2: a
-parallel run averaging per share passed at the split's distance).
+halves do. The split is used only where it is a rounding twin at every step
+(calibrated_compare.py `_split_rounds`): each step's loss within TWIN_GATE of
+the reference's (a loss that is no mean over samples, uneven ignored targets or
+samples that interact, BatchNorm, change it beyond rounding), and step 0's
+gradients within NOISE_MULT times the twin's distance plus 1e-5 of their whole
+norm. A loss averaged over counted targets, weighted by sample shares, is the
+per-share objective a wrong parallel run computes; step 0 alone let it in where
+step 0 could not tell (every token's loss ln V under a zero-initialised head, a
+balanced first batch, one ignored target in 1024), and such runs were called
+EQUIVALENT at the split's distance (found by two probes).
 
 The floor covers tensors the twin reproduces bit for bit (LayerNorm weights
 whose gradients sum in a fixed order): floor = 4·ε·(steps + 1), ε = 2⁻²³ the

@@ -6,10 +6,14 @@ Under dp each rank's `loss_fn` averages over its own counted targets and the ran
 average those means: another objective than one device's mean over all counted targets
 (README, the model convention). `parc check` must say so; a split run weighting its
 halves by sample share computes that same other objective, with the reference's
-step-0 loss (found by a probe on a zero-headed Qwen2)."""
+step-0 loss (found by a probe on a zero-headed Qwen2). The env varies what step 0 shows:
+IGNORED_HEAD=random initialises the head as nn.Linear does; IGNORED_FROM=1 ignores no
+target at step 0 (a balanced first batch), IGNORED_ONE=1 only one target per batch;
+IGNORED_SEQ the sequence length (6)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 import torch
@@ -18,7 +22,8 @@ from torch import nn
 
 __all__ = ["build_model", "configure_optimizer", "loss_fn", "sample_batch"]
 
-V, D, T = 11, 16, 6
+V, D = 11, 16
+T = int(os.environ.get("IGNORED_SEQ", "6"))
 
 
 class Tagger(nn.Module):
@@ -34,8 +39,9 @@ class Tagger(nn.Module):
 
 def build_model() -> nn.Module:
     model = Tagger()
-    nn.init.zeros_(model.head.weight)
-    nn.init.zeros_(model.head.bias)
+    if os.environ.get("IGNORED_HEAD") != "random":
+        nn.init.zeros_(model.head.weight)
+        nn.init.zeros_(model.head.bias)
     return model
 
 
@@ -43,7 +49,10 @@ def sample_batch(batch_size: int, step: int) -> tuple[torch.Tensor, torch.Tensor
     g = torch.Generator().manual_seed(step)
     ids = torch.randint(0, V, (batch_size, T), generator=g)
     targets = torch.randint(0, V, (batch_size, T), generator=g)
-    targets[: batch_size // 2, 1:] = -100  # the first half: one counted target per row
+    if os.environ.get("IGNORED_ONE") == "1":
+        targets[0, 0] = -100
+    elif step >= int(os.environ.get("IGNORED_FROM", "0")):
+        targets[: batch_size // 2, 1:] = -100  # the first half: one counted target per row
     return ids, targets
 
 

@@ -102,9 +102,10 @@ def format_check(result: CheckResult) -> str:
     t = result.tolerance
     lines += [
         "",
-        f"  gradients at step 0:      closest to its bound {c.worst_grad or '-'} "
+        f"  gradients at step 0:      {_nearest(c.grad_margin)} {c.worst_grad or '-'} "
         f"(|diff| {c.max_grad_diff:.3e}, {c.grad_margin:.2g} of the bound)",
-        f"  parameters after step {result.steps - 1}: closest to its bound {c.worst_param or '-'} "
+        f"  parameters after step {result.steps - 1}: {_nearest(c.param_margin)} "
+        f"{c.worst_param or '-'} "
         f"(|diff| {c.max_param_diff:.3e}, {c.param_margin:.2g} of the bound)",
         f"  bounds: per tensor |parallel - reference| <= {cal.noise_mult:g} x |twin - reference| "
         f"+ {_floors(result)} x |reference|; losses: rel. diff <= "
@@ -121,6 +122,11 @@ def format_check(result: CheckResult) -> str:
     lines.append("  NOT EQUIVALENT: " + "; ".join(_where(result)))
     lines += [f"  the plan warned (a likely cause): {w}" for w in result.warnings]
     return "\n".join(lines) + "\n"
+
+
+def _nearest(margin: float) -> str:
+    """How the tensor of largest margin stands: a margin past 1 is past its bound."""
+    return "farthest past its bound" if margin > 1 else "closest to its bound"
 
 
 def _where(result: CheckResult) -> list[str]:

@@ -215,6 +215,8 @@ def test_check_catches_a_missing_gradient_all_reduce(fault: Done) -> None:
     assert "NOT EQUIVALENT: the loss first diverges at step 1" in fault.out, fault
     named = re.search(r"parameter '([\w.]+)' diverges", fault.out)
     assert named and named.group(1) in PARAMETERS, fault
+    # The tensor of largest margin is past its bound, not close to it (a probe's note).
+    assert "parameters after step 2: farthest past its bound" in fault.out, fault.out
 
 
 def test_check_json_prints_one_object_with_the_same_facts(tmp_path: Path, fault: Done) -> None:

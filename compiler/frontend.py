@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 import torch.fx
@@ -43,7 +44,7 @@ from .model_state import (
 from .node_info import node_source
 from .optimizer_groups import MIXED_HINT, other_groups, param_group_map, sliced_group_problem
 from .optimizers import optimizer_warnings
-from .passes.own_loss import count_own_loss, mixed_loss_warnings
+from .passes.own_loss import count_own_loss, loss_fn_ignored_warnings, mixed_loss_warnings
 from .passes.pipeline_split import annotate_stages
 from .plan import Plan
 from .plan_schedule import HandSchedule, check_generated, with_schedule
@@ -173,7 +174,7 @@ def _analyse(
         check_padding(gm, plan, spec)  # a padded vocabulary's columns reach no user's code
         plan = dataclasses.replace(plan, warnings=plan.warnings + tuple(found))
         source = dataclasses.replace(source, loss_fn=loss_on_shards(source.loss_fn, gm, plan))
-    plan = _with_model_warnings(plan, spec, gm, built, source)
+    plan = _with_model_warnings(plan, spec, gm, built, source, targets)
     memory = memory_model_of(
         source.configure_optimizer, plan.precision, plan.reduce, built_dtype(built)
     )
@@ -212,14 +213,20 @@ def _check_sliced_groups(
 
 
 def _with_model_warnings(
-    plan: Plan, spec: Spec, gm: torch.fx.GraphModule, built: torch.nn.Module, source: ModelSource
+    plan: Plan,
+    spec: Spec,
+    gm: torch.fx.GraphModule,
+    built: torch.nn.Module,
+    source: ModelSource,
+    targets: Any,
 ) -> Plan:
-    """The plan with the warnings about the model's state, dropout and optimizer."""
+    """The plan with the warnings about the model's state, dropout, loss and optimizer."""
     found = [
         *batch_statistics_warnings(built, plan, spec),
         *buffer_write_warnings(gm, built, plan, spec),
         *dropout_warnings(gm, plan, spec),
         *mixed_loss_warnings(gm, plan, spec),
+        *loss_fn_ignored_warnings(source.loss_fn, targets, plan, spec),
         *optimizer_warnings(source.configure_optimizer, plan, spec),
     ]
     return dataclasses.replace(plan, warnings=plan.warnings + tuple(found))

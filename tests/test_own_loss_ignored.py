@@ -152,3 +152,16 @@ def test_a_loss_combining_the_cross_entropy_is_warned_about(form: str, warned: b
         plan = analyse(SPECS["dp"], MODEL, batch=8).plan
     found = [w for w in plan.warnings if "combines a mean cross-entropy" in w.message]
     assert bool(found) == warned, plan.warnings
+
+
+def test_a_files_loss_fn_over_ignored_targets_is_warned_about_when_split() -> None:
+    # Averaged per share, a file's own mean over counted targets is not one device's:
+    # `parc check` said NOT EQUIVALENT and named no cause (a probe's note).
+    from parc.compiler.frontend import analyse
+
+    model = str(ROOT / "tests" / "models" / "zero_head_ignored_targets.py")
+    said = "the file's loss_fn is called on each of the step's 2 shares"
+    split = analyse("mesh dp=2\n", model, batch=8).plan.warnings
+    assert any(said in str(w) for w in split), split
+    whole = analyse("mesh pp=1\n", model, batch=8).plan.warnings  # one call: one device's
+    assert not any("loss_fn is called" in str(w) for w in whole)

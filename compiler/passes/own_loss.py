@@ -176,3 +176,36 @@ def mixed_loss_warnings(gm: torch.fx.GraphModule, plan: Plan, spec: Spec) -> lis
             spec.locate(spec.mesh.span),
         )
     ]
+
+
+def loss_fn_ignored_warnings(
+    loss_fn: Any, targets: Any, plan: Plan, spec: Spec
+) -> list[PlanWarning]:
+    """A warning when the file's own `loss_fn` is taken per call and averaged (the step
+    splits the batch into several calls) and the example batch ignores targets (-100): a
+    mean over counted targets is then not the global batch's when the calls count
+    different numbers of them, and `parc check` says NOT EQUIVALENT without a cause
+    (a probe's note). The default loss and the model's own cross-entropy are made the
+    global batch's mean; a file's function cannot be."""
+    from ..default_loss import IGNORE_INDEX, DefaultLoss
+    from ..model_output import ModelLoss
+
+    calls = plan.dp * plan.microbatches * plan.grad_accum
+    mine = not isinstance(loss_fn, DefaultLoss | ModelLoss)
+    ignored = (
+        isinstance(targets, torch.Tensor)
+        and not targets.is_floating_point()
+        and bool((targets == IGNORE_INDEX).any())
+    )
+    if calls == 1 or not mine or not ignored:
+        return []
+    return [
+        PlanWarning(
+            f"the file's loss_fn is called on each of the step's {calls} shares of the batch "
+            "and the results averaged, and the batch ignores some targets (-100): where the "
+            "shares count different numbers of them, a mean over counted targets is not the "
+            "global batch's as on one device (define no loss_fn: parc's cross-entropy, or "
+            "the model's own from labels, is the global mean under every split)",
+            spec.locate(spec.mesh.span),
+        )
+    ]

@@ -18,7 +18,13 @@ import torch
 
 from .param_attrs import keep_attributes
 
-__all__ = ["MIXED_HINT", "other_groups", "param_group_map", "sliced_group_problem"]
+__all__ = [
+    "MIXED_HINT",
+    "built_optimizer",
+    "other_groups",
+    "param_group_map",
+    "sliced_group_problem",
+]
 
 MIXED_HINT = (
     "choose each parameter's group from the parameter alone (p.dim(), its dtype, or a tag "
@@ -27,7 +33,10 @@ MIXED_HINT = (
 )
 
 
-def _built(factory: object, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer | None:
+def built_optimizer(
+    factory: object, params: list[torch.nn.Parameter]
+) -> torch.optim.Optimizer | None:
+    """The factory's optimizer over `params`, or None where it fails or returns none."""
     try:
         opt = factory(params)  # type: ignore[operator]
     except Exception:
@@ -53,7 +62,7 @@ def param_group_map(
         )
         for _, p in named
     ]
-    opt = _built(factory, stand_ins) if named else None
+    opt = built_optimizer(factory, stand_ins) if named else None
     if opt is None:
         return None
     where = {id(p): g for g, group in enumerate(opt.param_groups) for p in group["params"]}

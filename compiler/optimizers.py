@@ -44,6 +44,7 @@ import torch
 from parc.dsl.ast import Zero
 from parc.errors import ParcError
 
+from .optimizer_groups import built_optimizer
 from .optimizer_rebuild import construct_like, lost_settings
 from .plan import PlanWarning
 
@@ -222,7 +223,7 @@ def optimizer_warnings(factory: object, plan: Any, spec: Any) -> list[PlanWarnin
     """
     node = spec.statement(Zero) if plan.zero else None
     span = spec.locate(node.span if node is not None else spec.mesh.span)
-    opt = _built(factory, [torch.nn.Parameter(torch.zeros(2, 3))])
+    opt = built_optimizer(factory, [torch.nn.Parameter(torch.zeros(2, 3))])
     problem = None if opt is None else optimizer_problem(opt, plan)
     if opt is None or problem is None:
         return []
@@ -234,14 +235,6 @@ def optimizer_warnings(factory: object, plan: Any, spec: Any) -> list[PlanWarnin
             span,
         )
     ]
-
-
-def _built(factory: object, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer | None:
-    try:
-        opt = factory(params)  # type: ignore[operator]
-    except Exception:
-        return None
-    return opt if isinstance(opt, torch.optim.Optimizer) else None
 
 
 def _needs_closure(cls: type[torch.optim.Optimizer]) -> bool:

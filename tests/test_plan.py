@@ -247,3 +247,21 @@ def test_no_spec_fits_is_exit_1_with_every_reason(capsys: pytest.CaptureFixture)
     assert "No spec fits" in report and report.count("out of memory") >= 3
     with pytest.raises(ParcError, match="no spec fits"), model_env(LLAMA_13B):
         plan_model(LLAMA, "rtx4090x2", batch=8).spec_text()
+
+
+def test_frozen_parameters_are_priced_as_the_compiler_prices_them(tmp_path: Path) -> None:
+    # A frozen parameter is held whole, without gradient or optimizer state; the planner
+    # priced it as a trained one: its peaks were up to 10% above the compiled estimate.
+    model = str(ROOT / "tests" / "models" / "frozen.py")
+    cluster = parse_cluster(
+        "nodes=1 gpus=2 mem=1GiB tflops=100 fp32_tflops=100 intra=100GB/s inter=10GB/s"
+    )
+    result = plan_model(model, cluster, batch=8)
+    assert result.search.best_of
+    for ev in result.search.best_of.values():
+        spec = tmp_path / "best.par"
+        spec.write_text(result.spec_text(ev))
+        a = analyse(spec, model, batch=8)
+        peak = max(peaks_with_loss(a.estimate, a.plan))
+        # As test_the_written_spec_compiles_to_the_same_estimate: no ZeRO padding.
+        assert peak == pytest.approx(ev.memory.total, rel=0.01), result.spec_text(ev)

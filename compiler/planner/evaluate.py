@@ -66,6 +66,7 @@ class _StageSum:
     modules: int  # ZeRO-3 units
     regathered: int  # ZeRO-3 elements gathered again in backward (their units save params)
     zb_kept: int = 0  # bytes a microbatch keeps from its B to its W under zb1
+    frozen: int = 0  # of `params`, elements that take no gradient (held whole, no state)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +106,7 @@ def stage_sums(profile: ModelProfile, tpp: TPProfile, pp: int, recompute: bool) 
             sent=(tpp.sent[hi - 1] if hi < len(u) else 0) + (tpp.sent[lo - 1] if lo > 0 else 0),
             modules=sum(u[i].modules for i in rng),
             regathered=sum(u[i].regathered for i in rng),
+            frozen=sum(u[i].frozen for i in rng),
             # The first stage receives nothing: B keeps the gradients of what it sent.
             zb_kept=tpp.sent[hi - 1] if lo == 0 < hi < len(u) else sum(u[i].zb_kept for i in rng),
         )
@@ -319,10 +321,11 @@ def _stage_memory(
     """Peak bytes on a rank of stage `s` (compiler/estimate.py's formulas, padding aside);
     not `standard` (several stages per rank, or zb1): the activations of a recomputed
     block only, the schedule's peak is the caller's."""
-    n = ss.params
-    zero = cand.zero if cand.dp > 1 else 0
+    n = ss.params - ss.frozen  # trained: a frozen parameter is held whole, with no
+    zero = cand.zero if cand.dp > 1 else 0  # gradient or state (compiler/estimate.py)
     shard = -(-n // cand.dp)
     p, g, o = resident_elements(zero, n, n, shard)
+    p += ss.frozen
     tp_, tg = transient_elements(zero, n, shard, ss.largest)
     flight = 1 if standard else 0
     if cand.pp > 1 and standard:

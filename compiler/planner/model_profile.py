@@ -92,6 +92,7 @@ class UnitCost:
     # Bytes B keeps for W under zb1 in a stage after the first (compiler/zb_memory.py, the
     # unit on the input path): its frontier ops' output gradients.
     zb_kept: int = 0
+    frozen: int = 0  # of `params`, elements of parameters that take no gradient
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,6 +287,7 @@ class _Base:
         canonical = canonical_names(model)
         self.canonical = canonical
         self.shapes = {canonical[n]: tuple(p.shape) for n, p in model.named_parameters()}
+        self.frozen = {canonical[n] for n, p in model.named_parameters() if not p.requires_grad}
         self.homes = {
             p: tuple(sorted({self.unit[r] for r in readers}))
             for p, readers in param_readers(gm, canonical).items()
@@ -340,7 +342,9 @@ class _Base:
                 owners[owner] = owners.get(owner, 0) + local[p]
         comms = [c for n in mine for c in with_bytes(n, meta_of(n).collectives)] if tp > 1 else []
         again = [c for n in mine for c in with_bytes(n, forward.get(n.name, ()))]
+        frozen = sum(local[p] for p, homes in self.homes.items() if i in homes and p in self.frozen)
         return UnitCost(
+            frozen=frozen,
             params=sum(owners.values()),
             largest=max(owners.values(), default=0),
             second=second_largest(owners.values()),

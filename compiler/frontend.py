@@ -207,8 +207,8 @@ def _check_sliced_groups(
     if found is not None:
         name, got, want = found
         origin = "configure_optimizer"
-        message = other_groups(origin, name, got, want, len(named), len(named))
-        message = message.replace("this rank's", "a tp rank's sliced", 1)
+        given = "a tp rank's sliced"
+        message = other_groups(origin, name, got, want, len(named), len(named), given)
         raise ModelError(message, file=source.path, hint=MIXED_HINT)
 
 

@@ -45,7 +45,9 @@ def built_optimizer(
 
 
 def param_group_map(
-    factory: object, named: Sequence[tuple[str, torch.nn.Parameter]]
+    factory: object,
+    named: Sequence[tuple[str, torch.nn.Parameter]],
+    shapes: Mapping[str, tuple[int, ...]] | None = None,
 ) -> dict[str, int] | None:
     """Parameter name -> the index of the parameter group the factory puts it in (-1: in
     none, so never stepped), from one call on stand-ins of the model's `named`
@@ -53,15 +55,12 @@ def param_group_map(
     factory fails on them (its own error is raised when it runs). ZeRO's flat units
     never mix two groups (compiler/layout.py `flat_units`), so each shard steps with its
     group's settings, and every rank's optimizer must put its parameters in these groups
-    (runtime/assemble.py)."""
+    (runtime/assemble.py). `shapes`: name -> the shape its stand-in has instead of its
+    own (a tp rank's slice)."""
     # Stand-ins, as ZeRO-3's factory call gets (runtime/assemble.py): real CPU tensors of
     # the parameters' shapes and dtypes that hold no memory, the model maybe on meta.
-    stand_ins = [
-        keep_attributes(
-            p, torch.nn.Parameter(torch.zeros((), dtype=p.dtype).expand(p.shape), p.requires_grad)
-        )
-        for _, p in named
-    ]
+    shapes = shapes or {}
+    stand_ins = [_stand_in(p, shapes.get(name, tuple(p.shape))) for name, p in named]
     opt = built_optimizer(factory, stand_ins) if named else None
     if opt is None:
         return None
@@ -78,30 +77,39 @@ def sliced_group_problem(
     """(name, group, whole model's group) of the first parameter the factory puts in
     another group than `groups` when given the shapes a tp rank gives it (`local`: name
     -> its tp-local shape; the others whole), in the model's order; None if none."""
-    sliced = [(n, _with_shape(p, local[n])) for n, p in named if n in local and local[n] != p.shape]
-    if not sliced:
+    if all(local.get(n, tuple(p.shape)) == tuple(p.shape) for n, p in named):
         return None
-    changed = dict(sliced)
-    mine = param_group_map(factory, [(n, changed.get(n, p)) for n, p in named])
+    mine = param_group_map(factory, named, local)
     if mine is None:
         return None
     return next(((n, mine[n], groups[n]) for n in mine if mine[n] != groups.get(n, -1)), None)
 
 
-def _with_shape(p: torch.nn.Parameter, shape: tuple[int, ...]) -> torch.nn.Parameter:
+def _stand_in(p: torch.nn.Parameter, shape: tuple[int, ...]) -> torch.nn.Parameter:
+    """A parameter of `p`'s dtype, requires_grad and attributes and of `shape`, holding no
+    memory (one zero, expanded)."""
     stand_in = torch.nn.Parameter(torch.zeros((), dtype=p.dtype).expand(shape), p.requires_grad)
     return keep_attributes(p, stand_in)
 
 
-def other_groups(origin: str, name: str, got: int, want: int, mine: int, every: int) -> str:
-    """The refusal of a factory whose call on `mine` parameters put `name` in group `got`
-    (-1: none), where its call on all `every` of the model's put it in `want`."""
+def other_groups(
+    origin: str,
+    name: str,
+    got: int,
+    want: int,
+    mine: int,
+    every: int,
+    given: str = "this rank's",
+) -> str:
+    """The refusal of a factory whose call on `mine` parameters (`given`: whose) put
+    `name` in group `got` (-1: none), where its call on all `every` of the model's put it
+    in `want`."""
 
     def group(g: int) -> str:
         return "no group" if g < 0 else f"group {g}"
 
     return (
-        f"{origin} put parameter '{name}' in {group(got)} when given this rank's {mine} "
+        f"{origin} put parameter '{name}' in {group(got)} when given {given} {mine} "
         f"parameters, but in {group(want)} when given all {every} of the model's: its "
         "groups depend on which parameters it is given (or on how often it is called), so "
         "this rank would train them with other settings than one device does"

@@ -70,7 +70,7 @@ def unstepped_elements(
     """Optimizer elements of a stage in no optimizer group (group -1: never stepped, so
     without optimizer state): under ZeRO the shards of its units (a unit holds one group),
     under zero 0 the local elements of each such trained parameter."""
-    if not groups:
+    if not groups or min(groups.values()) >= 0:  # every parameter in a group
         return 0
     if plan.zero:
         return sum(u.shard for u in units if groups.get(u.params[0], 0) < 0)

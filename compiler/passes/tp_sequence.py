@@ -306,8 +306,7 @@ def _groups(found: set[torch.fx.Node]) -> list[set[torch.fx.Node]]:
 
 def _row_before_bias(plan: Plan, node: torch.fx.Node, place: dict[Any, Any]) -> bool:
     """A row Linear with a bias: the first walk all-reduced its output (R) to add the bias."""
-    shard = plan.shard_of(str(node.target)) if node.op == "call_module" else None
-    return shard is not None and shard.kind is ShardKind.ROW and place.get(node) == R
+    return _is_row(plan, node) and place.get(node) == R
 
 
 def _token_shape(gm: torch.fx.GraphModule, plan: Plan, spec: Spec | None) -> tuple[int, int]:

@@ -17,6 +17,7 @@ from .layout import FlatUnit
 __all__ = [
     "RankMemory",
     "late_bytes",
+    "late_bytes_of",
     "late_elements",
     "resident_elements",
     "transient_elements",
@@ -173,8 +174,17 @@ def late_bytes(zero: int, units: tuple[FlatUnit, ...], grad_bytes: int, cast_byt
     """`late_elements` in bytes. With `cast_bytes` (bf16 under `reduce bf16`: each reduced
     shard becomes its master's fp32 gradient as its reduce-scatter completes, and that
     lives to the step) zero 1 and 2 also hold every unit's cast, and zero 2 no bf16 shard."""
-    if not cast_bytes or zero not in (1, 2):
-        return late_elements(zero, units) * grad_bytes
     two = sorted(units, key=lambda u: u.padded, reverse=True)[:2]
+    return late_bytes_of(zero, two, sum(u.shard for u in units), grad_bytes, cast_bytes)
+
+
+def late_bytes_of(
+    zero: int, two: list[FlatUnit], shards: int, grad_bytes: int, cast_bytes: int
+) -> int:
+    """`late_bytes` from the two largest units and the shards of every unit, summed."""
+    if zero not in (1, 2):
+        return 0
     in_flight = sum(u.shard if zero == 1 else u.padded for u in two) * grad_bytes
-    return in_flight + sum(u.shard for u in units) * cast_bytes
+    if cast_bytes:
+        return in_flight + shards * cast_bytes
+    return in_flight + (shards * grad_bytes if zero == 2 else 0)

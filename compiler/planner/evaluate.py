@@ -3,11 +3,16 @@
 The formulas are compiler/estimate.py's (memory per ZeRO level, transient
 buffers, microbatches in flight under 1F1B or GPipe) and time_model.py's, fed
 with sums over each stage's units instead of a traced graph, so hundreds of
-candidates cost milliseconds. ZeRO padding (under dp elements a unit) is left out.
+candidates cost milliseconds. ZeRO padding (under dp elements a unit) is left out,
+and the gradient buckets are cut by size alone (`_late`: not at parameter
+boundaries nor optimizer groups).
 
 1. `stage_sums`: the pp−1 cuts, where the running training FLOPs cross k/pp of
    the total (blocks are alike, so this balances them), and each stage's sums;
-   a weight tied between two units of one stage is held once.
+   a weight tied between two units of one stage is held once, and so is a tensor
+   two of its units save (a ReLU's output, saved by the next Linear too). A
+   frozen parameter is held whole without gradient or state; one in no optimizer
+   group has no state.
 2. `evaluate`: per stage, the peak bytes of one rank and one microbatch's
    seconds (compute, tensor-parallel collectives, pipeline sends); the
    data-parallel traffic after the pipeline; the fullest rank and the step time.
@@ -27,10 +32,10 @@ from parc.dsl.ast import ScheduleKind
 
 from ..estimate import resident_elements, transient_elements
 from ..host_memory import HostMemory, planned_host
-from ..layout import DEFAULT_BUCKET_ELEMS
+from ..layout import DEFAULT_BUCKET_ELEMS, FIRST_BUCKET_ELEMS, FlatUnit
 from ..memory_model import MemoryModel
 from ..ops.collectives import CommKind
-from ..rank_memory import second_largest, zero3_unit_bytes
+from ..rank_memory import late_bytes_of, second_largest, zero3_unit_bytes
 from .candidate import Candidate, Evaluation, Memory
 from .cluster import Cluster
 from .model_profile import ModelProfile, TPProfile
@@ -67,6 +72,7 @@ class _StageSum:
     regathered: int  # ZeRO-3 elements gathered again in backward (their units save params)
     zb_kept: int = 0  # bytes a microbatch keeps from its B to its W under zb1
     frozen: int = 0  # of `params`, elements that take no gradient (held whole, no state)
+    unstepped: int = 0  # of `params`, trained elements in no optimizer group (no state)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,13 +97,16 @@ def stage_sums(profile: ModelProfile, tpp: TPProfile, pp: int, recompute: bool) 
         rng = range(lo, hi)
         # A weight tied between units of one stage is held once.
         copies = [(n, sum(lo <= h < hi for h in homes)) for n, homes in tpp.tied]
+        # A tensor saved by several units of one stage is held once.
+        twice = [(n, sum(lo <= h < hi and not again[h] for h in hs)) for n, hs in tpp.shared]
         forward = sum(u[i].tp_forward for i in rng if again[i])
         return _StageSum(
             params=sum(u[i].params for i in rng) - sum(n * (k - 1) for n, k in copies if k > 1),
             largest=max((u[i].largest for i in rng), default=0),
             second=second_largest(v for i in rng for v in (u[i].largest, u[i].second)),
             flops=sum(work[i] for i in rng),
-            stored=sum(u[i].kept if again[i] else u[i].saved for i in rng),
+            stored=sum(u[i].kept if again[i] else u[i].saved for i in rng)
+            - sum(n * (k - 1) for n, k in twice if k > 1),
             again=max((max(u[i].saved - u[i].kept, 0) for i in rng if again[i]), default=0),
             tp_reduce=sum(u[i].tp_reduce for i in rng) + forward,
             tp_gather=sum(u[i].tp_gather for i in rng),
@@ -107,6 +116,7 @@ def stage_sums(profile: ModelProfile, tpp: TPProfile, pp: int, recompute: bool) 
             modules=sum(u[i].modules for i in rng),
             regathered=sum(u[i].regathered for i in rng),
             frozen=sum(u[i].frozen for i in rng),
+            unstepped=sum(u[i].unstepped for i in rng),
             # The first stage receives nothing: B keeps the gradients of what it sent.
             zb_kept=tpp.sent[hi - 1] if lo == 0 < hi < len(u) else sum(u[i].zb_kept for i in rng),
         )
@@ -326,6 +336,7 @@ def _stage_memory(
     shard = -(-n // cand.dp)
     p, g, o = resident_elements(zero, n, n, shard)
     p += ss.frozen
+    idle = ss.unstepped if zero == 0 else -(-ss.unstepped // cand.dp)  # no state (stage_units)
     tp_, tg = transient_elements(zero, n, shard, ss.largest)
     flight = 1 if standard else 0
     if cand.pp > 1 and standard:
@@ -333,19 +344,36 @@ def _stage_memory(
         flight = cand.microbatches if gpipe else min(cand.pp - s, cand.microbatches)
     acts = (ss.stored * flight + ss.again) * micro * scale
     message = ss.tp_largest * micro * scale
+    if zero == 3:
+        early = zero3_unit_bytes(
+            ss.largest, cand.dp, mem.param_bytes, mem.grad_bytes, second=ss.second
+        )
+    else:
+        early = tp_ * mem.param_bytes + tg * mem.grad_bytes
+    # Once backward has freed the activations: what the last buckets hold (estimate.py).
+    late = _late(zero, n, cand.dp, mem)
     return Memory(
         p * mem.param_bytes,
         g * mem.held_grad_bytes(zero),
-        o * mem.optimizer_bytes,
+        o * mem.master_bytes + (o - idle) * mem.state_bytes,
         int(acts),
-        int(
-            zero3_unit_bytes(ss.largest, cand.dp, mem.param_bytes, mem.grad_bytes, second=ss.second)
-            + message
-            if zero == 3
-            else tp_ * mem.param_bytes + tg * mem.grad_bytes + message
-        ),
+        int(max(early + message, late - acts)),
         o * mem.step_bytes,
     )
+
+
+def _late(zero: int, n: int, dp: int, mem: MemoryModel) -> int:
+    """`rank_memory.late_bytes` of a stage's `n` trained elements, in gradient buckets
+    as compiler/layout.py `flat_units` lays them out, parameter boundaries and optimizer
+    groups aside: a small first bucket, then full ones."""
+    if zero not in (1, 2):
+        return 0
+    first = min(n, FIRST_BUCKET_ELEMS)
+    full, rest = divmod(n - first, DEFAULT_BUCKET_ELEMS)
+    largest = sorted([first, rest, *[DEFAULT_BUCKET_ELEMS] * min(full, 2)], reverse=True)[:2]
+    two = [FlatUnit((), k, -(-k // dp) * dp, dp) for k in largest]
+    shards = -(-first // dp) + -(-rest // dp) + full * -(-DEFAULT_BUCKET_ELEMS // dp)
+    return late_bytes_of(zero, two, shards, mem.grad_bytes, mem.step_bytes)
 
 
 def _dp_bytes(cand: Candidate, n: int, regathered: int, mem: MemoryModel) -> tuple[float, float]:

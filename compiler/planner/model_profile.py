@@ -40,16 +40,17 @@ import torch.fx
 from parc.dsl.ast import Precision
 from parc.errors import ParcError
 
-from ..blocks import Blocks, every_block, find_blocks
+from ..blocks import Blocks, find_blocks
 from ..cost import node_costs
 from ..host_memory import HostFacts, host_facts
 from ..layout import canonical_names, local_shape, param_slices, zero3_owner
 from ..loss_memory import LossMemory, loss_memory
 from ..memory_model import built_dtype
-from ..model import ModelSource, owns_loss
+from ..model import ModelSource
 from ..model_output import input_tensors
 from ..node_meta import meta_of
 from ..ops.collectives import CommKind
+from ..optimizer_groups import param_group_map
 from ..passes.placement import Partial, Shard
 from ..passes.tp_loss import loss_on_shards, takes_shards
 from ..plan import Plan
@@ -57,10 +58,11 @@ from ..rank_memory import second_largest
 from ..recompute_cost import forward_tp_collectives, param_readers
 from ..saved import SavedTensors, compute_dtype, profile_forward
 from ..stages import activation_nodes
-from ..trace import module_path, trace_model
+from ..trace import trace_model
 from ..traffic import output_bytes, with_bytes
 from ..zb_memory import kept_until_w
 from .pipeline_cost import UnitsAsStages
+from .profile_units import profile_units, recompute_patterns, sample_inputs
 from .shard_layout import SEQUENCE_LINE, analyse_lines, megatron_layout, vocab_lines
 from .shard_layout import shard_lines as blocks_lines
 
@@ -93,6 +95,7 @@ class UnitCost:
     # unit on the input path): its frontier ops' output gradients.
     zb_kept: int = 0
     frozen: int = 0  # of `params`, elements of parameters that take no gradient
+    unstepped: int = 0  # of `params`, trained elements in no optimizer group (no state)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +106,9 @@ class TPProfile:
     units: tuple[UnitCost, ...]
     sent: tuple[int, ...]  # bytes per sample a cut after unit i sends (one rank)
     tied: tuple[tuple[int, tuple[int, ...]], ...]  # (local elements, units using it)
+    # A tensor saved by ops of several units (a ReLU's output, saved by it and by the next
+    # Linear of another unit) is in each one's `saved`: (bytes, those units).
+    shared: tuple[tuple[int, tuple[int, ...]], ...]
     shard_lines: tuple[str, ...]
     warnings: int  # fallback all-gathers the analysis warned about
     # The default loss's bytes per sample on a last-stage rank (compiler/loss_memory.py):
@@ -161,19 +167,19 @@ def _profile(
     # Step 1
     torch.manual_seed(0)
     model = source.build(device="meta")
-    inputs, own = _sample(source, seq)
+    inputs, own = sample_inputs(source, seq)
     compute = compute_dtype(precision)
     gm = trace_model(model, inputs, own_loss=own, file=source.path, compute=compute)
     saved = profile_forward(gm, input_tensors(inputs), precision)
     # Step 2
     found = find_blocks(model)
-    unit_of, units = _units(gm, found)
+    unit_of, units = profile_units(gm, found)
     blocks = tuple(u in found.blocks for u in units)
     # Step 3
     layout = megatron_layout(gm, unit_of, set(u for u, b in zip(units, blocks) if b))
     shard_lines = blocks_lines(layout, model, found)
     # Steps 4 and 5
-    base = _Base(gm, model, saved, unit_of, units, found, source.loss_fn)
+    base = _Base(gm, model, saved, unit_of, units, found, source)
     profiles, rejected = {1: base.at(1, (), 0, None)}, {}
     vocab = vocab_lines(gm)
     vocab_profiles: dict[int, TPProfile] = {}
@@ -200,7 +206,7 @@ def _profile(
         path=source.path,
         units=tuple(units),
         blocks=blocks,
-        recompute_patterns=_recompute_patterns(units, blocks),
+        recompute_patterns=recompute_patterns(units, blocks),
         params=sum(p.numel() for p in model.parameters()),
         tokens=max(1, first.numel()),
         tp=profiles,
@@ -214,51 +220,6 @@ def _profile(
     )
 
 
-def _sample(source: ModelSource, seq: int | None) -> tuple[Any, bool]:
-    """The inputs of one sample (sequences cut to `seq`), and whether the model's own
-    loss is trained on (model_output.py)."""
-    inputs, targets = source.batch(1, 0)
-    own = owns_loss(source, inputs, targets)
-    if seq is None:
-        return inputs, own
-    xs = input_tensors(inputs)
-    long = [x for x in xs if x.dim() >= 2]
-    if not long or any(x.shape[1] < seq for x in long):
-        have = long[0].shape[1] if long else 0
-        raise ParcError(
-            f"--seq {seq}: the model's sample_batch gives sequences of {have}; parc plans "
-            "shorter ones by slicing dim 1 of the inputs, not longer ones",
-            hint="set the model's own sequence length (e.g. LLAMA_SEQ) instead",
-        )
-    cut = [x.narrow(1, 0, seq) if x.dim() >= 2 else x for x in xs]
-    return (dict(zip(inputs, cut, strict=True)) if isinstance(inputs, dict) else tuple(cut)), own
-
-
-def _units(gm: torch.fx.GraphModule, blocks: Blocks) -> tuple[dict[str, str], list[str]]:
-    """Step 2: node name -> unit, and the units in forward order."""
-    unit_of: dict[str, str] = {}
-    order: list[str] = []
-    last = ""
-    for node in gm.graph.nodes:
-        path = module_path(node)
-        unit = blocks.unit_of(path[-1]) if path else None
-        if unit is not None:
-            last = unit
-            if unit not in order:
-                order.append(unit)
-        unit_of[node.name] = last
-    order = order or [""]  # no module at all: the whole model is one unit
-    return {n: u or order[0] for n, u in unit_of.items()}, order
-
-
-def _recompute_patterns(units: list[str], blocks: tuple[bool, ...]) -> tuple[str, ...]:
-    lists: dict[str, list[str]] = {}
-    for unit, block in zip(units, blocks):
-        if block:
-            lists.setdefault(unit.rpartition(".")[0], []).append(unit)
-    return tuple(every_block(name, found) for name, found in lists.items())
-
-
 class _Base:
     """Facts that do not depend on the tensor-parallel size, and `at(tp)` for those that do."""
 
@@ -270,9 +231,10 @@ class _Base:
         unit_of: dict[str, str],
         units: list[str],
         blocks: Blocks,
-        loss_fn: Any,
+        source: ModelSource,
     ) -> None:
         self.gm, self.model, self.saved, self.blocks = gm, model, saved, blocks
+        loss_fn = source.loss_fn
         self.loss_fn, self.loss_parallel = loss_fn, takes_shards(loss_fn)
         index = {u: i for i, u in enumerate(units)}
         self.unit = {n: index[u] for n, u in unit_of.items()}
@@ -288,6 +250,9 @@ class _Base:
         self.canonical = canonical
         self.shapes = {canonical[n]: tuple(p.shape) for n, p in model.named_parameters()}
         self.frozen = {canonical[n] for n, p in model.named_parameters() if not p.requires_grad}
+        named = list(model.named_parameters())
+        group = param_group_map(source.configure_optimizer, named) or {}  # -1: in none
+        self.unstepped = {canonical[n] for n, p in named if p.requires_grad and group.get(n, 0) < 0}
         self.homes = {
             p: tuple(sorted({self.unit[r] for r in readers}))
             for p, readers in param_readers(gm, canonical).items()
@@ -313,7 +278,8 @@ class _Base:
         tied = tuple((local[p], homes) for p, homes in self.homes.items() if len(homes) > 1)
         loss = self._loss(plan)
         return TPProfile(
-            tp, tuple(units), self._sent(tp, sharded), tied, lines, warnings,
+            tp, tuple(units), self._sent(tp, sharded), tied, self._shared(tp, sharded), lines,
+            warnings,
             loss.held if loss else 0, loss.peak if loss else 0, bool(loss and loss.parallel),
         )  # fmt: skip
 
@@ -342,9 +308,9 @@ class _Base:
                 owners[owner] = owners.get(owner, 0) + local[p]
         comms = [c for n in mine for c in with_bytes(n, meta_of(n).collectives)] if tp > 1 else []
         again = [c for n in mine for c in with_bytes(n, forward.get(n.name, ()))]
-        frozen = sum(local[p] for p, homes in self.homes.items() if i in homes and p in self.frozen)
         return UnitCost(
-            frozen=frozen,
+            frozen=sum(local[p] for p in self.frozen if i in self.homes.get(p, ())),
+            unstepped=sum(local[p] for p in self.unstepped if i in self.homes.get(p, ())),
             params=sum(owners.values()),
             largest=max(owners.values(), default=0),
             second=second_largest(owners.values()),
@@ -366,6 +332,16 @@ class _Base:
         for t in self.tensors[i]:
             found[t.storage] = _share(t.nbytes, t.producer or t.node, tp, sharded)
         return sum(found.values())
+
+    def _shared(self, tp: int, sharded: set[str]) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        """TPProfile.shared: storages in the `saved` of more than one unit."""
+        homes: dict[int, set[int]] = {}
+        size: dict[int, int] = {}
+        for i, tensors in enumerate(self.tensors):
+            for t in tensors:
+                homes.setdefault(t.storage, set()).add(i)
+                size[t.storage] = _share(t.nbytes, t.producer or t.node, tp, sharded)
+        return tuple((size[k], tuple(sorted(h))) for k, h in homes.items() if len(h) > 1)
 
     def _kept_bytes(self, mine: list[torch.fx.Node], tp: int, sharded: set[str]) -> int:
         inside = set(mine)

@@ -5,7 +5,8 @@ DECAY_ALL_PARALLEL=1 makes a bug on purpose: in a parallel run (torch.distribute
 initialised) the biases get the matrices' decay, as if every ZeRO shard were stepped
 with the first group's settings; the single-device reference keeps two groups.
 DECAY_LEAVE_OUT=1 leaves the last bias (the head's) out of every group: it is never
-stepped, on one device as in parallel. DECAY_BY_TAG=1 tags the biases in build_model
+stepped, on one device as in parallel; DECAY_LEAVE_OUT=matrices leaves out every matrix
+(most of the model: no optimizer state for them). DECAY_BY_TAG=1 tags the biases in build_model
 (`p.no_decay = True`, as libraries mark parameters) and groups by the tag instead.
 DECAY_BY_SHAPE=1 groups by size instead (no decay on vectors of MLP_DIM elements), which
 a tp rank's slices change."""
@@ -49,4 +50,6 @@ def configure_optimizer(params: Iterable[torch.nn.Parameter]) -> torch.optim.Opt
     if os.environ.get("DECAY_ALL_PARALLEL") == "1" and dist.is_initialized():
         return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+    if os.environ.get("DECAY_LEAVE_OUT") == "matrices":
+        groups = groups[1:]
     return torch.optim.AdamW(groups, lr=1e-3)

@@ -46,6 +46,7 @@ __all__ = [
     "restore_rebound",
     "state_names",
     "untraced_writes",
+    "written_attribute",
 ]
 
 # Modules whose training-mode forward uses statistics over the batch dim (rules as data).
@@ -98,9 +99,11 @@ def inplace_writes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     for node in gm.graph.nodes:
         target = node.target
         mutable = isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable
+        name = getattr(target, "__name__", "")  # `torch.relu_`
+        underscored = name.endswith("_") and not name.startswith("_")
         if (
             (node.op == "call_method" and str(target).endswith("_"))
-            or (node.op == "call_function" and (target in _WRITES or mutable))
+            or (node.op == "call_function" and (target in _WRITES or mutable or underscored))
         ) and node.args:
             out.append(node)
     return out
@@ -210,7 +213,9 @@ def buffer_write_warnings(
         for b, _ in m.named_buffers(recurse=False)
     }
     buffers = {name for name, _ in model.named_buffers()} - normed
-    written = list(dict.fromkeys(w for n in inplace_writes(gm) if (w := _written(n)) in buffers))
+    written = list(
+        dict.fromkeys(w for n in inplace_writes(gm) if (w := written_attribute(n)) in buffers)
+    )
     if split == 1 or not written:
         return []
     names = ", ".join(f"'{n}'" for n in written[:3]) + (" ..." if len(written) > 3 else "")
@@ -231,7 +236,7 @@ def buffer_write_warnings(
     ]
 
 
-def _written(node: torch.fx.Node) -> str | None:
+def written_attribute(node: torch.fx.Node) -> str | None:
     """The attribute an in-place write lands in (through views), or None."""
     value: object = node.args[0]
     for _ in range(8):

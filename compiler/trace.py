@@ -33,9 +33,11 @@ import torch.fx
 
 from parc.errors import CompileError, ParcError
 
+from .fx_blind_spots import grad_switches, stale_buffer_reads
 from .model_output import Path, choose_output, leaves
 from .model_state import module_state, restore_rebound
 from .node_info import module_path, node_source
+from .passes.functional_writes import functional_writes
 from .trace_asserts import TracedAssert, assert_site, check_asserts
 from .trace_errors import POSITIONAL, arity_error, export_error, trace_error
 from .user_checkpoint import watch_checkpoints
@@ -130,6 +132,7 @@ def _traced(
             raise
         return _exported(model, inputs, own_loss, file, fx_error, compute)
     gm.meta["parc_capture"] = "fx"
+    functional_writes(gm)  # `h.add_(1)` as export writes it: `h = h.add(1)`
     choose_single_output(gm, _fx_leaves(gm, inputs), own_loss, file)
     return gm
 
@@ -152,6 +155,7 @@ def _exported(
         raise export_error(exc, model, fx_error) from exc
     gm = captured.gm
     gm.meta["parc_capture"] = "export"
+    functional_writes(gm)  # `h[:, :4] = 0`, recorded as a copy_ into a view of h
     choose_single_output(gm, captured.found, own_loss, file)
     strip_export_meta(gm)
     return gm
@@ -180,7 +184,7 @@ def _symbolic(model: torch.nn.Module, inputs: Sequence[Any] | None = None) -> to
     tracer = _ParcTracer()
     state = module_state(model)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), grad_switches() as switched:
             # fx cannot guard a default of a type it does not know; the graph has no such input.
             warnings.filterwarnings("ignore", "Was not able to add assertion")
             graph = tracer.trace(model, concrete_args=defaults or None)
@@ -190,7 +194,14 @@ def _symbolic(model: torch.nn.Module, inputs: Sequence[Any] | None = None) -> to
         rebound = restore_rebound(state)
     if rebound:  # `self.ema = 0.9 * self.ema + ...`: fx left the model holding a Proxy
         raise CompileError(f"forward assigns a new tensor to {rebound}, which fx cannot trace")
+    if False in switched:  # fx_blind_spots.py: export records the switch
+        raise CompileError("forward turns gradients off (torch.no_grad), which fx does not record")
     gm = torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
+    stale = stale_buffer_reads(gm, model)
+    if stale:
+        raise CompileError(
+            f"forward writes buffer(s) {stale} in place from values fx computed once"
+        )
     if defaults:
         _drop_default_inputs(gm, len(inputs or ()))
     check_asserts(gm, tracer.asserts, inputs)
@@ -214,9 +225,6 @@ def _defaults_not_given(model: torch.nn.Module, inputs: Sequence[Any] | None) ->
     if len(inputs) > len(positional) or missing:
         raise arity_error(model, params, len(inputs), missing)
     return {p.name: p.default for p in rest}
-
-
-_KEYWORD = inspect.Parameter.KEYWORD_ONLY
 
 
 _KEYWORD = inspect.Parameter.KEYWORD_ONLY

@@ -39,4 +39,40 @@ def test_an_autocast_block_that_turns_bf16_on_is_refused_at_its_line() -> None:
     with model_env({"REGION": "autocast_on"}), pytest.raises(CompileError) as info:
         analyse("mesh dp=2\n", MODEL, batch=4)
     assert "torch.autocast" in info.value.message and "precision bf16" in (info.value.hint or "")
-    assert "grad_regions.py:42" in (info.value.source or "")  # the block's first line
+    assert "grad_regions.py:44" in (info.value.source or "")  # the block's first line
+
+
+EMA = str(ROOT / "tests" / "models" / "buffer_ema_inplace.py")
+STAGES = "mesh pp=2\nstage fc1 -> 0\nstage fc2, head -> 1\n"  # one forward a step, as one device
+
+
+def test_a_no_grad_block_fx_could_trace_is_captured_with_export() -> None:
+    # torch.fx traced this forward and dropped the block's no_grad (it records the
+    # operations, not the switch): the gradient flowed through the scale and the
+    # parameters ended 4% off one device's, with no warning.
+    with model_env({"SHAPE_BRANCH": "0"}):
+        gm = analyse("mesh dp=2\n", MODEL, batch=4).gm
+    assert gm.meta["parc_capture"] == "export"
+    assert [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "detach"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("model", "env", "spec"),
+    [
+        (MODEL, {"SHAPE_BRANCH": "0"}, "mesh dp=2\n"),
+        # fx computed `0.9 * self.ema` once, as a constant: the average never accumulated
+        (EMA, {}, STAGES),
+        # and under no_grad the buffer kept step 0's graph: "backward a second time"
+        (EMA, {"EMA_NO_GRAD": "1"}, STAGES),
+    ],
+)
+def test_what_fx_runs_instead_of_recording_trains_as_one_device(
+    gloo_pool: Any, model: str, env: dict[str, str], spec: str
+) -> None:
+    comparison, _ = check_equivalent(gloo_pool, spec, model, env=env, steps=3)
+    assert comparison.ok, comparison
+
+
+def test_a_buffer_written_in_place_from_a_traced_constant_is_captured_with_export() -> None:
+    assert analyse(STAGES, EMA, batch=4).gm.meta["parc_capture"] == "export"

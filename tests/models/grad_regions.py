@@ -3,7 +3,8 @@ scale computed under `torch.no_grad()` (no gradient flows through it) and, with
 REGION=autocast_off, a projection under `torch.autocast("cpu", enabled=False)`
 (Hugging Face's fp32 rotary tables); REGION=alias reads a no-op `h.float()` under
 no_grad (the block returns `h` itself); REGION=autocast_on asks for bf16 autocast in
-forward, which parc refuses. The shape branch makes torch.fx fail, so export captures."""
+forward, which parc refuses. The shape branch makes torch.fx fail, so export captures;
+SHAPE_BRANCH=0 leaves it out: fx traces forward then, but records no no_grad block."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ class Net(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.a(x))
-        if h.shape[-1] > 1:  # a shape branch: fx cannot trace it, export can
+        # a shape branch: fx cannot trace it, export can
+        if os.environ.get("SHAPE_BRANCH") != "0" and h.shape[-1] > 1:
             h = h * 2
         with torch.no_grad():
             scale = h.abs().amax(dim=-1, keepdim=True) + 1.0

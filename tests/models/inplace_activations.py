@@ -1,0 +1,61 @@
+"""In-place writes into an activation that later ops read (INPLACE picks one):
+`add` `h.add_(1.0)`, `relu` `F.relu_(h)`, `mask` `h.masked_fill_(h > 0.5, 0.0)`,
+`setitem` `h[:, :4] = 0.0` (fx cannot trace it: export captures), `item_mul`
+`h[:, 2:6].mul_(3.0)` and `copy` `h.copy_(h * 2)`. Under `shard fc1 col` + `shard fc2
+row` tensor parallelism gathered h for the write and fc2 read the unwritten shard;
+a pipeline stage that received h could not write into it (compiler/passes/functional_writes.py)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from parc.runtime.equivalence import make_optimizer
+
+__all__ = ["build_model", "configure_optimizer", "loss_fn", "sample_batch"]
+
+DIM = 16
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(DIM, 2 * DIM)
+        self.fc2 = nn.Linear(2 * DIM, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        kind = os.environ.get("INPLACE", "add")
+        if kind == "add":
+            h.add_(1.0)
+        elif kind == "relu":
+            F.relu_(h)
+        elif kind == "mask":
+            h.masked_fill_(h > 0.5, 0.0)
+        elif kind == "setitem":
+            h[:, :4] = 0.0
+        elif kind == "item_mul":
+            h[:, 2:6].mul_(3.0)
+        elif kind == "copy":
+            h.copy_(h * 2)
+        return self.fc2(h)
+
+
+def build_model() -> nn.Module:
+    return Net()
+
+
+def sample_batch(batch_size: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(batch_size, DIM, generator=g), torch.randn(batch_size, 4, generator=g)
+
+
+def loss_fn(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(output, targets)
+
+
+def configure_optimizer(params: object) -> torch.optim.Optimizer:
+    return make_optimizer("sgd")(params)

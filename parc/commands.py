@@ -200,6 +200,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     # Every spec and model error surfaces here, once, before any process starts.
     source = _model_with_schedule(args.model, schedule, args.lr)
     analysis = analyse(_spec(args, quiet=True), source, batch=args.batch)
+    for warning in analysis.plan.warnings:  # said once, before any process starts
+        print(warning, file=sys.stderr)
     if args.data:  # the file and tokenizer every rank reads, checked once here
         from parc.compiler.input_vocab import input_vocab
         from parc.runtime.text_data import text_hook

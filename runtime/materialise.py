@@ -107,7 +107,10 @@ def materialise(
     rank = dist.get_rank() if dist.is_initialized() else 0
     problem: _Problem | None = None
     try:
-        with RankWeights(weights, program) if weights else contextlib.nullcontext() as stored:
+        with (
+            RankWeights(weights, program) if weights else contextlib.nullcontext() as stored,
+            _rnn_weakrefs_dropped(program, deferred),
+        ):
             _Filler(program, deferred, source, device, stored).fill()
     except ModelError as exc:
         kind = _Kind.CANNOT_DEFER if isinstance(exc, CannotDefer) else _Kind.MODEL
@@ -229,6 +232,22 @@ class _Filler:
         keep_attributes(old, new)  # swap_tensors swaps __dict__ too: old keeps its tags
         swap_tensors(old, new)
         self.done.add(id(old))
+
+
+@contextlib.contextmanager
+def _rnn_weakrefs_dropped(program: RankProgram, deferred: DeferredModel) -> Iterator[None]:
+    """Recurrent modules (nn.LSTM, nn.GRU) keep weak references to their parameters,
+    which `swap_tensors` refuses (step 4): dropped while the values are put in, then
+    remade from the parameters, as `nn.RNNBase._apply` does after a conversion."""
+    modules = [deferred.module] + [stage.gm for stage in program.stages.values()]
+    rnns = {id(m): m for root in modules for m in root.modules() if isinstance(m, nn.RNNBase)}
+    for rnn in rnns.values():
+        rnn._flat_weight_refs = []
+    try:
+        yield
+    finally:
+        for rnn in rnns.values():
+            rnn._init_flat_weights()
 
 
 def _stage_tensors(program: RankProgram) -> Iterator[tuple[str, torch.Tensor]]:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import MLP
+from helpers import MLP, ROOT
 from procs import MODEL, Done, run_parc
 from procs import TINY as ENV  # the tiny MLP every command here builds
 
@@ -35,6 +35,7 @@ pytestmark = pytest.mark.timeout(300)
 
 DP2 = "mesh dp=2\n"
 BATCH = 8  # the default global batch of `mesh dp=2`
+BATCHNORM = ROOT / "tests" / "models" / "batchnorm.py"  # warned about under dp
 STEPS, HALF = 6, 3
 TIMEOUT = 120.0  # seconds per command: a run takes ~10 s on 2 shared cores, mostly imports
 
@@ -164,6 +165,17 @@ def test_run_precision_bf16_overrides_the_spec_on_every_rank(tmp_path: Path) -> 
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("step-*")) == ["step-2"]
     info = json.loads((tmp_path / "ckpt" / "step-2" / "parc.json").read_text())
     assert info["precision"] == "bf16" and info["reduce"] == "bf16", info
+
+
+def test_run_prints_the_plans_warnings_once_before_training(tmp_path: Path) -> None:
+    # They were printed by `parc compile` and `parc check` only: a BatchNorm model under
+    # dp=2 trained 110% off one device with nothing said.
+    (tmp_path / "dp2.par").write_text(DP2)
+    done = parc("run", "dp2.par", BATCHNORM, "--steps", 1, cwd=tmp_path)
+    assert done.code == 0, done
+    # The BatchNorm statistics and the `calls` counter forward writes: each said once.
+    assert done.err.count("warning: ") == 2, done
+    assert "BatchNorm1d" in done.err and "writes buffer(s) 'calls'" in done.err, done
 
 
 # ------------------------------------------------------------------ check

@@ -173,13 +173,15 @@ def _check_data(args: argparse.Namespace) -> None:
 
 
 def _check_resume(args: argparse.Namespace) -> None:
-    """`--resume` needs `--checkpoint`, a usable checkpoint there and steps left to train.
+    """`--resume` needs `--checkpoint`, a usable checkpoint there and steps left to train;
+    without it the directory must hold no checkpoint (`_check_fresh`).
 
     Checked once, in the launching process, before any rank starts (each rank
     then verifies every file as it loads). A checkpoint already at or past
     `--steps` is an error (exit 2): the run would train nothing.
     """
     if not args.resume:
+        _check_fresh(args.checkpoint)
         return
     if not args.checkpoint:
         raise ParcError(
@@ -200,6 +202,29 @@ def _check_resume(args: argparse.Namespace) -> None:
             "there is nothing to train",
             hint=f"--steps is the step to train up to, counting the {point.step} already done: "
             f"pass --steps greater than {point.step} to train further",
+        )
+
+
+def _check_fresh(checkpoint: str | None) -> None:
+    """A run from step 0 into a directory that holds an earlier run's checkpoints would
+    overwrite some of them and leave `latest` naming its own: two runs mixed in one
+    directory, and the earlier one's steps lost. Refused before any rank starts."""
+    from parc.runtime.launch import under_torchrun
+
+    if not checkpoint or under_torchrun() or not Path(checkpoint).is_dir():
+        return
+    from parc.runtime.checkpoint.find import LATEST
+    from parc.runtime.checkpoint.manifest import STEP_DIR
+
+    held = sorted(
+        p.name for p in Path(checkpoint).iterdir() if STEP_DIR.fullmatch(p.name) or p.name == LATEST
+    )
+    if held:
+        shown = ", ".join(held[:4]) + (f" ... ({len(held)} in all)" if len(held) > 4 else "")
+        raise ParcError(
+            f"--checkpoint {checkpoint} already holds an earlier run's checkpoints ({shown}): "
+            "a new run from step 0 would overwrite them and mix the two runs",
+            hint="pass --resume to continue that run, or give a new or empty directory",
         )
 
 

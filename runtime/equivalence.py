@@ -106,7 +106,7 @@ def parallel_case(
             losses.append(program.step(inputs, targets))
             stats.append(program.comm_stats())
             norms.append(program.last_grad_norm)
-            step_scheduler(scheduler)
+            step_scheduler(scheduler, losses[-1])
         params = program.state_dict() if want_params else {}
         if optimizer == "gradient":  # a frozen parameter's gradient is none: zeros, as
             # reference_run reports it (GradientProbe steps only what the optimizer holds)

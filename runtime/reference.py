@@ -161,7 +161,7 @@ def _reference(
             }
         with user_code(path, f"the optimizer step {ref}", step=step):
             opt.step()
-            step_scheduler(scheduler)
+            step_scheduler(scheduler, losses[-1])
         recipe.write_back()
     params = {n: p.detach().clone() for n, p in recipe.named_stepped()}
     buffers = _buffers(model, recipe)

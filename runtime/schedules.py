@@ -227,10 +227,19 @@ def refuse_two_schedules(schedule: Schedule | None, source: ModelSource) -> None
         )
 
 
-def step_scheduler(scheduler: torch.optim.lr_scheduler.LRScheduler | None) -> None:
+def step_scheduler(
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None, loss: float | None = None
+) -> None:
     """Move to the next step's lr (nothing without a scheduler). Once per training step,
-    also after a skipped (non-finite) update: the lr depends only on the step."""
+    also after a skipped (non-finite) update: the lr depends only on the step; except
+    `ReduceLROnPlateau`, which steps on the step's (global) loss, and not without one."""
     if scheduler is None:
+        return
+    from torch.optim.lr_scheduler import ReduceLROnPlateau
+
+    if isinstance(scheduler, ReduceLROnPlateau):
+        if loss is not None and math.isfinite(loss):
+            scheduler.step(loss)
         return
     with warnings.catch_warnings():  # a skipped first update has no optimizer.step before it
         warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")

@@ -111,7 +111,7 @@ def train_steps(
         with located(rank=rank, step=step, doing="the step", timeout=opts.timeout):
             loss = feed.step(step)
             seconds, peak_bytes = gather_max(meter.stop(), program.parts.device)
-        step_scheduler(scheduler)
+        step_scheduler(scheduler, loss)
         skipped = next((why for s, why in program.skipped if s == step), None)
         metrics = StepMetrics(
             step=step,

@@ -331,6 +331,18 @@ def test_the_model_files_configure_scheduler_is_stepped_on_both_sides(gloo_pool:
     assert comparison.ok, comparison.describe()
 
 
+def test_a_reduce_lr_on_plateau_scheduler_steps_on_the_loss(gloo_pool: Any) -> None:
+    """ReduceLROnPlateau's step takes the loss: parc called step() without it, and every
+    rank of `parc run` died as an internal error (a TypeError)."""
+    env = {**TINY, "SCHEDULER": "plateau"}
+    hooked = reference_run(str(HOOKED), steps=4, batch=8, optimizer="model", env=env)
+    plain = reference_run(str(MODEL), steps=4, batch=8, optimizer="model", env=TINY)
+    assert hooked["losses"][:2] == plain["losses"][:2]  # step 1's loss is the first to fall
+    assert hooked["losses"][3] != plain["losses"][3]  # ... and the lr halves after it
+    comparison, _ = compare_in_pool(gloo_pool(2), DP2, str(HOOKED), steps=4, batch=8, env=env)
+    assert comparison.ok, comparison.describe()
+
+
 def test_a_cli_schedule_beside_configure_scheduler_is_an_error() -> None:
     with model_env(TINY):
         source = load_model(HOOKED)

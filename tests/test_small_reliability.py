@@ -114,3 +114,22 @@ def test_schedule_without_a_pipeline_is_a_warning_naming_its_line(
         f"{spec}:2:1: warning: `schedule gpipe` orders the microbatches of a pipeline, and pp "
         "has size 1 here: there is no pipeline, so it has no effect" in out + err
     )
+
+
+def test_a_fresh_run_into_a_directory_of_checkpoints_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # It ran: it overwrote the earlier run's step-2, moved `latest` to its own and left
+    # two runs' checkpoints mixed in one directory.
+    from parc.api import compile as parc_compile
+
+    with model_env(MLP_ENV):
+        source = load_model(MLP)
+        program = parc_compile("mesh dp=1\n", source, batch=8, optimizer=make_optimizer("sgd"))
+    save_checkpoint(program, tmp_path / "ckpt", 2)
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "ckpt").rglob("*"))
+    code, out, err = _run(tmp_path, capsys, "--steps", "2", "--checkpoint", str(tmp_path / "ckpt"))
+    assert code == 2 and out == "", err
+    assert f"--checkpoint {tmp_path / 'ckpt'} already holds an earlier run's checkpoints" in err
+    assert "step-2" in err and "--resume" in err and "Traceback" not in err
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "ckpt").rglob("*")) == before

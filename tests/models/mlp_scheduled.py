@@ -7,6 +7,8 @@ from one that steps it (tests/test_schedules.py).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from parc.examples.mlp import build_model, loss_fn, sample_batch
@@ -17,5 +19,7 @@ __all__ = ["build_model", "configure_optimizer", "configure_scheduler", "loss_fn
 configure_optimizer = make_optimizer("sgd")
 
 
-def configure_scheduler(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.StepLR:
+def configure_scheduler(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    if os.environ.get("SCHEDULER") == "plateau":
+        return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, "max", 0.5, patience=0)
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)

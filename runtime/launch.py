@@ -255,6 +255,7 @@ def _resume(
     from parc.runtime.checkpoint.store import latest_checkpoint, load_checkpoint
 
     from .data import saved_position
+    from .schedules import CommandLineLr
 
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
     if not opts.checkpoint or not (opts.resume or restart):
@@ -266,7 +267,12 @@ def _resume(
         if rank == 0:
             _note(f"restart {restart}: no complete checkpoint in {opts.checkpoint}; from step 0")
         return 0, None
+    lr = CommandLineLr(program.optimizer, scheduler, opts.schedule)
     start = load_checkpoint(program, opts.checkpoint, scheduler=scheduler)
+    saved, now = lr.restore()
+    if saved != now and rank == 0:
+        _note(f"--resume: the lr at step {start} is {now[0]:.4g} by this run's flags (the "
+              f"checkpoint's run had {saved[0]:.4g})")  # fmt: skip
     if restart and rank == 0:
         _note(f"restart {restart}: resumed from {found} at step {start}")
     return start, saved_position(opts.checkpoint)

@@ -309,3 +309,40 @@ def schedule_from_args(args: argparse.Namespace, lr: float | None = None) -> Sch
     if lr is not None:
         schedule.check_lr(lr)
     return schedule
+
+
+class CommandLineLr:
+    """On `--resume`, the learning rate follows this run's command line and model file:
+    the checkpoint restores the optimizer's state (moments, step counts) and the
+    scheduler's progress, not the lr a past run's flags gave. Taken from the fresh
+    optimizer and scheduler before the checkpoint loads (`taken`), put back after
+    (`restore`): with the flags' schedule (`build_scheduler`) each group's lr is this
+    schedule's at the resumed step over this run's base lr; without a scheduler the
+    optimizer's own lr. A run resumed with the same flags gets bitwise the lr it saved;
+    the model file's own scheduler is restored as it was saved."""
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, scheduler: Any, flags: Schedule | None
+    ) -> None:
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.applies = scheduler is None or flags is not None
+        groups = optimizer.param_groups
+        self.lrs = [float(g.get("initial_lr", g["lr"])) for g in groups]
+
+    def restore(self) -> tuple[list[float], list[float]]:
+        """(the lrs the checkpoint left, the lrs now) of every param group."""
+        groups = self.optimizer.param_groups
+        saved = [float(g["lr"]) for g in groups]
+        if not self.applies:
+            return saved, saved
+        scheduler = self.scheduler
+        for i, (group, base) in enumerate(zip(groups, self.lrs, strict=True)):
+            if scheduler is None:
+                group["lr"] = base
+                continue
+            group["initial_lr"] = base
+            group["lr"] = base * scheduler.lr_lambdas[i](scheduler.last_epoch)
+        if scheduler is not None:
+            scheduler.base_lrs = list(self.lrs)
+            scheduler._last_lr = [g["lr"] for g in groups]
+        return saved, [float(g["lr"]) for g in groups]

@@ -31,6 +31,7 @@ from parc.runtime.check import compare_in_pool
 from parc.runtime.checkpoint.store import load_checkpoint, save_checkpoint
 from parc.runtime.equivalence import LOSS_RTOL, model_env, parallel_case, reference_run
 from parc.runtime.schedules import (
+    CommandLineLr,
     Schedule,
     ScheduleKind,
     add_schedule_arguments,
@@ -38,6 +39,7 @@ from parc.runtime.schedules import (
     check_schedule,
     schedule_from_args,
     scheduler_for,
+    step_scheduler,
 )
 
 LR, MIN_LR = SCHEDULED_LR, SCHEDULED_MIN_LR  # 0.1, 0.01: the shared run's (tests/procs.py)
@@ -276,6 +278,67 @@ def test_a_checkpoint_without_a_schedule_resumes_at_the_schedules_step(tmp_path:
         s = Schedule(kind=ScheduleKind.LINEAR, steps=STEPS, warmup=1, min_lr=0.0)
         load_checkpoint(fresh, tmp_path, scheduler=build_scheduler(fresh.optimizer, s))
         assert fresh.optimizer.param_groups[0]["lr"] == base * s.multiplier(2)
+
+
+def _resumed_lrs(tmp_path: Path, before: Schedule | None, after: Schedule | None, lr: float):
+    """3 steps under `before`, saved; resumed as `parc run --resume` does (a fresh program
+    whose optimizer has this run's `lr`, the flags' `after`, runtime/launch.py `_resume`):
+    (the lr the checkpoint left, the lr at step 3, the lrs of steps 3..5 as it steps)."""
+    from parc.api import compile as parc_compile
+
+    def program_with(schedule: Schedule | None, base: float) -> tuple[Any, Any]:
+        made = parc_compile("mesh dp=1\n", source, batch=8)
+        for group in made.optimizer.param_groups:
+            group["lr"] = base  # parc run's --lr
+        return made, None if schedule is None else build_scheduler(made.optimizer, schedule)
+
+    with model_env(TINY):
+        source = load_model(MODEL)
+        program, scheduler = program_with(before, LR)
+        for step in range(3):
+            program.step(*source.batch(8, step))
+            step_scheduler(scheduler)
+        save_checkpoint(program, tmp_path, 3, scheduler=scheduler)
+        fresh, scheduler = program_with(after, lr)
+        taken = CommandLineLr(fresh.optimizer, scheduler, after)
+        load_checkpoint(fresh, tmp_path, scheduler=scheduler)
+        saved, now = taken.restore()
+        lrs = []
+        for step in range(3, 6):
+            lrs.append(fresh.optimizer.param_groups[0]["lr"])
+            fresh.step(*source.batch(8, step))
+            step_scheduler(scheduler)
+    return saved[0], now[0], lrs
+
+
+def test_a_resume_with_the_same_flags_keeps_the_saved_lr_bitwise(tmp_path: Path) -> None:
+    saved, now, lrs = _resumed_lrs(tmp_path, COSINE, COSINE, LR)
+    assert saved == now == LR * COSINE.multiplier(3, floor=MIN_LR / LR)
+    assert lrs == [LR * COSINE.multiplier(s, floor=MIN_LR / LR) for s in range(3, 6)]
+
+
+def test_a_resume_with_new_steps_follows_the_new_schedule_from_its_first_step(
+    tmp_path: Path,
+) -> None:
+    """`--steps 4` then `--steps 6 --resume`: the first resumed step trained at the old
+    schedule's lr (its last step's: the floor), the next ones at the new one's."""
+    short = dataclasses.replace(COSINE, steps=4)
+    saved, now, lrs = _resumed_lrs(tmp_path, short, COSINE, LR)
+    assert saved == MIN_LR != now
+    assert lrs == [LR * COSINE.multiplier(s, floor=MIN_LR / LR) for s in range(3, 6)]
+
+
+@pytest.mark.parametrize("schedule", [None, COSINE])
+def test_a_resume_with_another_lr_trains_at_it(tmp_path: Path, schedule: Schedule | None) -> None:
+    """`--resume --lr X`: the checkpoint's optimizer state held the old lr, which won."""
+    saved, now, lrs = _resumed_lrs(tmp_path, schedule, schedule, 2 * LR)
+    assert saved != now
+    if schedule is None:
+        assert lrs == [2 * LR] * 3
+    else:
+        assert lrs == [
+            2 * LR * schedule.multiplier(s, floor=MIN_LR / (2 * LR)) for s in range(3, 6)
+        ]
 
 
 # ------------------------------------------------------------ parc check

@@ -144,6 +144,7 @@ def _problems(s: Schedule) -> list[tuple[str, str]]:
                 "drop --decay-steps, or pass --schedule wsd",
             )
         )
+    found += _short_decay(s)
     if s.kind is ScheduleKind.CONSTANT and s.min_lr:
         found.append(
             (
@@ -152,6 +153,29 @@ def _problems(s: Schedule) -> list[tuple[str, str]]:
             )
         )
     return found
+
+
+def _short_decay(s: Schedule) -> list[tuple[str, str]]:
+    """A decay of fewer than 2 steps: its first step is at the peak lr and its last at
+    --min-lr, so it would never leave the peak."""
+    if s.kind is ScheduleKind.CONSTANT:
+        return []
+    if s.decay_steps is not None:
+        what = "--decay-steps 1" if s.decay_steps == 1 else None
+    elif 0 <= s.warmup <= s.steps and s.steps - s.warmup < 2:
+        what = f"--warmup {s.warmup} over --steps {s.steps} leaves {s.steps - s.warmup} to decay"
+    else:
+        what = None
+    if what is None:
+        return []
+    return [
+        (
+            f"{what}: the {s.kind} schedule would never leave its peak lr for --min-lr (its "
+            "decay starts at the peak and reaches --min-lr on its last step)",
+            "leave at least 2 steps to decay (fewer --warmup or more --steps), or pass "
+            "--schedule constant",
+        )
+    ]
 
 
 def _wsd_problems(s: Schedule) -> list[tuple[str, str]]:

@@ -173,6 +173,10 @@ def test_no_flags_no_schedule() -> None:
         (["--schedule", "cosine", "--decay-steps", "5"], "is for --schedule wsd"),
         (["--schedule", "constant", "--min-lr", "0.01"], "no effect"),
         (["--min-lr", "0.01"], "need --schedule"),
+        # A decay of one step (or none) stays at the peak lr: --min-lr was never reached.
+        (["--schedule", "wsd", "--decay-steps", "1"], "--decay-steps 1: the wsd schedule"),
+        (["--schedule", "cosine", "--warmup", "99"], "leaves 1 to decay"),
+        (["--schedule", "linear", "--warmup", "100"], "leaves 0 to decay"),
     ],
 )
 def test_bad_flags_are_clear_errors(argv: list[str], words: str) -> None:

@@ -81,11 +81,17 @@ def as_spec(spec: Spec | str | Path) -> Spec:
     """A parsed spec from a Spec, a path to a `.par` file, or `.par` text."""
     if isinstance(spec, Spec):
         return spec
-    if isinstance(spec, Path) or (
-        isinstance(spec, str) and spec.endswith(".par") and "\n" not in spec
-    ):
-        return load_spec(spec)
+    if isinstance(spec, Path) or (spec.endswith(".par") and "\n" not in spec) or _exists(spec):
+        return load_spec(spec)  # a path that exists is a file, even without .par
     return parse_spec(spec)
+
+
+def _exists(text: str) -> bool:
+    """Whether one line of text names an existing file or directory."""
+    try:
+        return "\n" not in text and Path(text).exists()
+    except (OSError, ValueError):  # too long for a name, or a NUL in it: spec text
+        return False
 
 
 def default_batch(spec: Spec, at_least: int = 8) -> int:

@@ -154,8 +154,24 @@ def _add_run(sub: Any) -> None:
 def _run(args: argparse.Namespace) -> int:
     """`parc run`: its `--data` and `--resume` checks, then the run."""
     _check_data(args)
+    _check_companions(args)
     _check_resume(args)
     return commands.cmd_run(args)
+
+
+def _check_companions(args: argparse.Namespace) -> None:
+    """Flags that mean nothing without another were accepted and ignored."""
+    if args.every and not args.checkpoint:
+        raise ParcError(
+            f"--every {args.every} needs --checkpoint DIR: it says how often to save there",
+            hint="e.g. `parc run SPEC MODEL --checkpoint ckpt --every 100`",
+        )
+    if not 0 <= args.node_rank < args.nnodes:
+        raise ParcError(
+            f"--node-rank {args.node_rank} is not a node of --nnodes {args.nnodes} "
+            f"(0 to {args.nnodes - 1})",
+            hint="give every node --nnodes N and its own --node-rank, 0 on the first",
+        )
 
 
 def _check_data(args: argparse.Namespace) -> None:

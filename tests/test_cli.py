@@ -264,6 +264,18 @@ def test_missing_spec_file_exits_2_cleanly(
     assert "Traceback" not in err
 
 
+def test_a_spec_path_without_par_is_read_as_a_file(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # A path that exists was parsed as spec text when it did not end in .par: a directory
+    # gave "<spec>:1:1: unknown statement '...'".
+    code, _, err = run(capsys, "compile", tmp_path, GPT)
+    assert code == 2 and f"cannot read spec file '{tmp_path}': Is a directory" in err, err
+    spec = _write(tmp_path, "gpt.spec", "mesh dp=2\n")
+    code, _, err = run(capsys, "compile", spec, GPT)
+    assert code == 0, err
+
+
 def test_missing_model_file_exits_2_cleanly(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(capsys, "compile", ROOT / "specs" / "gpt_dp.par", "nowhere/model.py")
     assert code == 2

@@ -47,6 +47,23 @@ def test_resume_without_a_checkpoint_directory_is_an_error(
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--every", "2"], "--every 2 needs --checkpoint DIR"),
+        (["--node-rank", "1"], "--node-rank 1 is not a node of --nnodes 1"),
+        (["--nnodes", "2", "--node-rank", "2"], "--node-rank 2 is not a node of --nnodes 2"),
+    ],
+)
+def test_a_flag_without_its_companion_is_an_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], words: str
+) -> None:
+    # Accepted and ignored before: a run "saving every 2 steps" saved nothing.
+    code, out, err = _run(tmp_path, capsys, "--steps", "3", *args)
+    assert code == 2 and out == "", err
+    assert err.startswith(f"error: {words}"), err
+
+
 @pytest.mark.parametrize("steps", [1, 2])
 def test_resume_from_a_checkpoint_at_or_past_steps_says_there_is_nothing_to_train(
     steps: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]

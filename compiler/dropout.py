@@ -41,9 +41,12 @@ from .trace import module_path, node_source
 __all__ = [
     "DROPOUT_FUNCTIONS",
     "DROPOUT_MODULES",
+    "RANDOM_DRAWS",
     "DropoutSite",
     "dropout_sites",
     "dropout_warnings",
+    "random_draw_warnings",
+    "random_draws",
 ]
 
 # Rules as data. Modules: their `p` and `training` decide. Functions: where their
@@ -78,6 +81,15 @@ DROPOUT_FUNCTIONS: dict[Any, _Signature] = {
 }
 
 
+# Other random draws in forward (noise, sampling): function or method names (rules as data).
+RANDOM_DRAWS: frozenset[str] = frozenset(
+    {"rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "randperm",
+     "normal", "normal_", "uniform_", "bernoulli", "bernoulli_", "multinomial", "poisson",
+     "exponential_", "geometric_", "cauchy_", "log_normal_", "random_", "gumbel_softmax",
+     "rrelu"}
+)  # fmt: skip
+
+
 @dataclass(frozen=True, slots=True)
 class DropoutSite:
     """One place the forward drops elements at random."""
@@ -89,6 +101,9 @@ class DropoutSite:
     source: str | None = None  # the user's `file:line: code`
 
     def __str__(self) -> str:
+        if self.what in RANDOM_DRAWS:
+            inside = f" in '{self.where}'" if self.where else ""
+            return f"{self.what}{inside}" + (f" at {self.source}" if self.source else "")
         rate = "p computed in forward" if self.p is None else f"p={self.p:g}"
         if self.what[0].isupper():  # a module
             return f"module '{self.where}' ({self.what}, {rate})"
@@ -139,6 +154,19 @@ def _site(node: torch.fx.Node, modules: dict[str, torch.nn.Module]) -> DropoutSi
     return DropoutSite(node.name, where, name, rate, node_source(node))
 
 
+def random_draws(gm: torch.fx.GraphModule) -> list[DropoutSite]:
+    """Every node of `gm` that draws random numbers other than dropout, in graph order."""
+    found = []
+    for node in gm.graph.nodes:
+        name = str(node.target) if node.op == "call_method" else ""
+        if node.op == "call_function":
+            name = getattr(node.target, "__name__", "")
+        if name in RANDOM_DRAWS and not (name == "rrelu" and node.kwargs.get("training") is False):
+            where = ".".join(module_path(node)[-1:])
+            found.append(DropoutSite(node.name, where, name, None, node_source(node)))
+    return found
+
+
 def _arg(node: torch.fx.Node, position: int, keyword: str, default: Any) -> Any:
     if keyword in node.kwargs:
         return node.kwargs[keyword]
@@ -178,6 +206,27 @@ def dropout_warnings(gm: torch.fx.GraphModule, plan: Plan, spec: Spec) -> list[P
             "from one device's masks; training is statistically alike, but `parc check` reports "
             "NOT EQUIVALENT. To check equivalence, set the dropout rates to 0 (e.g. from an "
             "environment variable the model file reads)",
+            spec.locate(spec.mesh.span),
+        )
+    ]
+
+
+def random_draw_warnings(gm: torch.fx.GraphModule, plan: Plan, spec: Spec) -> list[PlanWarning]:
+    """As `dropout_warnings`, for the other random draws forward makes (`torch.randn_like`
+    noise, sampling): each rank draws its own numbers for what it holds."""
+    if plan.mesh.world_size * plan.microbatches * plan.grad_accum == 1:
+        return []
+    sites = random_draws(gm)
+    if not sites or _as_one_device(gm, plan, sites):
+        return []
+    shown = "; ".join(str(s) for s in sites[:3]) + (", ..." if len(sites) > 3 else "")
+    return [
+        PlanWarning(
+            f"the model draws random numbers at {len(sites)} place(s) ({shown}): each rank "
+            "draws its own for the part of the batch and model it holds, so they differ from "
+            "one device's; training is statistically alike, but `parc check` reports NOT "
+            "EQUIVALENT. To check equivalence, turn the draws off (e.g. from an environment "
+            "variable the model file reads)",
             spec.locate(spec.mesh.span),
         )
     ]

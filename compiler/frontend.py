@@ -27,7 +27,7 @@ from parc.dsl.ast import Spec
 from parc.errors import CompileError, ModelError
 
 from .deferred_init import DeferredModel, record_build
-from .dropout import dropout_warnings
+from .dropout import dropout_warnings, random_draw_warnings
 from .estimate import Estimate, estimate
 from .layout import canonical_names, local_shape, param_slices
 from .memory_model import built_dtype, memory_model_of
@@ -231,6 +231,7 @@ def _with_model_warnings(
         *batch_statistics_warnings(built, plan, spec),
         *buffer_write_warnings(gm, built, plan, spec),
         *dropout_warnings(gm, plan, spec),
+        *random_draw_warnings(gm, plan, spec),
         *mixed_loss_warnings(gm, plan, spec),
         *loss_fn_ignored_warnings(source.loss_fn, targets, plan, spec),
         *optimizer_warnings(source.configure_optimizer, plan, spec),

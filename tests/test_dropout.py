@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import parc_main
+from helpers import ROOT, parc_main
 
 from parc.compiler.dropout import dropout_sites
 from parc.compiler.model import load_model
@@ -137,3 +137,18 @@ def test_a_dropout_module_applied_twice_is_named_once_with_its_count() -> None:
     sites = dropout_sites(trace_model(_TwiceDropped().train()))
     assert len(sites) == 2
     assert _described(sites) == ["module 'drop' (Dropout, p=0.1) applied 2 times"]
+
+
+NOISY = str(ROOT / "tests" / "models" / "noisy.py")
+
+
+@pytest.mark.parametrize(("spec", "warned"), [("mesh dp=2\n", True), ("mesh dp=1\n", False)])
+def test_other_random_draws_are_warned_about_as_dropout_is(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], spec: str, warned: bool
+) -> None:
+    # `torch.randn_like` noise under dp=2 trained off one device with no warning (dropout
+    # was warned about); `parc check` said NOT EQUIVALENT.
+    assert parc_main(tmp_path, "s.par", spec, "compile", NOISY)[0] == 0
+    out = capsys.readouterr().out
+    said = "warning: the model draws random numbers at 1 place(s) (randn_like at "
+    assert (said in out and "noisy.py:25" in out) is warned, out

@@ -91,7 +91,7 @@ def _add_export(sub: Any) -> None:
     )
     p.add_argument(
         "--max-shard-size",
-        default="5GB",
+        default=None,
         metavar="SIZE",
         help="with --format hf, split the weights into files of at most SIZE (default 5GB)",
     )

@@ -296,11 +296,22 @@ def cmd_export(args: argparse.Namespace) -> int:
     from parc.runtime.export import ExportFormat, export_state_dict
 
     fmt = ExportFormat(args.format)
-    shard = parse_size(args.max_shard_size, "--max-shard-size")
+    if args.max_shard_size is not None and fmt is not ExportFormat.HF:
+        raise ParcError(
+            "--max-shard-size is for --format hf: a torch export is one file",
+            hint="drop --max-shard-size, or pass --format hf",
+        )
+    shard = parse_size(args.max_shard_size or "5GB", "--max-shard-size")
     path = export_state_dict(
         args.checkpoint, args.model, args.output, format=fmt, max_shard_size=shard, dtype=args.dtype
     )
-    if fmt is ExportFormat.HF:
+    if fmt is ExportFormat.HF and not (Path(path) / "config.json").is_file():
+        print(
+            f"wrote {path}: safetensors without config.json (the model is not a Hugging Face "
+            "model, so from_pretrained cannot load it): load it with `parc run --weights` or "
+            "safetensors.torch.load_file"
+        )
+    elif fmt is ExportFormat.HF:
         print(f"wrote {path}: load it with from_pretrained(path) (transformers) or --weights")
     else:
         print(f"wrote {path}: load it with build_model().load_state_dict(torch.load(path))")

@@ -150,3 +150,23 @@ def test_a_fresh_run_into_a_directory_of_checkpoints_is_refused(
     assert f"--checkpoint {tmp_path / 'ckpt'} already holds an earlier run's checkpoints" in err
     assert "step-2" in err and "--resume" in err and "Traceback" not in err
     assert sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "ckpt").rglob("*")) == before
+
+
+def test_export_flags_and_words_fit_the_format(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # --max-shard-size was accepted and ignored with --format torch; an hf export of a model
+    # that is not a Hugging Face one (no config.json) said "load it with from_pretrained".
+    from parc.api import compile as parc_compile
+
+    with model_env(MLP_ENV):
+        source = load_model(MLP)
+        program = parc_compile("mesh dp=1\n", source, batch=8, optimizer=make_optimizer("sgd"))
+        save_checkpoint(program, tmp_path / "ckpt", 1)
+        ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out.pt")
+        code = main(["export", ckpt, MLP, "-o", out, "--max-shard-size", "1GB"])
+        assert code == 2 and "--max-shard-size is for --format hf" in capsys.readouterr().err
+        code = main(["export", ckpt, MLP, "-o", str(tmp_path / "hf"), "--format", "hf"])
+    said = capsys.readouterr().out
+    assert code == 0 and "without config.json" in said and "--weights" in said, said
+    assert "load it with from_pretrained" not in said

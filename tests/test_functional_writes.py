@@ -13,6 +13,7 @@ from helpers import ROOT, check_equivalent
 
 from parc.compiler.frontend import analyse
 from parc.compiler.model_state import inplace_writes
+from parc.errors import CompileError
 from parc.runtime.equivalence import model_env
 
 MODEL = str(ROOT / "tests" / "models" / "inplace_activations.py")
@@ -33,4 +34,21 @@ def test_no_write_into_an_activation_is_left_in_place(kind: str) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_trains_as_one_device(gloo_pool: Any, kind: str, spec: str) -> None:
     comparison, _ = check_equivalent(gloo_pool, spec, MODEL, env={"INPLACE": kind}, steps=3)
+    assert comparison.ok, comparison
+
+
+def test_a_write_left_in_place_that_tp_would_lose_is_refused_at_its_line() -> None:
+    # A write through two views stays in place; tensor parallelism gathered h for it and
+    # warned "correct, slower" while fc2 read the unwritten shard.
+    with model_env({"INPLACE": "view_chain"}), pytest.raises(CompileError) as info:
+        analyse(TP, MODEL, batch=4)
+    assert "writes 'fc1' (sharded by 'fc1') in place and later ops read it" in info.value.message
+    assert "inplace_activations.py:47" in (info.value.source or "")
+    assert "out of place" in (info.value.hint or "")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("spec", ["mesh dp=2\n", PP])
+def test_a_write_left_in_place_trains_as_one_device_elsewhere(gloo_pool: Any, spec: str) -> None:
+    comparison, _ = check_equivalent(gloo_pool, spec, MODEL, env={"INPLACE": "view_chain"})
     assert comparison.ok, comparison

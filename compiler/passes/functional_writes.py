@@ -30,7 +30,7 @@ import torch.fx
 from ..model_state import inplace_writes
 from ..ops.writes import copied, filled, items_set, zeroed
 
-__all__ = ["OUT_OF_PLACE", "functional_writes"]
+__all__ = ["OUT_OF_PLACE", "functional_writes", "is_view"]
 
 # In-place methods whose out-of-place method takes the same arguments and returns
 # what the in-place one leaves in `self` (rules as data).
@@ -102,27 +102,27 @@ def _written_tensor(write: torch.fx.Node) -> tuple[torch.fx.Node | None, Any]:
         base = target.args[0]
         if len(target.users) > 1 or not isinstance(base, torch.fx.Node):
             return None, None
-        if base.op not in _MADE_BY or _is_view(base):
+        if base.op not in _MADE_BY or is_view(base):
             return None, None
         return base, target.args[1]
-    return (None, None) if _is_view(target) else (target, None)
+    return (None, None) if is_view(target) else (target, None)
 
 
 def _viewed_across(target: torch.fx.Node, write: torch.fx.Node, order: dict) -> bool:
     """Whether a view of `target` taken before the write (which sees the write, where
     an out-of-place copy would not) is read after it."""
-    todo = [u for u in target.users if order[u] < order[write] and _is_view(u)]
+    todo = [u for u in target.users if order[u] < order[write] and is_view(u)]
     while todo:
         view = todo.pop()
         for user in view.users:
             if order[user] > order[write]:
                 return True
-            if _is_view(user):
+            if is_view(user):
                 todo.append(user)
     return False
 
 
-def _is_view(node: torch.fx.Node) -> bool:
+def is_view(node: torch.fx.Node) -> bool:
     """A node that may share its first argument's memory (a view, or a tuple of views)."""
     if node.op == "call_method":
         return str(node.target) in _VIEWS

@@ -146,10 +146,14 @@ def _stage_graph(
 ) -> tuple[torch.fx.Graph, list[int]]:
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
+    needed = _needed_nodes(gm, stages, activations, s, recv, send, output if is_last else None)
+    written = {_written(w) for w in inplace_writes(gm) if w in needed}
     for node in recv:
         env[node] = graph.placeholder(node.name)
         env[node].meta = dict(node.meta)
-    needed = _needed_nodes(gm, stages, activations, s, recv, send, output if is_last else None)
+        if node in written:  # autograd refuses a write into the received leaf: into a copy
+            env[node] = graph.call_method("clone", (env[node],))
+            env[node].meta = dict(node.meta)
     used_inputs = [i for i, p in enumerate(placeholders) if p in needed]
     for i in used_inputs:
         env[placeholders[i]] = graph.placeholder(placeholders[i].name)
@@ -198,8 +202,16 @@ def _needed_nodes(
                 if arg.name in activations and stages[arg.name] != s and arg not in have:
                     raise AssertionError(f"{node.name} at stage {s} reads {arg.name} not received")
                 stack.append(arg)
-        stack = [w for w in writes if w not in needed and _written(w) in needed]
+        stack = [w for w in writes if w not in needed and _remade(_written(w), activations, needed)]
     return needed
+
+
+def _remade(
+    written: torch.fx.Node | None, activations: set[str], needed: set[torch.fx.Node]
+) -> bool:
+    """Whether a write into `written` runs on this stage as well: this stage remakes it
+    (a tensor made from the inputs, not an activation another stage sends)."""
+    return written is not None and written in needed and written.name not in activations
 
 
 _VIEWS = frozenset({"view", "reshape", "narrow", "select", "expand", "transpose", "unsqueeze"})

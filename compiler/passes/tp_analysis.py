@@ -110,6 +110,8 @@ def analyse_tensor_parallel(
         walk = _Walk(gm, plan, spec, strict, loss_parallel, region)
         for node in gm.graph.nodes:
             walk.visit(node)
+    if lost := msg.lost_write_error(gm, walk.rewrites, walk.origin):
+        raise lost
     for node in gm.graph.nodes:  # Step 7
         comms = walk.collectives.get(node, [])
         _write(node, walk.place[node], walk.rewrites.get(node), comms, walk.grad[node])

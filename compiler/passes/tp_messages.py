@@ -16,15 +16,18 @@ from parc.dsl.ast import Spec
 from parc.errors import CompileError, PlanError, SourceSpan
 
 from ..linear_forms import linear_form
+from ..model_state import inplace_writes
 from ..plan import Plan, PlanWarning
 from ..trace import node_source
-from .placement import Placement, Shard
+from .functional_writes import is_view
+from .placement import NodeRewrite, Placement, Shard
 from .tp_context import Misaligned, NotDivisible
 
 __all__ = [
     "blocks_error",
     "describe",
     "gather_warning",
+    "lost_write_error",
     "misaligned_error",
     "not_divisible_error",
     "row_slice_warning",
@@ -83,6 +86,43 @@ def gather_warning(
         f"to avoid it, {_fix_gather(node, gm, origin)}",
         span,
     )
+
+
+def lost_write_error(
+    gm: torch.fx.GraphModule,
+    rewrites: Mapping[torch.fx.Node, NodeRewrite],
+    origin: Mapping[torch.fx.Node, str | None],
+) -> CompileError | None:
+    """An in-place write the capture could not write out of place
+    (compiler/passes/functional_writes.py) into a value whose placement the analysis
+    converts on the way (the write, or a view it writes through, reads it gathered or
+    sliced) while ops after the write read the value: the write would land in the
+    converted copy and they would read the value without it."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for write in inplace_writes(gm):
+        chain, consumer, value = [], write, write.args[0]
+        while isinstance(value, torch.fx.Node):
+            chain.append((consumer, value))
+            if not is_view(value) or not value.args:
+                break
+            consumer, value = value, value.args[0]
+        if not chain:
+            continue
+        base, on_chain = chain[-1][1], {c for c, _ in chain}
+        converted = any(v.name in dict(rewrites[c].converts) for c, v in chain if c in rewrites)
+        if converted and any(order[u] > order[write] and u not in on_chain for u in base.users):
+            made_by = origin.get(base)
+            by = f" (sharded by '{made_by}')" if made_by else ""
+            layer = f"leave '{made_by}' unsharded" if made_by else "leave it unsharded"
+            return CompileError(
+                f"{describe(write, gm)}{_at(write)} writes '{base.name}'{by} in place and later "
+                "ops read it: tensor parallelism converts it for the write, which would land "
+                "in a copy, and they would read it without the write",
+                node=write.format_node(),
+                source=node_source(write),
+                hint=f"write it out of place (`h = h.op(...)`, not `h.op_(...)`), or {layer}",
+            )
+    return None
 
 
 def strict_error(warning: PlanWarning, node: torch.fx.Node) -> CompileError:

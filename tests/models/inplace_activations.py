@@ -1,7 +1,9 @@
 """In-place writes into an activation that later ops read (INPLACE picks one):
 `add` `h.add_(1.0)`, `relu` `F.relu_(h)`, `mask` `h.masked_fill_(h > 0.5, 0.0)`,
 `setitem` `h[:, :4] = 0.0` (fx cannot trace it: export captures), `item_mul`
-`h[:, 2:6].mul_(3.0)` and `copy` `h.copy_(h * 2)`. Under `shard fc1 col` + `shard fc2
+`h[:, 2:6].mul_(3.0)`, `copy` `h.copy_(h * 2)` and `view_chain`
+`h.view(h.shape[0], -1)[:, :4].zero_()` (through two views: left in place, refused where
+tensor parallelism would convert h for it). Under `shard fc1 col` + `shard fc2
 row` tensor parallelism gathered h for the write and fc2 read the unwritten shard;
 a pipeline stage that received h could not write into it (compiler/passes/functional_writes.py)."""
 
@@ -41,6 +43,8 @@ class Net(nn.Module):
             h[:, 2:6].mul_(3.0)
         elif kind == "copy":
             h.copy_(h * 2)
+        elif kind == "view_chain":  # through two views: left in place
+            h.view(h.shape[0], -1)[:, :4].zero_()
         return self.fc2(h)
 
 

@@ -64,7 +64,19 @@ def _stage_runs(model: torch.nn.Module, k: int) -> list[Callable[[], None]]:
 
 
 def _measured_slowest_stage(model: torch.nn.Module, cuts: list[int]) -> dict[int, float]:
-    """Per cut, the median over rounds of its slowest stage's forward + backward seconds."""
+    """Per cut, the median over rounds of its slowest stage's forward + backward seconds,
+    on one thread as a rank computes (OMP_NUM_THREADS=1). With torch's default threads on a
+    machine busy with other processes the threads waited on each other: a run under load
+    measured both cuts at ~3.5x their one-thread times, in the wrong order."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _medians(model, cuts)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _medians(model: torch.nn.Module, cuts: list[int]) -> dict[int, float]:
     runs = {k: _stage_runs(model, k) for k in cuts}
     times: dict[tuple[int, int], list[float]] = {(k, s): [] for k in cuts for s in range(2)}
     for round_ in range(ROUNDS + 2):

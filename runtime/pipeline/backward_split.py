@@ -137,6 +137,27 @@ def _whole_w(graph: _Graph) -> bool:
     return False
 
 
+def _nested_entries(graph: _Graph) -> bool:
+    """Whether an entry node lies in the weight region below another entry (an encoder's
+    output read by a decoder whose own stream starts on this stage: the residual edge of
+    `x + cross(ln(x), mem)` enters the region that the attention's query edge enters
+    too): running a frontier node again to its entry (step 4) would then also count what
+    reaches the entry through the other frontier node's region, twice."""
+    starts = {c for es in graph.entries.values() for c, _ in es}
+    owner: dict[Node, Node] = {}
+    for start in starts:
+        stack = [start]
+        while stack:
+            node = stack.pop()
+            if node in starts and node is not start:
+                return True
+            if node in owner:
+                continue
+            owner[node] = start
+            stack += [c for c, _ in graph.edges.get(node, ()) if not graph.on_path.get(c, False)]
+    return False
+
+
 def _mask(bit: dict[Node, int], edges: list[_Edge]) -> int:
     out = 0
     for c, _ in edges:
@@ -285,7 +306,7 @@ def backward_input(
     off = [(e, _given(t, g)) for e, t, g in root_edges if not graph.on_path[e.node]]
     kept: dict[Node, tuple[torch.Tensor | None, ...]] = {}
     whole = None
-    if _whole_w(graph):
+    if _whole_w(graph) or _nested_entries(graph):
         weights = [cast(Any, n).variable for n in graph.order if _is_weight(n, graph)]
         whole = ([t for t, _ in pairs], [g for _, g in pairs], weights)
         handles = []

@@ -52,7 +52,7 @@ __all__ = [
 # Modules whose training-mode forward uses statistics over the batch dim (rules as data).
 BATCH_STATISTICS: tuple[type[torch.nn.Module], ...] = (torch.nn.modules.batchnorm._BatchNorm,)
 # Calls that write their first argument in place besides `Tensor.<name>_` methods.
-_WRITES = (operator.setitem, torch.Tensor.copy_)
+_WRITES = (operator.setitem, torch.Tensor.copy_, operator.iadd, operator.isub, operator.imul)
 
 
 def state_names(model: torch.nn.Module) -> dict[str, str]:

@@ -105,7 +105,7 @@ def assign_stages(
     # Step 2
     explicit: dict[str, tuple[int, Stage]] = {}
     for node in gm.graph.nodes:
-        for name in reversed(module_path(node)):
+        for name in _enclosing(module_path(node)):
             if name in named:
                 explicit[node.name] = named[name]
                 break
@@ -115,6 +115,15 @@ def assign_stages(
     _check_forward(spec, gm, stages, explicit, activations)
     _check_nonempty(spec, stages, n, pp, activations)
     return tuple(stages.items()), stage_module_names(gm, stages, modules, n)
+
+
+def _enclosing(path: tuple[str, ...]) -> list[str]:
+    """The modules a node runs in, innermost first: those forward called, then the
+    containers holding the innermost one that are never called themselves (a ModuleList
+    `dec` named in a stage line holds `dec.0.cross.kv`)."""
+    parts = path[-1].split(".") if path else []
+    held = [".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]
+    return [*reversed(path), *(name for name in held if name not in path)]
 
 
 def _count_stages(spec: Spec, pp: int) -> int:

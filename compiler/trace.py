@@ -37,12 +37,29 @@ from .fx_blind_spots import grad_switches, stale_buffer_reads
 from .model_output import Path, choose_output, leaves
 from .model_state import module_state, restore_rebound
 from .node_info import module_path, node_source
-from .passes.functional_writes import functional_writes
+from .passes.functional_writes import AUGMENTED_NAMES, augmented_writes, functional_writes
 from .trace_asserts import TracedAssert, assert_site, check_asserts
 from .trace_errors import POSITIONAL, arity_error, export_error, trace_error
 from .user_checkpoint import watch_checkpoints
 
 __all__ = ["choose_single_output", "module_path", "node_source", "propagate_shapes", "trace_model"]
+
+
+class _AugmentedProxy(torch.fx.Proxy):
+    """fx's Proxy has no `__iadd__`, so Python ran `h += 1` as `h = h + 1`: a new tensor,
+    where eager writes `h` in place and every other name for it sees the write. Recorded
+    as `operator.iadd` instead (passes/functional_writes.py `augmented_writes`)."""
+
+
+def _augmented(op: Any) -> Any:
+    def method(self: torch.fx.Proxy, other: Any) -> Any:
+        return self.tracer.create_proxy("call_function", op, (self, other), {})
+
+    return method
+
+
+for _name, _op in AUGMENTED_NAMES.items():
+    setattr(_AugmentedProxy, _name, _augmented(_op))
 
 
 class _ParcTracer(torch.fx.Tracer):
@@ -54,6 +71,9 @@ class _ParcTracer(torch.fx.Tracer):
         self.current: list[tuple[str, type]] = []
         self.failed_in: tuple[str, type] | None = None  # the innermost module that raised
         self.asserts: list[TracedAssert] = []  # conditions let pass, checked after tracing
+
+    def proxy(self, node: torch.fx.Node) -> torch.fx.Proxy:
+        return _AugmentedProxy(node, self)
 
     def to_bool(self, obj: torch.fx.Proxy) -> bool:
         """An assert's condition passes for now (checked after tracing); any other branch
@@ -132,6 +152,7 @@ def _traced(
             raise
         return _exported(model, inputs, own_loss, file, fx_error, compute)
     gm.meta["parc_capture"] = "fx"
+    augmented_writes(gm, inputs)  # `h += 1`: in place on a tensor, a new int otherwise
     functional_writes(gm)  # `h.add_(1)` as export writes it: `h = h.add(1)`
     choose_single_output(gm, _fx_leaves(gm, inputs), own_loss, file)
     return gm

@@ -30,7 +30,7 @@ import torch.fx
 from ..model_state import inplace_writes
 from ..ops.writes import copied, filled, items_set, zeroed
 
-__all__ = ["OUT_OF_PLACE", "functional_writes", "is_view"]
+__all__ = ["AUGMENTED_NAMES", "OUT_OF_PLACE", "augmented_writes", "functional_writes", "is_view"]
 
 # In-place methods whose out-of-place method takes the same arguments and returns
 # what the in-place one leaves in `self` (rules as data).
@@ -63,6 +63,55 @@ _VIEWS = frozenset({
     "detach", "contiguous",
 })
 # fmt: on
+
+
+# Augmented assignment (`h += y`): the method name fx's Proxy lacks -> the in-place
+# function torch.fx records for it (compiler/trace.py) -> its out-of-place function.
+AUGMENTED_NAMES: dict[str, Callable[..., Any]] = {
+    "__iadd__": operator.iadd, "__isub__": operator.isub, "__imul__": operator.imul,
+    "__itruediv__": operator.itruediv, "__ifloordiv__": operator.ifloordiv,
+    "__imod__": operator.imod, "__ipow__": operator.ipow, "__imatmul__": operator.imatmul,
+    "__iand__": operator.iand, "__ior__": operator.ior, "__ixor__": operator.ixor,
+    "__ilshift__": operator.ilshift, "__irshift__": operator.irshift,
+}  # fmt: skip
+_OUT_OF_PLACE_OPS: dict[Callable[..., Any], Callable[..., Any]] = {
+    operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
+    operator.itruediv: operator.truediv, operator.ifloordiv: operator.floordiv,
+    operator.imod: operator.mod, operator.ipow: operator.pow, operator.imatmul: operator.matmul,
+    operator.iand: operator.and_, operator.ior: operator.or_, operator.ixor: operator.xor,
+    operator.ilshift: operator.lshift, operator.irshift: operator.rshift,
+}  # fmt: skip
+
+
+def augmented_writes(gm: torch.fx.GraphModule, inputs: Any) -> None:
+    """`h += y` as eager runs it: on a tensor forward computed, an in-place write whose
+    later readers through other names (`skip = h` before it) see it, so it becomes the
+    out-of-place op with those readers rewired (as steps 2-3); on anything else (an int
+    from a shape) the out-of-place op, which is what Python does. Which arguments are
+    tensors: from one fake forward, run only when forward has such an update."""
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _OUT_OF_PLACE_OPS]
+    if not nodes:
+        return
+    tensor = _tensor_nodes(gm, inputs)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in nodes:
+        base = node.args[0]
+        written = isinstance(base, torch.fx.Node) and base in tensor
+        if written and (base.op not in _MADE_BY or _viewed_across(base, node, order)):
+            continue  # left in place, as eager runs it (model_state._WRITES lists it)
+        node.target = _OUT_OF_PLACE_OPS[node.target]
+        if written:
+            for user in [u for u in base.users if order[u] > order[node]]:
+                user.replace_input_with(base, node)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _tensor_nodes(gm: torch.fx.GraphModule, inputs: Any) -> set[torch.fx.Node]:
+    from ..saved import profile_forward
+
+    profile_forward(gm, inputs)
+    return {n for n in gm.graph.nodes if hasattr(n.meta.get("tensor_meta"), "shape")}
 
 
 def functional_writes(gm: torch.fx.GraphModule) -> list[str]:

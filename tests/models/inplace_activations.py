@@ -3,9 +3,11 @@
 `setitem` `h[:, :4] = 0.0` (fx cannot trace it: export captures), `item_mul`
 `h[:, 2:6].mul_(3.0)`, `copy` `h.copy_(h * 2)` and `view_chain`
 `h.view(h.shape[0], -1)[:, :4].zero_()` (through two views: left in place, refused where
-tensor parallelism would convert h for it). Under `shard fc1 col` + `shard fc2
-row` tensor parallelism gathered h for the write and fc2 read the unwritten shard;
-a pipeline stage that received h could not write into it (compiler/passes/functional_writes.py)."""
+tensor parallelism would convert h for it); `iadd` `skip = h; h += 1.0; h *= 2.0` (fx
+recorded `h = h + 1`: skip kept the old value on every layout, one device included).
+Under `shard fc1 col` + `shard fc2 row` tensor parallelism gathered h for the write and
+fc2 read the unwritten shard; a pipeline stage that received h could not write into it
+(compiler/passes/functional_writes.py)."""
 
 from __future__ import annotations
 
@@ -45,6 +47,12 @@ class Net(nn.Module):
             h.copy_(h * 2)
         elif kind == "view_chain":  # through two views: left in place
             h.view(h.shape[0], -1)[:, :4].zero_()
+        elif kind == "iadd":  # `skip` is `h`: it sees both updates, as eager runs them
+            skip, width = h, h.shape[1]
+            h += 1.0
+            h *= 2.0
+            width -= 0  # an int: a new value, no write
+            return self.fc2(torch.tanh(h[:, :width]) + skip)
         return self.fc2(h)
 
 

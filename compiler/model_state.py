@@ -101,12 +101,23 @@ def inplace_writes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
         mutable = isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable
         name = getattr(target, "__name__", "")  # `torch.relu_`
         underscored = name.endswith("_") and not name.startswith("_")
+        flagged = node.kwargs.get("inplace") is True  # F.relu(h, inplace=True)
         if (
             (node.op == "call_method" and str(target).endswith("_"))
             or (node.op == "call_function" and (target in _WRITES or mutable or underscored))
+            or (node.op in ("call_function", "call_module") and flagged)
+            or (node.op == "call_module" and getattr(_module(gm, node), "inplace", False) is True)
         ) and node.args:
             out.append(node)
     return out
+
+
+def _module(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.nn.Module | None:
+    """The module a call_module node calls (nn.ReLU(inplace=True) writes its input)."""
+    try:
+        return gm.get_submodule(str(node.target))
+    except AttributeError:
+        return None
 
 
 def buffer_versions(model: torch.nn.Module) -> dict[str, tuple[int, int]]:

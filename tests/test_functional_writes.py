@@ -55,3 +55,18 @@ def test_a_write_left_in_place_that_tp_would_lose_is_refused_at_its_line() -> No
 def test_a_write_left_in_place_trains_as_one_device_elsewhere(gloo_pool: Any, spec: str) -> None:
     comparison, _ = check_equivalent(gloo_pool, spec, MODEL, env={"INPLACE": "view_chain"})
     assert comparison.ok, comparison
+
+
+ALIASES = ["float_alias", "t_alias", "advanced_index", "relu_module", "relu_kwarg"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("spec", ["mesh dp=2\n", PP])
+@pytest.mark.parametrize("kind", ALIASES)
+def test_writes_left_in_place_keep_eagers_aliasing(gloo_pool: Any, kind: str, spec: str) -> None:
+    # `.float()`, `.t()` and nn.Identity were not known as views (the write was rewritten
+    # out of place and the alias went stale, even on one device); `h[[0, 1]]` was taken for
+    # one (h was written); an in-place module or `inplace=True` at the start of a stage
+    # wrote into the received leaf and autograd refused it.
+    comparison, _ = check_equivalent(gloo_pool, spec, MODEL, env={"INPLACE": kind})
+    assert comparison.ok, comparison

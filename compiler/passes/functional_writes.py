@@ -60,8 +60,13 @@ _VIEWS = frozenset({
     "view", "view_as", "reshape", "reshape_as", "narrow", "select", "expand", "expand_as",
     "transpose", "t", "permute", "squeeze", "unsqueeze", "unflatten", "flatten", "movedim",
     "swapaxes", "chunk", "split", "unbind", "as_strided", "diagonal", "real", "imag",
-    "detach", "contiguous",
+    "detach", "contiguous", "swapdims", "moveaxis", "ravel", "unfold", "view_as_real",
+    "view_as_complex", "tensor_split", "hsplit", "vsplit", "split_with_sizes", "squeeze_",
+    # may return the tensor itself (a cast to the dtype it has)
+    "float", "double", "half", "bfloat16", "to", "type", "type_as",
 })
+# Attributes that are views (`h.T`), read through `getattr`.
+_VIEW_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "data", "real", "imag"})
 # fmt: on
 
 
@@ -148,6 +153,8 @@ def _written_tensor(write: torch.fx.Node) -> tuple[torch.fx.Node | None, Any]:
     if not isinstance(target, torch.fx.Node) or target.op not in _MADE_BY:
         return None, None
     if target.op == "call_function" and target.target is operator.getitem:
+        if not is_view(target):
+            return None, None  # `h[[0, 1]].mul_(2)` writes a copy: h is left as it was
         base = target.args[0]
         if len(target.users) > 1 or not isinstance(base, torch.fx.Node):
             return None, None
@@ -172,12 +179,27 @@ def _viewed_across(target: torch.fx.Node, write: torch.fx.Node, order: dict) -> 
 
 
 def is_view(node: torch.fx.Node) -> bool:
-    """A node that may share its first argument's memory (a view, or a tuple of views)."""
+    """A node that may share its first argument's memory (a view, or a tuple of views;
+    `h[i]` with basic indexing, not `h[[0, 1]]`, which copies; an nn.Identity call)."""
     if node.op == "call_method":
         return str(node.target) in _VIEWS
-    return node.op == "call_function" and (
-        node.target is operator.getitem or getattr(node.target, "__name__", "") in _VIEWS
-    )
+    if node.op == "call_module":
+        owner = node.graph.owning_module
+        module = owner.get_submodule(str(node.target)) if owner is not None else None
+        return isinstance(module, torch.nn.Identity)
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return _basic(node.args[1] if len(node.args) > 1 else None)
+    if node.target is getattr:
+        return len(node.args) > 1 and node.args[1] in _VIEW_ATTRIBUTES
+    return getattr(node.target, "__name__", "") in _VIEWS
+
+
+def _basic(index: object) -> bool:
+    """Basic indexing (ints, slices, None, Ellipsis, and tuples of them): a view."""
+    parts = index if isinstance(index, tuple) else (index,)
+    return all(p is None or p is Ellipsis or isinstance(p, int | slice) for p in parts)
 
 
 def _out_of_place(gm: torch.fx.GraphModule, write: torch.fx.Node) -> torch.fx.Node | None:

@@ -28,7 +28,6 @@ split_module does internally.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +35,7 @@ import torch.fx
 
 from parc.compiler.model_state import inplace_writes
 from parc.compiler.node_meta import meta_of, set_stage
+from parc.compiler.passes.functional_writes import is_view
 from parc.compiler.plan import Plan
 from parc.compiler.stages import activation_nodes, fill_stages
 
@@ -214,15 +214,11 @@ def _remade(
     return written is not None and written in needed and written.name not in activations
 
 
-_VIEWS = frozenset({"view", "reshape", "narrow", "select", "expand", "transpose", "unsqueeze"})
-
-
 def _written(write: torch.fx.Node) -> torch.fx.Node | None:
     """The tensor an in-place write changes: its first argument, through views of it."""
     arg = write.args[0]
     while isinstance(arg, torch.fx.Node) and arg.args:
-        views = arg.op == "call_method" and arg.target in _VIEWS
-        if not (views or arg.target is operator.getitem):
+        if not is_view(arg):
             return arg
         arg = arg.args[0]
     return arg if isinstance(arg, torch.fx.Node) else None

@@ -7,7 +7,10 @@ tensor parallelism would convert h for it); `iadd` `skip = h; h += 1.0; h *= 2.0
 recorded `h = h + 1`: skip kept the old value on every layout, one device included).
 Under `shard fc1 col` + `shard fc2 row` tensor parallelism gathered h for the write and
 fc2 read the unwritten shard; a pipeline stage that received h could not write into it
-(compiler/passes/functional_writes.py)."""
+(compiler/passes/functional_writes.py). `float_alias`, `t_alias`, `advanced_index`,
+`relu_module` (nn.ReLU(inplace=True)) and `relu_kwarg` (F.relu(h, inplace=True)) stay in
+place: they must keep eager's aliasing, and a stage receiving h writes into a copy.
+"""
 
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ class Net(nn.Module):
         super().__init__()
         self.fc1 = nn.Linear(DIM, 2 * DIM)
         self.fc2 = nn.Linear(2 * DIM, 4)
+        self.act = nn.ReLU(inplace=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)
@@ -47,6 +51,20 @@ class Net(nn.Module):
             h.copy_(h * 2)
         elif kind == "view_chain":  # through two views: left in place
             h.view(h.shape[0], -1)[:, :4].zero_()
+        elif kind == "float_alias":  # `.float()` of fp32 h is h: hf sees the write
+            hf = h.float()
+            h.mul_(2.0)
+            h = hf + h
+        elif kind == "t_alias":  # through a view taken before the write
+            v = h.t()
+            v.mul_(2.0)
+            h = v.t() + h
+        elif kind == "advanced_index":  # h[[0, 1]] is a copy: h is left as it was
+            h[[0, 1]].mul_(2.0)
+        elif kind == "relu_module":
+            h = self.act(h)
+        elif kind == "relu_kwarg":
+            h = F.relu(h, inplace=True)
         elif kind == "iadd":  # `skip` is `h`: it sees both updates, as eager runs them
             skip, width = h, h.shape[1]
             h += 1.0

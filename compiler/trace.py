@@ -31,9 +31,9 @@ from typing import Any
 import torch
 import torch.fx
 
-from parc.errors import CompileError, ParcError
+from parc.errors import CompileError, ModelError, ParcError
 
-from .fx_blind_spots import grad_switches, stale_buffer_reads
+from .fx_blind_spots import grad_switches, inference_refused, stale_buffer_reads
 from .model_output import Path, choose_output, leaves
 from .model_state import module_state, restore_rebound
 from .node_info import module_path, node_source
@@ -124,7 +124,7 @@ def trace_model(
     `gm.meta["parc_checkpointed"]` forward's `torch.utils.checkpoint` calls
     (`compiler/user_checkpoint.py`).
     """
-    with watch_checkpoints(model) as checkpointed:
+    with watch_checkpoints(model) as checkpointed, inference_refused(file):
         try:
             gm = _traced(model, inputs, own_loss, file, compute)
         except ParcError as exc:
@@ -170,7 +170,7 @@ def _exported(
 
     try:
         captured = capture_model(model, inputs, compute)
-    except CompileError:
+    except (CompileError, ModelError):
         raise  # the capture's own refusal, naming the line
     except Exception as exc:
         raise export_error(exc, model, fx_error) from exc
@@ -209,6 +209,8 @@ def _symbolic(model: torch.nn.Module, inputs: Sequence[Any] | None = None) -> to
             # fx cannot guard a default of a type it does not know; the graph has no such input.
             warnings.filterwarnings("ignore", "Was not able to add assertion")
             graph = tracer.trace(model, concrete_args=defaults or None)
+    except ModelError:
+        raise  # the model's own mistake, said as it is (fx_blind_spots.inference_refused)
     except Exception as exc:
         raise trace_error(exc, tracer.failed_in, model) from exc
     finally:

@@ -6,6 +6,7 @@ an autocast block that turns bf16 on is refused at its line."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,10 +14,16 @@ import torch
 from helpers import ROOT, check_equivalent
 
 from parc.compiler.frontend import analyse
-from parc.errors import CompileError
+from parc.errors import CompileError, ModelError
 from parc.runtime.equivalence import model_env
 
 MODEL = str(ROOT / "tests" / "models" / "grad_regions.py")
+
+
+def _line(text: str) -> int:
+    """The line of the model file that holds `text` (the block's `with`, or its body)."""
+    lines = Path(MODEL).read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if text in line and "with" in line)
 
 
 @pytest.mark.multiprocess
@@ -39,7 +46,7 @@ def test_an_autocast_block_that_turns_bf16_on_is_refused_at_its_line() -> None:
     with model_env({"REGION": "autocast_on"}), pytest.raises(CompileError) as info:
         analyse("mesh dp=2\n", MODEL, batch=4)
     assert "torch.autocast" in info.value.message and "precision bf16" in (info.value.hint or "")
-    assert "grad_regions.py:44" in (info.value.source or "")  # the block's first line
+    assert f"grad_regions.py:{_line('dtype=torch.bfloat16') + 1}" in (info.value.source or "")
 
 
 EMA = str(ROOT / "tests" / "models" / "buffer_ema_inplace.py")
@@ -76,3 +83,15 @@ def test_what_fx_runs_instead_of_recording_trains_as_one_device(
 
 def test_a_buffer_written_in_place_from_a_traced_constant_is_captured_with_export() -> None:
     assert analyse(STAGES, EMA, batch=4).gm.meta["parc_capture"] == "export"
+
+
+@pytest.mark.parametrize("branch", ["1", "0"])  # captured with torch.export / torch.fx
+def test_an_inference_mode_block_is_refused_at_its_line(branch: str) -> None:
+    # Neither capture records it: gradients reached what it computed, with no warning.
+    env = {"REGION": "inference", "SHAPE_BRANCH": branch}
+    with model_env(env), pytest.raises(ModelError) as info:
+        analyse("mesh dp=2\n", MODEL, batch=4)
+    assert "torch.inference_mode() block at" in info.value.message
+    assert "grad_regions.py:47" in info.value.message and "torch.no_grad()" in (
+        info.value.hint or ""
+    )

@@ -3,7 +3,8 @@ scale computed under `torch.no_grad()` (no gradient flows through it) and, with
 REGION=autocast_off, a projection under `torch.autocast("cpu", enabled=False)`
 (Hugging Face's fp32 rotary tables); REGION=alias reads a no-op `h.float()` under
 no_grad (the block returns `h` itself); REGION=autocast_on asks for bf16 autocast in
-forward, which parc refuses. The shape branch makes torch.fx fail, so export captures;
+forward, which parc refuses, as REGION=inference's `torch.inference_mode()` block.
+The shape branch makes torch.fx fail, so export captures;
 SHAPE_BRANCH=0 leaves it out: fx traces forward then, but records no no_grad block."""
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ class Net(nn.Module):
         elif region == "autocast_on":
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 h = self.b(h)
+        elif region == "inference":  # refused: neither capture records it
+            with torch.inference_mode():
+                shift = self.b(h).mean()
+            h = h + shift
         else:
             h = self.b(h)
         return self.c(torch.relu(h))

@@ -37,6 +37,7 @@ from .model_state import (
     batch_statistics_warnings,
     buffer_versions,
     buffer_write_warnings,
+    changed_numbers_warning,
     check_all_used,
     check_frozen,
     untraced_writes,
@@ -230,6 +231,7 @@ def _with_model_warnings(
     found = [
         *batch_statistics_warnings(built, plan, spec),
         *buffer_write_warnings(gm, built, plan, spec),
+        *changed_numbers_warning(gm, spec),
         *dropout_warnings(gm, plan, spec),
         *random_draw_warnings(gm, plan, spec),
         *mixed_loss_warnings(gm, plan, spec),

@@ -38,6 +38,8 @@ __all__ = [
     "buffer_aliases",
     "buffer_versions",
     "buffer_write_warnings",
+    "changed_numbers",
+    "changed_numbers_warning",
     "check_frozen",
     "inplace_writes",
     "module_state",
@@ -151,6 +153,38 @@ def restore_rebound(state: ModuleState) -> str:
                     delattr(module, name)
                 found = found or f"attribute '{name}'"
     return found
+
+
+def changed_numbers(state: ModuleState) -> list[str]:
+    """The number attributes (int or float, not bool) a capture changed (`self.calls +=
+    1` in forward), each put back: the graph holds the value it read while capturing."""
+    found = []
+    for module, _, attrs in state:
+        for name, value in list(vars(module).items()):
+            before = attrs.get(name)
+            numbers = all(type(v) in (int, float) for v in (value, before))
+            if numbers and value != before:
+                setattr(module, name, before)
+                found.append(f"{type(module).__name__}.{name}")
+    return found
+
+
+def changed_numbers_warning(gm: torch.fx.GraphModule, spec: Spec) -> list[PlanWarning]:
+    """A warning naming the number attributes forward changed while it was captured."""
+    names = gm.meta.get("parc_changed_numbers") or []
+    if not names:
+        return []
+    shown = ", ".join(f"'{n}'" for n in names[:3]) + (" ..." if len(names) > 3 else "")
+    return [
+        PlanWarning(
+            f"forward changes the Python number attribute(s) {shown} as it runs: parc runs "
+            "the graph it captured, which holds the value forward read while capturing, so a "
+            "computation with it (a step counter, a schedule) would not change as on one "
+            "device. Keep such state in a buffer updated with tensor ops from the input, e.g. "
+            "`self.calls.add_(torch.ones_like(x[0, 0]))`",
+            spec.locate(spec.mesh.span),
+        )
+    ]
 
 
 def untraced_writes(

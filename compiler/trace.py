@@ -35,7 +35,7 @@ from parc.errors import CompileError, ModelError, ParcError
 
 from .fx_blind_spots import grad_switches, inference_refused, stale_buffer_reads
 from .model_output import Path, choose_output, leaves
-from .model_state import module_state, restore_rebound
+from .model_state import changed_numbers, module_state, restore_rebound
 from .node_info import module_path, node_source
 from .passes.functional_writes import AUGMENTED_NAMES, augmented_writes, functional_writes
 from .trace_asserts import TracedAssert, assert_site, check_asserts
@@ -124,6 +124,7 @@ def trace_model(
     `gm.meta["parc_checkpointed"]` forward's `torch.utils.checkpoint` calls
     (`compiler/user_checkpoint.py`).
     """
+    state = module_state(model)
     with watch_checkpoints(model) as checkpointed, inference_refused(file):
         try:
             gm = _traced(model, inputs, own_loss, file, compute)
@@ -133,6 +134,7 @@ def trace_model(
                 raise
             raise explained from exc
     gm.meta["parc_checkpointed"] = checkpointed
+    gm.meta["parc_changed_numbers"] = changed_numbers(state)  # model_state.py: warned
     return gm
 
 

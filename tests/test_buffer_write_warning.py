@@ -53,3 +53,12 @@ def test_a_buffer_rebound_in_forward_is_captured_by_export() -> None:
     assert all(isinstance(b, torch.Tensor) for b in analysis.model.buffers())
     (found,) = [w.message for w in analysis.plan.warnings if "writes buffer" in w.message]
     assert "'mean'" in found
+
+
+def test_a_python_number_forward_changes_is_warned_about_and_put_back() -> None:
+    # `self.calls += 1` ran once while parc captured forward and the graph kept that
+    # value: step 1 trained with step 0's factor on every layout, with no warning.
+    a = analyse("mesh dp=1\n", str(ROOT / "tests" / "models" / "python_counter.py"), batch=4)
+    said = [str(w) for w in a.plan.warnings if "Python number attribute(s) 'Net.calls'" in str(w)]
+    assert said and "buffer" in said[0]
+    assert a.model.calls == 0  # as built: the capture's change is undone

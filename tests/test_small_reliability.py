@@ -133,17 +133,22 @@ def test_schedule_without_a_pipeline_is_a_warning_naming_its_line(
     )
 
 
-def test_a_fresh_run_into_a_directory_of_checkpoints_is_refused(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    # It ran: it overwrote the earlier run's step-2, moved `latest` to its own and left
-    # two runs' checkpoints mixed in one directory.
+def _saved_mlp(directory: Path, step: int) -> None:
+    """A checkpoint of the small MLP, as a run under `mesh dp=1` saves it at `step`."""
     from parc.api import compile as parc_compile
 
     with model_env(MLP_ENV):
         source = load_model(MLP)
         program = parc_compile("mesh dp=1\n", source, batch=8, optimizer=make_optimizer("sgd"))
-    save_checkpoint(program, tmp_path / "ckpt", 2)
+    save_checkpoint(program, directory, step)
+
+
+def test_a_fresh_run_into_a_directory_of_checkpoints_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # It ran: it overwrote the earlier run's step-2, moved `latest` to its own and left
+    # two runs' checkpoints mixed in one directory.
+    _saved_mlp(tmp_path / "ckpt", 2)
     before = sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "ckpt").rglob("*"))
     code, out, err = _run(tmp_path, capsys, "--steps", "2", "--checkpoint", str(tmp_path / "ckpt"))
     assert code == 2 and out == "", err
@@ -157,12 +162,8 @@ def test_export_flags_and_words_fit_the_format(
 ) -> None:
     # --max-shard-size was accepted and ignored with --format torch; an hf export of a model
     # that is not a Hugging Face one (no config.json) said "load it with from_pretrained".
-    from parc.api import compile as parc_compile
-
+    _saved_mlp(tmp_path / "ckpt", 1)
     with model_env(MLP_ENV):
-        source = load_model(MLP)
-        program = parc_compile("mesh dp=1\n", source, batch=8, optimizer=make_optimizer("sgd"))
-        save_checkpoint(program, tmp_path / "ckpt", 1)
         ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out.pt")
         code = main(["export", ckpt, MLP, "-o", out, "--max-shard-size", "1GB"])
         assert code == 2 and "--max-shard-size is for --format hf" in capsys.readouterr().err

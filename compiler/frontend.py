@@ -40,6 +40,7 @@ from .model_state import (
     changed_numbers_warning,
     check_all_used,
     check_frozen,
+    stage_buffer_warnings,
     untraced_writes,
 )
 from .node_info import node_source
@@ -232,6 +233,7 @@ def _with_model_warnings(
         *batch_statistics_warnings(built, plan, spec),
         *buffer_write_warnings(gm, built, plan, spec),
         *changed_numbers_warning(gm, spec),
+        *stage_buffer_warnings(gm, built, plan, spec),
         *dropout_warnings(gm, plan, spec),
         *random_draw_warnings(gm, plan, spec),
         *mixed_loss_warnings(gm, plan, spec),

@@ -46,6 +46,7 @@ __all__ = [
     "name_state",
     "persistent_buffers",
     "restore_rebound",
+    "stage_buffer_warnings",
     "state_names",
     "untraced_writes",
     "written_attribute",
@@ -277,6 +278,41 @@ def buffer_write_warnings(
             "them as one device does: dp=1, microbatches 1 and grad_accum 1, or update them "
             "outside forward",
             spec.locate(spec.mesh.span),
+        )
+    ]
+
+
+def stage_buffer_warnings(
+    gm: torch.fx.GraphModule, model: torch.nn.Module, plan: Plan, spec: Spec
+) -> list[PlanWarning]:
+    """A warning when forward writes a buffer in place on one pipeline stage and another
+    stage reads it: each stage holds its own copy, and the other's is never written."""
+    if plan.pp == 1:
+        return []
+    stage_of = plan.stage_of()
+    buffers = {name for name, _ in model.named_buffers()}
+    written = {
+        w: stage_of[n.name]
+        for n in inplace_writes(gm)
+        if (w := written_attribute(n)) in buffers and n.name in stage_of
+    }
+    stale = sorted(
+        name
+        for node in gm.graph.nodes
+        if node.op == "get_attr" and (name := str(node.target)) in written
+        for user in node.users
+        if stage_of.get(user.name, written[name]) != written[name]
+    )
+    if not stale:
+        return []
+    names = ", ".join(f"'{n}'" for n in dict.fromkeys(stale))
+    return [
+        PlanWarning(
+            f"forward writes buffer(s) {names} in place on one pipeline stage and another "
+            "stage reads it: each stage holds its own copy, and the reading stage's is never "
+            "written, so it computes with the buffer as built. Put the write and its reads on "
+            "one stage (stage lines), or update the buffer outside forward",
+            spec.locate(spec.stages[0].span if spec.stages else spec.mesh.span),
         )
     ]
 

@@ -95,3 +95,15 @@ def test_an_inference_mode_block_is_refused_at_its_line(branch: str) -> None:
     assert "grad_regions.py:47" in info.value.message and "torch.no_grad()" in (
         info.value.hint or ""
     )
+
+
+@pytest.mark.parametrize(("late", "warned"), [("1", True), ("0", False)])
+def test_a_buffer_written_on_one_stage_and_read_on_another_is_warned_about(
+    late: str, warned: bool
+) -> None:
+    # Each stage holds its own copy: the reading stage's was never written, and a run
+    # computed with the buffer as built, with no warning (parc check: NOT EQUIVALENT).
+    with model_env({"EMA_READ_LATE": late}):
+        plan = analyse(STAGES, EMA, batch=4).plan
+    said = "buffer(s) 'last' in place on one pipeline stage and another stage reads it"
+    assert any(said in str(w) for w in plan.warnings) is warned, plan.warnings

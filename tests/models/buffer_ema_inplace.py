@@ -2,7 +2,9 @@
 `self.ema.copy_(0.9 * self.ema + 0.1 * a.detach().mean(0))`. torch.fx traces this forward
 but computes `0.9 * self.ema` once while tracing (no traced operand) and stores it as a
 constant, so the average would never accumulate; parc captures it with torch.export.
-EMA_NO_GRAD=1 writes the update under `torch.no_grad()` instead of `.detach()`."""
+EMA_NO_GRAD=1 writes the update under `torch.no_grad()` instead of `.detach()`;
+EMA_READ_LATE=1 keeps the last batch's mean in buffer `last` instead (fx traces it) and
+reads it after fc2, on a later pipeline stage than the write."""
 
 from __future__ import annotations
 
@@ -26,9 +28,13 @@ class Net(nn.Module):
         self.fc2 = nn.Linear(2 * DIM, DIM)
         self.head = nn.Linear(DIM, 4)
         self.register_buffer("ema", torch.zeros(2 * DIM))
+        self.register_buffer("last", torch.ones(DIM))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = self.fc1(x)
+        if os.environ.get("EMA_READ_LATE") == "1":  # fx traces this one (no constant)
+            self.last.copy_(a.detach().mean(0)[:DIM])
+            return self.head(self.fc2(F.gelu(a)) * self.last)
         if os.environ.get("EMA_NO_GRAD") == "1":
             with torch.no_grad():
                 self.ema.copy_(0.9 * self.ema + 0.1 * a.mean(0))

@@ -12,7 +12,9 @@ from parc.dsl import match_names, pattern_width, suggest
 from parc.dsl.ast import IndexAll, IndexRange, Pattern, Spec
 from parc.errors import PlanError, clip
 
-__all__ = ["match_modules"]
+from .plan import PlanWarning
+
+__all__ = ["match_modules", "suffix_warnings"]
 
 
 def match_modules(spec: Spec, pattern: Pattern, modules: dict[str, torch.nn.Module]) -> list[str]:
@@ -64,3 +66,27 @@ def _check_ranges(
 def _list_length(module: torch.nn.Module) -> int:
     """The number of entries of a list of modules: one past its highest numbered child."""
     return 1 + max((int(n) for n, _ in module.named_children() if n.isdecimal()), default=-1)
+
+
+def suffix_warnings(spec: Spec, modules: dict[str, torch.nn.Module]) -> list[PlanWarning]:
+    """A pattern that spells a module's whole name and also matches deeper modules by
+    suffix (`shard l_0` with a top-level `l_0` and `mlp_0.l_0`): most likely meant the one
+    it spells, but it takes them all."""
+    patterns = [s.pattern for s in spec.shards] + [r.pattern for r in spec.recomputes]
+    patterns += [p for stage in spec.stages for p in stage.patterns]
+    out = []
+    for pattern in (p for p in patterns if not p.anchored):
+        names = match_names(pattern, modules)
+        whole = [n for n in names if n.count(".") + 1 == pattern_width(pattern)]
+        deeper = [n for n in names if n not in whole]
+        if whole and deeper:
+            more = f" and {len(deeper) - 1} more" if len(deeper) > 1 else ""
+            out.append(
+                PlanWarning(
+                    f"'{clip(pattern)}' matches '{whole[0]}' from the model's root and also "
+                    f"'{deeper[0]}'{more} (patterns match by dotted suffix): write "
+                    f"'.{clip(pattern)}' for the one from the root alone",
+                    spec.locate(pattern.span),
+                )
+            )
+    return out

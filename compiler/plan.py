@@ -7,6 +7,7 @@ read it. It prints as a readable table and serialises to JSON.
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,6 +149,9 @@ class Plan:
     """`sequence_parallel tp`: activations between blocks sharded along the sequence on tp."""
     compiled: bool = False
     """`compile`: every stage graph runs through torch.compile (runtime/compiled.py)."""
+    anchored: tuple[str, ...] = ()
+    """Stage modules whose name, as a pattern, also matches a deeper module (`l_0` and
+    `mlp_0.l_0`): stage lines printed for the user write them from the root (`.l_0`)."""
 
     @property
     def mixed(self) -> bool:
@@ -261,8 +265,21 @@ class Plan:
         return "\n".join(lines)
 
 
-def compress_names(names: tuple[str, ...]) -> str:
-    """`layers.0, layers.1, layers.2` -> `layers[0:3]`, for readable stage lists."""
+def compress_names(names: tuple[str, ...], anchored: Collection[str] = ()) -> str:
+    """`layers.0, layers.1, layers.2` -> `layers[0:3]`, for readable stage lists; a name of
+    `anchored` (and a run holding one) gets the leading dot of a pattern from the root."""
+    out = [("." if _anchors(part, names, anchored) else "") + part for part in _runs(names)]
+    return ", ".join(out)
+
+
+def _anchors(part: str, names: tuple[str, ...], anchored: Collection[str]) -> bool:
+    if "[" not in part:
+        return part in anchored
+    base = part.split("[", 1)[0] + "."  # a run: any of its names
+    return any(n in anchored for n in names if n.startswith(base))
+
+
+def _runs(names: tuple[str, ...]) -> list[str]:
     out: list[str] = []
     run: tuple[str, int, int] | None = None
     for name in names:
@@ -279,7 +296,7 @@ def compress_names(names: tuple[str, ...]) -> str:
             out.append(name)
     if run:
         out.append(_fmt_run(run))
-    return ", ".join(out)
+    return out
 
 
 def _fmt_run(run: tuple[str, int, int]) -> str:

@@ -145,7 +145,7 @@ def rank_stages_text(plan: Plan) -> str:
 def stage_lines(plan: Plan) -> list[str]:
     """`stage ... -> i` lines that assign the modules as `plan` does, e.g. after `stage auto`."""
     return [
-        f"stage {compress_names(modules)} -> {stage}"
+        f"stage {compress_names(modules, plan.anchored)} -> {stage}"
         for stage, modules in enumerate(plan.stage_modules)
         if modules
     ]

@@ -23,6 +23,7 @@ import torch
 import torch.fx
 
 from parc.compiler.stages import assign_stages, auto_stages, split_modules
+from parc.dsl import anchored_names
 from parc.dsl.ast import (
     AXIS_DP,
     AXIS_PP,
@@ -42,7 +43,7 @@ from parc.errors import PlanError, clip
 from .compile_checks import check_compile
 from .layout import param_slices
 from .linear_forms import linear_form
-from .match import match_modules
+from .match import match_modules, suffix_warnings
 from .passes.tp_padding import feeds_only_the_loss
 from .passes.tp_sequence_checks import check_sequence_parallel
 from .plan import BatchPlan, MeshPlan, ModuleShard, Plan, PlanWarning
@@ -53,9 +54,9 @@ __all__ = ["check_batch", "match_modules", "resolve"]
 
 def resolve(spec: Spec, model: torch.nn.Module, gm: torch.fx.GraphModule, *, batch: int) -> Plan:
     """Check `spec` against `model` (and its traced graph `gm`) and build the Plan."""
-    warnings: list[PlanWarning] = []
     modules = dict(model.named_modules())
     modules.pop("", None)
+    warnings = suffix_warnings(spec, modules)
     # Step 1
     tp_axis = _check_axes(spec)
     mesh = MeshPlan(tuple((a.name, a.size) for a in spec.mesh.axes))
@@ -90,6 +91,7 @@ def resolve(spec: Spec, model: torch.nn.Module, gm: torch.fx.GraphModule, *, bat
         reduce=reduce,
         sequence_parallel=check_sequence_parallel(spec, tp_axis),
         compiled=check_compile(spec),
+        anchored=anchored_names((n for names in stage_modules for n in names), modules),
     )
     _check_ties(spec, plan, model)
     return plan

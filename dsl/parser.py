@@ -177,6 +177,8 @@ class _NoSpacesInPatterns:
     always_accept: tuple[str, ...] = ()
     _TOUCH_BEFORE = frozenset({"DOT", "LSQB", "COLON", "RSQB"})
     _TOUCH_AFTER = frozenset({"DOT", "LSQB", "COLON"})
+    # What a pattern follows: there a '.' starts an anchored pattern (`shard .l_0 col tp`).
+    _BEFORE_PATTERN = frozenset({"SHARD", "STAGE", "RECOMPUTE", "COMMA"})
 
     def process(self, stream: Iterator[Token]) -> Iterator[Token]:
         previous: Token | None = None
@@ -189,6 +191,8 @@ class _NoSpacesInPatterns:
     def _apart(self, before: Token, after: Token) -> bool:
         """Whether a space separates two tokens that a pattern glues together."""
         glued = after.type in self._TOUCH_BEFORE or before.type in self._TOUCH_AFTER
+        if after.type == "DOT" and before.type in self._BEFORE_PATTERN:
+            glued = False
         # Across a line end the parser's own error ("expected a module pattern
         # after 'mlp.'") says more.
         across_lines = "_NL" in (before.type, after.type)
@@ -313,7 +317,8 @@ class _Builder(Transformer[Token, Any]):
     # Segments return tuples because `name[i]` is sugar for two segments.
     def pattern(self, meta: Meta, children: list[Any]) -> Pattern:
         segments = [seg for child in children if isinstance(child, tuple) for seg in child]
-        return Pattern(tuple(segments), _meta_span(meta))
+        anchored = isinstance(children[0], Token)  # the leading dot
+        return Pattern(tuple(segments), _meta_span(meta), anchored=anchored)
 
     def name(self, meta: Meta, children: list[Token]) -> tuple[Segment, ...]:
         return (Name(str(children[0])),)

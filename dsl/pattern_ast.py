@@ -73,10 +73,12 @@ Segment: TypeAlias = Name | Star | IndexRange | IndexAll
 
 @dataclass(frozen=True, slots=True)
 class Pattern:
-    """A dotted pattern over module qualified names; matches a dotted suffix."""
+    """A dotted pattern over module qualified names; matches a dotted suffix, or with
+    `anchored` (a leading dot: `.l_0`) the whole name from the model's root."""
 
     segments: tuple[Segment, ...]
     span: Span = span_field()
+    anchored: bool = False
 
     def __str__(self) -> str:
-        return ".".join(str(s) for s in self.segments)
+        return ("." if self.anchored else "") + ".".join(str(s) for s in self.segments)

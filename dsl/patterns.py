@@ -1,6 +1,7 @@
 """Match `.par` patterns against module qualified names (docs/architecture.md, Language); no torch.
 
-A pattern matches a dotted *suffix* of a name, segment by segment:
+A pattern matches a dotted *suffix* of a name, segment by segment (a leading dot anchors
+it at the root: `.mlp.fc1` matches the name `mlp.fc1` only):
 
     >>> from parc.dsl import parse_spec
     >>> pattern = parse_spec("recompute mlp.fc1").recomputes[0].pattern
@@ -20,7 +21,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 from parc.dsl.ast import IndexAll, IndexRange, Name, Pattern, Segment, Star
 
-__all__ = ["match_names", "pattern_matches", "pattern_width", "suggest"]
+__all__ = ["anchored_names", "match_names", "pattern_matches", "pattern_width", "suggest"]
 
 _INDEX = re.compile(r"[0-9]+")  # ASCII only: str.isdigit() accepts '²', int() does not
 _CUTOFF = 0.6  # difflib's own default for get_close_matches
@@ -55,7 +56,7 @@ def _aligned(pattern: Pattern, name: str) -> Iterator[tuple[Segment, list[str]]]
     """Each segment with the name parts it faces, aligned at the end; None if too short."""
     width = pattern_width(pattern)
     parts = name.split(".")
-    if width == 0 or width > len(parts):
+    if width == 0 or width > len(parts) or (pattern.anchored and width != len(parts)):
         return None
     tail = parts[len(parts) - width :]
     return _zip_segments(pattern.segments, tail)
@@ -79,6 +80,13 @@ def pattern_matches(pattern: Pattern, name: str) -> bool:
 def match_names(pattern: Pattern, names: Iterable[str]) -> list[str]:
     """The names `pattern` matches, in input order."""
     return [name for name in names if pattern_matches(pattern, name)]
+
+
+def anchored_names(names: Iterable[str], every: Iterable[str]) -> tuple[str, ...]:
+    """Those of `names` that, written as a pattern, would also match a deeper name of
+    `every` (`l_0` matches `mlp_0.l_0`): written from the root they need the leading dot."""
+    deeper = {name.split(".", i)[-1] for name in every for i in range(1, name.count(".") + 1)}
+    return tuple(name for name in names if name in deeper)
 
 
 def suggest(pattern: Pattern, names: Iterable[str], n: int = 3) -> list[str]:
@@ -136,7 +144,7 @@ def _repair(pattern: Pattern, name: str) -> tuple[str, float] | None:
             scores.append(_similarity(segment.name, parts[0]))
     # min, not mean: every literal segment must be close, else `layers0.mlp`
     # would suggest `0.mlp` for its exact `mlp` alone.
-    return str(Pattern(tuple(segments))), min(scores)
+    return str(Pattern(tuple(segments), anchored=pattern.anchored)), min(scores)
 
 
 def _range_of(segment: IndexRange | IndexAll) -> tuple[int, ...]:

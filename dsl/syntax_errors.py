@@ -153,8 +153,8 @@ def _expected(accepts: set[str], keyword: str, after_shard_kind: bool) -> str:
         return "expected '->' and a stage number"
     if "_NL" in accepts:
         accepts = accepts - {"$END"}
-    if "WORD" in accepts:  # '*' is part of "a module pattern"
-        accepts = accepts - {"STAR"}
+    if "WORD" in accepts and "STAR" in accepts:  # '*' and a leading '.' start "a module pattern"
+        accepts = accepts - {"STAR", "DOT"}
     words: list[str] = []
     for terminal in _TERMINAL_WORDS:
         if terminal in accepts:

@@ -37,6 +37,7 @@ from typing import Any, cast
 import torch
 import torch.fx
 
+from parc.dsl import anchored_names
 from parc.dsl.ast import Precision
 from parc.errors import ParcError
 
@@ -141,6 +142,7 @@ class ModelProfile:
     frozen: bool = False
     """The model has frozen parameters (requires_grad=False), which `zero 3` refuses."""
     built: torch.dtype | None = None  # its parameters' dtype when not float32 (built_dtype)
+    anchored: tuple[str, ...] = ()  # units written from the root in stage lines (Plan.anchored)
 
 
 def profile_model(
@@ -217,6 +219,7 @@ def _profile(
         sequence=sequence,
         frozen=any(not p.requires_grad for p in model.parameters()),
         built=built_dtype(model),
+        anchored=anchored_names(units, dict(model.named_modules())),
     )
 
 

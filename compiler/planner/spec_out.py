@@ -49,7 +49,8 @@ def spec_text(result: PlanResult, ev: Evaluation, path: str = "SPEC.par") -> str
     if c.pp > 1:  # stage s runs on pp rank s % pp (interleaved: `virtual` stages per rank)
         bounds = zip((0, *c.cuts), (*c.cuts, len(p.units)))
         lines += [
-            f"stage {compress_names(p.units[lo:hi])} -> {s}" for s, (lo, hi) in enumerate(bounds)
+            f"stage {compress_names(p.units[lo:hi], p.anchored)} -> {s}"
+            for s, (lo, hi) in enumerate(bounds)
         ]
         lines += [f"microbatches {c.microbatches}", f"schedule {c.schedule}"]
     if c.dp > 1 and c.zero:

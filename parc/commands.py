@@ -241,10 +241,12 @@ def _model_with_schedule(
     """The model file, with the schedule's errors every rank would raise raised here once
     (`--lr`, when given, was checked against --min-lr already)."""
     from parc.compiler.model import load_model
-    from parc.runtime.schedules import check_schedule
+    from parc.runtime.schedules import check_lr_followed, check_schedule
 
     source = load_model(model_file)
     check_schedule(schedule, source, source.configure_optimizer if lr is None else None)
+    if lr is not None:
+        check_lr_followed(source, source.configure_optimizer, lr)
     return source
 
 

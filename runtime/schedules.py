@@ -52,6 +52,7 @@ __all__ = [
     "ScheduleKind",
     "add_schedule_arguments",
     "build_scheduler",
+    "check_lr_followed",
     "check_schedule",
     "current_lr",
     "refuse_two_schedules",
@@ -289,6 +290,34 @@ def check_schedule(
         return
     if isinstance(opt, torch.optim.Optimizer):
         build_scheduler(opt, schedule)
+
+
+def check_lr_followed(source: ModelSource, factory: OptimizerFactory, lr: float) -> None:
+    """Refuse `--lr` beside a configure_scheduler that sets its own lr (OneCycleLR from
+    max_lr, CyclicLR from base_lr): the run would train at the scheduler's lr, not at
+    `lr`. Tried on a probe optimizer over one small parameter, its groups at `lr`; a
+    factory or hook that fails here fails where it is called for real."""
+    hook = source.configure_scheduler
+    if hook is None:
+        return
+    import torch
+
+    try:
+        opt = factory([torch.nn.Parameter(torch.zeros(2, 3))])
+        for group in opt.param_groups:
+            group["lr"] = lr
+        made = hook(opt)
+    except Exception:
+        return
+    starts = {float(g["initial_lr"]) for g in opt.param_groups if "initial_lr" in g}
+    if starts and starts != {lr}:
+        raise ModelError(
+            f"--lr {lr:g} is not followed: configure_scheduler's {type(made).__name__} "
+            f"starts from lr {', '.join(f'{x:g}' for x in sorted(starts))}, which it sets "
+            "from its own arguments",
+            file=source.path,
+            hint="drop --lr and set the lr in configure_scheduler (e.g. OneCycleLR's max_lr)",
+        )
 
 
 def current_lr(optimizer: torch.optim.Optimizer) -> float:

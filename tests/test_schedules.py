@@ -36,6 +36,7 @@ from parc.runtime.schedules import (
     ScheduleKind,
     add_schedule_arguments,
     build_scheduler,
+    check_lr_followed,
     check_schedule,
     schedule_from_args,
     scheduler_for,
@@ -438,3 +439,25 @@ def test_the_launcher_refuses_what_every_rank_would() -> None:
     check_schedule(high, plain, None)  # --lr given: checked against it instead
     with pytest.raises(ModelError, match="parc will not pick one"):
         check_schedule(COSINE, hooked, hooked.configure_optimizer)
+
+
+def test_lr_beside_a_scheduler_that_sets_its_own_is_refused_before_launch(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """OneCycleLR sets its lr from max_lr: `parc run --lr 0.01` trained at the scheduler's
+    lr and said nothing. A scheduler that scales the optimizer's lr (StepLR) follows it."""
+    from helpers import parc_main
+
+    with model_env(TINY):
+        source = load_model(HOOKED)
+        check_lr_followed(source, source.configure_optimizer, 0.01)  # StepLR scales it
+    with (
+        model_env({**TINY, "SCHEDULER": "onecycle"}),
+        pytest.raises(ModelError, match=r"--lr 0.01 is not followed.*OneCycleLR") as info,
+    ):
+        check_lr_followed(source, source.configure_optimizer, 0.01)
+    assert info.value.hint and "max_lr" in info.value.hint
+    with model_env({**TINY, "SCHEDULER": "onecycle"}):
+        code, _ = parc_main(tmp_path, "s.par", "", "run", str(HOOKED), "--lr", "0.01")
+    err = capsys.readouterr().err
+    assert code != 0 and "is not followed" in err and "Traceback" not in err

@@ -20,7 +20,6 @@
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import torch
@@ -31,6 +30,7 @@ from parc.errors import ModelError, PlanError
 
 from .layout import canonical_names, frozen_params
 from .plan import Plan, PlanWarning
+from .write_rules import WRITE_CALLS
 
 __all__ = [
     "BATCH_STATISTICS",
@@ -54,8 +54,6 @@ __all__ = [
 
 # Modules whose training-mode forward uses statistics over the batch dim (rules as data).
 BATCH_STATISTICS: tuple[type[torch.nn.Module], ...] = (torch.nn.modules.batchnorm._BatchNorm,)
-# Calls that write their first argument in place besides `Tensor.<name>_` methods.
-_WRITES = (operator.setitem, torch.Tensor.copy_, operator.iadd, operator.isub, operator.imul)
 
 
 def state_names(model: torch.nn.Module) -> dict[str, str]:
@@ -107,7 +105,7 @@ def inplace_writes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
         flagged = node.kwargs.get("inplace") is True  # F.relu(h, inplace=True)
         if (
             (node.op == "call_method" and str(target).endswith("_"))
-            or (node.op == "call_function" and (target in _WRITES or mutable or underscored))
+            or (node.op == "call_function" and (target in WRITE_CALLS or mutable or underscored))
             or (node.op in ("call_function", "call_module") and flagged)
             or (node.op == "call_module" and getattr(_module(gm, node), "inplace", False) is True)
         ) and node.args:

@@ -37,10 +37,11 @@ from .fx_blind_spots import grad_switches, inference_refused, stale_buffer_reads
 from .model_output import Path, choose_output, leaves
 from .model_state import changed_numbers, module_state, restore_rebound
 from .node_info import module_path, node_source
-from .passes.functional_writes import AUGMENTED_NAMES, augmented_writes, functional_writes
+from .passes.functional_writes import augmented_writes, functional_writes
 from .trace_asserts import TracedAssert, assert_site, check_asserts
 from .trace_errors import POSITIONAL, arity_error, export_error, trace_error
 from .user_checkpoint import watch_checkpoints
+from .write_rules import AUGMENTED_NAMES
 
 __all__ = ["choose_single_output", "module_path", "node_source", "propagate_shapes", "trace_model"]
 

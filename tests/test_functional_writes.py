@@ -57,7 +57,7 @@ def test_a_write_left_in_place_trains_as_one_device_elsewhere(gloo_pool: Any, sp
     assert comparison.ok, comparison
 
 
-ALIASES = ["float_alias", "t_alias", "advanced_index", "relu_module", "relu_kwarg"]
+ALIASES = ["float_alias", "t_alias", "t_alias_div", "advanced_index", "relu_module", "relu_kwarg"]
 
 
 @pytest.mark.multiprocess

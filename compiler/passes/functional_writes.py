@@ -29,8 +29,9 @@ import torch.fx
 
 from ..model_state import inplace_writes
 from ..ops.writes import copied, filled, items_set, zeroed
+from ..write_rules import OUT_OF_PLACE_OPS, is_view
 
-__all__ = ["AUGMENTED_NAMES", "OUT_OF_PLACE", "augmented_writes", "functional_writes", "is_view"]
+__all__ = ["OUT_OF_PLACE", "augmented_writes", "functional_writes"]
 
 # In-place methods whose out-of-place method takes the same arguments and returns
 # what the in-place one leaves in `self` (rules as data).
@@ -54,38 +55,6 @@ _HELPERS: dict[object, Callable[..., Any]] = {
     "fill_": filled,
 }
 _MADE_BY = ("call_function", "call_method", "call_module")
-# Ops whose result may share memory with their input (torch's view ops and their kin).
-# fmt: off
-_VIEWS = frozenset({
-    "view", "view_as", "reshape", "reshape_as", "narrow", "select", "expand", "expand_as",
-    "transpose", "t", "permute", "squeeze", "unsqueeze", "unflatten", "flatten", "movedim",
-    "swapaxes", "chunk", "split", "unbind", "as_strided", "diagonal", "real", "imag",
-    "detach", "contiguous", "swapdims", "moveaxis", "ravel", "unfold", "view_as_real",
-    "view_as_complex", "tensor_split", "hsplit", "vsplit", "split_with_sizes", "squeeze_",
-    # may return the tensor itself (a cast to the dtype it has)
-    "float", "double", "half", "bfloat16", "to", "type", "type_as",
-})
-# Attributes that are views (`h.T`), read through `getattr`.
-_VIEW_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "data", "real", "imag"})
-# fmt: on
-
-
-# Augmented assignment (`h += y`): the method name fx's Proxy lacks -> the in-place
-# function torch.fx records for it (compiler/trace.py) -> its out-of-place function.
-AUGMENTED_NAMES: dict[str, Callable[..., Any]] = {
-    "__iadd__": operator.iadd, "__isub__": operator.isub, "__imul__": operator.imul,
-    "__itruediv__": operator.itruediv, "__ifloordiv__": operator.ifloordiv,
-    "__imod__": operator.imod, "__ipow__": operator.ipow, "__imatmul__": operator.imatmul,
-    "__iand__": operator.iand, "__ior__": operator.ior, "__ixor__": operator.ixor,
-    "__ilshift__": operator.ilshift, "__irshift__": operator.irshift,
-}  # fmt: skip
-_OUT_OF_PLACE_OPS: dict[Callable[..., Any], Callable[..., Any]] = {
-    operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
-    operator.itruediv: operator.truediv, operator.ifloordiv: operator.floordiv,
-    operator.imod: operator.mod, operator.ipow: operator.pow, operator.imatmul: operator.matmul,
-    operator.iand: operator.and_, operator.ior: operator.or_, operator.ixor: operator.xor,
-    operator.ilshift: operator.lshift, operator.irshift: operator.rshift,
-}  # fmt: skip
 
 
 def augmented_writes(gm: torch.fx.GraphModule, inputs: Any) -> None:
@@ -94,7 +63,7 @@ def augmented_writes(gm: torch.fx.GraphModule, inputs: Any) -> None:
     out-of-place op with those readers rewired (as steps 2-3); on anything else (an int
     from a shape) the out-of-place op, which is what Python does. Which arguments are
     tensors: from one fake forward, run only when forward has such an update."""
-    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _OUT_OF_PLACE_OPS]
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in OUT_OF_PLACE_OPS]
     if not nodes:
         return
     tensor = _tensor_nodes(gm, inputs)
@@ -102,9 +71,11 @@ def augmented_writes(gm: torch.fx.GraphModule, inputs: Any) -> None:
     for node in nodes:
         base = node.args[0]
         written = isinstance(base, torch.fx.Node) and base in tensor
-        if written and (base.op not in _MADE_BY or _viewed_across(base, node, order)):
-            continue  # left in place, as eager runs it (model_state._WRITES lists it)
-        node.target = _OUT_OF_PLACE_OPS[node.target]
+        if written and (
+            base.op not in _MADE_BY or is_view(base) or _viewed_across(base, node, order)
+        ):
+            continue  # left in place, as eager runs it (write_rules.WRITE_CALLS lists it)
+        node.target = OUT_OF_PLACE_OPS[node.target]
         if written:
             for user in [u for u in base.users if order[u] > order[node]]:
                 user.replace_input_with(base, node)
@@ -176,30 +147,6 @@ def _viewed_across(target: torch.fx.Node, write: torch.fx.Node, order: dict) -> 
             if is_view(user):
                 todo.append(user)
     return False
-
-
-def is_view(node: torch.fx.Node) -> bool:
-    """A node that may share its first argument's memory (a view, or a tuple of views;
-    `h[i]` with basic indexing, not `h[[0, 1]]`, which copies; an nn.Identity call)."""
-    if node.op == "call_method":
-        return str(node.target) in _VIEWS
-    if node.op == "call_module":
-        owner = node.graph.owning_module
-        module = owner.get_submodule(str(node.target)) if owner is not None else None
-        return isinstance(module, torch.nn.Identity)
-    if node.op != "call_function":
-        return False
-    if node.target is operator.getitem:
-        return _basic(node.args[1] if len(node.args) > 1 else None)
-    if node.target is getattr:
-        return len(node.args) > 1 and node.args[1] in _VIEW_ATTRIBUTES
-    return getattr(node.target, "__name__", "") in _VIEWS
-
-
-def _basic(index: object) -> bool:
-    """Basic indexing (ints, slices, None, Ellipsis, and tuples of them): a view."""
-    parts = index if isinstance(index, tuple) else (index,)
-    return all(p is None or p is Ellipsis or isinstance(p, int | slice) for p in parts)
 
 
 def _out_of_place(gm: torch.fx.GraphModule, write: torch.fx.Node) -> torch.fx.Node | None:

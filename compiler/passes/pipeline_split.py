@@ -35,9 +35,9 @@ import torch.fx
 
 from parc.compiler.model_state import inplace_writes
 from parc.compiler.node_meta import meta_of, set_stage
-from parc.compiler.passes.functional_writes import is_view
 from parc.compiler.plan import Plan
 from parc.compiler.stages import activation_nodes, fill_stages
+from parc.compiler.write_rules import view_chain
 
 __all__ = ["Boundary", "StageGraph", "annotate_stages", "pipeline_split"]
 
@@ -216,12 +216,8 @@ def _remade(
 
 def _written(write: torch.fx.Node) -> torch.fx.Node | None:
     """The tensor an in-place write changes: its first argument, through views of it."""
-    arg = write.args[0]
-    while isinstance(arg, torch.fx.Node) and arg.args:
-        if not is_view(arg):
-            return arg
-        arg = arg.args[0]
-    return arg if isinstance(arg, torch.fx.Node) else None
+    chain = view_chain(write)
+    return chain[-1][1] if chain else None
 
 
 def _contract(node: torch.fx.Node) -> Boundary:

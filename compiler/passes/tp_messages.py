@@ -19,7 +19,7 @@ from ..linear_forms import linear_form
 from ..model_state import inplace_writes
 from ..plan import Plan, PlanWarning
 from ..trace import node_source
-from .functional_writes import is_view
+from ..write_rules import view_chain
 from .placement import NodeRewrite, Placement, Shard
 from .tp_context import Misaligned, NotDivisible
 
@@ -100,12 +100,7 @@ def lost_write_error(
     converted copy and they would read the value without it."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for write in inplace_writes(gm):
-        chain, consumer, value = [], write, write.args[0]
-        while isinstance(value, torch.fx.Node):
-            chain.append((consumer, value))
-            if not is_view(value) or not value.args:
-                break
-            consumer, value = value, value.args[0]
+        chain = view_chain(write)
         if not chain:
             continue
         base, on_chain = chain[-1][1], {c for c, _ in chain}

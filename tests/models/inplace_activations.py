@@ -7,7 +7,7 @@ tensor parallelism would convert h for it); `iadd` `skip = h; h += 1.0; h *= 2.0
 recorded `h = h + 1`: skip kept the old value on every layout, one device included).
 Under `shard fc1 col` + `shard fc2 row` tensor parallelism gathered h for the write and
 fc2 read the unwritten shard; a pipeline stage that received h could not write into it
-(compiler/passes/functional_writes.py). `float_alias`, `t_alias`, `advanced_index`,
+(compiler/passes/functional_writes.py). `float_alias`, `t_alias`, `t_alias_div`, `advanced_index`,
 `relu_module` (nn.ReLU(inplace=True)) and `relu_kwarg` (F.relu(h, inplace=True)) stay in
 place: they must keep eager's aliasing, and a stage receiving h writes into a copy.
 """
@@ -58,6 +58,10 @@ class Net(nn.Module):
         elif kind == "t_alias":  # through a view taken before the write
             v = h.t()
             v.mul_(2.0)
+            h = v.t() + h
+        elif kind == "t_alias_div":  # `/=` through a view taken before: left in place
+            v = h.t()
+            v /= 2.0
             h = v.t() + h
         elif kind == "advanced_index":  # h[[0, 1]] is a copy: h is left as it was
             h[[0, 1]].mul_(2.0)

@@ -25,7 +25,6 @@ from parc.compiler.passes.pipeline_split import pipeline_split
 from parc.compiler.passes.recompute import recompute_modules, recompute_regions
 from parc.compiler.plan import BatchPlan, MeshPlan, Plan
 from parc.dsl.ast import ScheduleKind
-from parc.errors import CompileError
 from parc.runtime.equivalence import model_env
 
 GPT_ENV = {"GPT_LAYERS": "2", "GPT_DIM": "32", "GPT_HEADS": "4", "GPT_VOCAB": "64", "GPT_SEQ": "16"}
@@ -43,6 +42,7 @@ GPT_TP += "shard *.mlp.fc2 row tp\n"
 LLAMA_TP = "shard *.attn.q col tp\nshard *.attn.k col tp\nshard *.attn.v col tp\n"
 LLAMA_TP += "shard *.attn.o row tp\nshard *.mlp.gate col tp\nshard *.mlp.up col tp\n"
 LLAMA_TP += "shard *.mlp.down row tp\n"
+SHARED = str(ROOT / "tests" / "models" / "shared_block.py")
 
 
 # ----------------------------------------------------------------- resolve
@@ -120,8 +120,9 @@ def test_the_rewritten_graph_computes_the_same_values() -> None:
     torch.testing.assert_close(gm(idx), expected, rtol=0, atol=0)
 
 
-def test_a_region_that_is_not_one_piece_is_a_compile_error() -> None:
-    # x -> inner (in module m) -> outer op (outside) -> inner again: not convex.
+def test_a_module_called_twice_is_recomputed_call_by_call() -> None:
+    # x -> m -> code outside -> m again (a block applied twice): the two calls were one
+    # region that the code between both read from and fed, refused on every rank.
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
     a = graph.call_function(torch.relu, (x,))
@@ -144,8 +145,13 @@ def test_a_region_that_is_not_one_piece_is_a_compile_error() -> None:
         recompute=("m",),
         tp_axis=None,
     )
-    with pytest.raises(CompileError, match=r"cannot recompute 'm'.*'neg' outside it"):
-        recompute_modules(gm, plan)
+    x_in = torch.randn(3, requires_grad=True)
+    expected = gm(x_in)
+    recompute_modules(gm, plan)
+    calls = [n for n in gm.graph.nodes if str(n.target).startswith("recompute_")]
+    assert [gm.get_submodule(str(n.target)).region for n in calls] == ["m", "m"]
+    assert [n.target for n in gm.graph.nodes if n.op == "call_function"][1] is operator.neg
+    torch.testing.assert_close(gm(x_in), expected, rtol=0, atol=0)
 
 
 # ----------------------------------------------------------------- equivalence
@@ -160,6 +166,14 @@ EQUIVALENT = {
     # The example specs: ZeRO-3 + TP with whole blocks, a pipeline with MLPs only.
     "spec_gpt_recompute": ((ROOT / "specs" / "gpt_recompute.par").read_text(), GPT, GPT_ENV),
     "spec_llama_pp": ((ROOT / "specs" / "llama_pp_recompute.par").read_text(), LLAMA, LLAMA_ENV),
+    # A ModuleList holding one block twice: the block's two calls, code between them.
+    "shared_block": ("mesh dp=2\nrecompute layers[0:4]\n", SHARED, {}),
+    "shared_block_pp": (
+        "mesh pp=2\nstage inp, layers[0:2] -> 0\nstage layers.3, head -> 1\nmicrobatches 2\n"
+        "recompute layers[*]\n",
+        SHARED,
+        {},
+    ),
 }
 
 

@@ -22,13 +22,14 @@ Algorithm:
    parameters and constants only (an inserted ZeRO-3 gather and its views)
    joins the region that uses it if all its users are in that region.
    `get_attr` and placeholders never belong: they are inputs.
-4. For each region: its inputs (values from outside that its nodes read), its
-   outputs (its values read outside), a body graph with one placeholder per
-   input, copies of its nodes, and a tuple of its outputs.
+4. A module called more than once (a block applied twice, with other code between
+   the calls) gives one region per call (`_calls`). For each region: its inputs
+   (values from outside that its nodes read), its outputs (its values read
+   outside), a body graph with one placeholder per input, copies of its nodes,
+   and a tuple of its outputs.
 5. Replace the region's nodes with one call of `Recomputed(body)` after its
    last node, and a getitem per output; nodes outside the region that sat
-   between its nodes and read its outputs move after the call (a node that both
-   reads from the region and feeds it is an error: the region is not convex).
+   between its nodes and read its outputs move after the call.
 6. `gm.graph.lint(); gm.recompile()`.
 """
 
@@ -39,8 +40,6 @@ from collections.abc import Iterable
 
 import torch
 import torch.fx
-
-from parc.errors import CompileError
 
 from ..node_meta import set_comment
 from ..ops.recompute import Recomputed
@@ -88,12 +87,36 @@ def recompute_modules(gm: torch.fx.GraphModule, plan: Plan) -> torch.fx.GraphMod
         if node.name in regions:
             by_region.setdefault(regions[node.name], []).append(node)
     # Steps 4 and 5
-    for index, (region, members) in enumerate(by_region.items()):
+    calls = [(r, call) for r, members in by_region.items() for call in _calls(members)]
+    for index, (region, members) in enumerate(calls):
         _replace_region(gm, region, members, f"recompute_{index}")
     # Step 6
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _calls(members: list[torch.fx.Node]) -> list[list[torch.fx.Node]]:
+    """A region's nodes split into its module's calls (a block applied twice): a new
+    call starts after a node outside the region that reads the nodes so far and feeds a
+    later one (the code between two calls), so each call is recomputed on its own."""
+    inside = set(members)
+    calls: list[list[torch.fx.Node]] = [[]]
+    seen: set[torch.fx.Node] = set()
+    node = members[0]
+    while True:
+        if node in inside:
+            calls[-1].append(node)
+            seen.add(node)
+        elif any(a in seen for a in node.all_input_nodes):
+            if any(u in inside for u in node.users) and calls[-1]:
+                calls.append([])
+                seen = set()
+            else:
+                seen.add(node)
+        if node is members[-1]:
+            return [call for call in calls if call]
+        node = node.next
 
 
 def _inside(module: str, region: str) -> bool:
@@ -119,7 +142,7 @@ def _replace_region(
     body.output(tuple(env[n] for n in outputs))
     gm.add_module(attr, Recomputed(torch.fx.GraphModule(gm, body, f"Recompute_{attr}"), region))
     # Step 5
-    later = _readers_between(members, inside, region)
+    later = _readers_between(members, inside)
     with gm.graph.inserting_after(members[-1]):
         call = gm.graph.call_module(attr, tuple(inputs))
     set_comment(call, f"activation checkpointing: {region} runs again in backward")
@@ -138,9 +161,10 @@ def _replace_region(
 
 
 def _readers_between(
-    members: list[torch.fx.Node], inside: set[torch.fx.Node], region: str
+    members: list[torch.fx.Node], inside: set[torch.fx.Node]
 ) -> list[torch.fx.Node]:
-    """Nodes outside the region, between its first and last node, that read from it."""
+    """Nodes outside the region, between its first and last node, that read from it (none
+    feeds it back: `_calls` starts a new call there)."""
     tainted: list[torch.fx.Node] = []
     if len(members) < 2:  # nothing lies between: the walk below would wrap around the graph
         return tainted
@@ -148,14 +172,6 @@ def _readers_between(
     node = members[0].next
     while node is not members[-1]:
         if node not in inside and any(a in seen for a in node.all_input_nodes):
-            if any(u in inside for u in node.users):
-                raise CompileError(
-                    f"cannot recompute '{region}': node '{node.name}' outside it both reads "
-                    "from it and feeds it, so it is not one contiguous piece of the forward",
-                    node=node.format_node(),
-                    hint=f"recompute a module whose forward is self-contained, e.g. the "
-                    f"block that holds '{region}'",
-                )
             tainted.append(node)
             seen.add(node)
         node = node.next

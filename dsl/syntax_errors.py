@@ -119,7 +119,20 @@ def syntax_error(err: UnexpectedInput, source: SourceText) -> SpecError:
     previous = _PREVIOUS.search(before)
     if previous:
         expected += f" after '{clip(previous.group(1))}'"
-    return source.error(f"{bad}; {expected}" if bad else expected, span)
+    message = f"{bad}; {expected}" if bad else expected
+    return source.error(message, span, hint=_nested_index_hint(token, before))
+
+
+def _nested_index_hint(token: Any, before: str) -> str | None:
+    """`body[1][*]`: an index of an index; the pattern form is `body.1[*]`."""
+    nested = re.search(r"([A-Za-z0-9_]+)\[([0-9]+)\]$", before)
+    if not (isinstance(token, Token) and token.type == "LSQB" and nested):
+        return None
+    name, index = nested.groups()
+    return (
+        f"to index inside '{name}[{index}]', name the index as a segment: "
+        f"'{name}.{index}[*]' (or '{name}.{index}[a:b]', '{name}.{index}.*')"
+    )
 
 
 def _statement_start_error(token: Any, bad: str, span: Span, source: SourceText) -> SpecError:

@@ -175,3 +175,11 @@ def test_duplicate_statement_caret_is_under_the_second_one() -> None:
 def test_keyword_must_be_a_whole_word() -> None:
     err = _raise("meshdp=2")
     assert "unknown statement 'meshdp'" in err.message
+
+
+@pytest.mark.parametrize("text", ["recompute body[1][*]", "stage a, body[1][0:2] -> 0"])
+def test_an_index_of_an_index_is_shown_the_segment_form(text: str) -> None:
+    # `body[1][*]` said only "expected '.' or end of line": the form is `body.1[*]`.
+    err = _raise(text)
+    assert err.hint is not None and "'body.1[*]'" in err.hint
+    assert parse_spec("recompute body.1[*]").recomputes  # the form the hint gives parses

@@ -157,7 +157,7 @@ def _traced(
     gm.meta["parc_capture"] = "fx"
     augmented_writes(gm, inputs)  # `h += 1`: in place on a tensor, a new int otherwise
     functional_writes(gm)  # `h.add_(1)` as export writes it: `h = h.add(1)`
-    choose_single_output(gm, _fx_leaves(gm, inputs), own_loss, file)
+    choose_single_output(gm, _fx_leaves(gm, inputs, own_loss), own_loss, file)
     return gm
 
 
@@ -185,10 +185,13 @@ def _exported(
     return gm
 
 
-def _fx_leaves(gm: torch.fx.GraphModule, inputs: Sequence[Any] | None) -> list[tuple[Path, Any]]:
-    """The traced output's leaves; shapes from one fake forward when there are several."""
+def _fx_leaves(
+    gm: torch.fx.GraphModule, inputs: Sequence[Any] | None, own_loss: bool
+) -> list[tuple[Path, Any]]:
+    """The traced output's leaves; shapes from one fake forward when there are several,
+    or when one may be the model's own 0-d loss (`own_loss`: forward takes the targets)."""
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
-    if isinstance(out, torch.fx.Node) or inputs is None:
+    if inputs is None or (isinstance(out, torch.fx.Node) and not own_loss):
         return [((), out)]
     from .saved import profile_forward
 

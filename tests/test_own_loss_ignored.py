@@ -64,6 +64,17 @@ def test_a_bare_loss_forward_returns_trains_as_one_device(gloo_pool, spec: str) 
 
 
 @pytest.mark.multiprocess
+def test_a_bare_loss_fx_traces_is_the_models_loss(gloo_pool) -> None:
+    from parc.compiler.frontend import analyse
+
+    bare = str(ROOT / "tests" / "models" / "bare_loss_fx.py")
+    a = analyse("mesh dp=2\n", bare)
+    assert a.gm.meta["parc_capture"] == "fx" and a.gm.meta["parc_output"].is_loss
+    comparison, _ = check_equivalent(gloo_pool, "mesh dp=2\n", bare, env={}, steps=2)
+    assert comparison.ok, comparison
+
+
+@pytest.mark.multiprocess
 def test_step_local_counts_the_shares_targets_as_step_does(gloo_pool) -> None:
     run = gloo_pool(2).run
     whole, shares = run(global_and_local_losses, MODEL, SPECS["dp"])[0]

@@ -402,3 +402,17 @@ def test_hf_weights_load_into_a_padded_vocabulary(
     got = gloo_pool(world_size(spec)).run(_weights_and_step, spec, env, weights)
     result = compare_runs(ref, got[0], Tolerance())
     assert result.ok, f"{result.describe()}\n{result.rows}"
+
+
+SOFTCAP = str(MODELS / "softcap_head.py")
+SOFTCAP_SPEC = "mesh tp=2\nshard emb vocab tp\nshard head col tp\nshard up col tp\n"
+SOFTCAP_SPEC += "shard down row tp\n"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("form", ["left", "right"])
+def test_soft_capped_logits_with_the_scalar_on_either_side_match_one_device(
+    gloo_pool: Any, form: str
+) -> None:
+    # `c * tanh(x / c)`: the scalar first was taken for a read of the padded logits.
+    assert_equivalent(gloo_pool, SOFTCAP_SPEC, SOFTCAP, env={"CAP_FORM": form}, steps=2, batch=2)

@@ -158,11 +158,14 @@ def _kept_from(node: torch.fx.Node, padded: dict[str, PaddedDim]) -> torch.fx.No
     if node.op not in ("call_function", "call_method") or not node.args:
         return None
     first = node.args[0]
+    if node.target in _SCALAR_OPS:  # elementwise: `5.0 * t` keeps t's padding as `t * 5.0`
+        first = next((a for a in node.args if isinstance(a, torch.fx.Node)), None)
     if not isinstance(first, torch.fx.Node) or first.name not in padded:
         return None
     if _gathers(node, first.name):
         return None
-    others = [a for a in (*node.args[1:], *node.kwargs.values()) if isinstance(a, torch.fx.Node)]
+    args = (*node.args, *node.kwargs.values())
+    others = [a for a in args if isinstance(a, torch.fx.Node) and a is not first]
     alike = all(padded.get(a.name) == padded[first.name] and not _gathers(node, a.name)
                 for a in others)  # fmt: skip
     keeps = node.target in TRANSPARENT_OPS or (node.target in _SCALAR_OPS and alike)

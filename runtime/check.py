@@ -100,6 +100,8 @@ class CheckResult:
     # The bounds' calibration (runtime/calibration.py `calibration_for`): the precision's,
     # or the built format's for a model built in bf16 / fp16. None: the precision's.
     calibration: Calibration | None = None
+    # The twin kept each batch's order (its random draws follow it: `_References.run`).
+    twin_in_order: bool = False
 
     @property
     def cal(self) -> Calibration:
@@ -168,6 +170,7 @@ def run_check(
         clip,
         lr_schedule=lr_schedule,
         calibration=measured.calibration,
+        twin_in_order=measured.in_order,
     )
 
 
@@ -219,6 +222,7 @@ class _Measured:
     twin_loss_diff: float | None
     gap: PrecisionGap | None  # under a mixed precision: one device's against its fp32
     calibration: Calibration
+    in_order: bool  # the twin kept each batch's order (`_References.in_order`)
 
 
 def _measure(
@@ -236,7 +240,7 @@ def _measure(
         refs.ref, refs.twin, results[0], probe[0]["params"], runs.precision, split=refs.split
     )
     cal = calibration_for(runs.precision, refs.ref["params"])
-    return _Measured(comparison, twin_unstable(*refs.gate), refs.gap, cal)
+    return _Measured(comparison, twin_unstable(*refs.gate), refs.gap, cal, refs.in_order)
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,6 +252,7 @@ class _References:
     split: dict[str, Any]  # every step's batch in two halves
     gate: tuple[dict[str, Any], dict[str, Any]]  # the order-dependence gate's pair
     gap: PrecisionGap | None  # under a mixed precision: one device's against its fp32
+    in_order: bool = False  # the twin is Variant.NUDGE: the model's draws follow the order
 
     @staticmethod
     def run(model_file: str, runs: _Runs) -> _References:
@@ -255,6 +260,12 @@ class _References:
         and the run in halves at the run's precision."""
         ref = fp32 = reference_run(model_file, **runs.kwargs())
         twin = fp32_twin = reference_run(model_file, **runs.kwargs(), variant=Variant.TWIN)
+        built_fp32 = calibration_for(Precision.FP32, fp32["params"]) is CALIBRATIONS[Precision.FP32]
+        fp32_only = runs.precision is Precision.FP32 and built_fp32
+        if fp32_only and twin_unstable(fp32, twin) is not None:  # draws follow the order?
+            nudged = reference_run(model_file, **runs.kwargs(), variant=Variant.NUDGE)
+            if twin_unstable(fp32, nudged) is None:  # yes: the twin keeps it (halves would not)
+                return _References(fp32, nudged, nudged, (fp32, nudged), None, in_order=True)
         gap = None
         precision = runs.kwargs(precision=runs.precision)
         if runs.precision is not Precision.FP32:
@@ -263,7 +274,7 @@ class _References:
             gap = precision_gap(ref, fp32)
         split = reference_run(model_file, **precision, variant=Variant.SPLIT)
         gate = fp32, fp32_twin
-        if calibration_for(Precision.FP32, fp32["params"]) is not CALIBRATIONS[Precision.FP32]:
+        if not built_fp32:
             # Built in bf16 / fp16: its loss is one ulp (~4e-3) from another order's, more
             # than dropout moves it. Reversing the samples alone moves no sample's output
             # (measured on a bf16 HF Llama: bit for bit), and the loss of their fp32 upcast

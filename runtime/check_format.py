@@ -111,9 +111,7 @@ def format_check(result: CheckResult) -> str:
         f"+ {_floors(result)} x |reference|; losses: rel. diff <= "
         f"{t.loss_rtol + cal.loss_floor:g} + "
         f"{cal.noise_mult:g} x the twin's" + (" largest so far" if cal.loss_running_max else ""),
-        "  (twin: the reference again, each batch in reverse sample order and every module "
-        "output moved by one ulp; or the reference with every batch run in two halves, "
-        "whichever is farther)",
+        _twin_line(result),
         *_precision_lines(result),
     ]
     if result.ok:
@@ -122,6 +120,20 @@ def format_check(result: CheckResult) -> str:
     lines.append("  NOT EQUIVALENT: " + "; ".join(_where(result)))
     lines += [f"  the plan warned (a likely cause): {w}" for w in result.warnings]
     return "\n".join(lines) + "\n"
+
+
+def _twin_line(result: CheckResult) -> str:
+    if result.twin_in_order:
+        return (
+            "  (twin: the reference again with every module output moved by one ulp, each "
+            "batch in its order: reversed, the model's random draws (dropout) moved its "
+            "loss beyond rounding, so a layout drawing other masks is NOT EQUIVALENT)"
+        )
+    return (
+        "  (twin: the reference again, each batch in reverse sample order and every module "
+        "output moved by one ulp; or the reference with every batch run in two halves, "
+        "whichever is farther)"
+    )
 
 
 def _nearest(margin: float) -> str:

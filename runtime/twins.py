@@ -6,6 +6,9 @@ has why each exists and what was measured):
 
 - `TWIN`, the noise twin: every batch in reverse sample order and every module
   output moved by one ulp (`probes.nudge_outputs`);
+- `NUDGE`: every module output moved by one ulp, the batch in its order: the twin of a
+  model whose random draws follow the sample order (dropout), which the reversal moves
+  beyond rounding while a layout that draws one device's masks (tp) reproduces it;
 - `SPLIT`: each step's batch forward and backward in two halves, each loss
   weighted by its share of the samples, as dp=2 or two microbatches sum them (for
   step 0's gradients: a sum that nearly cancels rounds there as the parallel
@@ -30,6 +33,7 @@ __all__ = ["Variant", "halves", "reversed_batch"]
 class Variant(Enum):
     REFERENCE = "reference"
     TWIN = "twin"
+    NUDGE = "nudge"
     SPLIT = "split"
     GATE = "gate"
     GATE_TWIN = "gate twin"
@@ -42,7 +46,7 @@ class Variant(Enum):
     @property
     def nudges(self) -> bool:
         """Every module output moved by one ulp."""
-        return self is Variant.TWIN
+        return self in (Variant.TWIN, Variant.NUDGE)
 
     @property
     def fp32_loss(self) -> bool:

@@ -67,8 +67,27 @@ def test_parc_check_names_dropout_as_the_cause(
     code, _ = parc_main(tmp_path, "dp2.par", "mesh dp=2\n", "check", MODEL, "--steps", "1")
     out, err = capfd.readouterr()
     assert code == 1, out + err
-    assert "NOT EQUIVALENT: the single-device run itself changes when its batch is reversed" in out
+    # Reversed, the batch draws other masks: the twin keeps its order, and the replicas'
+    # own masks are past its bounds.
+    assert "each batch in its order" in out and "NOT EQUIVALENT: the loss first diverges" in out
     assert "the plan warned (a likely cause): " in out and "applies dropout at 7 place(s)" in out
+
+
+def test_parc_check_calls_a_layout_drawing_one_devices_masks_equivalent(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # A tp group draws one device's masks, so tp trains as one device with dropout; check
+    # said NOT EQUIVALENT all the same (its twin reversed the batch, which moves the
+    # masks), and `parc compile` gives no warning (found by a probe).
+    # Not the attention's: on tp-sharded heads it draws other masks than one device.
+    text = Path(MODEL).read_text().replace("dropout_p=p, is_causal", "dropout_p=0.0, is_causal")
+    model = tmp_path / "gpt_dropout_outside_attention.py"
+    model.write_text(text)
+    spec = TP_SPEC.replace("dp=2 ", "")
+    code, _ = parc_main(tmp_path, "tp2.par", spec, "check", str(model), "--steps", "2")
+    out, err = capfd.readouterr()
+    assert code == 0, out + err
+    assert "each batch in its order" in out and "EQUIVALENT: the parallel run" in out
 
 
 def streams_and_replicas(spec: str, steps: int) -> dict[str, Any]:

@@ -60,7 +60,9 @@ def activation_nodes(gm: torch.fx.GraphModule) -> set[str]:
 
     A `get_attr` of a parameter is not itself an activation: like the input-only
     nodes it is copied into every stage that reads it (a tied weight lives on
-    every stage that uses it).
+    every stage that uses it); nor is a read of a tensor's metadata
+    (`self.head.weight.dtype`, `h.size(-1)`): not a tensor, no stage sends it; the
+    stage that reads it reads it off the tensor there (received, if need be).
     """
     params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
     sources = {n.name for n in gm.graph.nodes if n.op == "get_attr" and str(n.target) in params}
@@ -71,9 +73,25 @@ def activation_nodes(gm: torch.fx.GraphModule) -> set[str]:
         reads_param = node.op == "call_module" and any(
             True for _ in gm.get_submodule(str(node.target)).parameters()
         )
+        if _metadata(node):
+            continue
         if reads_param or any(a.name in out or a.name in sources for a in node.all_input_nodes):
             out.add(node.name)
     return out
+
+
+# What reads a tensor's metadata, not its values (rules as data): getattr names, methods.
+_METADATA_ATTRS = frozenset({"dtype", "shape", "device", "ndim", "requires_grad", "layout"})
+_METADATA_METHODS = frozenset({"size", "dim", "numel", "get_device", "is_floating_point"})
+
+
+def _metadata(node: torch.fx.Node) -> bool:
+    """A read of a tensor's metadata (`self.head.weight.dtype`, `h.size(-1)`)."""
+    if not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return False
+    if node.op == "call_function" and node.target is getattr:
+        return len(node.args) > 1 and node.args[1] in _METADATA_ATTRS
+    return node.op == "call_method" and str(node.target) in _METADATA_METHODS
 
 
 def assign_stages(

@@ -14,6 +14,7 @@ import json
 from typing import Any
 
 import pytest
+import torch
 from helpers import GPT, LLAMA, ROOT, check_equivalent
 
 from parc.cli import main
@@ -211,3 +212,16 @@ def test_a_gap_between_nested_stage_ranges_names_the_nested_list() -> None:
         analyse(spec, NESTED)
     assert "model.layers[1:2] is in no stage" in str(info.value)
     assert "extend one of the ranges to cover model.layers[1:2]" in str(info.value)
+
+
+def test_a_model_built_in_half_precision_is_priced_at_the_half_precision_rate() -> None:
+    # A model built in bf16 computes in bf16 under `precision fp32` too: `parc plan` priced
+    # its FLOPs at the fp32 rate (5x the step time on a cluster with tflops=100,
+    # fp32_tflops=20; found by a probe). Also without any fp32 rate in the cluster.
+    custom = parse_cluster(ISSUE_CLUSTER)
+    for built in (torch.bfloat16, torch.float16):
+        rate = custom.rate(Precision.FP32, built)
+        assert rate.tflops == 400 and "as built" in str(rate)
+    assert custom.rate(Precision.BF16, torch.float32).tflops == 400
+    with pytest.raises(ParcError, match="fp32_tflops"):
+        custom.rate(Precision.FP32, torch.float32)

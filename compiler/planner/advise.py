@@ -89,7 +89,6 @@ def plan_model(
     `host_mem` the host bytes of one node, which its ranks share while they compile."""
     # Step 1
     machines = parse_cluster(cluster) if isinstance(cluster, str) else cluster
-    rate = machines.rate(precision)  # before the profile: a missing rate fails fast
     source = model if isinstance(model, ModelSource) else load_model(model)
     if batch is not None and batch < 1:
         raise ParcError(f"--batch {batch}: the global batch must be at least 1")
@@ -102,6 +101,7 @@ def plan_model(
     profile = profile_model(source, gpus_per_node=gpus, seq=seq, precision=precision)
     profiled = time.perf_counter()
     memory = memory_model_of(source.configure_optimizer, precision, built=profile.built)
+    rate = machines.rate(precision, profile.built)  # a model built in bf16 computes in bf16
     # Step 2
     found = search(
         profile, machines, batch=batch, memory=memory, schedule=schedule, host_budget=budget

@@ -32,6 +32,8 @@ import re
 from dataclasses import dataclass, replace
 from enum import Enum
 
+import torch
+
 from parc.errors import ParcError
 
 from ..memory_model import Precision
@@ -95,10 +97,16 @@ class Cluster:
         if self.usable > 1:
             raise _error(f"usable is a fraction of mem, at most 1; got {self.usable}", None)
 
-    def rate(self, precision: Precision) -> ComputeRate:
-        """The rate a plan at `precision` is priced at; a ParcError when the cluster lacks it."""
+    def rate(self, precision: Precision, built: torch.dtype | None = None) -> ComputeRate:
+        """The rate a plan at `precision` is priced at (a model `built` in bf16 or fp16
+        computes at the half-precision rate under fp32 too); a ParcError when the cluster
+        lacks it."""
         if precision is Precision.BF16:
             return ComputeRate(self.tflops, "bf16", "tflops")
+        if built is not None and built.is_floating_point and built.itemsize == 2:
+            return ComputeRate(
+                self.tflops, f"{str(built).removeprefix('torch.')} as built", "tflops"
+            )
         key = "tf32_tflops" if self.fp32 is Fp32Math.TF32 else "fp32_tflops"
         tflops = getattr(self, key)
         if tflops is None:

@@ -246,7 +246,7 @@ def _stage_seconds(
     # A middle stage sends forward and back, on both sides; an end stage on one.
     pp_calls = (2 - end) * 2 if cand.pp > 1 else 0
     took = StageSeconds(
-        ss.flops * micro / (cluster.rate(mem.precision).tflops * 1e12),
+        ss.flops * micro / (cluster.rate(mem.precision, mem.built).tflops * 1e12),
         _seconds(tp_bytes, ss.tp_calls if cand.tp > 1 else 0, links["tp"]),
         _seconds(pp_bytes, pp_calls, links["pp"]),
     )

@@ -33,7 +33,7 @@ def step_time_json(analysis: Any, cluster: Any) -> dict[str, Any]:
     peak = max(m.peak for m in est.memory.by_stage)  # every rank of a stage holds the same
     return {
         "cluster": str(cluster),
-        "rate": cluster.rate(est.memory_model.precision).as_json(),
+        "rate": cluster.rate(est.memory_model.precision, est.memory_model.built).as_json(),
         "step_seconds": time.total,
         "time": {part: getattr(time, part) for part in _PARTS},
         "peak_bytes": peak,

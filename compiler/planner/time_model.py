@@ -150,7 +150,7 @@ class StepTime:
 def estimate_step_time(plan: Plan, est: Estimate, cluster: Cluster) -> StepTime:
     """The step time of a compiled plan (its Estimate) on `cluster` (for `parc compile`)."""
     micro_steps = plan.microbatches * plan.grad_accum
-    rate = cluster.rate(est.memory_model.precision).tflops * 1e12
+    rate = cluster.rate(est.memory_model.precision, est.memory_model.built).tflops * 1e12
     stages, dp = [], 0.0
     for cost, (_, comms) in zip(est.stages, est.collectives):
         tp = pp = reduce = gather = 0.0

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import GPT, LLAMA, assert_equivalent, ci_rows, examples, thorough
+from helpers import GPT, LLAMA, ROOT, assert_equivalent, ci_rows, examples, thorough
 from hypothesis import given
 from hypothesis import strategies as st
 from test_tp_equivalence import cases as tp_cases
@@ -261,3 +261,13 @@ def test_blocks_on_seq_batch_activations_refuse_sequence_parallel_at_its_line() 
     assert text.startswith("<spec>:6:1: error: sequence_parallel shards activations")
     assert "the row layers compute on (seq, batch, hidden) (e.g. 'blocks.0.o': [8, 4, 16])" in text
     analyse(SEQ_FIRST_TP, SEQ_FIRST, batch=4)  # tp alone is fine
+
+
+def test_token_inputs_of_two_lengths_are_named_as_such() -> None:
+    # An encoder-decoder's source and target lengths differ: the refusal said "a model
+    # without token inputs" (found by a probe).
+    model = str(ROOT / "tests" / "models" / "encoder_decoder.py")
+    with pytest.raises(PlanError) as caught:
+        analyse("mesh tp=2\nsequence_parallel tp\nshard head col tp\n", model, batch=4)
+    assert "its token inputs have different shapes" in caught.value.message
+    assert caught.value.hint is not None and "same sequence length" in caught.value.hint

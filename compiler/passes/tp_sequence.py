@@ -52,6 +52,7 @@ from ..node_meta import Collectives
 from ..plan import Plan
 from .placement import Lowering, LowerKind, NodeRewrite, ParamUse, Partial, Replicate, Shard
 from .tp_context import Decision, Misaligned, NotDivisible, OpContext
+from .tp_sequence_checks import token_shape
 from .tp_sequence_rules import SEQ_DROPOUT, SEQ_MODULES, SEQ_RULES
 
 __all__ = [
@@ -95,7 +96,7 @@ def sequence_region(
 ) -> SeqRegion:
     """The sequence-sharded region of `gm`, from the first walk's placements `place` and the
     values it converted through `enter` (`entered`)."""
-    lead = _token_shape(gm, plan, spec)  # Step 1
+    lead = token_shape(gm, plan, spec)  # Step 1
     rows = {n for n in gm.graph.nodes if _row_before_bias(plan, n, place) and _activation(n, lead)}
     sites = {s.node: s for s in dropout_sites(gm)}
     found = {  # Step 2
@@ -307,38 +308,6 @@ def _groups(found: set[torch.fx.Node]) -> list[set[torch.fx.Node]]:
 def _row_before_bias(plan: Plan, node: torch.fx.Node, place: dict[Any, Any]) -> bool:
     """A row Linear with a bias: the first walk all-reduced its output (R) to add the bias."""
     return _is_row(plan, node) and place.get(node) == R
-
-
-def _token_shape(gm: torch.fx.GraphModule, plan: Plan, spec: Spec | None) -> tuple[int, int]:
-    """Step 1: (batch, seq) of the model's token ids."""
-    stmt = spec.sequence_parallel if spec is not None else None
-    where = spec.locate(stmt.span) if spec is not None and stmt is not None else None
-    ids = [
-        tuple(n.meta["tensor_meta"].shape)
-        for n in gm.graph.nodes
-        if n.op == "placeholder"
-        and _is_tensor(n)
-        and len(n.meta["tensor_meta"].shape) == 2
-        and not n.meta["tensor_meta"].dtype.is_floating_point
-    ]
-    if not ids or len(set(ids)) > 1:
-        seen = ", ".join(str(list(s)) for s in ids) or "none"
-        raise PlanError(
-            "sequence_parallel needs the model's token ids: one integer (batch, seq) shape "
-            f"among its inputs to find the sequence dim of its activations (found: {seen})",
-            where,
-            hint="remove `sequence_parallel` for a model without token inputs",
-        )
-    batch, length = ids[0]
-    if length % plan.tp:
-        raise PlanError(
-            f"sequence_parallel splits the sequence over {plan.tp_axis}={plan.tp}, but the "
-            f"traced sequence length is {length}, which {plan.tp} does not divide",
-            where,
-            hint=f"use a sequence length that is a multiple of {plan.tp}, or remove "
-            "`sequence_parallel`",
-        )
-    return batch, length
 
 
 def _is_tensor(node: torch.fx.Node) -> bool:

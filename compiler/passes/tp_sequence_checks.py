@@ -1,16 +1,20 @@
 """The `sequence_parallel AXIS` statement against the spec's mesh and shards.
 
 Called by compiler/resolve.py; what needs the traced graph (the token ids, a
-sequence length the axis divides) is checked by tp_sequence.sequence_region.
+sequence length the axis divides: `token_shape`) by tp_sequence.sequence_region.
 Each mistake is a PlanError at the statement's axis, with how to fix it.
 """
 
 from __future__ import annotations
 
+import torch.fx
+
 from parc.dsl.ast import AXIS_DP, AXIS_PP, Spec
 from parc.errors import PlanError, clip
 
-__all__ = ["check_sequence_parallel"]
+from ..plan import Plan
+
+__all__ = ["check_sequence_parallel", "token_shape"]
 
 
 def check_sequence_parallel(spec: Spec, tp_axis: str | None) -> bool:
@@ -57,3 +61,40 @@ def check_sequence_parallel(spec: Spec, tp_axis: str | None) -> bool:
             hint=f"use {axis} > 1 in the mesh, or remove `sequence_parallel`",
         )
     return True
+
+
+def token_shape(gm: torch.fx.GraphModule, plan: Plan, spec: Spec | None) -> tuple[int, int]:
+    """tp_sequence's step 1: (batch, seq) of the model's token ids."""
+    stmt = spec.sequence_parallel if spec is not None else None
+    where = spec.locate(stmt.span) if spec is not None and stmt is not None else None
+    ids = [
+        tuple(n.meta["tensor_meta"].shape)
+        for n in gm.graph.nodes
+        if n.op == "placeholder"
+        and hasattr(n.meta.get("tensor_meta"), "shape")
+        and len(n.meta["tensor_meta"].shape) == 2
+        and not n.meta["tensor_meta"].dtype.is_floating_point
+    ]
+    if not ids or len(set(ids)) > 1:
+        seen = ", ".join(str(list(s)) for s in ids) or "none"
+        several = len(set(ids)) > 1  # an encoder's and a decoder's tokens, a prefix's
+        raise PlanError(
+            "sequence_parallel needs the model's token ids: one integer (batch, seq) shape "
+            f"among its inputs to find the sequence dim of its activations (found: {seen}"
+            + ("; its token inputs have different shapes" if several else "")
+            + ")",
+            where,
+            hint="give every token input the same sequence length, or remove `sequence_parallel`"
+            if several
+            else "remove `sequence_parallel` for a model without token inputs",
+        )
+    batch, length = ids[0]
+    if length % plan.tp:
+        raise PlanError(
+            f"sequence_parallel splits the sequence over {plan.tp_axis}={plan.tp}, but the "
+            f"traced sequence length is {length}, which {plan.tp} does not divide",
+            where,
+            hint=f"use a sequence length that is a multiple of {plan.tp}, or remove "
+            "`sequence_parallel`",
+        )
+    return batch, length

@@ -109,7 +109,7 @@ def param_slices(plan: Plan, model: torch.nn.Module) -> dict[str, ParamSlice]:
             slice_ = _slice_for(shard.kind, leaf, module, plan.tp) if shard else None
             key = canonical[full]
             if key in out and out[key][0] != slice_:
-                raise _tie_conflict(key, out[key][1], name, plan)
+                raise _tie_conflict(key, out[key][1], name, plan, modules)
             out.setdefault(key, (slice_, name))
     return {k: v[0] for k, v in out.items() if v[0] is not None}
 
@@ -127,20 +127,38 @@ def _slice_for(kind: ShardKind, leaf: str, module: torch.nn.Module, tp: int) -> 
     return ParamSlice(form.in_dim, tp) if leaf == form.weight else None
 
 
-def _tie_conflict(param: str, first: str, second: str, plan: Plan) -> PlanError:
+def _tie_conflict(
+    param: str, first: str, second: str, plan: Plan, modules: dict[str, torch.nn.Module]
+) -> PlanError:
     def describe(module: str) -> str:
         shard = plan.shard_of(module)
         return f"'{module}' ({shard.kind} {shard.axis})" if shard else f"'{module}' (replicated)"
 
     line = next((s.line for s in plan.shards if s.module in (first, second)), None)
+    hint = (
+        "a tied weight must be split the same way by every module that uses it: e.g. "
+        "shard the Embedding `col` and the tied LM head `row`, or the Embedding `vocab` and "
+        "the head `col`, or untie them"
+    )
+    holder = next((m for m in (first, second) if not _shardable(modules.get(m))), None)
+    if holder is not None:  # e.g. BERT's `cls.predictions.bias`, tied to its decoder's
+        sharded = second if holder == first else first
+        hint = (
+            f"'{holder}' holds it itself and is no layer parc can shard, so '{sharded}' "
+            "(and what is tied to it) must stay replicated, or untie them in the model"
+        )
     return PlanError(
         f"parameter '{param}' is shared by {describe(first)} and {describe(second)}, which "
         "slice it differently",
         None,
-        hint="a tied weight must be split the same way by every module that uses it: e.g. "
-        "shard the Embedding `col` and the tied LM head `row`, or the Embedding `vocab` and "
-        "the head `col`, or untie them" + (f" (spec line {line})" if line else ""),
+        hint=hint + (f" (spec line {line})" if line else ""),
         names=(param, first, second),
+    )
+
+
+def _shardable(module: torch.nn.Module | None) -> bool:
+    return isinstance(module, torch.nn.Embedding) or (
+        module is not None and linear_form(module) is not None
     )
 
 

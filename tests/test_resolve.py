@@ -648,3 +648,14 @@ def test_stage_auto_on_gpt_cuts_between_blocks_and_round_trips(
     assert len(auto.stage_modules) == 2 and all(auto.stage_modules)
     explicit = plan_for(models, "gpt", "mesh pp=2\n" + "\n".join(stage_lines(auto)))
     assert explicit.node_stages == auto.node_stages
+
+
+def test_a_parameter_a_layer_shares_with_a_module_parc_cannot_shard_names_that_module() -> None:
+    # BERT's MLM head holds its decoder's bias itself: the hint said to shard the head
+    # `col` with a `vocab` embedding, which the spec did (found by a probe).
+    model = str(Path(__file__).parent / "models" / "tied_bias_head.py")
+    with pytest.raises(PlanError) as caught:
+        analyse("mesh tp=2\nshard head.decoder col tp\n", model, batch=4)
+    hint = caught.value.hint or ""
+    assert "'head' holds it itself and is no layer parc can shard" in hint
+    assert "'head.decoder' (and what is tied to it) must stay replicated" in hint

@@ -227,9 +227,15 @@ def _import_file(path: Path) -> ModuleType:
     except SyntaxError as exc:
         del sys.modules[name]
         code = f": {exc.text.strip()}" if exc.text else ""
+        where = exc.filename if exc.filename and exc.filename != resolved else None
+        if exc.lineno is None:  # not Python text at all (a binary file, NUL bytes)
+            raise ModelError(
+                f"is not a Python file: {exc.msg}", file=where or str(path), hint=None
+            ) from exc
         raise ModelError(
-            f"syntax error at line {exc.lineno}: {exc.msg}{code}",
-            file=str(path),
+            f"syntax error at line {exc.lineno}: {exc.msg}{code}"
+            + (f" (imported by the model file {path})" if where else ""),
+            file=where or str(path),
             hint=f"fix line {exc.lineno}; `python {path}` shows the same error",
         ) from exc
     except Exception as exc:

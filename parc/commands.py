@@ -125,8 +125,14 @@ def _write_rank_code(analysis: object, out: Path) -> None:
     from parc.compiler.output import write_atomic
 
     assert isinstance(analysis, Analysis)
-    for rank, code in rank_code(analysis).items():
+    written = rank_code(analysis)
+    for rank, code in written.items():
         write_atomic(out / f"rank{rank}.py", code)
+    # An earlier compile's ranks past this world would sit beside this plan.json.
+    for stale in out.glob("rank*.py"):
+        number = stale.stem.removeprefix("rank")
+        if number.isdecimal() and int(number) not in written:
+            stale.unlink()
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -293,6 +299,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(Path(args.out), steps=args.steps, batch=args.batch)
 
 
+def _outside_checkpoints(checkpoint: Path, output: Path) -> None:
+    """Refuse an export into the checkpoint directory it reads (a step directory's parent
+    included): it would overwrite a shard, `latest` or `parc.json`, or mix files into it."""
+    root = checkpoint.resolve()
+    if root.name.startswith("step-") and root.parent.is_dir():
+        root = root.parent  # a step directory: its run's directory holds `latest`
+    out = output.resolve()
+    if out == root or root in out.parents:
+        raise ParcError(
+            f"-o {output} is inside the checkpoint directory {checkpoint} that the export "
+            "reads: it would overwrite or mix into the run's checkpoints",
+            hint="write the export outside the checkpoint directory",
+        )
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from parc.compiler.planner.cluster import parse_size
     from parc.runtime.export import ExportFormat, export_state_dict
@@ -304,6 +325,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             hint="drop --max-shard-size, or pass --format hf",
         )
     shard = parse_size(args.max_shard_size or "5GB", "--max-shard-size")
+    _outside_checkpoints(Path(args.checkpoint), Path(args.output))
     path = export_state_dict(
         args.checkpoint, args.model, args.output, format=fmt, max_shard_size=shard, dtype=args.dtype
     )

@@ -188,6 +188,16 @@ def test_output_dir_gets_plan_json_equal_to_json_output(
     assert json.loads((out_dir / "plan.json").read_text()) == json.loads(printed)
 
 
+def test_a_smaller_world_compiled_into_the_same_directory_leaves_no_old_ranks(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # rank2.py and rank3.py of a world-4 compile stayed beside the world-2 plan.json.
+    out_dir = tmp_path / "out"
+    for spec in ("mesh dp=4\n", "mesh dp=2\n"):
+        assert run(capsys, "compile", _write(tmp_path, "s.par", spec), GPT, "-o", out_dir)[0] == 0
+    assert sorted(p.name for p in out_dir.iterdir()) == ["plan.json", "rank0.py", "rank1.py"]
+
+
 def test_rank_code_shows_the_order_one_stage_runs_its_microbatches(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

@@ -190,6 +190,26 @@ def test_syntax_error_names_the_file_and_line(tmp_path: Path) -> None:
     assert "fix line 4" in text
 
 
+def test_a_syntax_error_in_a_module_the_file_imports_names_that_module(tmp_path: Path) -> None:
+    # It was reported at the model file's line 4, which has no error (found by a probe).
+    (tmp_path / "helper_with_typo.py").write_text("x = 1\n\n\ndef f(:\n    pass\n")
+    path = tmp_path / "uses_helper.py"
+    path.write_text("import sys\nsys.path.insert(0, __file__.rsplit('/', 1)[0])\n"
+                    "import helper_with_typo\n")  # fmt: skip
+    with pytest.raises(ModelError) as info:
+        load_model(path)
+    assert str(info.value).startswith(f"{tmp_path / 'helper_with_typo.py'}: error: syntax error at")
+    assert f"imported by the model file {path}" in str(info.value)
+
+
+def test_a_binary_file_is_no_python_file(tmp_path: Path) -> None:
+    path = tmp_path / "model.py"
+    path.write_bytes(b"\x00\x01binary")  # said "syntax error at line None; fix line None"
+    with pytest.raises(ModelError) as info:
+        load_model(path)
+    assert "is not a Python file" in str(info.value) and "None" not in str(info.value)
+
+
 def test_missing_model_file_is_a_model_error(tmp_path: Path) -> None:
     path = tmp_path / "nowhere.py"
     with pytest.raises(ModelError) as info:

@@ -171,3 +171,26 @@ def test_export_flags_and_words_fit_the_format(
     said = capsys.readouterr().out
     assert code == 0 and "without config.json" in said and "--weights" in said, said
     assert "load it with from_pretrained" not in said
+
+
+def test_an_export_into_the_checkpoint_directory_it_reads_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `-o ckpt/step-1/__0_0.distcp` overwrote the shard it read, `-o ckpt/latest` the
+    # pointer, and an hf export into ckpt mixed its files into the run's (found by a probe).
+    _saved_mlp(tmp_path / "ckpt", 1)
+    ckpt = tmp_path / "ckpt"
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in ckpt.rglob("*"))
+    shard = next((ckpt / "step-1").glob("*.distcp"))
+    with model_env(MLP_ENV):
+        for source, out in [
+            (ckpt, shard),
+            (ckpt, ckpt / "latest"),
+            (ckpt / "step-1", ckpt / "latest"),
+            (ckpt, ckpt / "hf"),
+        ]:
+            fmt = ["--format", "hf"] if out.name == "hf" else []
+            assert main(["export", str(source), MLP, "-o", str(out), *fmt]) == 2
+            err = capsys.readouterr().err
+            assert "inside the checkpoint directory" in err and "Traceback" not in err
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in ckpt.rglob("*")) == before

@@ -205,9 +205,12 @@ def train(opts: RunOptions) -> int:
     factory = source.configure_optimizer
     if opts.lr is not None:
         factory = _with_lr(factory, opts.lr)
-    program = parc_compile(
-        spec, source, batch=opts.batch, seed=opts.seed, optimizer=factory, weights=opts.weights
-    )
+    # Compiling has collectives too (materialise's check of every rank's tensors): a peer
+    # that fails there is said as a failed collective, not an internal error.
+    with located(rank=rank, step=None, doing="compiling", timeout=opts.timeout):
+        program = parc_compile(
+            spec, source, batch=opts.batch, seed=opts.seed, optimizer=factory, weights=opts.weights
+        )
     program.skip_nonfinite = opts.skip_nonfinite
     program.clip = opts.clip
     if opts.fault:

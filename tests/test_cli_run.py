@@ -178,6 +178,19 @@ def test_run_prints_the_plans_warnings_once_before_training(tmp_path: Path) -> N
     assert "BatchNorm1d" in done.err and "writes buffer(s) 'calls'" in done.err, done
 
 
+def test_a_rank_failing_while_compiling_leaves_the_others_a_failed_collective(
+    tmp_path: Path,
+) -> None:
+    # Rank 0 waited in a collective of its compile when rank 1's forward raised: rank 0
+    # died as an internal error with a traceback, exit 3 (found by a probe).
+    (tmp_path / "dp2.par").write_text(DP2)
+    model = ROOT / "tests" / "models" / "forward_raises_on_one_rank.py"
+    done = parc("run", "dp2.par", model, "--steps", 1, cwd=tmp_path)
+    assert done.code == 2, done
+    assert "Traceback" not in done.out + done.err and "internal error" not in done.err, done
+    assert "[rank 1] error:" in done.err and "forward failed on rank 1" in done.err, done
+
+
 # ------------------------------------------------------------------ check
 
 ROW = re.compile(r"^\s+(\d+)\s+(-?[\d.]+)\s+(-?[\d.]+)\s+([\d.e+-]+)(  <-- diverges)?$")

@@ -193,6 +193,8 @@ HOST_TENSORS = {
     ("runtime/checkpoint/optim.py", "OptimizerLoad._scalar"): "an optimizer step count: "
     "torch keeps it on the CPU; filled by DCP's reads, not by a collective",
     ("runtime/probes.py", "nudge_outputs.nudge"): "the reference run's noise, one process",
+    ("runtime/schedules.py", "check_lr_followed"): "a probe parameter for the model's "
+    "scheduler before launch, on the launcher's host",
     ("runtime/schedules.py", "check_schedule"): "a probe parameter for the model's "
     "configure_scheduler, in the launcher before any world",
     # A rank's data is made on the host, as a DataLoader's is: Program.step_local moves

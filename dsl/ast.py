@@ -181,6 +181,9 @@ class StageAuto:
 # in the report, and past a few thousand each microbatch is too small to keep a
 # device busy. `grad_accum N` accumulates over more samples without a longer schedule.
 MAX_MICROBATCHES = 4096
+# The most passes a step accumulates: each runs the pipeline once, so a step of more
+# takes hours on any model worth parallelising (and its global batch is no recipe).
+MAX_GRAD_ACCUM = 65536
 
 
 @dataclass(frozen=True, slots=True)

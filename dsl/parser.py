@@ -25,6 +25,7 @@ from lark.exceptions import UnexpectedInput, VisitError
 from lark.tree import Meta
 
 from parc.dsl.ast import (
+    MAX_GRAD_ACCUM,
     MAX_MICROBATCHES,
     Axis,
     Compile,
@@ -294,6 +295,13 @@ class _Builder(Transformer[Token, Any]):
 
     def grad_accum(self, meta: Meta, children: list[Token]) -> GradAccum:
         value = self._integer(children[1], "the number of grad_accum steps", minimum=1)
+        if value > MAX_GRAD_ACCUM:
+            raise self._source.error(
+                f"grad_accum is at most {MAX_GRAD_ACCUM}, got {value}: each of its passes "
+                "runs the whole pipeline once per step",
+                token_span(children[1]),
+                hint="use a larger micro-batch (--batch) or more microbatches instead",
+            )
         return GradAccum(value, _meta_span(meta))
 
     def recompute(self, meta: Meta, children: list[Any]) -> Recompute:

@@ -183,3 +183,10 @@ def test_an_index_of_an_index_is_shown_the_segment_form(text: str) -> None:
     err = _raise(text)
     assert err.hint is not None and "'body.1[*]'" in err.hint
     assert parse_spec("recompute body.1[*]").recomputes  # the form the hint gives parses
+
+
+def test_grad_accum_has_a_bound_as_microbatches_has() -> None:
+    # `grad_accum 99999999999` compiled; `parc check` then died allocating its global batch.
+    err = _raise("mesh dp=2\ngrad_accum 99999999999\n")
+    assert (err.line, err.column) == (2, 12) and "grad_accum is at most 65536" in err.message
+    assert parse_spec("grad_accum 65536\n").grad_accum == 65536

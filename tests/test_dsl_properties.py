@@ -37,7 +37,7 @@ from parc.dsl import (
     Zero,
     parse_spec,
 )
-from parc.dsl.ast import MAX_MICROBATCHES
+from parc.dsl.ast import MAX_GRAD_ACCUM, MAX_MICROBATCHES
 from parc.errors import SpecError
 
 # Thrice the profile's count for the cheap fuzzing tests (ci: 120, under the 200 cap).
@@ -82,7 +82,7 @@ singletons: list[st.SearchStrategy[Statement]] = [
     st.integers(1, MAX_MICROBATCHES).map(Microbatches),  # the language bound (dsl/ast.py)
     st.sampled_from(ScheduleKind).map(Schedule),
     st.integers(0, 3).map(Zero),
-    st.integers(1, 10**6).map(GradAccum),
+    st.integers(1, MAX_GRAD_ACCUM).map(GradAccum),  # the language bound (dsl/ast.py)
 ]
 
 

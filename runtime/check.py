@@ -40,6 +40,7 @@ from parc.compiler.frontend import as_spec
 from parc.compiler.model import ModelSource, default_optimizer, load_model
 from parc.compiler.plan import Plan
 from parc.dsl.ast import Precision, Spec
+from parc.errors import ModelError
 from parc.precision import override_compile, override_precision
 
 from .calibrated_compare import calibrated_compare, twin_unstable
@@ -187,12 +188,41 @@ def _before_launch(
     from parc.compiler.frontend import analyse
 
     analysis = analyse(spec, source, batch=batch)
+    _check_deterministic(source, batch)
     if weights:
         from parc.runtime.hf_weights import check_weights
 
         check_weights(weights, analysis.model)
     opt_class = _check_optimizer(source, optimizer, analysis.plan, lr_schedule)
     return analysis.plan, opt_class
+
+
+def _check_deterministic(source: ModelSource, batch: int) -> None:
+    """Both sides of a check call sample_batch(batch, step) for the same step and must get
+    the same batch: one drawn from the global random stream differs between the calls,
+    and the check would blame parallelism for it."""
+    first, second = source.batch(batch, 0), source.batch(batch, 0)
+    a, b = _tensors(first), _tensors(second)
+    if len(a) == len(b) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b)):
+        return
+    raise ModelError(
+        f"sample_batch({batch}, 0) returned different batches on two calls: parc check "
+        "trains one device and the parallel run on the batches it returns, so they must "
+        "be a function of (batch_size, step)",
+        file=source.path,
+        hint="draw from a generator seeded with the step: "
+        "`g = torch.Generator().manual_seed(step)`, then `torch.randn(..., generator=g)`",
+    )
+
+
+def _tensors(value: Any) -> list[Any]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    if isinstance(value, list | tuple):
+        return [t for v in value for t in _tensors(v)]
+    return []
 
 
 @dataclass(frozen=True, slots=True)

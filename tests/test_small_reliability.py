@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import GPT, MLP
+from helpers import GPT, MLP, parc_main
 
 from parc.cli import main
 from parc.compiler.model import load_model
@@ -194,3 +194,19 @@ def test_an_export_into_the_checkpoint_directory_it_reads_is_refused(
             err = capsys.readouterr().err
             assert "inside the checkpoint directory" in err and "Traceback" not in err
     assert sorted((p.name, p.stat().st_mtime_ns) for p in ckpt.rglob("*")) == before
+
+
+def test_check_refuses_a_sample_batch_drawn_from_the_global_stream(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Each side drew other data: NOT EQUIVALENT, blamed on parallelism (found by a probe).
+    model = tmp_path / "random_data.py"
+    model.write_text(
+        "import torch\nfrom parc.examples.mlp import build_model, loss_fn\n\n\n"
+        "def sample_batch(batch_size, step):\n"
+        "    return torch.randn(batch_size, 32), torch.randint(0, 10, (batch_size,))\n"
+    )
+    code, _ = parc_main(tmp_path, "dp2.par", "mesh dp=2\n", "check", str(model))
+    err = capsys.readouterr().err
+    assert code == 2 and "returned different batches on two calls" in err, err
+    assert "manual_seed(step)" in err and "Traceback" not in err

@@ -389,10 +389,19 @@ def _keyword(statement: Statement) -> str:
 
 
 def _check_statements(statements: Sequence[Statement], source: SourceText) -> None:
-    """Singletons appear once; `stage auto` excludes explicit stages."""
+    """Singletons appear once, and no statement twice; `stage auto` excludes explicit
+    stages."""
     first: dict[type, Statement] = {}
+    said: dict[str, Statement] = {}  # each statement as it prints: `shard fc1 col tp`
     for statement in statements:
         kind = type(statement)
+        again = said.setdefault(str(statement), statement)
+        if again is not statement and kind not in _SINGLETONS:
+            raise source.error(
+                f"'{clip(statement)}' repeats line {again.span.line}",
+                statement.span,
+                hint="keep one of them",
+            )
         if kind in _SINGLETONS and kind in first:
             raise source.error(
                 f"'{_keyword(statement)}' is given twice; the first is on line "

@@ -190,3 +190,13 @@ def test_grad_accum_has_a_bound_as_microbatches_has() -> None:
     err = _raise("mesh dp=2\ngrad_accum 99999999999\n")
     assert (err.line, err.column) == (2, 12) and "grad_accum is at most 65536" in err.message
     assert parse_spec("grad_accum 65536\n").grad_accum == 65536
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["mesh tp=2\nshard a col tp\nshard  a col tp\n", "recompute x\nstage auto\nrecompute x\n"],
+)
+def test_a_statement_given_twice_is_an_error_at_the_second(text: str) -> None:
+    # Accepted silently, although the README says duplicate statements are checked.
+    err = _raise(text)
+    assert err.line == 3 and "repeats line" in err.message and err.hint == "keep one of them"

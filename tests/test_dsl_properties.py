@@ -90,9 +90,10 @@ singletons: list[st.SearchStrategy[Statement]] = [
 def specs(draw: st.DrawFn) -> Spec:
     chosen = [strategy for strategy in singletons if draw(st.booleans())]
     statements: list[Statement] = [draw(strategy) for strategy in chosen]
-    statements += draw(st.lists(shards, max_size=4))
-    statements += draw(st.lists(patterns.map(Recompute), max_size=2))
-    explicit = draw(st.lists(stages, max_size=3))
+    # No statement twice (the parser refuses a repeated one): unique by its printed text.
+    statements += draw(st.lists(shards, max_size=4, unique_by=str))
+    statements += draw(st.lists(patterns.map(Recompute), max_size=2, unique_by=str))
+    explicit = draw(st.lists(stages, max_size=3, unique_by=str))
     statements += explicit
     if not explicit and draw(st.booleans()):
         statements.append(StageAuto())

@@ -11,7 +11,8 @@ Algorithm:
    against pp; `stage auto` is balanced by cost.
 4. Batch: the global batch divides by dp × grad_accum × microbatches.
 5. zero, schedule, recompute, precision (fp32 or bf16; fp16 refused, `reduce bf16`
-   only under bf16); warnings for valid-but-odd choices.
+   only under bf16); warnings for valid-but-odd choices (statements that do
+   nothing under their mesh: compiler/spec_warnings.py).
 """
 
 from __future__ import annotations
@@ -32,11 +33,9 @@ from parc.dsl.ast import (
     Precision,
     PrecisionStmt,
     Reduce,
-    Schedule,
     Shard,
     ShardKind,
     Spec,
-    Zero,
 )
 from parc.errors import PlanError, clip
 
@@ -47,6 +46,7 @@ from .match import match_modules, suffix_warnings
 from .passes.tp_padding import feeds_only_the_loss
 from .passes.tp_sequence_checks import check_sequence_parallel
 from .plan import BatchPlan, MeshPlan, ModuleShard, Plan, PlanWarning
+from .spec_warnings import idle_statements
 from .user_recompute import checkpointed_modules
 
 __all__ = ["check_batch", "match_modules", "resolve"]
@@ -70,8 +70,7 @@ def resolve(spec: Spec, model: torch.nn.Module, gm: torch.fx.GraphModule, *, bat
     # Step 4
     batch_plan = check_batch(spec, batch)
     # Step 5
-    _check_zero(spec, warnings)
-    _check_schedule(spec, warnings)
+    warnings += idle_statements(spec)
     recompute = _resolve_recompute(spec, modules, gm, warnings)
     precision, reduce = resolve_precision(spec)
     plan = Plan(
@@ -346,30 +345,6 @@ def resolve_precision(spec: Spec) -> tuple[Precision, Precision]:
             else "write `reduce fp32` or `reduce bf16`",
         )
     return precision, reduce
-
-
-def _check_zero(spec: Spec, warnings: list[PlanWarning]) -> None:
-    node = spec.statement(Zero)
-    if spec.zero and spec.mesh.size(AXIS_DP) == 1 and node is not None:
-        warnings.append(
-            PlanWarning(
-                f"zero {spec.zero} shards over the dp axis, which has size 1 here: "
-                "nothing is sharded",
-                spec.locate(node.span),
-            )
-        )
-
-
-def _check_schedule(spec: Spec, warnings: list[PlanWarning]) -> None:
-    node = spec.statement(Schedule)
-    if node is not None and spec.mesh.size(AXIS_PP) == 1:
-        warnings.append(
-            PlanWarning(
-                f"`{node}` orders the microbatches of a pipeline, and pp has size 1 "
-                "here: there is no pipeline, so it has no effect",
-                spec.locate(node.span),
-            )
-        )
 
 
 def _resolve_recompute(

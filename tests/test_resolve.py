@@ -659,3 +659,12 @@ def test_a_parameter_a_layer_shares_with_a_module_parc_cannot_shard_names_that_m
     hint = caught.value.hint or ""
     assert "'head' holds it itself and is no layer parc can shard" in hint
     assert "'head.decoder' (and what is tied to it) must stay replicated" in hint
+
+
+def test_shards_over_a_tp_axis_of_size_one_are_warned_about() -> None:
+    # `zero` over dp=1 was warned about, shard lines over tp=1 were not (found by a probe).
+    plan = analyse("mesh dp=2 tp=1\nshard layers.0 col tp\n", EXAMPLES / "mlp.py").plan
+    said = [w for w in plan.warnings if "nothing is split" in w.message]
+    assert len(said) == 1 and said[0].span is not None and said[0].span.line == 2
+    two = analyse("mesh dp=1 tp=2\nshard layers.0 col tp\n", EXAMPLES / "mlp.py").plan
+    assert not [w for w in two.warnings if "nothing is split" in w.message]

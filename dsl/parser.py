@@ -6,7 +6,7 @@
 
 Three steps: the LALR grammar `par.lark` reads the text; `_Builder` turns the
 tree into AST nodes and checks what the grammar leaves open (kinds, schedules,
-integers and their ranges); `_check_statements` checks what spans lines
+integers and their ranges); `statement_checks.check_statements` checks what spans lines
 (statements given twice). Every mistake is a `SpecError` with file, line,
 column and a caret, never a lark exception or a lark terminal name.
 """
@@ -14,7 +14,7 @@ column and a caret, never a lark exception or a lark terminal name.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from enum import Enum
 from functools import cache
 from pathlib import Path
@@ -64,22 +64,10 @@ from parc.dsl.syntax_errors import (
 )
 from parc.errors import SpecError, clip
 
+from .statement_checks import check_statements
+
 __all__ = ["STATEMENT_KEYWORDS", "load_spec", "parse_spec"]
 
-# Statements that may appear once; a second one is an error naming the first.
-_SINGLETONS = (
-    Mesh,
-    Microbatches,
-    Schedule,
-    VirtualStages,
-    Zero,
-    GradAccum,
-    StageAuto,
-    PrecisionStmt,
-    Reduce,
-    SequenceParallel,
-    Compile,
-)
 _MAX_DIGITS = 18  # int() refuses very long digit strings; no real spec needs more
 # Parsing and resolving take ~0.5 ms a line; a real spec has a few dozen lines
 # (`parc plan` writes ~1 KiB), so 256 KiB (~10,000 lines, a few seconds) is plenty.
@@ -111,7 +99,7 @@ def parse_spec(text: str, filename: str = "<spec>") -> Spec:
         if isinstance(err.orig_exc, SpecError):
             raise err.orig_exc from None
         raise
-    _check_statements(statements, source)
+    check_statements(statements, source)
     return Spec(tuple(statements), filename=filename, source=text)
 
 
@@ -379,42 +367,3 @@ class _Builder(Transformer[Token, Any]):
             token_span(token),
             hint=did_you_mean(str(token), allowed),
         )
-
-
-# ---------------------------------------------------------------- across lines
-
-
-def _keyword(statement: Statement) -> str:
-    return "stage auto" if isinstance(statement, StageAuto) else str(statement).split(" ")[0]
-
-
-def _check_statements(statements: Sequence[Statement], source: SourceText) -> None:
-    """Singletons appear once, and no statement twice; `stage auto` excludes explicit
-    stages."""
-    first: dict[type, Statement] = {}
-    said: dict[str, Statement] = {}  # each statement as it prints: `shard fc1 col tp`
-    for statement in statements:
-        kind = type(statement)
-        again = said.setdefault(str(statement), statement)
-        if again is not statement and kind not in _SINGLETONS:
-            raise source.error(
-                f"'{clip(statement)}' repeats line {again.span.line}",
-                statement.span,
-                hint="keep one of them",
-            )
-        if kind in _SINGLETONS and kind in first:
-            raise source.error(
-                f"'{_keyword(statement)}' is given twice; the first is on line "
-                f"{first[kind].span.line}",
-                statement.span,
-                hint="keep one of them",
-            )
-        other = {Stage: StageAuto, StageAuto: Stage}.get(kind)
-        if other is not None and other in first:
-            raise source.error(
-                "'stage auto' cannot be combined with explicit 'stage ... -> N' lines; "
-                f"the other is on line {first[other].span.line}",
-                statement.span,
-                hint="use either 'stage auto' or explicit stage lines",
-            )
-        first.setdefault(kind, statement)

@@ -300,13 +300,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _outside_checkpoints(checkpoint: Path, output: Path) -> None:
-    """Refuse an export into the checkpoint directory it reads (a step directory's parent
-    included): it would overwrite a shard, `latest` or `parc.json`, or mix files into it."""
+    """Refuse an export over the checkpoints it reads: into a step directory (a shard,
+    `parc.json`), onto `latest`, or onto the run's directory itself (an hf export's
+    files mixed into it). A file beside the step directories is fine."""
     root = checkpoint.resolve()
-    if root.name.startswith("step-") and root.parent.is_dir():
+    if root.name.startswith("step-"):
         root = root.parent  # a step directory: its run's directory holds `latest`
     out = output.resolve()
-    if out == root or root in out.parents:
+    steps = [d for d in root.glob("step-*") if d.is_dir()]
+    if out in (root, root / "latest") or any(out == d or d in out.parents for d in steps):
         raise ParcError(
             f"-o {output} is inside the checkpoint directory {checkpoint} that the export "
             "reads: it would overwrite or mix into the run's checkpoints",

@@ -194,7 +194,7 @@ def train(opts: RunOptions) -> int:
     from parc.compiler.plan import MeshPlan
 
     from .mesh import init_world
-    from .run_errors import located
+    from .run_errors import collectives_located, located
     from .schedules import scheduler_for
     from .train_loop import Feed, train_steps
 
@@ -207,7 +207,7 @@ def train(opts: RunOptions) -> int:
         factory = _with_lr(factory, opts.lr)
     # Compiling has collectives too (materialise's check of every rank's tensors): a peer
     # that fails there is said as a failed collective, not an internal error.
-    with located(rank=rank, step=None, doing="compiling", timeout=opts.timeout):
+    with collectives_located(rank=rank, doing="compiling", timeout=opts.timeout):
         program = parc_compile(
             spec, source, batch=opts.batch, seed=opts.seed, optimizer=factory, weights=opts.weights
         )

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from parc import blame
 from parc.errors import ParcError, RuntimeFault
 
-__all__ = ["located"]
+__all__ = ["collectives_located", "located"]
 
 
 @contextlib.contextmanager
@@ -46,6 +46,18 @@ def located(
         if fault is exc:
             raise
         raise fault from exc
+
+
+@contextlib.contextmanager
+def collectives_located(*, rank: int, doing: str, timeout: float) -> Iterator[None]:
+    """As `located`, for a failed collective only (a peer that died while this rank waited
+    in one); anything else propagates as it is, for the caller's own wording."""
+    try:
+        yield
+    except Exception as exc:
+        if not _comm_failure(exc):
+            raise
+        raise _fault(exc, rank, None, doing, timeout, None) from exc
 
 
 def _fault(

@@ -187,13 +187,15 @@ def test_an_export_into_the_checkpoint_directory_it_reads_is_refused(
             (ckpt, shard),
             (ckpt, ckpt / "latest"),
             (ckpt / "step-1", ckpt / "latest"),
-            (ckpt, ckpt / "hf"),
+            (ckpt, ckpt),
         ]:
-            fmt = ["--format", "hf"] if out.name == "hf" else []
+            fmt = ["--format", "hf"] if out == ckpt else []
             assert main(["export", str(source), MLP, "-o", str(out), *fmt]) == 2
             err = capsys.readouterr().err
             assert "inside the checkpoint directory" in err and "Traceback" not in err
     assert sorted((p.name, p.stat().st_mtime_ns) for p in ckpt.rglob("*")) == before
+    with model_env(MLP_ENV):  # a file beside the step directories is fine
+        assert main(["export", str(ckpt), MLP, "-o", str(ckpt / "model.pt")]) == 0
 
 
 def test_check_refuses_a_sample_batch_drawn_from_the_global_stream(

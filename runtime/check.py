@@ -205,10 +205,11 @@ def _check_deterministic(source: ModelSource, batch: int) -> None:
     a, b = _tensors(first), _tensors(second)
     if len(a) == len(b) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b)):
         return
+    call = f"sample_batch({batch}, 0)" if source.sample_batch is not None else "data(ctx)"
     raise ModelError(
-        f"sample_batch({batch}, 0) returned different batches on two calls: parc check "
-        "trains one device and the parallel run on the batches it returns, so they must "
-        "be a function of (batch_size, step)",
+        f"{call} returned different batches on two calls: parc check trains one device "
+        "and the parallel run on the batches it returns, so they must be a function of "
+        "(batch_size, step)",
         file=source.path,
         hint="draw from a generator seeded with the step: "
         "`g = torch.Generator().manual_seed(step)`, then `torch.randn(..., generator=g)`",

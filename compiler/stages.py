@@ -40,6 +40,7 @@ from parc.errors import PlanError
 
 from .cost import node_costs
 from .match import match_modules
+from .passes.tp_rules import METADATA_OPS
 from .schedule_spec import check_pipeline_statements, virtual_per_rank
 from .trace import module_path, node_source
 
@@ -80,9 +81,10 @@ def activation_nodes(gm: torch.fx.GraphModule) -> set[str]:
     return out
 
 
-# What reads a tensor's metadata, not its values (rules as data): getattr names, methods.
+# What reads a tensor's metadata, not its values (rules as data): getattr names, and the
+# calls tensor parallelism's table lists (`tp_rules.METADATA_OPS`) with one more.
 _METADATA_ATTRS = frozenset({"dtype", "shape", "device", "ndim", "requires_grad", "layout"})
-_METADATA_METHODS = frozenset({"size", "dim", "numel", "get_device", "is_floating_point"})
+_METADATA_CALLS = METADATA_OPS | {"is_floating_point"}
 
 
 def _metadata(node: torch.fx.Node) -> bool:
@@ -91,7 +93,8 @@ def _metadata(node: torch.fx.Node) -> bool:
         return False
     if node.op == "call_function" and node.target is getattr:
         return len(node.args) > 1 and node.args[1] in _METADATA_ATTRS
-    return node.op == "call_method" and str(node.target) in _METADATA_METHODS
+    target = str(node.target) if node.op == "call_method" else node.target
+    return node.op in ("call_method", "call_function") and target in _METADATA_CALLS
 
 
 def assign_stages(

@@ -38,6 +38,7 @@ import torch
 
 from parc.compiler.frontend import as_spec
 from parc.compiler.model import ModelSource, default_optimizer, load_model
+from parc.compiler.model_output import leaves
 from parc.compiler.plan import Plan
 from parc.dsl.ast import Precision, Spec
 from parc.errors import ModelError
@@ -202,7 +203,7 @@ def _check_deterministic(source: ModelSource, batch: int) -> None:
     the same batch: one drawn from the global random stream differs between the calls,
     and the check would blame parallelism for it."""
     first, second = source.batch(batch, 0), source.batch(batch, 0)
-    a, b = _tensors(first), _tensors(second)
+    a, b = ([v for _, v in leaves(x) if isinstance(v, torch.Tensor)] for x in (first, second))
     if len(a) == len(b) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b)):
         return
     call = f"sample_batch({batch}, 0)" if source.sample_batch is not None else "data(ctx)"
@@ -214,16 +215,6 @@ def _check_deterministic(source: ModelSource, batch: int) -> None:
         hint="draw from a generator seeded with the step: "
         "`g = torch.Generator().manual_seed(step)`, then `torch.randn(..., generator=g)`",
     )
-
-
-def _tensors(value: Any) -> list[Any]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    if isinstance(value, list | tuple):
-        return [t for v in value for t in _tensors(v)]
-    return []
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,5 @@
-"""The type of a model's optimizer factory: parameters in, a torch optimizer out.
+"""The type of a model's optimizer factory: parameters in, a torch optimizer out, and
+`with_lr`, the factory `parc run --lr` makes of it.
 
 One definition for the compiler's optimizer checks, the runtime's assembly and
 launcher, and the Python API. It imports no torch at run time, so the CLI's
@@ -13,6 +14,18 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["OptimizerFactory"]
+__all__ = ["OptimizerFactory", "with_lr"]
 
 OptimizerFactory = Callable[[Iterable["torch.nn.Parameter"]], "torch.optim.Optimizer"]
+
+
+def with_lr(factory: OptimizerFactory, lr: float) -> OptimizerFactory:
+    """`factory` with every param group's lr set to `lr` (`parc run --lr`)."""
+
+    def make(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        opt = factory(params)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        return opt
+
+    return make

@@ -24,14 +24,12 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from parc.compiler.optimizer_factory import OptimizerFactory
 from parc.errors import ParcError
 
 from .lifeline import release_semaphores
 from .progress import Progress, print_summary
 
 if TYPE_CHECKING:
-    import torch
     from torch.optim.lr_scheduler import LRScheduler
 
     from parc.compiler.data_context import DataContext
@@ -191,6 +189,7 @@ def train(opts: RunOptions) -> int:
     from parc.api import compile as parc_compile
     from parc.compiler.frontend import as_spec
     from parc.compiler.model import load_model
+    from parc.compiler.optimizer_factory import with_lr
     from parc.compiler.plan import MeshPlan
 
     from .mesh import init_world
@@ -204,7 +203,7 @@ def train(opts: RunOptions) -> int:
     source = load_model(opts.model)
     factory = source.configure_optimizer
     if opts.lr is not None:
-        factory = _with_lr(factory, opts.lr)
+        factory = with_lr(factory, opts.lr)
     # Compiling has collectives too (materialise's check of every rank's tensors): a peer
     # that fails there is said as a failed collective, not an internal error.
     with collectives_located(rank=rank, doing="compiling", timeout=opts.timeout):
@@ -283,16 +282,6 @@ def _resume(
 
 def _note(text: str) -> None:
     print(f"parc run: {text}", file=sys.stderr, flush=True)
-
-
-def _with_lr(factory: OptimizerFactory, lr: float) -> OptimizerFactory:
-    def make(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-        opt = factory(params)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        return opt
-
-    return make
 
 
 def exit_hard(code: int = 0) -> None:

@@ -39,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from parc.compiler.optimizer_factory import with_lr
 from parc.errors import ModelError, ParcError
 
 if TYPE_CHECKING:
@@ -303,9 +304,7 @@ def check_lr_followed(source: ModelSource, factory: OptimizerFactory, lr: float)
     import torch
 
     try:
-        opt = factory([torch.nn.Parameter(torch.zeros(2, 3))])
-        for group in opt.param_groups:
-            group["lr"] = lr
+        opt = with_lr(factory, lr)([torch.nn.Parameter(torch.zeros(2, 3))])
         made = hook(opt)
     except Exception:
         return

@@ -189,14 +189,18 @@ def _fx_leaves(
     gm: torch.fx.GraphModule, inputs: Sequence[Any] | None, own_loss: bool
 ) -> list[tuple[Path, Any]]:
     """The traced output's leaves; shapes from one fake forward when there are several,
-    or when one may be the model's own 0-d loss (`own_loss`: forward takes the targets)."""
+    or when one may be the model's own 0-d loss (`own_loss`: forward takes the targets).
+    The fake forward `augmented_writes` ran, when it ran, already gave them theirs."""
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
     if inputs is None or (isinstance(out, torch.fx.Node) and not own_loss):
         return [((), out)]
-    from .saved import profile_forward
+    found = list(leaves(out))
+    nodes = [v for _, v in found if isinstance(v, torch.fx.Node)]
+    if not all(hasattr(n.meta.get("tensor_meta"), "shape") for n in nodes):
+        from .saved import profile_forward
 
-    profile_forward(gm, inputs)
-    return list(leaves(out))
+        profile_forward(gm, inputs)
+    return found
 
 
 def _symbolic(model: torch.nn.Module, inputs: Sequence[Any] | None = None) -> torch.fx.GraphModule:

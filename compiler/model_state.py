@@ -30,7 +30,7 @@ from parc.errors import ModelError, PlanError
 
 from .layout import canonical_names, frozen_params
 from .plan import Plan, PlanWarning
-from .write_rules import WRITE_CALLS
+from .write_rules import WRITE_CALLS, called_module
 
 __all__ = [
     "BATCH_STATISTICS",
@@ -107,18 +107,10 @@ def inplace_writes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
             (node.op == "call_method" and str(target).endswith("_"))
             or (node.op == "call_function" and (target in WRITE_CALLS or mutable or underscored))
             or (node.op in ("call_function", "call_module") and flagged)
-            or (node.op == "call_module" and getattr(_module(gm, node), "inplace", False) is True)
+            or (node.op == "call_module" and getattr(called_module(node), "inplace", False) is True)
         ) and node.args:
             out.append(node)
     return out
-
-
-def _module(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.nn.Module | None:
-    """The module a call_module node calls (nn.ReLU(inplace=True) writes its input)."""
-    try:
-        return gm.get_submodule(str(node.target))
-    except AttributeError:
-        return None
 
 
 def buffer_versions(model: torch.nn.Module) -> dict[str, tuple[int, int]]:

@@ -17,7 +17,14 @@ from typing import Any
 import torch
 import torch.fx
 
-__all__ = ["AUGMENTED_NAMES", "OUT_OF_PLACE_OPS", "WRITE_CALLS", "is_view", "view_chain"]
+__all__ = [
+    "AUGMENTED_NAMES",
+    "OUT_OF_PLACE_OPS",
+    "WRITE_CALLS",
+    "called_module",
+    "is_view",
+    "view_chain",
+]
 
 # Ops whose result may share memory with their input (torch's view ops and their kin).
 # fmt: off
@@ -67,9 +74,7 @@ def is_view(node: torch.fx.Node) -> bool:
     if node.op == "call_method":
         return str(node.target) in _VIEWS
     if node.op == "call_module":
-        owner = node.graph.owning_module
-        module = owner.get_submodule(str(node.target)) if owner is not None else None
-        return isinstance(module, torch.nn.Identity)
+        return isinstance(called_module(node), torch.nn.Identity)
     if node.op != "call_function":
         return False
     if node.target is operator.getitem:
@@ -77,6 +82,15 @@ def is_view(node: torch.fx.Node) -> bool:
     if node.target is getattr:
         return len(node.args) > 1 and node.args[1] in _VIEW_ATTRIBUTES
     return getattr(node.target, "__name__", "") in _VIEWS
+
+
+def called_module(node: torch.fx.Node) -> torch.nn.Module | None:
+    """The module a call_module node calls (None when its graph has no module holding it)."""
+    owner = node.graph.owning_module
+    try:
+        return owner.get_submodule(str(node.target)) if owner is not None else None
+    except AttributeError:
+        return None
 
 
 def _basic(index: object) -> bool:

@@ -48,13 +48,13 @@ from .optimizer_groups import MIXED_HINT, other_groups, param_group_map, sliced_
 from .optimizers import optimizer_warnings
 from .passes.own_loss import count_own_loss, loss_fn_ignored_warnings, mixed_loss_warnings
 from .passes.pipeline_split import annotate_stages
-from .plan import Plan
+from .plan import DeviceKind, Plan
 from .plan_schedule import HandSchedule, check_generated, with_schedule
 from .resolve import check_batch, resolve
 from .saved import SavedTensors, cast_inputs, compute_dtype, profile_forward
 from .trace import trace_model
 
-__all__ = ["Analysis", "analyse", "as_spec", "default_batch"]
+__all__ = ["Analysis", "analyse", "as_spec", "default_batch", "local_device_kind"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +112,7 @@ def analyse(
     strict: bool = False,
     schedule: HandSchedule | None = None,
     deferred: bool = False,
+    target: DeviceKind | None = None,
 ) -> Analysis:
     """Trace, profile one fake forward at the micro-batch size (shapes and saved
     tensors), resolve, analyse tensor parallelism (placements and collectives)
@@ -121,7 +122,10 @@ def analyse(
     `deferred=True` (for `parc.compile`) builds on meta with `record_build` from
     `seed` instead of on `device`: `Analysis.deferred` computes each initial value
     bitwise as the `device="cpu"` build would, and the generator ends where that
-    build leaves it. A build that cannot be deferred raises `CannotDefer`."""
+    build leaves it. A build that cannot be deferred raises `CannotDefer`.
+
+    `target`: what the ranks run on (`Plan.device`), which some schedules depend on;
+    default this machine's kind (CUDA where torch sees a GPU), as `parc run` here."""
     # The front end makes many small, long-lived objects (fx nodes and their
     # metadata); the cyclic collector's full passes over them cost ~1 s for a
     # 48-layer model and free nothing, so it waits until the end.
@@ -129,7 +133,8 @@ def analyse(
     gc.disable()
     try:
         built = _Build(device, seed, deferred)
-        return _analyse(as_spec(spec), model, batch, built, strict, schedule)
+        target = target if target is not None else local_device_kind()
+        return _analyse(as_spec(spec), model, batch, built, strict, schedule, target)
     finally:
         if enabled:
             gc.enable()
@@ -142,6 +147,7 @@ def _analyse(
     how: _Build,
     strict: bool,
     schedule: HandSchedule | None,
+    target: DeviceKind,
 ) -> Analysis:
     source = model if isinstance(model, ModelSource) else load_model(model)
     batch = batch if batch is not None else default_batch(spec)
@@ -167,7 +173,7 @@ def _analyse(
     saved = profile_forward(gm, input_tensors(inputs), spec.precision)
     plan = resolve(spec, built, gm, batch=batch)
     check_frozen(built, plan, spec)
-    plan = dataclasses.replace(plan, capture=_capture_note(gm))
+    plan = dataclasses.replace(plan, capture=_capture_note(gm), device=target)
     if schedule is not None:
         plan = with_schedule(plan, schedule)
     check_generated(plan, spec)
@@ -274,6 +280,11 @@ def _check_module_state_dtypes(gm: torch.fx.GraphModule, compute: torch.dtype | 
                 "floating-point state (e.g. BatchNorm with track_running_stats=False, or "
                 "GroupNorm/LayerNorm)",
             )
+
+
+def local_device_kind() -> DeviceKind:
+    """What `parc run` on this machine runs on: CUDA where torch sees a GPU, else the CPU."""
+    return DeviceKind.CUDA if torch.cuda.is_available() else DeviceKind.CPU
 
 
 def _capture_note(gm: torch.fx.GraphModule) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Collection
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from parc.dsl.ast import AXIS_DP, AXIS_PP, Precision, ScheduleKind, ShardKind
@@ -16,7 +17,26 @@ from parc.errors import SourceSpan
 
 from .schedule_actions import Action
 
-__all__ = ["BatchPlan", "MeshPlan", "ModuleShard", "Plan", "PlanWarning", "compress_names"]
+__all__ = [
+    "BatchPlan",
+    "DeviceKind",
+    "MeshPlan",
+    "ModuleShard",
+    "Plan",
+    "PlanWarning",
+    "compress_names",
+]
+
+
+class DeviceKind(str, Enum):
+    """The kind of device a plan's ranks run on (gloo: the CPU; NCCL: CUDA GPUs). The
+    schedule depends on it where costs differ (`schedule zb1`: plan_schedule.SPLIT_COST)."""
+
+    CPU = "cpu"
+    CUDA = "cuda"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +172,8 @@ class Plan:
     anchored: tuple[str, ...] = ()
     """Stage modules whose name, as a pattern, also matches a deeper module (`l_0` and
     `mlp_0.l_0`): stage lines printed for the user write them from the root (`.l_0`)."""
+    device: DeviceKind = DeviceKind.CUDA
+    """What the ranks run on (`parc.compiler.frontend.analyse`'s `target`)."""
 
     @property
     def mixed(self) -> bool:
@@ -226,6 +248,7 @@ class Plan:
             "reduce": str(self.reduce),
             "sequence_parallel": self.sequence_parallel,
             "compile": self.compiled,
+            "device": str(self.device),
             **(
                 {"hand_schedule": [[str(a) for a in actions] for actions in self.hand_schedule]}
                 if self.hand_schedule

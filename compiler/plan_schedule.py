@@ -13,6 +13,10 @@ after reads the plan's schedule from here:
   hand-written schedule is kept as written);
 - `plan_timeline`: the schedule simulated, for the grid; `plan_bubble`,
   `plan_in_flight`, `rank_held` and `stage_held`: the figures the estimate and the report quote.
+
+`schedule zb1` is generated for the device the ranks run on (``plan.device``): where
+a split backward costs more than a whole one (`SPLIT_COST`), the split is kept only
+where it shortens the step (`parc.compiler.schedule_zero_bubble`).
 """
 
 from __future__ import annotations
@@ -25,19 +29,20 @@ from parc.dsl.ast import Microbatches, ScheduleKind, Spec
 from parc.dsl.ast import Schedule as ScheduleStmt
 from parc.errors import PlanError
 
-from .plan import Plan
+from .plan import DeviceKind, Plan
 from .schedule import (
     Action,
-    ActionKind,
     Schedule,
     ScheduleError,
     Timeline,
     bubble_fraction,
     generate,
-    held_step,
+    held_delta,
     is_lowered,
+    kept_delta,
     lower,
     lower_comms,
+    split_backwards,
     stage_in_flight,
 )
 from .schedule_interleaved import interleaved_bubble
@@ -45,6 +50,7 @@ from .schedule_sim import simulate, validate
 from .schedule_zero_bubble import zb1_bubble
 
 __all__ = [
+    "SPLIT_COST",
     "HandSchedule",
     "check_generated",
     "compute_schedule",
@@ -57,6 +63,13 @@ __all__ = [
     "with_schedule",
 ]
 
+
+SPLIT_COST: Mapping[DeviceKind, float] = {DeviceKind.CPU: 1.37, DeviceKind.CUDA: 1.0}
+"""What a backward split into B and W costs over the whole backward, by device. CPU:
+measured on bench/pp.py's GPT stage (4 blocks, dim 256, one thread per rank): B 11.3 ms +
+W 11.1 ms against 16.4 ms whole; W re-reads activations and output gradients that left
+the cache since B, and autograd is entered once per frontier node. CUDA: not measured
+here (no GPU lent); 1.0, the split adding no arithmetic, so zb1 is ZB-H1 there."""
 
 HandSchedule: TypeAlias = Mapping[int, Sequence[Action | str]]
 """A schedule written by hand: pp rank -> its actions, as `Action`s or text such as ``"2F0"``."""
@@ -98,12 +111,29 @@ def compute_schedule(plan: Plan) -> Schedule:
     """The schedule the plan runs, by pp rank (compute actions, or lowered if written so)."""
     if plan.hand_schedule is not None:
         return {rank: list(actions) for rank, actions in enumerate(plan.hand_schedule)}
-    return generate(plan.schedule, plan.num_stages, plan.microbatches, plan.stage_to_rank)
+    return generate(
+        plan.schedule,
+        plan.num_stages,
+        plan.microbatches,
+        plan.stage_to_rank,
+        split_cost=_split_cost(plan),
+    )
+
+
+def _split_cost(plan: Plan) -> float:
+    """The device's `SPLIT_COST` for `schedule zb1` (the one schedule that splits)."""
+    return SPLIT_COST[plan.device] if plan.schedule is ScheduleKind.ZB1 else 1.0
 
 
 def _lowered(plan: Plan) -> Schedule:
     if plan.hand_schedule is None:
-        return lower(plan.schedule, plan.num_stages, plan.microbatches, plan.stage_to_rank)
+        return lower(
+            plan.schedule,
+            plan.num_stages,
+            plan.microbatches,
+            plan.stage_to_rank,
+            split_cost=_split_cost(plan),
+        )
     schedule = compute_schedule(plan)
     return schedule if is_lowered(schedule) else lower_comms(schedule, plan.stage_to_rank)
 
@@ -134,12 +164,13 @@ def plan_in_flight(plan: Plan) -> tuple[int, ...]:
 def plan_bubble(plan: Plan) -> float:
     """Idle share of the pipeline: (p-1)/(m+p-1) with one stage per rank, interleaved
     1F1B's (p-1)/(V·m+p-1) with V stages per rank, ZB-H1's `zb1_bubble` ((p-1)/(3m+p-1)
-    for m ≥ p, F, B and W alike), else simulated (F and B alike)."""
+    for m ≥ p, F, B and W alike; at the device's `SPLIT_COST`, that of the schedule zb1
+    picks there), else simulated (F and B alike)."""
     p, m = plan.pp, plan.microbatches
     if p == 1:
         return 0.0
     if plan.hand_schedule is None and plan.schedule is ScheduleKind.ZB1:
-        return zb1_bubble(p, m)
+        return zb1_bubble(p, m, split_cost=_split_cost(plan))
     if plan.hand_schedule is None and plan.num_stages == p:
         return (p - 1) / (m + p - 1)
     if plan.hand_schedule is None and plan.schedule is ScheduleKind.INTERLEAVED:
@@ -181,11 +212,10 @@ def _live_bytes(
     schedule: Schedule, actions: Sequence[Action], stored: Sequence[int], kept: Sequence[int]
 ) -> Iterator[list[int]]:
     """Each stage's bytes after each of `actions` (one rank's list of `schedule`)."""
-    step = held_step(schedule)
-    split = step.get(ActionKind.W) is not None
+    split = split_backwards(schedule)
     live = [0] * len(stored)
     for a in actions:
-        live[a.stage] += step.get(a.kind, 0) * stored[a.stage]
-        if split and kept and a.kind in (ActionKind.B, ActionKind.W):
-            live[a.stage] += (1 if a.kind is ActionKind.B else -1) * kept[a.stage]
+        live[a.stage] += held_delta(a, split) * stored[a.stage]
+        if kept:
+            live[a.stage] += kept_delta(a, split) * kept[a.stage]
         yield live

@@ -13,7 +13,7 @@ from parc.dsl.ast import ScheduleKind
 from .estimate import Estimate
 from .ops.collectives import CommKind
 from .plan import Plan, compress_names
-from .plan_schedule import compute_schedule
+from .plan_schedule import SPLIT_COST, compute_schedule
 from .report_memory import (
     buffer_lines,
     host_json,
@@ -26,7 +26,7 @@ from .report_memory import (
     precision_lines,
 )
 from .report_table import MAX_RANK_ROWS, human_bytes, human_count, table
-from .schedule import peak_in_flight
+from .schedule import peak_in_flight, split_backwards
 
 __all__ = [
     "bytes_by_axis",
@@ -214,10 +214,7 @@ def _pipeline_lines(plan: Plan, est: Estimate, grid: str | None) -> list[str]:
     if plan.pp == 1:
         return []
     if plan.hand_schedule is None and plan.schedule is ScheduleKind.ZB1:
-        how = (
-            f"ZB-H1 (T-3m)/T, T=max(3m+p-1, 2m+2p-1) with p={plan.pp}, m={plan.microbatches}, "
-            "F, B and W alike"
-        )
+        how = _zb1_bubble_words(plan)
     elif plan.hand_schedule is None and plan.num_stages == plan.pp:
         how = f"(p-1)/(m+p-1) with p={plan.pp}, m={plan.microbatches}"
     elif plan.hand_schedule is None and plan.schedule is ScheduleKind.INTERLEAVED:
@@ -244,6 +241,23 @@ def _pipeline_lines(plan: Plan, est: Estimate, grid: str | None) -> list[str]:
     if grid:
         lines += ["  " + line for line in grid.splitlines()]
     return lines
+
+
+def _zb1_bubble_words(plan: Plan) -> str:
+    """How the report's zb1 bubble was found: ZB-H1's formula, or (where the device's
+    split costs more than the whole backward) the simulation zb1 picked its split by."""
+    cost = SPLIT_COST[plan.device]
+    if cost <= 1.0:
+        return (
+            f"ZB-H1 (T-3m)/T, T=max(3m+p-1, 2m+2p-1) with p={plan.pp}, m={plan.microbatches}, "
+            "F, B and W alike"
+        )
+    split = len(split_backwards(compute_schedule(plan)))
+    return (
+        f"on {plan.device} a split backward costs {cost:g}× the whole one, so zb1 splits "
+        f"{split} of {plan.num_stages * plan.microbatches} backwards, where that shortens the "
+        f"step; simulated with F 1, a whole backward 2, B and W {cost:g} each"
+    )
 
 
 def format_report(

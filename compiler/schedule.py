@@ -45,15 +45,18 @@ from .schedule_actions import (
     StageMap,
     Timeline,
     Units,
+    bubble_fraction,
     execution_items,
+    held_delta,
     is_lowered,
     is_split,
+    kept_delta,
     lower_comms,
     lower_units,
     num_stages,
     peer_rank,
     peer_stage,
-    releases,
+    split_backwards,
     stage_map,
 )
 from .schedule_grid import format_grid
@@ -74,9 +77,10 @@ __all__ = [
     "format_grid",
     "generate",
     "gpipe",
-    "held_step",
+    "held_delta",
     "is_lowered",
     "is_split",
+    "kept_delta",
     "lower",
     "lower_comms",
     "num_stages",
@@ -84,6 +88,7 @@ __all__ = [
     "peak_in_flight",
     "peer_rank",
     "peer_stage",
+    "split_backwards",
     "stage_in_flight",
 ]
 
@@ -180,6 +185,8 @@ def generate(
     stages: int,
     microbatches: int,
     stage_to_rank: StageMap | None = None,
+    *,
+    split_cost: float = 1.0,
 ) -> Schedule:
     """The compute schedule of `kind` (the `.par` ``schedule`` statement) for these sizes.
 
@@ -214,6 +221,8 @@ def generate(
             rank: [a for unit in rank_units for a in unit] for rank, rank_units in units.items()
         }
     # Step 1
+    if kind is ScheduleKind.ZB1:
+        return zb1(stages, microbatches, split_cost=split_cost)  # one stage per rank
     per_stage = _GENERATORS[ScheduleKind(kind)](stages, microbatches)
     if ranks == tuple(range(stages)):
         return per_stage
@@ -239,7 +248,12 @@ def generate(
 
 
 def lower(
-    kind: ScheduleKind, stages: int, microbatches: int, stage_to_rank: StageMap | None = None
+    kind: ScheduleKind,
+    stages: int,
+    microbatches: int,
+    stage_to_rank: StageMap | None = None,
+    *,
+    split_cost: float = 1.0,
 ) -> Schedule:
     """The generated schedule of `kind` with its comms, as the executor runs it: units
     lowered by `lower_units` where a unit generator applies (interleaved 1F1B over
@@ -251,29 +265,24 @@ def lower(
     ranks = stage_map(stage_to_rank, stages)
     if kind in _UNIT_GENERATORS and ranks != tuple(range(stages)):
         return lower_units(_units(kind, stages, microbatches, ranks), stages)
-    return lower_comms(generate(kind, stages, microbatches, ranks), ranks)
-
-
-def held_step(schedule: Mapping[int, Sequence[Action]]) -> dict[ActionKind, int]:
-    """How each action changes the microbatches a stage holds: +1 at F, -1 at the action
-    that frees them (`releases`: B, or W in a split schedule, whose W reads what B kept)."""
-    return {ActionKind.F: 1, releases(schedule): -1}
+    schedule = generate(kind, stages, microbatches, ranks, split_cost=split_cost)
+    return lower_comms(schedule, ranks)
 
 
 def peak_in_flight(schedule: Mapping[int, Sequence[Action]]) -> dict[int, int]:
-    """Per rank, the most (stage, microbatch) pairs whose F has run and whose B (in a
-    split schedule: W) has not.
+    """Per rank, the most (stage, microbatch) pairs whose F has run and whose B (where
+    the backward is split: W) has not.
 
     This bounds the activations a rank holds: GPipe keeps all m, 1F1B at most
     ``min(stages - stage, m)``, ZB-H1 ``min(stages, m)`` on every rank; a rank with
     several stages counts each stage's.
     """
-    step = held_step(schedule)
+    split = split_backwards(schedule)
     peaks: dict[int, int] = {}
     for rank, actions in schedule.items():
         live = peak = 0
         for a in actions:
-            live += step.get(a.kind, 0)
+            live += held_delta(a, split)
             peak = max(peak, live)
         peaks[rank] = peak
     return peaks
@@ -286,23 +295,11 @@ def stage_in_flight(schedule: Mapping[int, Sequence[Action]], stages: int) -> tu
     >>> stage_in_flight(generate(ScheduleKind.GPIPE, 4, 2, stage_to_rank=(0, 1, 0, 1)), 4)
     (2, 2, 2, 2)
     """
-    step = held_step(schedule)
+    split = split_backwards(schedule)
     peaks = [0] * stages
     live = [0] * stages
     for actions in schedule.values():
         for a in actions:
-            live[a.stage] += step.get(a.kind, 0)
+            live[a.stage] += held_delta(a, split)
             peaks[a.stage] = max(peaks[a.stage], live[a.stage])
     return tuple(peaks)
-
-
-def bubble_fraction(timeline: Timeline) -> float:
-    """Idle share of ranks × makespan in a simulated timeline.
-
-    With equal F and B costs, GPipe and 1F1B both give (p - 1) / (m + p - 1); with equal
-    F, B and W costs ZB-H1 gives `parc.compiler.schedule_zero_bubble.zb1_bubble`.
-    Simulate with ``backward_cost=2`` for the usual B ≈ 2F estimate.
-    """
-    total = len(timeline.slots) * timeline.makespan
-    busy = sum(s.end - s.start for r in timeline.slots for s in timeline.compute(r))
-    return (total - busy) / total if total else 0.0

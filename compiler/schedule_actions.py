@@ -34,16 +34,19 @@ __all__ = [
     "StageMap",
     "Timeline",
     "Units",
+    "bubble_fraction",
     "execution_items",
+    "held_delta",
     "is_lowered",
     "is_split",
+    "kept_delta",
     "lower_comms",
     "lower_units",
     "num_stages",
     "one_at_a_time",
     "peer_rank",
     "peer_stage",
-    "releases",
+    "split_backwards",
     "stage_map",
 ]
 
@@ -152,8 +155,8 @@ class Slot:
     posted at `start` and matched at `end`."""
 
     action: Action
-    start: int
-    end: int
+    start: float
+    end: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,11 +164,23 @@ class Timeline:
     """A simulated run: each rank's actions in execution order, with their times."""
 
     slots: Mapping[int, tuple[Slot, ...]]  # rank -> its slots, compute and comm
-    makespan: int  # time at which the last rank finishes
+    makespan: float  # time at which the last rank finishes
 
     def compute(self, rank: int) -> tuple[Slot, ...]:
         """The F and B slots of `rank`, in time order."""
         return tuple(s for s in self.slots[rank] if s.action.kind.is_compute)
+
+
+def bubble_fraction(timeline: Timeline) -> float:
+    """Idle share of ranks × makespan in a simulated timeline.
+
+    With equal F and B costs, GPipe and 1F1B both give (p - 1) / (m + p - 1); with equal
+    F, B and W costs ZB-H1 gives `parc.compiler.schedule_zero_bubble.zb1_bubble`.
+    Simulate with ``backward_cost=2`` for the usual B ≈ 2F estimate.
+    """
+    total = len(timeline.slots) * timeline.makespan
+    busy = sum(s.end - s.start for r in timeline.slots for s in timeline.compute(r))
+    return (total - busy) / total if total else 0.0
 
 
 def stage_map(stage_to_rank: StageMap | None, stages: int) -> tuple[int, ...]:
@@ -207,14 +222,43 @@ def is_lowered(schedule: Mapping[int, Sequence[Action]]) -> bool:
 
 
 def is_split(schedule: Mapping[int, Sequence[Action]]) -> bool:
-    """Whether the schedule splits its backwards into B and W (a zero-bubble schedule)."""
+    """Whether the schedule splits any backward into B and W (a zero-bubble schedule)."""
     return any(a.kind is ActionKind.W for actions in schedule.values() for a in actions)
 
 
-def releases(schedule: Mapping[int, Sequence[Action]]) -> ActionKind:
-    """The action after which a microbatch's activations on a stage are no longer kept:
-    its W in a split schedule (W reads what B kept), else its B."""
-    return ActionKind.W if is_split(schedule) else ActionKind.B
+def split_backwards(schedule: Mapping[int, Sequence[Action]]) -> frozenset[tuple[int, int]]:
+    """The (stage, microbatch) pairs whose backward is split: those with a W. A B without
+    a W runs the whole backward, weights' gradients included (zb1 keeps the split only
+    where it pays: `parc.compiler.schedule_zero_bubble`)."""
+    return frozenset(
+        (a.stage, a.microbatch)
+        for actions in schedule.values()
+        for a in actions
+        if a.kind is ActionKind.W
+    )
+
+
+def held_delta(action: Action, split: frozenset[tuple[int, int]]) -> int:
+    """How `action` changes the microbatches its stage holds: +1 at F, -1 at the action
+    that frees them (its W where the backward is split, since W reads what B kept; else
+    its B), 0 otherwise. `split`: `split_backwards` of the schedule."""
+    if action.kind is ActionKind.F:
+        return 1
+    if action.kind is ActionKind.W:
+        return -1
+    if action.kind is ActionKind.B:
+        return 0 if (action.stage, action.microbatch) in split else -1
+    return 0
+
+
+def kept_delta(action: Action, split: frozenset[tuple[int, int]]) -> int:
+    """How `action` changes the split backwards whose B has run and whose W has not:
+    +1 at such a B, -1 at its W (what B keeps for W lives in between)."""
+    if action.kind is ActionKind.W:
+        return -1
+    if action.kind is ActionKind.B and (action.stage, action.microbatch) in split:
+        return 1
+    return 0
 
 
 def num_stages(schedule: Mapping[int, Sequence[Action]]) -> int:

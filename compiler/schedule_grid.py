@@ -77,10 +77,12 @@ def format_grid(
 
 
 def _timeline_rows(timeline: Timeline) -> dict[int, list[str]]:
+    """One column per time unit: the grid draws timelines simulated at whole-unit costs."""
     rows = {}
     for rank in timeline.slots:
-        row = ["."] * timeline.makespan
+        row = ["."] * int(timeline.makespan)
         for slot in timeline.compute(rank):
-            row[slot.start : slot.end] = [str(slot.action)] + ["~"] * (slot.end - slot.start - 1)
+            start, end = int(slot.start), int(slot.end)
+            row[start:end] = [str(slot.action)] + ["~"] * (end - start - 1)
         rows[rank] = row
     return rows

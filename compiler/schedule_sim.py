@@ -17,8 +17,9 @@ The rules, which the pipeline executor follows (with later waits, below):
    a send waits for its receive). A batch completes when every op in it is matched.
 5. Time: F takes `forward_cost` units, B `backward_cost`, W `weight_cost` (a split
    backward's weight gradient: it needs only its own B, on its own rank, and moves no
-   data); comms take no time. A batch posted at t completes at the latest of t and its
-   pairs' post times.
+   data); comms take no time. A B without a W runs the whole backward and takes
+   `whole_cost`: by default B + W in a schedule that splits some backwards, else B.
+   A batch posted at t completes at the latest of t and its pairs' post times.
    One exception, for split backwards: the W actions right after a batch run while it is
    in flight (from its post time), since a W reads nothing a transfer brings; the batch
    is waited for before the next F, B or batch, as the executor does.
@@ -76,6 +77,7 @@ from .schedule_actions import (
     lower_comms,
     num_stages,
     peer_stage,
+    split_backwards,
     stage_map,
 )
 from .schedule_channels import Cell, check_placement, fail, pair_channels
@@ -99,9 +101,10 @@ def simulate(
     schedule: _Plan,
     *,
     stage_to_rank: StageMap | None = None,
-    forward_cost: int = 1,
-    backward_cost: int = 1,
-    weight_cost: int = 1,
+    forward_cost: float = 1,
+    backward_cost: float = 1,
+    weight_cost: float = 1,
+    whole_cost: float | None = None,
 ) -> Timeline:
     """Run `schedule` under the rules above and return when each action ran.
 
@@ -114,7 +117,9 @@ def simulate(
     check_placement(schedule, ranks)
     pairs = pair_channels(schedule, ranks)
     costs = {ActionKind.F: forward_cost, ActionKind.B: backward_cost, ActionKind.W: weight_cost}
-    sim = _Simulation(schedule, ranks, pairs, costs)
+    if whole_cost is None:
+        whole_cost = backward_cost + weight_cost if is_split(schedule) else backward_cost
+    sim = _Simulation(schedule, ranks, pairs, costs, whole_cost)
     sim.run()
     if any(sim.items[r][sim.pos[r] :] for r in schedule):
         fail(*sim.deadlock_report(), hint=_HINT_ORDER if sim.buffered else _HINT_DEADLOCK)
@@ -129,24 +134,27 @@ class _Simulation:
     schedule: _Plan
     stage_to_rank: tuple[int, ...]
     pairs: dict[Cell, Cell]
-    costs: dict[ActionKind, int]
+    costs: dict[ActionKind, float]
+    whole: float  # a B without a W: the whole backward
     items: dict[int, list[tuple[int, ...]]] = field(init=False)  # rank -> positions per item
     pos: dict[int, int] = field(init=False)  # rank -> index of its next item
-    clock: dict[int, int] = field(init=False)  # rank -> time it is free
-    posted: dict[Cell, int] = field(default_factory=dict)  # comm op -> time posted
-    finished: dict[Action, int] = field(default_factory=dict)  # compute -> end time
+    clock: dict[int, float] = field(init=False)  # rank -> time it is free
+    posted: dict[Cell, float] = field(default_factory=dict)  # comm op -> time posted
+    finished: dict[Action, float] = field(default_factory=dict)  # compute -> end time
     slots: dict[int, list[Slot]] = field(default_factory=lambda: defaultdict(list))
     buffered: bool = field(init=False)  # a compute schedule: transfers are free (rule 6)
     last: int = field(init=False)  # the last stage
     # rank -> W items run past its posted, unfinished batch, and when they end (rule 2's
     # exception: W runs while the batch is in flight).
     early: dict[int, int] = field(default_factory=lambda: defaultdict(int))
-    early_end: dict[int, int] = field(default_factory=dict)
+    early_end: dict[int, float] = field(default_factory=dict)
+    split: frozenset[tuple[int, int]] = field(init=False)  # `split_backwards`
 
     def __post_init__(self) -> None:
+        self.split = split_backwards(self.schedule)
         self.items = {r: execution_items(actions) for r, actions in self.schedule.items()}
         self.pos = dict.fromkeys(self.schedule, 0)
-        self.clock = dict.fromkeys(self.schedule, 0)
+        self.clock = dict.fromkeys(self.schedule, 0.0)
         self.buffered = not is_lowered(self.schedule)
         self.last = len(self.stage_to_rank) - 1
 
@@ -172,12 +180,17 @@ class _Simulation:
         if upstream is not None and upstream not in self.finished:
             return False
         start = max(self.clock[rank], self.finished.get(upstream, 0) if upstream else 0)
-        end = start + self.costs[action.kind]
+        end = start + self._cost(action)
         self.slots[rank].append(Slot(action, start, end))
         self.finished.setdefault(action, end)
         self.clock[rank] = end
         self.pos[rank] += 1
         return True
+
+    def _cost(self, action: Action) -> float:
+        if action.kind is ActionKind.B and (action.stage, action.microbatch) not in self.split:
+            return self.whole
+        return self.costs[action.kind]
 
     def _batch(self, rank: int, item: tuple[int, ...]) -> bool:
         cells = [(rank, i) for i in item]
@@ -275,9 +288,9 @@ def validate(
     offending cells marked. The checks, in order:
 
     1. Ranks are those of `stage_to_rank` and every action sits on its stage's rank.
-    2. Completeness: one F and one B per (stage, microbatch), and one W each too if the
-       schedule splits its backwards (any W: `is_split`), and, once lowered, exactly the
-       comms `lower_comms` adds; no duplicates, nothing else.
+    2. Completeness: one F and one B per (stage, microbatch), at most one W (a B
+       without a W runs the whole backward: zb1 splits only where it pays), and, once
+       lowered, exactly the comms `lower_comms` adds; no duplicates, nothing else.
     3. Order on each rank: F before B before W, a receive before the compute that needs
        it, a compute before the send that ships its result.
     4. Each channel's sends pair with its receives in order, for the same transfer.
@@ -303,7 +316,7 @@ def validate(
     full = {r: list(schedule.get(r, ())) for r in range(pp)}
     check_placement(full, ranks)
     lowered = is_lowered(full)
-    _check_complete(full, ranks, microbatches, lowered, is_split(full))
+    _check_complete(full, ranks, microbatches, lowered)
     _check_local_order(full)
     simulate(full, stage_to_rank=ranks)
     if lowered or stages == 1:
@@ -323,10 +336,11 @@ _OPPOSITE = {
 
 
 def _check_complete(
-    schedule: _Plan, stage_to_rank: tuple[int, ...], microbatches: int, lowered: bool, split: bool
+    schedule: _Plan, stage_to_rank: tuple[int, ...], microbatches: int, lowered: bool
 ) -> None:
-    # The set of actions: one F and one B (and W) per (stage, microbatch), and their comms.
-    kinds = (ActionKind.F, ActionKind.B) + ((ActionKind.W,) if split else ())
+    # The set of actions: one F and one B per (stage, microbatch), and their comms; a W
+    # may follow any B (`allowed`).
+    kinds = (ActionKind.F, ActionKind.B)
     every = {
         s: [Action(s, k, m) for k in kinds for m in range(microbatches)]
         for s in range(len(stage_to_rank))
@@ -334,10 +348,12 @@ def _check_complete(
     expected = {
         a for actions in (lower_comms(every) if lowered else every).values() for a in actions
     }
+    weights = {Action(a.stage, ActionKind.W, a.microbatch) for a in expected if a.kind.is_compute}
+    allowed = expected | weights
     seen: dict[Action, int] = {}
     for rank, actions in schedule.items():
         for i, a in enumerate(actions):
-            if a not in expected:
+            if a not in allowed:
                 fail(
                     f"unexpected {a} on rank {rank}: {_why_unexpected(a, microbatches)}",
                     schedule,
@@ -354,9 +370,7 @@ def _check_complete(
     if missing:
         a, more = missing[0], f" ({len(missing) - 1} more missing)" if len(missing) > 1 else ""
         if a.kind.is_compute:
-            why = "every microbatch needs one F and one B on every stage" + (
-                ", and one W after its B since the schedule splits its backwards" if split else ""
-            )
+            why = "every microbatch needs one F and one B on every stage"
         else:
             pair = Action(peer_stage(a), _OPPOSITE[a.kind], a.microbatch)
             why = f"so {pair} has no matching {'receive' if pair.kind.is_send else 'send'}"

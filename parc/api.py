@@ -37,6 +37,7 @@ from parc.compiler.layout import DEFAULT_BUCKET_ELEMS
 from parc.compiler.model import ModelSource, load_model
 from parc.compiler.optimizer_factory import OptimizerFactory
 from parc.compiler.optimizer_groups import param_group_map
+from parc.compiler.plan import DeviceKind
 from parc.compiler.plan_schedule import HandSchedule
 from parc.compiler.rank_program import RankProgram, compile_rank
 from parc.dsl.ast import AXIS_DP, AXIS_PP, Precision, Spec
@@ -92,7 +93,14 @@ def compile(
     spec = override_compile(override_precision(as_spec(spec), precision).spec, compiled)
     device = device or device_for_rank()
     factory = optimizer or source.configure_optimizer
-    options = {"batch": batch, "seed": seed, "strict": strict, "schedule": schedule}
+    options = {
+        "batch": batch,
+        "seed": seed,
+        "strict": strict,
+        "schedule": schedule,
+        # zb1's split depends on the device (compiler/plan_schedule.py SPLIT_COST)
+        "target": DeviceKind.CUDA if device.type == "cuda" else DeviceKind.CPU,
+    }
     build = (spec, source, options, bucket_elems, factory)
     try:
         comm, program, source = _deferred(*build, device, weights)

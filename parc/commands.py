@@ -26,11 +26,14 @@ EXIT_OK, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
 def cmd_compile(args: argparse.Namespace) -> int:
     from parc.compiler.frontend import analyse
     from parc.compiler.output import write_outputs
+    from parc.compiler.plan import DeviceKind
     from parc.compiler.report import format_report, report_json
 
     cluster = _cluster(args.cluster)
     spec = _spec(args, quiet=False)
-    analysis = analyse(spec, args.model, batch=args.batch, strict=args.strict)
+    # A cluster's GPUs run the plan priced for them; else what `parc run` here runs on.
+    target = DeviceKind.CUDA if cluster is not None else None
+    analysis = analyse(spec, args.model, batch=args.batch, strict=args.strict, target=target)
     if args.output:
         write_outputs(analysis, Path(args.output))
         _write_rank_code(analysis, Path(args.output))

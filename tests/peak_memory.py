@@ -215,17 +215,20 @@ def second_step(
     batch: int,
     bucket_elems: int,
     live_type: type[LiveBytes] = LiveBytes,
+    schedule: Any = None,
 ) -> Iterator[tuple[LiveBytes, Callable[[], Any]]]:
     """Compile `spec_text` on one rank and run its first step; yield a `live_type` counter
     (resident state, the sync's buckets and the saved tensors tagged; the parameters,
     buffers and batch ignored) and the call that runs the second step, inside the model's
-    environment."""
+    environment. `schedule`: a hand-written one (parc.compile's `schedule`)."""
     from parc.api import compile as parc_compile
     from parc.compiler.model import load_model
 
     with model_env(env):
         source = load_model(model)
-        program = parc_compile(spec_text, source, batch=batch, bucket_elems=bucket_elems)
+        program = parc_compile(
+            spec_text, source, batch=batch, bucket_elems=bucket_elems, schedule=schedule
+        )
         program.step(*source.batch(batch, 0))
         xs, ys = source.batch(batch, 1)
         batch_tensors = list(xs) if isinstance(xs, tuple | list) else [xs]

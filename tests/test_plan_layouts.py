@@ -28,6 +28,7 @@ from helpers import LLAMA
 
 from parc.compiler.frontend import analyse
 from parc.compiler.loss_memory import peaks_with_loss
+from parc.compiler.plan import DeviceKind
 from parc.compiler.planner import parse_cluster, plan_model
 from parc.compiler.planner.candidate import Candidate
 from parc.compiler.planner.evaluate import evaluate, profile_of, stage_sums
@@ -141,7 +142,8 @@ def test_a_planned_layout_compiles_to_the_planners_estimate(
     spec = tmp_path / "planned.par"
     spec.write_text(planned.spec_text(ev))
     with model_env(ENV):
-        a = analyse(spec, LLAMA, batch=BATCH)
+        # The planner plans GPUs: zb1 is ZB-H1 there (plan_schedule.SPLIT_COST).
+        a = analyse(spec, LLAMA, batch=BATCH, target=DeviceKind.CUDA)
     assert a.estimate.bubble == pytest.approx(ev.bubble, abs=1e-12), spec.read_text()
     assert a.plan.num_stages == ev.candidate.pp * ev.candidate.virtual
     assert (a.estimate.loss is not None and a.estimate.loss.parallel) == ev.candidate.vocab

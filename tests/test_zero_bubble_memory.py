@@ -25,6 +25,7 @@ from parc.compiler.frontend import analyse
 from parc.compiler.plan import Plan
 from parc.compiler.plan_schedule import stage_held
 from parc.compiler.report import format_report, human_bytes
+from parc.compiler.schedule_zero_bubble import zb1 as zb_h1
 from parc.compiler.zb_memory import kept_until_w
 from parc.runtime.equivalence import model_env
 
@@ -94,13 +95,15 @@ def _tag_kept(live: _KeptBytes) -> Any:
     return original
 
 
-def measure_kept(spec: str, model: str, env: dict[str, str]) -> dict[str, Any]:
+def measure_kept(
+    spec: str, model: str, env: dict[str, str], schedule: Any = None
+) -> dict[str, Any]:
     """One rank: the modeled peak of the second step (with `kept`) and each tag's peak."""
     import torch.distributed as dist
 
     from parc.runtime.pipeline import executor
 
-    with second_step(spec, model, env, BATCH, BUCKET, _KeptBytes) as (live, step):
+    with second_step(spec, model, env, BATCH, BUCKET, _KeptBytes, schedule) as (live, step):
         original = _tag_kept(cast(_KeptBytes, live))
         try:
             with live:
@@ -112,34 +115,50 @@ def measure_kept(spec: str, model: str, env: dict[str, str]) -> dict[str, Any]:
             "left": left}  # fmt: skip
 
 
-def _estimate(spec: str, model: str, env: dict[str, str]) -> Estimate:
+def _estimate(spec: str, model: str, env: dict[str, str], schedule: Any = None) -> Estimate:
     with model_env(env):
-        a = analyse(spec, model, batch=BATCH)
+        a = analyse(spec, model, batch=BATCH, schedule=schedule)
     return estimate(
         a.plan, a.gm, a.model, a.saved, bucket_elems=BUCKET, memory=a.estimate.memory_model
     )
 
 
-def _kept_alone(spec: str, model: str, env: dict[str, str]) -> tuple[int, ...]:
+def _kept_alone(
+    spec: str, model: str, env: dict[str, str], schedule: Any = None
+) -> tuple[int, ...]:
     """Per pp rank, the estimate's kept gradients at their own peak along the schedule."""
     with model_env(env):
-        a = analyse(spec, model, batch=BATCH)
+        a = analyse(spec, model, batch=BATCH, schedule=schedule)
     kept = kept_until_w(a.plan, a.gm)
     return stage_held(a.plan, [0] * a.plan.num_stages, kept)
 
 
+# ZB-H1 as a hand-written schedule (every backward split, as on a GPU), and zb1 as it
+# runs on these CPU ranks: rank 0's backwards whole, rank 1's last split
+# (tests/test_zero_bubble_costed.py).
+SPLITS = [
+    pytest.param(
+        {r: [str(a) for a in acts] for r, acts in zb_h1(2, 4).items()}, (1, 1), id="zb-h1"
+    ),
+    pytest.param(None, (0, 1), id="cpu"),
+]
+
+
+@pytest.mark.parametrize(("schedule", "splits"), SPLITS)
 @pytest.mark.parametrize(("model", "env"), MODELS)
 def test_zb1_prices_the_gradients_b_keeps_for_w(
-    gloo_pool: Any, model: str, env: dict[str, str]
+    gloo_pool: Any, model: str, env: dict[str, str], schedule: Any, splits: tuple[int, int]
 ) -> None:
     spec = _spec("zb1")
-    est = _estimate(spec, model, env)
-    kept = _kept_alone(spec, model, env)
-    ranks = gloo_pool(2).run(measure_kept, spec, model, env)
+    est = _estimate(spec, model, env, schedule)
+    kept = _kept_alone(spec, model, env, schedule)
+    ranks = gloo_pool(2).run(measure_kept, spec, model, env, schedule)
     for got in ranks:
         r, mem = got["rank"], est.memory[got["rank"]]
-        # Exact: each kept gradient is one storage of the op output's shape and dtype.
-        assert got["peaks"]["kept"] == kept[r] > 0, (got, kept)
+        # Exact: each kept gradient is one storage of the op output's shape and dtype;
+        # nothing kept on a rank whose backwards all run whole.
+        assert got["peaks"]["kept"] == kept[r], (got, kept)
+        assert (kept[r] > 0) == bool(splits[r]), kept
         # What the estimate adds above the saved activations × in-flight is those bytes
         # (one stage per rank, so the kept peak and the activations' peak coincide);
         # without step 5 of compiler/activations.py this is 0.

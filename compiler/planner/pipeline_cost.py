@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from parc.dsl.ast import ScheduleKind
 
-from ..schedule import ActionKind, generate, held_step
+from ..schedule import generate, held_delta, kept_delta, split_backwards
 from ..schedule_interleaved import interleaved_bubble
 from ..schedule_zero_bubble import zb1_bubble
 
@@ -111,17 +111,12 @@ def _walk(
     bytes, ±1 of what B keeps for W: +1 at a B and −1 at a W of a split schedule)."""
     stages = pp * virtual
     schedule = generate(kind, stages, microbatches, tuple(s % pp for s in range(stages)))
-    step = held_step(schedule)
-    split = ActionKind.W in step
-    kept = {ActionKind.B: 1, ActionKind.W: -1} if split else {}
-    return tuple(
-        tuple(
-            (a.stage, step.get(a.kind, 0), kept.get(a.kind, 0))
-            for a in schedule[r]
-            if step.get(a.kind, 0) or kept.get(a.kind, 0)
-        )
+    split = split_backwards(schedule)
+    events = [
+        [(a.stage, held_delta(a, split), kept_delta(a, split)) for a in schedule[r]]
         for r in range(pp)
-    )
+    ]
+    return tuple(tuple(e for e in rank if e[1] or e[2]) for rank in events)
 
 
 def schedules_for(

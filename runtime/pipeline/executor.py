@@ -18,11 +18,12 @@ and keeps the unscaled loss on the device (no host sync per microbatch: the
 Program reads the step's losses once, in its global loss reduction).
 Backward: the last stage calls `backward` on its scaled loss, the others on
 their sent tensors with the gradients received for them; the gradients of the
-received tensors are sent back. In a split schedule (zero bubble: W actions)
-B computes only those input gradients and W, later, the weight gradients
-(`parc.runtime.pipeline.backward_split`, read off the autograd graph); the
-gradient sync is armed before the rank's last W then, where the weights'
-gradients of the step's last microbatches accumulate, instead of its last B.
+received tensors are sent back. Where the backward is split (zero bubble: the
+microbatch has a W on that stage) B computes only those input gradients and W,
+later, the weight gradients (`parc.runtime.pipeline.backward_split`, read off the
+autograd graph); a B without a W is the whole backward. The gradient sync is armed
+before the last action the weights' gradients accumulate at: the rank's last W, or
+B without a W.
 A sent tensor is its boundary's contract (the receiver allocated that shape and
 dtype): a floating value computed in another floating dtype is cast to it inside
 autograd, any other difference raises (`_as_contract`).
@@ -47,8 +48,10 @@ from parc.compiler.schedule_actions import (
     Action,
     ActionKind,
     execution_items,
+    held_delta,
     one_at_a_time,
     peer_stage,
+    split_backwards,
 )
 from parc.dsl.ast import AXIS_PP
 from parc.errors import RuntimeFault
@@ -179,7 +182,7 @@ class StageExecutor:
                     self.before_last_backward()
                 if first.kind is ActionKind.W:
                     self._weights(state)
-                elif split:
+                elif (first.stage, first.microbatch) in split:
                     self._backward_input(state)
                 else:
                     self._backward(state)
@@ -306,16 +309,19 @@ class _Order:
 
     actions: Sequence[Action]
     items: tuple[tuple[int, ...], ...]  # `execution_items`
-    split: bool  # a split backward (W actions)
-    # The position of the last action the weights' gradients accumulate at (B, or W in a
-    # split schedule): the sync is armed before it (earlier gradient hooks must not reduce).
+    split: frozenset[tuple[int, int]]  # (stage, microbatch) of the split backwards (a W)
+    # The position of the last action the weights' gradients accumulate at (a W, or a B
+    # without one: the whole backward): the sync is armed before it (earlier gradient
+    # hooks must not reduce).
     last: int
 
     @classmethod
     def of(cls, actions: Sequence[Action]) -> _Order:
-        split = any(a.kind is ActionKind.W for a in actions)
-        accumulates = ActionKind.W if split else ActionKind.B
-        last = max((i for i, a in enumerate(actions) if a.kind is accumulates), default=-1)
+        split = split_backwards({0: list(actions)})
+        last = max(
+            (i for i, a in enumerate(actions) if held_delta(a, split) < 0),
+            default=-1,
+        )
         return cls(actions, tuple(execution_items(actions)), split, last)
 
 

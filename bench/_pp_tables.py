@@ -32,14 +32,26 @@ NATIVE_NAME = {
 }
 
 
-def analytic_bubble(schedule: Schedule, p: int = WORLD, m: int = MICROBATCHES) -> float:
-    """The idle fraction with equal stage times: GPipe's and 1F1B's (p−1)/(m+p−1); zb1's
-    ZB-H1 figure with F, B and W alike ((p−1)/(3m+p−1) for m ≥ p)."""
-    if schedule is Schedule.ZB1:
-        from parc.compiler.schedule_zero_bubble import zb1_bubble
+def analytic_bubble(
+    schedule: Schedule, side: str = "", p: int = WORLD, m: int = MICROBATCHES
+) -> float:
+    """The idle fraction with equal stage times: GPipe's and 1F1B's (p−1)/(m+p−1). Zero
+    bubble at the CPU's split cost (compiler/plan_schedule.py SPLIT_COST: F 1, a whole
+    backward 2, B and W 1.37 each): parc's zb1 as it picks its split there, native's
+    ZB-H1 (every backward split); without a side, ZB-H1 with F, B and W alike."""
+    if schedule is not Schedule.ZB1:
+        return (p - 1) / (m + p - 1)
+    from parc.compiler.plan import DeviceKind
+    from parc.compiler.plan_schedule import SPLIT_COST
+    from parc.compiler.schedule import bubble_fraction
+    from parc.compiler.schedule_zero_bubble import costed_timeline, zb1, zb1_bubble
 
-        return zb1_bubble(p, m)
-    return (p - 1) / (m + p - 1)
+    cost = SPLIT_COST[DeviceKind.CPU]
+    if side == "parc":
+        return zb1_bubble(p, m, split_cost=cost)
+    if side == "native":
+        return bubble_fraction(costed_timeline(zb1(p, m), cost))
+    return zb1_bubble(p, m)
 
 
 def sides(schedules: tuple[Schedule, ...]) -> list[tuple[str, str, Schedule]]:
@@ -115,7 +127,7 @@ def outside_schedule(rank: dict[str, Any], name: str) -> float:
 
 def idle_table(ranks: list[dict[str, Any]], schedules: tuple[Schedule, ...]) -> str:
     rows = []
-    for name, _side, schedule in sides(schedules):
+    for name, side, schedule in sides(schedules):
         step, window = idle(ranks, name, "wall"), idle(ranks, name, "span")
         busy = [median(r[name]["busy"][WARMUP:]) for r in ranks]
         tail = [outside_schedule(r, name) for r in ranks]
@@ -128,7 +140,7 @@ def idle_table(ranks: list[dict[str, Any]], schedules: tuple[Schedule, ...]) -> 
                 f"{sum(step) / len(step):.1%}",
                 " / ".join(f"{x:.1%}" for x in window),
                 f"{sum(window) / len(window):.1%}",
-                f"{analytic_bubble(schedule):.1%}",
+                f"{analytic_bubble(schedule, side):.1%}",
             ]
         )
     header = [
@@ -162,7 +174,7 @@ def own_table(ranks: list[dict[str, Any]], schedules: tuple[Schedule, ...]) -> s
                 f"{median(mine) / median(one):.2f}",
                 f"{median(a / b for a, b in zip(mine, one)):.2f}",
                 " vs ".join(f"{sum(x) / len(x):.1%}" for x in idles),
-                f"{analytic_bubble(zb):.1%} vs {analytic_bubble(base):.1%}",
+                f"{analytic_bubble(zb, side):.1%} vs {analytic_bubble(base, side):.1%}",
             ]
         )
     header = [

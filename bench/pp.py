@@ -41,8 +41,11 @@ Idle fraction: in each rank the compute actions are timed (parc: the executor's
 per rank and step, over the rank's whole step (optimizer step and loss
 all-reduce included) and over the pipeline's span (the longest of the ranks'
 schedules: parc's `executor.run`, native's `schedule.step`), the figure to set
-next to the analytic bubble (p−1)/(m+p−1), for zb1 ZB-H1's with F, B and W alike
-(`parc.compiler.schedule_zero_bubble.zb1_bubble`).
+next to the analytic bubble (p−1)/(m+p−1). For zero bubble, the simulated idle at
+the CPU's split cost (compiler/plan_schedule.py SPLIT_COST: B and W 1.37 each
+against a whole backward's 2, F 1): of the schedule parc's zb1 runs here (it keeps
+the split only where it shortens the step: compiler/schedule_zero_bubble.py) and of
+ZB-H1, every backward split, which the native schedule runs.
 """
 
 from __future__ import annotations
@@ -338,8 +341,15 @@ def main(schedules: tuple[Schedule, ...] = SCHEDULES) -> str:
             " − schedule*: the rest of a rank's step (batch slicing, gradient checks, the "
             "optimizer step, the loss all-reduce and waiting in it for the other rank).",
             idle_table(ranks, schedules),
-            "Zero bubble against 1F1B, each side against its own (analytic bubbles with "
-            "F, B and W alike; zb1 (T−3m)/T, T = max(3m+p−1, 2m+2p−1)):",
+            "parc's `schedule zb1` on these CPU ranks keeps the split only where it shortens "
+            "the step (compiler/schedule_zero_bubble.py): a backward split into B and W costs "
+            "1.37× the whole one here (compiler/plan_schedule.py SPLIT_COST), so of ZB-H1's "
+            f"{WORLD * MICROBATCHES} split backwards it keeps the last stage's last one, the "
+            "one the other rank's last backward waits for, and runs the others whole; the "
+            "native schedule splits every backward. Analytic bubbles for zero bubble: each "
+            "side's schedule simulated at those costs (F 1, a whole backward 2, B and W 1.37 "
+            "each); ZB-H1 with F, B and W alike would be 7.7%.",
+            "Zero bubble against 1F1B, each side against its own:",
             own_table(ranks, schedules),
             "Reproduce: `OMP_NUM_THREADS=1 .venv/bin/python bench/pp.py`; "
             "`... bench/pp.py --profile gpipe|1f1b|zb1` prints a cProfile of both sides per "

@@ -65,7 +65,7 @@ from .schedule_actions import (
 )
 from .schedule_sim import simulate
 
-__all__ = ["zb1", "zb1_bubble"]
+__all__ = ["costed_timeline", "zb1", "zb1_bubble"]
 
 
 def zb1(stages: int, microbatches: int, *, split_cost: float = 1.0) -> Schedule:
@@ -75,10 +75,10 @@ def zb1(stages: int, microbatches: int, *, split_cost: float = 1.0) -> Schedule:
     full = _zb_h1(stages, microbatches)
     if split_cost <= 1.0 or stages == 1:
         return full
-    best, shortest = full, _costed(full, split_cost).makespan
+    best, shortest = full, costed_timeline(full, split_cost).makespan
     for k in _ks(microbatches):
         candidate = _split_last(full, k, microbatches)
-        makespan = _costed(candidate, split_cost).makespan
+        makespan = costed_timeline(candidate, split_cost).makespan
         if makespan < shortest - 1e-9:
             best, shortest = candidate, makespan
     return best
@@ -103,7 +103,7 @@ def _split_last(full: Schedule, k: int, microbatches: int) -> Schedule:
     }
 
 
-def _costed(schedule: Schedule, split_cost: float) -> Timeline:
+def costed_timeline(schedule: Schedule, split_cost: float) -> Timeline:
     """`schedule`, lowered, simulated with F = 1, a whole backward 2, B and W split_cost."""
     return simulate(
         lower_comms(schedule),
@@ -151,6 +151,6 @@ def zb1_bubble(stages: int, microbatches: int, *, split_cost: float = 1.0) -> fl
     """
     p, m = stages, microbatches
     if split_cost > 1.0 and p > 1:
-        return bubble_fraction(_costed(zb1(p, m, split_cost=split_cost), split_cost))
+        return bubble_fraction(costed_timeline(zb1(p, m, split_cost=split_cost), split_cost))
     makespan = max(3 * m + p - 1, 2 * m + 2 * p - 1)
     return (makespan - 3 * m) / makespan

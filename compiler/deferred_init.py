@@ -50,7 +50,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from parc.blame import Owner, where
-from parc.errors import ModelError, ParcError
+from parc.errors import ModelError, ParcError, first_line
 
 from .deferred_record import (
     Const,
@@ -198,7 +198,7 @@ def record_build(build: Callable[[], nn.Module], seed: int) -> DeferredModel:
     except Exception as exc:
         frame = where(exc)
         at = f"\n  at {frame}" if frame is not None and frame.owner is Owner.USER else ""
-        text = (str(exc).strip().splitlines() or [""])[0]
+        text = first_line(exc)
         raise CannotDefer(
             f"build_model() raised {type(exc).__name__} on the meta device: {text}{at}",
             file=file,

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from parc.errors import ModelError
+from parc.errors import ModelError, first_line
 
 from .data_context import DataContext, epoch_batches
 from .default_loss import DefaultLoss
@@ -171,7 +171,9 @@ class ModelSource:
     def _error_in(self, call: str, exc: BaseException) -> ModelError:
         where = _user_frame(exc, self.path)
         at = f" at {where}" if where else ""
-        return ModelError(f"{call} raised {type(exc).__name__}: {exc}{at}", file=self.path)
+        return ModelError(
+            f"{call} raised {type(exc).__name__}: {first_line(exc)}{at}", file=self.path
+        )
 
 
 @contextlib.contextmanager
@@ -242,7 +244,7 @@ def _import_file(path: Path) -> ModuleType:
         del sys.modules[name]
         where = _user_frame(exc, resolved)
         raise ModelError(
-            f"importing the model file raised {type(exc).__name__}: {exc}"
+            f"importing the model file raised {type(exc).__name__}: {first_line(exc)}"
             + (f" at {where}" if where else ""),
             file=str(path),
             hint="parc imports the model file as Python; it must import without errors",

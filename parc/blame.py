@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from parc.errors import ModelError, ParcError
+from parc.errors import ModelError, ParcError, first_line
 
 __all__ = [
     "Frame",
@@ -97,7 +97,7 @@ def raised_by_user(exc: BaseException) -> Frame | None:
 
 def user_error(exc: BaseException, frame: Frame) -> ModelError:
     """`exc`, raised in the user's code at `frame` (see `raised_by_user`), as a ModelError."""
-    text = (str(exc).strip().splitlines() or [""])[0]
+    text = first_line(exc)
     return ModelError(
         f"{frame.function} raised {type(exc).__name__}: {text}\n  at {frame}",
         file=frame.file,
@@ -125,7 +125,7 @@ def user_code(
     except Exception as exc:
         frame = where(exc)
         at = f"\n  at {frame}" if frame is not None and frame.owner is not Owner.PARC else ""
-        text = (str(exc).strip().splitlines() or [""])[0]
+        text = first_line(exc)
         when = f" at step {step}" if step is not None else ""
         raise ModelError(
             f"{call} raised {type(exc).__name__}{when}: {text}{at}",

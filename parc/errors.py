@@ -27,6 +27,7 @@ __all__ = [
     "SourceSpan",
     "SpecError",
     "clip",
+    "first_line",
     "format_caret",
 ]
 
@@ -55,6 +56,12 @@ def clip(text: object, limit: int = CLIP) -> str:
     """`text` as a message quotes it: at most `limit` characters, "…" for the rest."""
     shown = str(text)
     return shown if len(shown) <= limit else shown[: limit - 1] + "…"
+
+
+def first_line(exc: BaseException) -> str:
+    """What a message quotes of an exception raised in the user's code: its first line
+    (torch's C++ errors go on with "Exception raised from ..." and a stack of frames)."""
+    return (str(exc).strip().splitlines() or [""])[0]
 
 
 def _shown_at(text: str, column: int) -> int:

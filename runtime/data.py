@@ -36,7 +36,7 @@ from parc.compiler.data_context import DataContext, epoch_batches
 from parc.compiler.model import BatchSignature, TensorKind, check_pair
 from parc.compiler.model_output import input_tensors
 from parc.dsl.ast import AXIS_DP
-from parc.errors import ModelError, ParcError
+from parc.errors import ModelError, ParcError, first_line
 
 from .parts import ProgramParts
 
@@ -166,7 +166,8 @@ class DataStream:
             raise
         except Exception as exc:
             raise ModelError(
-                f"{_CALL} raised {type(exc).__name__}: {exc} (epoch {epoch})", file=self.path
+                f"{_CALL} raised {type(exc).__name__}: {first_line(exc)} (epoch {epoch})",
+                file=self.path,
             ) from exc
 
     def _skip(self, count: int) -> None:

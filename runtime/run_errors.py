@@ -23,7 +23,7 @@ import contextlib
 from collections.abc import Iterator
 
 from parc import blame
-from parc.errors import ParcError, RuntimeFault
+from parc.errors import ParcError, RuntimeFault, first_line
 
 __all__ = ["collectives_located", "located"]
 
@@ -67,7 +67,7 @@ def _fault(
         exc.rank, exc.step = rank, exc.step if exc.step is not None else step
     if isinstance(exc, ParcError):
         return exc
-    text = (str(exc).strip().splitlines() or [""])[0]
+    text = first_line(exc)
     if _comm_failure(exc):
         return RuntimeFault(
             f"a collective failed: {_strip_source(text)}",

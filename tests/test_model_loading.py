@@ -210,6 +210,23 @@ def test_a_binary_file_is_no_python_file(tmp_path: Path) -> None:
     assert "is not a Python file" in str(info.value) and "None" not in str(info.value)
 
 
+def test_a_torch_error_is_quoted_without_its_cpp_stack(tmp_path: Path) -> None:
+    # `--batch 1e20`'s overflow in torch.randint showed torch's "Exception raised from
+    # ..." and 16 C++ frames.
+    path = tmp_path / "model.py"
+    path.write_text(
+        "import torch\n\n\ndef build_model():\n    return torch.nn.Linear(2, 2)\n\n\n"
+        "def sample_batch(b, step):\n"
+        "    return torch.randint(0, 2, (b, 2)).float(), torch.zeros(b, dtype=torch.long)\n"
+    )
+    with pytest.raises(ModelError) as info:
+        load_model(path).batch(10**20, 0)
+    text = str(info.value)
+    assert "sample_batch(100000000000000000000, 0) raised" in text and "Overflow" in text
+    assert "Exception raised from" not in text and "frame #" not in text
+    assert f"at {path}:9" in text
+
+
 def test_missing_model_file_is_a_model_error(tmp_path: Path) -> None:
     path = tmp_path / "nowhere.py"
     with pytest.raises(ModelError) as info:

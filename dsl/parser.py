@@ -84,7 +84,9 @@ def parse_spec(text: str, filename: str = "<spec>") -> Spec:
             f"({MAX_SPEC_BYTES // 1024} KiB)",
             hint="a spec is a few dozen lines of text: check what was passed",
         )
-    source = SourceText(filename, tuple(line.removesuffix("\r") for line in text.split("\n")))
+    # Line ends as Python reads them: \r\n (Windows) and a lone \r (classic Mac) are \n.
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    source = SourceText(filename, tuple(text.split("\n")))
     try:
         # The grammar ends every statement with a newline; a last line without
         # one is still a statement.

@@ -102,7 +102,7 @@ CASES: list[tuple[str, str, int, tuple[str, ...]]] = [
     # stray characters and line ends
     ("mesh dp=2 # ok\nzero 1 $", "2:8", 1, ("unexpected character '$'", "end of line after '1'")),
     ("zero\t1\x0c", "1:7", 1, ("unexpected character '\\x0c'",)),
-    ("mesh dp=2\rzero 1", "1:10", 1, ("unexpected character '\\r'",)),
+    ("mesh dp=2\rzero 1 2", "2:8", 1, ("unexpected '2'", "end of line after '1'")),  # \r: a line end
     ("zero 1 # a\u2028b", "1:11", 1, ("unexpected character '\\u2028'", "after '1'")),
     ("meshé dp=2", "1:5", 1, ("unexpected character 'é'",)),
 ]
@@ -129,7 +129,7 @@ def test_malformed_spec_is_reported_at_its_place(
     assert (err.line, err.column) == (line, column)
     for word in words:
         assert word in err.message, f"{word!r} not in {err.message!r}"
-    source_line = text.split("\n")[line - 1].removesuffix("\r")
+    source_line = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")[line - 1]
     # Tabs are echoed as spaces to the next multiple of 8, and the caret indented to match.
     caret = "    " + " " * len(source_line[: column - 1].expandtabs(8)) + "^" * width
     # split("\n"), not splitlines(): the quoted line may hold a form feed

@@ -119,6 +119,13 @@ def test_missing_final_newline_and_crlf_line_ends_are_fine() -> None:
     assert spec.statements[1].span == Span(2, 1, 7)
 
 
+def test_a_lone_carriage_return_ends_a_line_as_in_python() -> None:
+    # Classic Mac line ends: "unexpected character '\r'" at the end of the first line.
+    spec = parse_spec("mesh dp=2\rzero 1\r")
+    assert spec.zero == 1 and spec.mesh.world_size == 2
+    assert spec.statements[1].span == Span(2, 1, 7)
+
+
 def test_keywords_are_only_keywords_at_the_start_of_a_line() -> None:
     spec = parse_spec("recompute mesh.zero.stage\nshard shard.auto col tp\nstage auto.x -> 0\n")
     assert str(spec.recomputes[0].pattern) == "mesh.zero.stage"

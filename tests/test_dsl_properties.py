@@ -164,9 +164,9 @@ def check_outcome(text: str) -> None:
         ours = re.sub(r"'[^']*'|\"[^\"]*\"", "", f"{err.message} {err.hint}")
         assert not LARK_WORDS.search(ours), shown
         assert err.span is not None, shown
-        lines = text.split("\n")
+        lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")  # as parsed
         assert 1 <= err.span.line <= len(lines), shown
-        assert err.span.text == lines[err.span.line - 1].removesuffix("\r")
+        assert err.span.text == lines[err.span.line - 1]
         assert 1 <= err.span.column <= len(err.span.text) + 1, shown
         assert err.span.end_column > err.span.column, shown
         assert shown.startswith(f"fuzz.par:{err.span.line}:{err.span.column}: error: ")

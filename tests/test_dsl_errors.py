@@ -102,7 +102,8 @@ CASES: list[tuple[str, str, int, tuple[str, ...]]] = [
     # stray characters and line ends
     ("mesh dp=2 # ok\nzero 1 $", "2:8", 1, ("unexpected character '$'", "end of line after '1'")),
     ("zero\t1\x0c", "1:7", 1, ("unexpected character '\\x0c'",)),
-    ("mesh dp=2\rzero 1 2", "2:8", 1, ("unexpected '2'", "end of line after '1'")),  # \r: a line end
+    # a lone \r ends a line
+    ("mesh dp=2\rzero 1 2", "2:8", 1, ("unexpected '2'", "end of line after '1'")),
     ("zero 1 # a\u2028b", "1:11", 1, ("unexpected character '\\u2028'", "after '1'")),
     ("meshé dp=2", "1:5", 1, ("unexpected character 'é'",)),
 ]

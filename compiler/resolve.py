@@ -46,7 +46,7 @@ from .match import match_modules, suffix_warnings
 from .passes.tp_padding import feeds_only_the_loss
 from .passes.tp_sequence_checks import check_sequence_parallel
 from .plan import BatchPlan, MeshPlan, ModuleShard, Plan, PlanWarning
-from .spec_warnings import idle_statements
+from .spec_warnings import covered_statements, idle_statements
 from .user_recompute import checkpointed_modules
 
 __all__ = ["check_batch", "match_modules", "resolve"]
@@ -161,8 +161,10 @@ def _resolve_shards(
     """Step 2: patterns to modules, kinds checked, split dims divisible."""
     found: dict[str, ModuleShard] = {}
     leaves = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
-    for shard in spec.shards:
-        for name in match_modules(spec, shard.pattern, modules):
+    matched = [(shard, match_modules(spec, shard.pattern, modules)) for shard in spec.shards]
+    warnings += covered_statements(spec, matched)
+    for shard, names in matched:
+        for name in names:
             module = modules[name]
             _check_called(spec, shard, name, leaves, modules)
             _check_shardable(spec, shard, name, module, partial(feeds_only_the_loss, gm, name))
@@ -176,8 +178,9 @@ def _resolve_shards(
                     "features (row); remove one of the two statements",
                     names=(name,),
                 )
-            found[name] = ModuleShard(
-                name, shard.kind, shard.axis, type(module).__name__, shard.span.line
+            found.setdefault(
+                name,
+                ModuleShard(name, shard.kind, shard.axis, type(module).__name__, shard.span.line),
             )
     return tuple(found.values())
 
@@ -360,8 +363,10 @@ def _resolve_recompute(
     from .passes.recompute import recompute_regions
 
     names: list[str] = []
-    for stmt in spec.recomputes:
-        names.extend(n for n in match_modules(spec, stmt.pattern, modules) if n not in names)
+    matched = [(stmt, match_modules(spec, stmt.pattern, modules)) for stmt in spec.recomputes]
+    warnings += covered_statements(spec, matched)
+    for _, found in matched:
+        names.extend(n for n in found if n not in names)
     names.extend(n for n in checkpointed_modules(gm, modules, warnings) if n not in names)
     outer = tuple(n for n in names if not any(n.startswith(o + ".") for o in names))
     used = set(recompute_regions(gm, outer).values())

@@ -1,15 +1,19 @@
-"""Warnings for statements that do nothing under their mesh (valid, probably not meant):
-`zero` over dp=1, `shard` over a tp axis of size 1, a `schedule` without a pipeline.
-Called by compiler/resolve.py; rules only, no graph."""
+"""Warnings for statements that do nothing (valid, probably not meant): `zero` over dp=1,
+`shard` over a tp axis of size 1, a `schedule` without a pipeline (`idle_statements`),
+and a `shard` or `recompute` line every module of which an earlier line of its kind
+already names (`covered_statements`). Called by compiler/resolve.py; rules only, no
+graph."""
 
 from __future__ import annotations
 
-from parc.dsl.ast import AXIS_DP, AXIS_PP, Schedule, Spec, Zero
+from collections.abc import Sequence
+
+from parc.dsl.ast import AXIS_DP, AXIS_PP, Recompute, Schedule, Shard, Spec, Zero
 from parc.errors import clip
 
 from .plan import PlanWarning
 
-__all__ = ["idle_statements"]
+__all__ = ["covered_statements", "idle_statements"]
 
 
 def idle_statements(spec: Spec) -> list[PlanWarning]:
@@ -53,3 +57,42 @@ def _schedule_alone(spec: Spec, warnings: list[PlanWarning]) -> None:
                 spec.locate(node.span),
             )
         )
+
+
+def covered_statements(
+    spec: Spec, matched: Sequence[tuple[Shard | Recompute, Sequence[str]]]
+) -> list[PlanWarning]:
+    """A line whose every module an earlier line of its kind already names adds nothing
+    (`recompute layers[*]`, then `recompute layers[0]`): for `recompute`, a module inside
+    a recomputed one is named by it too. `matched`: each line with the modules it
+    matched, in order."""
+    warnings: list[PlanWarning] = []
+    first: dict[str, int] = {}  # module -> the line that named it first
+    for stmt, names in matched:
+        nested = isinstance(stmt, Recompute)
+        lines = [_named_by(first, name, nested) for name in names]
+        if names and all(line is not None for line in lines):
+            earlier = ", ".join(str(n) for n in sorted({n for n in lines if n is not None}))
+            warnings.append(
+                PlanWarning(
+                    f"`{clip(stmt)}` adds nothing: every module it names is already named by "
+                    f"line {earlier}",
+                    spec.locate(stmt.span),
+                )
+            )
+        for name in names:
+            first.setdefault(name, stmt.span.line)
+    return warnings
+
+
+def _named_by(first: dict[str, int], name: str, nested: bool) -> int | None:
+    """The line that already names `name` (or, `nested`, a module holding it), if any."""
+    if name in first:
+        return first[name]
+    if nested:
+        parts = name.split(".")
+        for i in range(len(parts) - 1, 0, -1):
+            line = first.get(".".join(parts[:i]))
+            if line is not None:
+                return line
+    return None

@@ -668,3 +668,23 @@ def test_shards_over_a_tp_axis_of_size_one_are_warned_about() -> None:
     assert len(said) == 1 and said[0].span is not None and said[0].span.line == 2
     two = analyse("mesh dp=1 tp=2\nshard layers.0 col tp\n", EXAMPLES / "mlp.py").plan
     assert not [w for w in two.warnings if "nothing is split" in w.message]
+
+
+def test_a_line_that_an_earlier_one_covers_is_warned_about(models: dict[str, Traced]) -> None:
+    # `recompute layers[*]` then `recompute layers[0]` was accepted silently (a probe).
+    plan = plan_for(models, "gpt", "mesh dp=2\nrecompute layers[*]\nrecompute layers[0].mlp\n")
+    [warning] = [w for w in plan.warnings if "adds nothing" in w.message]
+    assert warning.span is not None and warning.span.line == 3
+    assert "already named by line 2" in warning.message
+    plan = plan_for(
+        models,
+        "gpt",
+        "mesh tp=2\nshard layers.*.mlp.fc1 col tp\nshard layers.0.mlp.fc1 col tp\n"
+        "shard layers.1.mlp.fc2 row tp\n",
+    )
+    [warning] = [w for w in plan.warnings if "adds nothing" in w.message]
+    assert warning.span is not None and warning.span.line == 3
+    assert plan.shard_of("layers.0.mlp.fc1").line == 2  # type: ignore[union-attr]
+    # Overlapping but adding modules: no warning.
+    plan = plan_for(models, "gpt", "mesh dp=2\nrecompute layers[0]\nrecompute layers[*]\n")
+    assert not [w for w in plan.warnings if "adds nothing" in w.message]

@@ -80,9 +80,7 @@ def zb1(stages: int, microbatches: int, *, split_cost: float = 1.0) -> Schedule:
 
 
 @functools.lru_cache(maxsize=64)
-def _picked(
-    stages: int, microbatches: int, split_cost: float
-) -> tuple[tuple[Action, ...], ...]:
+def _picked(stages: int, microbatches: int, split_cost: float) -> tuple[tuple[Action, ...], ...]:
     """The candidate `zb1` picks where the split costs `split_cost` (see the module)."""
     full = _zb_h1(stages, microbatches)
     best, shortest = full, costed_timeline(full, split_cost).makespan

@@ -14,7 +14,7 @@ from parc.errors import PlanError, clip
 
 from .plan import PlanWarning
 
-__all__ = ["match_modules", "suffix_warnings"]
+__all__ = ["alias_warnings", "match_modules", "suffix_warnings"]
 
 
 def match_modules(spec: Spec, pattern: Pattern, modules: dict[str, torch.nn.Module]) -> list[str]:
@@ -68,14 +68,50 @@ def _list_length(module: torch.nn.Module) -> int:
     return 1 + max((int(n) for n, _ in module.named_children() if n.isdecimal()), default=-1)
 
 
+def alias_warnings(spec: Spec, model: torch.nn.Module) -> list[PlanWarning]:
+    """A pattern that reaches a module by a second name (a ModuleList holding one block
+    twice: `layers[2:4]` covers `layers.2`, which is `layers.0`): parc names a module by
+    its first name, so a line that does not also cover that name does not reach it, and
+    nothing else said so."""
+    first: dict[int, str] = {}
+    every: dict[str, torch.nn.Module] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        if name:
+            first.setdefault(id(module), name)
+            every[name] = module
+    if len(every) == len(first):
+        return []
+    out = []
+    for pattern in _patterns(spec):
+        matched = match_names(pattern, every)
+        seconds = [n for n in matched if first[id(every[n])] not in matched]
+        if seconds:
+            held = first[id(every[seconds[0]])]
+            more = f" (and {len(seconds) - 1} more)" if len(seconds) > 1 else ""
+            out.append(
+                PlanWarning(
+                    f"'{clip(pattern)}' covers '{seconds[0]}'{more}, which is the module "
+                    f"'{held}' held a second time: parc names a module by its first name, so "
+                    f"this line does not reach it; a line naming '{held}' does (a stage line: "
+                    "its calls run where that line places it)",
+                    spec.locate(pattern.span),
+                )
+            )
+    return out
+
+
+def _patterns(spec: Spec) -> list[Pattern]:
+    """Every module pattern of the spec: shard, recompute and stage lines'."""
+    patterns = [s.pattern for s in spec.shards] + [r.pattern for r in spec.recomputes]
+    return patterns + [p for stage in spec.stages for p in stage.patterns]
+
+
 def suffix_warnings(spec: Spec, modules: dict[str, torch.nn.Module]) -> list[PlanWarning]:
     """A pattern that spells a module's whole name and also matches deeper modules by
     suffix (`shard l_0` with a top-level `l_0` and `mlp_0.l_0`): most likely meant the one
     it spells, but it takes them all."""
-    patterns = [s.pattern for s in spec.shards] + [r.pattern for r in spec.recomputes]
-    patterns += [p for stage in spec.stages for p in stage.patterns]
     out = []
-    for pattern in (p for p in patterns if not p.anchored):
+    for pattern in (p for p in _patterns(spec) if not p.anchored):
         names = match_names(pattern, modules)
         whole = [n for n in names if n.count(".") + 1 == pattern_width(pattern)]
         deeper = [n for n in names if n not in whole]

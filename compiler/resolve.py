@@ -42,7 +42,7 @@ from parc.errors import PlanError, clip
 from .compile_checks import check_compile
 from .layout import param_slices
 from .linear_forms import linear_form
-from .match import match_modules, suffix_warnings
+from .match import alias_warnings, match_modules, suffix_warnings
 from .passes.tp_padding import feeds_only_the_loss
 from .passes.tp_sequence_checks import check_sequence_parallel
 from .plan import BatchPlan, MeshPlan, ModuleShard, Plan, PlanWarning
@@ -56,7 +56,7 @@ def resolve(spec: Spec, model: torch.nn.Module, gm: torch.fx.GraphModule, *, bat
     """Check `spec` against `model` (and its traced graph `gm`) and build the Plan."""
     modules = dict(model.named_modules())
     modules.pop("", None)
-    warnings = suffix_warnings(spec, modules)
+    warnings = suffix_warnings(spec, modules) + alias_warnings(spec, model)
     # Step 1
     tp_axis = _check_axes(spec)
     mesh = MeshPlan(tuple((a.name, a.size) for a in spec.mesh.axes))

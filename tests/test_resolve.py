@@ -688,3 +688,17 @@ def test_a_line_that_an_earlier_one_covers_is_warned_about(models: dict[str, Tra
     # Overlapping but adding modules: no warning.
     plan = plan_for(models, "gpt", "mesh dp=2\nrecompute layers[0]\nrecompute layers[*]\n")
     assert not [w for w in plan.warnings if "adds nothing" in w.message]
+
+
+def test_a_range_over_a_second_name_of_a_shared_module_is_warned_about() -> None:
+    # tests/models/shared_block.py holds one block at layers.0 and layers.2: `layers[2:4]`
+    # on stage 1 left that call on stage 0, where layers.0 runs, and said nothing.
+    model = str(Path(__file__).parent / "models" / "shared_block.py")
+    spec = "mesh pp=2\nstage inp, layers[0:2] -> 0\nstage layers[2:4], head -> 1\n"
+    plan = analyse(spec, model, batch=4).plan
+    [warning] = [w for w in plan.warnings if "held a second time" in w.message]
+    assert warning.span is not None and (warning.span.line, warning.span.column) == (3, 7)
+    assert "'layers[2:4]' covers 'layers.2', which is the module 'layers.0'" in warning.message
+    # A line that also names the first name reaches the module: nothing to say.
+    plan = analyse("mesh dp=2\nrecompute layers[*]\n", model, batch=4).plan
+    assert not [w for w in plan.warnings if "held a second time" in w.message]

@@ -168,6 +168,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from parc.runtime.launch import RunOptions, exit_hard, launch, under_torchrun
+    from parc.runtime.rank_ends import mark
     from parc.runtime.schedules import schedule_from_args
 
     ranked = under_torchrun()
@@ -196,7 +197,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         tokenizer=args.tokenizer,
     )
     if ranked:
-        exit_hard(_train_rank(opts, args.debug))
+        code = _train_rank(opts, args.debug)
+        mark("ended")  # parc ended this rank, not its own code (runtime/rank_ends.py)
+        exit_hard(code)
     from parc.compiler.frontend import analyse
     from parc.testing.faults import parse_faults
 

@@ -14,7 +14,9 @@ import sys
 
 from parc.cli import main
 from parc.runtime.lifeline import tie_to_launcher
+from parc.runtime.rank_ends import mark
 
 if __name__ == "__main__":
     tie_to_launcher()
+    mark("started")  # and "ended" where parc ends it (cmd_run): runtime/rank_ends.py
     sys.exit(main(json.loads(os.environ["PARC_ARGV"])))

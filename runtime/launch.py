@@ -98,6 +98,7 @@ def launch(
     from torch.distributed.run import get_args_parser, run
 
     from .lifeline import mark_launcher
+    from .rank_ends import close_ends, open_ends
     from .rendezvous import is_rendezvous_timeout, missing_nodes, wait_for_node0
 
     args = _torchrun_args(world, nnodes, node_rank, rdzv_endpoint, max_restarts, timeout)
@@ -109,10 +110,11 @@ def launch(
         wait_for_node0(nnodes, node_rank, rdzv_endpoint or "", timeout)
     # The agent logs each failure with its own traceback-like lines; parc reports it once.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    ends = open_ends()
     try:
         run(get_args_parser().parse_args(args))
     except ChildFailedError as exc:
-        return _report_failure(exc.failures, max_restarts)
+        return _report_failure(exc.failures, max_restarts, ends)
     except Exception as exc:
         if nnodes == 1 or not is_rendezvous_timeout(exc):
             raise
@@ -121,13 +123,20 @@ def launch(
             f"{nnodes - 1} node(s); not all of them came ({str(exc).strip()})"
         )
         raise missing_nodes(what, nnodes, rdzv_endpoint or "") from None
+    finally:
+        close_ends(ends)
     return 0
 
 
-def _report_failure(failures: dict[int, Any], max_restarts: int) -> int:
-    """Say once which ranks failed and how; the run's exit code (2: a user mistake)."""
+def _report_failure(failures: dict[int, Any], max_restarts: int, ends: str) -> int:
+    """Say once which ranks failed and how, and which left on their own before them
+    (runtime/rank_ends.py); the run's exit code (2: a user mistake)."""
+    from .rank_ends import silent
+
+    gone = silent(ends, set(failures))
     failed = ", ".join(
-        f"rank {r} ({_exit_reason(f.exitcode)})" for r, f in sorted(failures.items())
+        [f"rank {r} ({_exit_reason(f.exitcode)})" for r, f in sorted(failures.items())]
+        + [f"rank {r} (exit code 0 before the run ended: its own code exited)" for r in gone]
     )
     tries = f" after {max_restarts} restart{'s' * (max_restarts > 1)}" if max_restarts else ""
     print(

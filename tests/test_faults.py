@@ -1,11 +1,12 @@
 """Faults during a run: no hangs, errors that name the rank and the step, exact recovery.
 
 Faults are injected with the hidden `--inject-fault` (parc/testing/faults.py):
-`raise@RANK:STEP`, `kill@RANK:STEP`, `hang@RANK:STEP`, `nan-loss@STEP`,
+`raise@RANK:STEP`, `kill@RANK:STEP`, `hang@RANK:STEP`, `exit@RANK:STEP`, `nan-loss@STEP`,
 `nan-grad@STEP[:PARAM]`. What must hold:
 
 - a rank that raises, dies (SIGKILL) or hangs ends every rank, and `parc run`
-  exits non-zero: within the collective timeout for a hang, at once otherwise;
+  exits non-zero: within the collective timeout for a hang, at once otherwise; one
+  that exits 0 on its own is named as such;
   the error names the rank, the step and the original exception;
 - `--max-restarts 1 --checkpoint DIR --every K` after a kill resumes from the
   last complete checkpoint and ends with bitwise the parameters of an
@@ -138,6 +139,17 @@ def test_a_rank_killed_with_sigkill_ends_the_run() -> None:
     done, _ = parc_run("--steps", "6", "--inject-fault", "kill@1:2")
     assert done.returncode != 0
     assert "rank 1 (killed by SIGKILL)" in done.stderr, done.stderr
+
+
+def test_a_rank_that_exits_0_early_is_named() -> None:
+    # Its own code exiting 0 (os._exit, sys.exit) was success to torchrun: the report named
+    # only rank 0, whose collective it left, and pointed at an error nobody printed.
+    done, _ = parc_run("--steps", "6", "--inject-fault", "exit@1:2")
+    assert done.returncode != 0
+    assert "rank 1 (exit code 0 before the run ended: its own code exited)" in done.stderr, (
+        done.stderr
+    )
+    assert "rank 0 (exit code 2)" in done.stderr and "Traceback" not in done.stderr
 
 
 def subgroup_timeout(timeout_s: float, out: str) -> None:
@@ -334,7 +346,8 @@ def test_a_parc_error_in_a_fault_names_the_parameters(gloo_pool: Any) -> None:
 # ---------------------------------------------------------------- declared hooks only
 
 EVERY_FAULT = (
-    "skip-grad-sync,grad-scale,grad-ulp,raise@0:99,kill@0:99,hang@0:99,nan-loss@99,nan-grad@99"
+    "skip-grad-sync,grad-scale,grad-ulp,raise@0:99,kill@0:99,hang@0:99,exit@0:99,nan-loss@99,"
+    "nan-grad@99"
 )
 
 
@@ -362,5 +375,5 @@ def test_injecting_faults_replaces_no_method_and_no_part(
         )
         assert not changed, f"attributes of the {what} set by injecting: {changed}"
     hooks = program.hooks
-    assert (len(hooks.before_round), len(hooks.loss), len(hooks.after_sync)) == (3, 1, 3)
+    assert (len(hooks.before_round), len(hooks.loss), len(hooks.after_sync)) == (4, 1, 3)
     assert program.comm.unsummed_axes == {"dp"}

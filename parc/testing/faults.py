@@ -15,6 +15,8 @@ hidden from `--help`) and of the robustness tests:
     raise@RANK:STEP         rank RANK raises RuntimeError at the start of step STEP
     kill@RANK:STEP          rank RANK kills itself with SIGKILL there (a crashed machine)
     hang@RANK:STEP          rank RANK sleeps for an hour there (a stuck process)
+    exit@RANK:STEP          rank RANK exits with code 0 there, as the user's code calling
+                            os._exit(0) would (runtime/rank_ends.py names it)
     nan-loss@STEP           the loss of step STEP is NaN (so are its gradients)
     nan-grad@STEP[:PARAM]   after gradient sync at step STEP, PARAM's gradient is NaN
                             (default: the model's last parameter)
@@ -54,6 +56,7 @@ class FaultKind(str, Enum):
     RAISE = "raise"
     KILL = "kill"
     HANG = "hang"
+    EXIT = "exit"
     NAN_LOSS = "nan-loss"
     NAN_GRAD = "nan-grad"
 
@@ -61,11 +64,11 @@ class FaultKind(str, Enum):
         return self.value
 
 
-_ON_RANK = (FaultKind.RAISE, FaultKind.KILL, FaultKind.HANG)
+_ON_RANK = (FaultKind.RAISE, FaultKind.KILL, FaultKind.HANG, FaultKind.EXIT)
 _BARE = (FaultKind.SKIP_GRAD_SYNC, FaultKind.GRAD_SCALE, FaultKind.GRAD_ULP)
 FORMS = (
-    "skip-grad-sync, raise@RANK:STEP, kill@RANK:STEP, hang@RANK:STEP, nan-loss@STEP, "
-    "nan-grad@STEP[:PARAM], grad-scale, grad-ulp"
+    "skip-grad-sync, raise@RANK:STEP, kill@RANK:STEP, hang@RANK:STEP, exit@RANK:STEP, "
+    "nan-loss@STEP, nan-grad@STEP[:PARAM], grad-scale, grad-ulp"
 )
 
 
@@ -182,7 +185,7 @@ def _grad_ulp(program: Program, fault: Fault) -> None:
 
 
 def _on_rank(program: Program, fault: Fault) -> None:
-    """Raise, die or hang on one rank at the start of one step (its first pipeline round)."""
+    """Raise, die, hang or exit on one rank at the start of one step (its first round)."""
     if program.comm.rank != fault.rank or not _first_attempt():
         return
 
@@ -195,6 +198,8 @@ def _on_rank(program: Program, fault: Fault) -> None:
             raise RuntimeError(f"injected fault {fault}")
         if fault.kind is FaultKind.KILL:
             os.kill(os.getpid(), signal.SIGKILL)
+        if fault.kind is FaultKind.EXIT:
+            os._exit(0)
         time.sleep(_HANG_S)
 
     program.hooks.before_round.append(fail)
@@ -232,6 +237,7 @@ FAULTS: dict[FaultKind, Callable[[Program, Fault], None]] = {
     FaultKind.RAISE: _on_rank,
     FaultKind.KILL: _on_rank,
     FaultKind.HANG: _on_rank,
+    FaultKind.EXIT: _on_rank,
     FaultKind.NAN_LOSS: _nan_loss,
     FaultKind.NAN_GRAD: _nan_grad,
 }

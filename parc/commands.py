@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 __all__ = ["EXIT_ERROR", "EXIT_FAIL", "EXIT_OK", "cmd_check", "cmd_compile", "cmd_plan", "cmd_run"]
 
 EXIT_OK, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports ^C
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
@@ -280,6 +281,9 @@ def _train_rank(opts: object, debug: bool) -> int:
     rank = os.environ.get("RANK", "?")
     try:
         return train(opts)
+    except KeyboardInterrupt:  # SIGINT to this rank alone (a terminal's ^C reaches all)
+        print(f"[rank {rank}] interrupted (SIGINT)", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except ParcError as exc:
         if debug:
             traceback.print_exc()

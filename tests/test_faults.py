@@ -1,8 +1,8 @@
 """Faults during a run: no hangs, errors that name the rank and the step, exact recovery.
 
 Faults are injected with the hidden `--inject-fault` (parc/testing/faults.py):
-`raise@RANK:STEP`, `kill@RANK:STEP`, `hang@RANK:STEP`, `exit@RANK:STEP`, `nan-loss@STEP`,
-`nan-grad@STEP[:PARAM]`. What must hold:
+`raise@RANK:STEP`, `kill@RANK:STEP`, `hang@RANK:STEP`, `exit@RANK:STEP`,
+`interrupt@RANK:STEP`, `nan-loss@STEP`, `nan-grad@STEP[:PARAM]`. What must hold:
 
 - a rank that raises, dies (SIGKILL) or hangs ends every rank, and `parc run`
   exits non-zero: within the collective timeout for a hang, at once otherwise; one
@@ -150,6 +150,15 @@ def test_a_rank_that_exits_0_early_is_named() -> None:
         done.stderr
     )
     assert "rank 0 (exit code 2)" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_sigint_to_one_rank_is_said_as_such() -> None:
+    # It read "killed by SIGABRT": KeyboardInterrupt went up through torch's teardown.
+    done, _ = parc_run("--steps", "6", "--inject-fault", "interrupt@1:2")
+    assert done.returncode != 0
+    assert "[rank 1] interrupted (SIGINT)" in done.stderr, done.stderr
+    assert "rank 1 (exit code 130: interrupted by SIGINT)" in done.stderr
+    assert "Traceback" not in done.stderr and "SIGABRT" not in done.stderr
 
 
 def subgroup_timeout(timeout_s: float, out: str) -> None:
@@ -346,8 +355,8 @@ def test_a_parc_error_in_a_fault_names_the_parameters(gloo_pool: Any) -> None:
 # ---------------------------------------------------------------- declared hooks only
 
 EVERY_FAULT = (
-    "skip-grad-sync,grad-scale,grad-ulp,raise@0:99,kill@0:99,hang@0:99,exit@0:99,nan-loss@99,"
-    "nan-grad@99"
+    "skip-grad-sync,grad-scale,grad-ulp,raise@0:99,kill@0:99,hang@0:99,exit@0:99,"
+    "interrupt@0:99,nan-loss@99,nan-grad@99"
 )
 
 
@@ -375,5 +384,5 @@ def test_injecting_faults_replaces_no_method_and_no_part(
         )
         assert not changed, f"attributes of the {what} set by injecting: {changed}"
     hooks = program.hooks
-    assert (len(hooks.before_round), len(hooks.loss), len(hooks.after_sync)) == (4, 1, 3)
+    assert (len(hooks.before_round), len(hooks.loss), len(hooks.after_sync)) == (5, 1, 3)
     assert program.comm.unsummed_axes == {"dp"}

@@ -17,6 +17,7 @@ hidden from `--help`) and of the robustness tests:
     hang@RANK:STEP          rank RANK sleeps for an hour there (a stuck process)
     exit@RANK:STEP          rank RANK exits with code 0 there, as the user's code calling
                             os._exit(0) would (runtime/rank_ends.py names it)
+    interrupt@RANK:STEP     rank RANK gets SIGINT there (a ^C sent to one process)
     nan-loss@STEP           the loss of step STEP is NaN (so are its gradients)
     nan-grad@STEP[:PARAM]   after gradient sync at step STEP, PARAM's gradient is NaN
                             (default: the model's last parameter)
@@ -57,6 +58,7 @@ class FaultKind(str, Enum):
     KILL = "kill"
     HANG = "hang"
     EXIT = "exit"
+    INTERRUPT = "interrupt"
     NAN_LOSS = "nan-loss"
     NAN_GRAD = "nan-grad"
 
@@ -64,11 +66,11 @@ class FaultKind(str, Enum):
         return self.value
 
 
-_ON_RANK = (FaultKind.RAISE, FaultKind.KILL, FaultKind.HANG, FaultKind.EXIT)
+_ON_RANK = (FaultKind.RAISE, FaultKind.KILL, FaultKind.HANG, FaultKind.EXIT, FaultKind.INTERRUPT)
 _BARE = (FaultKind.SKIP_GRAD_SYNC, FaultKind.GRAD_SCALE, FaultKind.GRAD_ULP)
 FORMS = (
     "skip-grad-sync, raise@RANK:STEP, kill@RANK:STEP, hang@RANK:STEP, exit@RANK:STEP, "
-    "nan-loss@STEP, nan-grad@STEP[:PARAM], grad-scale, grad-ulp"
+    "interrupt@RANK:STEP, nan-loss@STEP, nan-grad@STEP[:PARAM], grad-scale, grad-ulp"
 )
 
 
@@ -185,7 +187,7 @@ def _grad_ulp(program: Program, fault: Fault) -> None:
 
 
 def _on_rank(program: Program, fault: Fault) -> None:
-    """Raise, die, hang or exit on one rank at the start of one step (its first round)."""
+    """Raise, die, hang, exit or get SIGINT on one rank at the start of one step."""
     if program.comm.rank != fault.rank or not _first_attempt():
         return
 
@@ -200,6 +202,9 @@ def _on_rank(program: Program, fault: Fault) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         if fault.kind is FaultKind.EXIT:
             os._exit(0)
+        if fault.kind is FaultKind.INTERRUPT:
+            os.kill(os.getpid(), signal.SIGINT)  # KeyboardInterrupt, in this thread
+            return
         time.sleep(_HANG_S)
 
     program.hooks.before_round.append(fail)
@@ -238,6 +243,7 @@ FAULTS: dict[FaultKind, Callable[[Program, Fault], None]] = {
     FaultKind.KILL: _on_rank,
     FaultKind.HANG: _on_rank,
     FaultKind.EXIT: _on_rank,
+    FaultKind.INTERRUPT: _on_rank,
     FaultKind.NAN_LOSS: _nan_loss,
     FaultKind.NAN_GRAD: _nan_grad,
 }

@@ -161,6 +161,11 @@ def _run(args: argparse.Namespace) -> int:
 
 def _check_companions(args: argparse.Namespace) -> None:
     """Flags that mean nothing without another were accepted and ignored."""
+    if args.keep and not args.checkpoint:
+        raise ParcError(
+            f"--keep {args.keep} needs --checkpoint DIR: it says how many saves to keep there",
+            hint="e.g. `parc run SPEC MODEL --checkpoint ckpt --every 100 --keep 3`",
+        )
     if args.every and not args.checkpoint:
         raise ParcError(
             f"--every {args.every} needs --checkpoint DIR: it says how often to save there",

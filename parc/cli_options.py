@@ -218,6 +218,13 @@ def _add_checkpointing(p: argparse.ArgumentParser) -> None:
         help="with --checkpoint, also save every K steps",
     )
     p.add_argument(
+        "--keep",
+        type=positive,
+        metavar="N",
+        help="with --checkpoint, keep only the newest N step checkpoints there (each save "
+        "removes older ones once it is complete; default: keep all)",
+    )
+    p.add_argument(
         "--resume",
         action="store_true",
         help="continue from the latest checkpoint in --checkpoint DIR, up to --steps",

@@ -182,6 +182,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         lr=args.lr,
         checkpoint=args.checkpoint,
         every=args.every,
+        keep=args.keep,
         resume=args.resume,
         timeout=args.timeout,
         log=args.log,

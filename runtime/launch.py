@@ -52,6 +52,7 @@ class RunOptions:
     seed: int = 0
     checkpoint: str | None = None
     every: int = 0
+    keep: int | None = None  # newest step checkpoints kept in `checkpoint` (None: all)
     resume: bool = False
     timeout: float = 300.0
     log: str | None = None  # JSON lines of every step's metrics written by rank 0 (metrics.py)

@@ -183,7 +183,9 @@ def _save_if_due(
         "checkpoint is intact (saves are atomic)",
     ):
         data = position.to_json() if position is not None else None
-        save_checkpoint(program, opts.checkpoint, step + 1, scheduler=scheduler, data=data)
+        save_checkpoint(
+            program, opts.checkpoint, step + 1, scheduler=scheduler, data=data, keep=opts.keep
+        )
 
 
 def _report(

@@ -232,6 +232,23 @@ def test_an_unfinished_save_is_never_loaded(tmp_path: Path) -> None:
     assert latest_checkpoint(tmp_path / "empty") is None
 
 
+def test_keep_removes_all_but_the_newest_step_checkpoints(tmp_path: Path) -> None:
+    # Checkpoints were never rotated: `--every 100` over a long run filled the disk.
+    program, _ = _mlp_program(MLP_ENV)
+    (tmp_path / "notes").mkdir()  # not a checkpoint: never touched
+    for step in (2, 4, 6, 8):
+        save_checkpoint(program, tmp_path, step, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "notes", "step-6", "step-8"]
+    # The save just made stays whatever its number (a resumed run behind an older one).
+    save_checkpoint(program, tmp_path, 3, keep=1)
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-3", "step-8"]
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-3"
+    fresh, _ = _mlp_program(MLP_ENV)
+    assert load_checkpoint(fresh, tmp_path) == 3
+    save_checkpoint(program, tmp_path, 10)  # without keep: all stay
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-10", "step-3", "step-8"]
+
+
 def test_a_missing_parameter_is_an_error_naming_it(tmp_path: Path) -> None:
     program, _ = _mlp_program(MLP_ENV)
     save_checkpoint(program, tmp_path, 0)

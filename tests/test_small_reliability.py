@@ -51,6 +51,7 @@ def test_resume_without_a_checkpoint_directory_is_an_error(
     ("args", "words"),
     [
         (["--every", "2"], "--every 2 needs --checkpoint DIR"),
+        (["--keep", "2"], "--keep 2 needs --checkpoint DIR"),
         (["--node-rank", "1"], "--node-rank 1 is not a node of --nnodes 1"),
         (["--nnodes", "2", "--node-rank", "2"], "--node-rank 2 is not a node of --nnodes 2"),
     ],

@@ -35,6 +35,10 @@ On disk:
     DIR/latest            the name of the newest complete checkpoint
     DIR/step-<N>.tmp/     a save in progress; never read, removed by the next save
 
+With `keep` (`parc run --keep N`) a save, once published, removes every `step-<M>` but
+the newest N (by M; the one just saved always stays): renamed to `step-<M>.old.tmp`
+first, so a crash midway leaves only names nobody reads (the next save removes them).
+
 Atomicity: every rank writes into `step-<N>.tmp`; after DCP's final barrier
 rank 0 adds `parc.json`, renames the directory to `step-<N>` and replaces
 `latest` (written to a temporary file, then `os.replace`). A crash at any
@@ -125,13 +129,15 @@ def save_checkpoint(
     *,
     scheduler: LRScheduler | None = None,
     data: dict[str, int] | None = None,
+    keep: int | None = None,
 ) -> Path:
     """Save `program` as `directory/step-<step>` (call on every rank); returns that path.
 
     `step` is the step training resumes at (the number of steps done); `scheduler`, the
     run's lr scheduler (runtime/schedules.py), is saved as `lr_scheduler` (its
     `state_dict()`, the same on every rank); `data`, rank 0's data position
-    (runtime/data.py: rank 0 holds stage 0, so it loads data), as parc.json's `data`.
+    (runtime/data.py: rank 0 holds stage 0, so it loads data), as parc.json's `data`;
+    `keep`: remove all but the newest `keep` step checkpoints once this one is published.
     """
     root = Path(directory)
     final, tmp = root / f"step-{step}", root / f"step-{step}.tmp"
@@ -175,6 +181,8 @@ def save_checkpoint(
             info["data"] = data
         write_manifest(tmp, info)  # sealed: an edit of parc.json is refused at load
         _publish(root, tmp, final)
+        if keep is not None:
+            _rotate(root, keep, final)
     _barrier()  # every rank returns once the checkpoint is visible
     return final
 
@@ -301,6 +309,21 @@ def _publish(root: Path, tmp: Path, final: Path) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(pointer, root / LATEST)
+
+
+def _rotate(root: Path, keep: int, newest: Path) -> None:
+    """Remove every `step-<M>` of `root` but the newest `keep` (`newest` always stays)."""
+    steps = sorted(
+        (int(p.name.removeprefix("step-")), p)
+        for p in root.glob("step-*")
+        if p.is_dir() and not p.is_symlink() and p.name.removeprefix("step-").isdecimal()
+    )
+    for _, path in steps[: max(0, len(steps) - keep)]:
+        if path == newest:
+            continue
+        stale = path.with_name(path.name + ".old.tmp")
+        os.replace(path, stale)
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ from helpers import GPT, LLAMA, MLP, ROOT
 from parc.cli import main
 from parc.compiler.frontend import analyse
 from parc.compiler.loss_memory import peaks_with_loss
+from parc.compiler.plan import DeviceKind
 from parc.compiler.planner import parse_cluster, plan_model
 from parc.compiler.planner.format import format_plan
 from parc.compiler.planner.search import Family
@@ -157,7 +158,8 @@ def test_the_written_spec_compiles_to_the_same_estimate(tmp_path: Path) -> None:
         for ev in result.search.best_of.values():
             spec = tmp_path / "best.par"
             spec.write_text(result.spec_text(ev))
-            a = analyse(spec, LLAMA, batch=32)
+            # On the cluster's GPUs (zb1 is ZB-H1 there: compiler/plan_schedule.py SPLIT_COST).
+            a = analyse(spec, LLAMA, batch=32, target=DeviceKind.CUDA)
             # With the default loss's bytes on the last stage's ranks, as the planner prices.
             peak = max(peaks_with_loss(a.estimate, a.plan))
             step = estimate_step_time(a.plan, a.estimate, cluster).total

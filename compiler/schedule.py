@@ -47,21 +47,19 @@ from .schedule_actions import (
     Units,
     bubble_fraction,
     execution_items,
-    held_delta,
     is_lowered,
     is_split,
-    kept_delta,
     lower_comms,
     lower_units,
     num_stages,
     peer_rank,
     peer_stage,
-    split_backwards,
     stage_map,
 )
 from .schedule_grid import format_grid
 from .schedule_interleaved import interleaved_units
 from .schedule_sim import simulate, validate
+from .schedule_split import held_delta, kept_delta, split_backwards
 from .schedule_zero_bubble import zb1
 
 __all__ = [

@@ -36,17 +36,14 @@ __all__ = [
     "Units",
     "bubble_fraction",
     "execution_items",
-    "held_delta",
     "is_lowered",
     "is_split",
-    "kept_delta",
     "lower_comms",
     "lower_units",
     "num_stages",
     "one_at_a_time",
     "peer_rank",
     "peer_stage",
-    "split_backwards",
     "stage_map",
 ]
 
@@ -224,41 +221,6 @@ def is_lowered(schedule: Mapping[int, Sequence[Action]]) -> bool:
 def is_split(schedule: Mapping[int, Sequence[Action]]) -> bool:
     """Whether the schedule splits any backward into B and W (a zero-bubble schedule)."""
     return any(a.kind is ActionKind.W for actions in schedule.values() for a in actions)
-
-
-def split_backwards(schedule: Mapping[int, Sequence[Action]]) -> frozenset[tuple[int, int]]:
-    """The (stage, microbatch) pairs whose backward is split: those with a W. A B without
-    a W runs the whole backward, weights' gradients included (zb1 keeps the split only
-    where it pays: `parc.compiler.schedule_zero_bubble`)."""
-    return frozenset(
-        (a.stage, a.microbatch)
-        for actions in schedule.values()
-        for a in actions
-        if a.kind is ActionKind.W
-    )
-
-
-def held_delta(action: Action, split: frozenset[tuple[int, int]]) -> int:
-    """How `action` changes the microbatches its stage holds: +1 at F, -1 at the action
-    that frees them (its W where the backward is split, since W reads what B kept; else
-    its B), 0 otherwise. `split`: `split_backwards` of the schedule."""
-    if action.kind is ActionKind.F:
-        return 1
-    if action.kind is ActionKind.W:
-        return -1
-    if action.kind is ActionKind.B:
-        return 0 if (action.stage, action.microbatch) in split else -1
-    return 0
-
-
-def kept_delta(action: Action, split: frozenset[tuple[int, int]]) -> int:
-    """How `action` changes the split backwards whose B has run and whose W has not:
-    +1 at such a B, -1 at its W (what B keeps for W lives in between)."""
-    if action.kind is ActionKind.W:
-        return -1
-    if action.kind is ActionKind.B and (action.stage, action.microbatch) in split:
-        return 1
-    return 0
 
 
 def num_stages(schedule: Mapping[int, Sequence[Action]]) -> int:

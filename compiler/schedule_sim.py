@@ -76,11 +76,17 @@ from .schedule_actions import (
     is_split,
     lower_comms,
     num_stages,
-    peer_stage,
-    split_backwards,
     stage_map,
 )
-from .schedule_channels import Cell, check_placement, fail, pair_channels
+from .schedule_channels import (
+    Cell,
+    check_complete,
+    check_local_order,
+    check_placement,
+    fail,
+    pair_channels,
+)
+from .schedule_split import split_backwards
 
 __all__ = ["simulate", "validate"]
 
@@ -316,8 +322,8 @@ def validate(
     full = {r: list(schedule.get(r, ())) for r in range(pp)}
     check_placement(full, ranks)
     lowered = is_lowered(full)
-    _check_complete(full, ranks, microbatches, lowered)
-    _check_local_order(full)
+    check_complete(full, ranks, microbatches, lowered)
+    check_local_order(full)
     simulate(full, stage_to_rank=ranks)
     if lowered or stages == 1:
         return
@@ -325,88 +331,3 @@ def validate(
         validate(lower_comms(full, ranks), stages, microbatches, ranks)
     except ScheduleError as e:
         raise ScheduleError(f"after lower_comms: {e.message}", grid=e.grid, hint=e.hint) from e
-
-
-_OPPOSITE = {
-    ActionKind.SEND_F: ActionKind.RECV_F,
-    ActionKind.RECV_F: ActionKind.SEND_F,
-    ActionKind.SEND_B: ActionKind.RECV_B,
-    ActionKind.RECV_B: ActionKind.SEND_B,
-}
-
-
-def _check_complete(
-    schedule: _Plan, stage_to_rank: tuple[int, ...], microbatches: int, lowered: bool
-) -> None:
-    # The set of actions: one F and one B per (stage, microbatch), and their comms; a W
-    # may follow any B (`allowed`).
-    kinds = (ActionKind.F, ActionKind.B)
-    every = {
-        s: [Action(s, k, m) for k in kinds for m in range(microbatches)]
-        for s in range(len(stage_to_rank))
-    }
-    expected = {
-        a for actions in (lower_comms(every) if lowered else every).values() for a in actions
-    }
-    weights = {Action(a.stage, ActionKind.W, a.microbatch) for a in expected if a.kind.is_compute}
-    allowed = expected | weights
-    seen: dict[Action, int] = {}
-    for rank, actions in schedule.items():
-        for i, a in enumerate(actions):
-            if a not in allowed:
-                fail(
-                    f"unexpected {a} on rank {rank}: {_why_unexpected(a, microbatches)}",
-                    schedule,
-                    [(rank, i)],
-                )
-            if a in seen:
-                fail(
-                    f"duplicate: {a} appears twice on rank {rank} (steps {seen[a]} and {i})",
-                    schedule,
-                    [(rank, seen[a]), (rank, i)],
-                )
-            seen[a] = i
-    missing = sorted(expected - seen.keys(), key=lambda a: (a.stage, a.microbatch, a.kind.value))
-    if missing:
-        a, more = missing[0], f" ({len(missing) - 1} more missing)" if len(missing) > 1 else ""
-        if a.kind.is_compute:
-            why = "every microbatch needs one F and one B on every stage"
-        else:
-            pair = Action(peer_stage(a), _OPPOSITE[a.kind], a.microbatch)
-            why = f"so {pair} has no matching {'receive' if pair.kind.is_send else 'send'}"
-        fail(f"missing: rank {stage_to_rank[a.stage]} has no {a}, {why}{more}", schedule)
-
-
-def _why_unexpected(a: Action, microbatches: int) -> str:
-    if not 0 <= a.microbatch < microbatches:
-        return f"microbatch {a.microbatch} is out of range 0..{microbatches - 1}"
-    return f"stage {a.stage} has no neighbour stage {peer_stage(a)} to exchange with"
-
-
-# kind -> (kind that must come earlier on the same rank for the same microbatch, why)
-_BEFORE: dict[ActionKind, tuple[tuple[ActionKind, str], ...]] = {
-    ActionKind.F: ((ActionKind.RECV_F, "a forward needs the activation from the previous stage"),),
-    ActionKind.B: (
-        (ActionKind.F, "a backward needs the activations of its forward"),
-        (ActionKind.RECV_B, "a backward needs the output gradient from the next stage"),
-    ),
-    ActionKind.W: ((ActionKind.B, "a weight gradient reads what its input-gradient B kept"),),
-    ActionKind.SEND_F: ((ActionKind.F, "a send ships what its forward computed"),),
-    ActionKind.SEND_B: ((ActionKind.B, "a send ships what its backward computed"),),
-}
-
-
-def _check_local_order(schedule: _Plan) -> None:
-    for rank, actions in schedule.items():
-        where = {a: i for i, a in enumerate(actions)}
-        for i, a in enumerate(actions):
-            for kind, why in _BEFORE.get(a.kind, ()):
-                before = Action(a.stage, kind, a.microbatch)
-                j = where.get(before)
-                if j is not None and j > i:
-                    fail(
-                        f"order: {a} (step {i}) comes before {before} (step {j}) on rank "
-                        f"{rank}: {why}",
-                        schedule,
-                        [(rank, i), (rank, j)],
-                    )

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from parc.compiler import schedule as schedule_module
-from parc.compiler import schedule_actions, schedule_grid, schedule_sim
+from parc.compiler import schedule_actions, schedule_grid, schedule_sim, schedule_split
 from parc.compiler.schedule import (
     Action,
     ActionKind,
@@ -521,10 +521,11 @@ def test_a_generated_virtual_schedule_validates_or_says_it_cannot_run(
 
 
 def test_schedule_actions_and_grid_docstring_examples_run() -> None:
-    for module in (schedule_actions, schedule_grid):
+    for module in (schedule_actions, schedule_grid, schedule_split):
         result = doctest.testmod(module)
         assert result.failed == 0, module.__name__
     assert doctest.testmod(schedule_actions).attempted > 0
+    assert doctest.testmod(schedule_split).attempted > 0
 
 
 def test_a_virtual_schedule_that_cannot_run_is_named_at_its_spec_line() -> None:

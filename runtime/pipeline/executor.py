@@ -48,11 +48,10 @@ from parc.compiler.schedule_actions import (
     Action,
     ActionKind,
     execution_items,
-    held_delta,
     one_at_a_time,
     peer_stage,
-    split_backwards,
 )
+from parc.compiler.schedule_split import held_delta, split_backwards
 from parc.dsl.ast import AXIS_PP
 from parc.errors import RuntimeFault
 from parc.runtime.collectives import Comm, CommKind

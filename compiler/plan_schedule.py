@@ -111,13 +111,13 @@ def compute_schedule(plan: Plan) -> Schedule:
     """The schedule the plan runs, by pp rank (compute actions, or lowered if written so)."""
     if plan.hand_schedule is not None:
         return {rank: list(actions) for rank, actions in enumerate(plan.hand_schedule)}
-    return generate(
-        plan.schedule,
-        plan.num_stages,
-        plan.microbatches,
-        plan.stage_to_rank,
-        split_cost=_split_cost(plan),
-    )
+    return generate(*_generated(plan), split_cost=_split_cost(plan))
+
+
+def _generated(plan: Plan) -> tuple[ScheduleKind, int, int, tuple[int, ...]]:
+    """What the spec's schedule is generated from: its kind, stages, microbatches and
+    stage_to_rank."""
+    return plan.schedule, plan.num_stages, plan.microbatches, plan.stage_to_rank
 
 
 def _split_cost(plan: Plan) -> float:
@@ -127,13 +127,7 @@ def _split_cost(plan: Plan) -> float:
 
 def _lowered(plan: Plan) -> Schedule:
     if plan.hand_schedule is None:
-        return lower(
-            plan.schedule,
-            plan.num_stages,
-            plan.microbatches,
-            plan.stage_to_rank,
-            split_cost=_split_cost(plan),
-        )
+        return lower(*_generated(plan), split_cost=_split_cost(plan))
     schedule = compute_schedule(plan)
     return schedule if is_lowered(schedule) else lower_comms(schedule, plan.stage_to_rank)
 

@@ -229,7 +229,11 @@ def _pipeline_lines(plan: Plan, est: Estimate, grid: str | None) -> list[str]:
         f"microbatches in flight per stage: {', '.join(map(str, est.in_flight))}",
     ]
     if any(c.kept_for_w for c in est.stages):
-        kept = ", ".join(human_bytes(c.kept_for_w) for c in est.stages)
+        split = {s for s, _ in split_backwards(compute_schedule(plan))}
+        kept = ", ".join(
+            human_bytes(c.kept_for_w) if s in split else "– (no split)"
+            for s, c in enumerate(est.stages)
+        )
         lines.append(f"  gradients B keeps for W, per microbatch and stage: {kept}")
     if plan.num_stages > plan.pp:
         lines.append(f"  {plan.num_stages} stages on pp={plan.pp}: {rank_stages_text(plan)}")

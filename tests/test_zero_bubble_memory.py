@@ -22,7 +22,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 from parc.compiler.estimate import Estimate, estimate
 from parc.compiler.frontend import analyse
-from parc.compiler.plan import Plan
+from parc.compiler.plan import DeviceKind, Plan
 from parc.compiler.plan_schedule import stage_held
 from parc.compiler.report import format_report, human_bytes
 from parc.compiler.schedule_zero_bubble import zb1 as zb_h1
@@ -186,11 +186,21 @@ def test_zb1_frees_every_saved_tensor_and_peaks_where_reported(gloo_pool: Any) -
 
 def test_the_report_shows_what_b_keeps_for_w() -> None:
     with model_env(GPT_ENV):
-        zb1, one_f_one_b = (analyse(_spec(k), GPT, batch=BATCH) for k in ("zb1", "1f1b"))
+        zb1, one_f_one_b, cpu = (
+            analyse(_spec(k), GPT, batch=BATCH, target=target)
+            for k, target in (
+                ("zb1", DeviceKind.CUDA),
+                ("1f1b", DeviceKind.CUDA),
+                ("zb1", DeviceKind.CPU),
+            )
+        )
     kept = kept_until_w(zb1.plan, zb1.gm)
     line = "gradients B keeps for W, per microbatch and stage: " + ", ".join(map(human_bytes, kept))
     assert line in format_report(zb1.plan, zb1.estimate, title="zb1")
     assert "B keeps for W" not in format_report(one_f_one_b.plan, one_f_one_b.estimate, title="")
+    # On the CPU zb1 splits only the last stage's last backward: stage 0 keeps nothing.
+    line = f"per microbatch and stage: – (no split), {human_bytes(kept[1])}"
+    assert line in format_report(cpu.plan, cpu.estimate, title="cpu")
 
 
 class _Block(torch.nn.Module):

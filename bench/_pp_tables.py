@@ -185,3 +185,35 @@ def own_table(ranks: list[dict[str, Any]], schedules: tuple[Schedule, ...]) -> s
         "analytic",
     ]
     return md_table(header, rows)
+
+
+def measured_split_cost(ranks: list[dict[str, Any]]) -> str:
+    """A sentence: what a split backward (B + W) cost over a whole one in this run, on the
+    ranks where parc's zb1 ran both on one stage (median of the timed steps' ratios of
+    the mean split to the mean whole backward), against compiler/plan_schedule.py's
+    SPLIT_COST; "" without such a rank."""
+    from parc.compiler.plan import DeviceKind
+    from parc.compiler.plan_schedule import SPLIT_COST
+
+    found = []
+    for r, rank in enumerate(ranks):
+        rec = rank.get("parc zb1")
+        if rec is None:
+            continue
+        ratios = []
+        for spent, calls in zip(rec["spent"][WARMUP:], rec["calls"][WARMUP:], strict=True):
+            whole, split = calls.get("_backward", 0), calls.get("_backward_input", 0)
+            if whole and split:
+                b_w = spent["_backward_input"] + spent.get("_weights", 0.0)
+                ratios.append((b_w / split) / (spent["_backward"] / whole))
+        if ratios:
+            found.append(f"{median(ratios):.2f}× on rank {r}")
+    if not found:
+        return ""
+    return (
+        "Measured in this run, on a rank where parc's zb1 ran split and whole backwards of "
+        f"its one stage: a split backward (B + W) took {', '.join(found)} the whole one "
+        "(median over the timed steps of the mean split over the mean whole); zb1 picked "
+        f"its split assuming {SPLIT_COST[DeviceKind.CPU]:g} (compiler/plan_schedule.py "
+        "SPLIT_COST)."
+    )

@@ -54,7 +54,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -67,6 +67,7 @@ from _pp_tables import (
     WORLD,
     Schedule,
     idle_table,
+    measured_split_cost,
     own_table,
     sides,
     time_table,
@@ -121,16 +122,20 @@ def _source() -> Any:
 
 @dataclass
 class _Clock:
-    """Seconds spent in compute actions and in the schedule during the current step."""
+    """Seconds spent in compute actions and in the schedule during the current step, and
+    per timed method (seconds and calls) for the busy ones."""
 
     busy: float = 0.0
     window: float = 0.0
+    spent: dict[str, float] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)
 
     def reset(self) -> None:
         self.busy = self.window = 0.0
+        self.spent, self.calls = {}, {}
 
-    def time_method(self, obj: Any, name: str, *, field: str = "busy") -> None:
-        """Add the seconds spent in `obj.name(...)` to `field`: an instance attribute that
+    def time_method(self, obj: Any, name: str, *, attr: str = "busy") -> None:
+        """Add the seconds spent in `obj.name(...)` to `attr`: an instance attribute that
         shadows the method for the callers that look it up through `obj`."""
         fn: Callable[..., Any] = getattr(obj, name)
 
@@ -139,7 +144,11 @@ class _Clock:
             try:
                 return fn(*args, **kwargs)
             finally:
-                setattr(self, field, getattr(self, field) + time.perf_counter() - start)
+                took = time.perf_counter() - start
+                setattr(self, attr, getattr(self, attr) + took)
+                if attr == "busy":
+                    self.spent[name] = self.spent.get(name, 0.0) + took
+                    self.calls[name] = self.calls.get(name, 0) + 1
 
         setattr(obj, name, timed)
 
@@ -158,7 +167,7 @@ class _Parc:
         self.clock.time_method(executor, "_backward")
         self.clock.time_method(executor, "_backward_input")  # B of a split schedule (zb1)
         self.clock.time_method(executor, "_weights")
-        self.clock.time_method(executor, "run", field="window")  # Program.step calls it
+        self.clock.time_method(executor, "run", attr="window")  # Program.step calls it
 
     def step(self, x: Any, y: Any) -> float:
         self.clock.reset()
@@ -262,7 +271,7 @@ def _batches() -> list[Any]:
 def time_all(schedules: tuple[Schedule, ...] = SCHEDULES) -> dict[str, Any]:
     """Case: parc and native for each schedule, steps in turn; times, busy times, losses."""
     impls = {name: _build(side, s) for name, side, s in sides(schedules)}
-    keys = ("wall", "cpu", "losses", "busy", "window")
+    keys = ("wall", "cpu", "losses", "busy", "window", "spent", "calls")
     out: dict[str, Any] = {name: {k: [] for k in keys} for name in impls}
     for batch in _batches():
         for name, impl in impls.items():
@@ -273,6 +282,8 @@ def time_all(schedules: tuple[Schedule, ...] = SCHEDULES) -> dict[str, Any]:
             rec["losses"].append(loss)
             rec["busy"].append(impl.clock.busy)
             rec["window"].append(impl.clock.window)
+            rec["spent"].append(dict(impl.clock.spent))
+            rec["calls"].append(dict(impl.clock.calls))
     return out
 
 
@@ -349,6 +360,7 @@ def main(schedules: tuple[Schedule, ...] = SCHEDULES) -> str:
             "native schedule splits every backward. Analytic bubbles for zero bubble: each "
             "side's schedule simulated at those costs (F 1, a whole backward 2, B and W 1.37 "
             "each); ZB-H1 with F, B and W alike would be 7.7%.",
+            measured_split_cost(ranks),
             "Zero bubble against 1F1B, each side against its own:",
             own_table(ranks, schedules),
             "Reproduce: `OMP_NUM_THREADS=1 .venv/bin/python bench/pp.py`; "

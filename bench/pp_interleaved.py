@@ -77,7 +77,7 @@ class _Parc(base._Parc):
         executor = self.program.executor
         self.clock.time_method(executor, "_forward")
         self.clock.time_method(executor, "_backward")
-        self.clock.time_method(executor, "run", field="window")
+        self.clock.time_method(executor, "run", attr="window")
 
 
 def _chunk_module(model: Any, stage: int) -> Any:

@@ -16,6 +16,7 @@ from parc.schedule_views import schedule_grid, write_timeline
 if TYPE_CHECKING:
     from parc.compiler.model import ModelSource
     from parc.dsl.ast import Spec
+    from parc.runtime.launch import RunOptions
     from parc.runtime.schedules import Schedule
 
 __all__ = ["EXIT_ERROR", "EXIT_FAIL", "EXIT_OK", "cmd_check", "cmd_compile", "cmd_plan", "cmd_run"]
@@ -168,36 +169,13 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from parc.runtime.launch import RunOptions, exit_hard, launch, under_torchrun
+    from parc.runtime.launch import exit_hard, launch, under_torchrun
     from parc.runtime.rank_ends import mark
     from parc.runtime.schedules import schedule_from_args
 
     ranked = under_torchrun()
     schedule = schedule_from_args(args, args.lr)  # every rank parses the same flags
-    opts = RunOptions(
-        spec=_spec_to_run(args, ranked),
-        model=args.model,
-        steps=args.steps,
-        batch=args.batch,
-        lr=args.lr,
-        checkpoint=args.checkpoint,
-        every=args.every,
-        keep=args.keep,
-        resume=args.resume,
-        timeout=args.timeout,
-        log=args.log,
-        tensorboard=args.tensorboard,
-        peak_tflops=args.peak_tflops,
-        flops_per_sample=_flops_per_sample(ranked),
-        name=Path(args.spec).stem,
-        schedule=schedule,
-        skip_nonfinite=args.skip_nonfinite,
-        fault=args.inject_fault,
-        weights=args.weights,
-        clip=args.clip,
-        data=args.data,
-        tokenizer=args.tokenizer,
-    )
+    opts = _run_options(args, schedule, ranked)
     if ranked:
         code = _train_rank(opts, args.debug)
         mark("ended")  # parc ended this rank, not its own code (runtime/rank_ends.py)
@@ -270,6 +248,36 @@ def _spec_to_run(args: argparse.Namespace, ranked: bool) -> str:
     if args.precision is None and not args.compile:
         return str(args.spec)
     return str(_spec(args, quiet=ranked))
+
+
+def _run_options(args: argparse.Namespace, schedule: Schedule | None, ranked: bool) -> RunOptions:
+    """What a rank of `parc run` runs, from its flags (runtime/launch.py RunOptions)."""
+    from parc.runtime.launch import RunOptions
+
+    return RunOptions(
+        spec=_spec_to_run(args, ranked),
+        model=args.model,
+        steps=args.steps,
+        batch=args.batch,
+        lr=args.lr,
+        checkpoint=args.checkpoint,
+        every=args.every,
+        keep=args.keep,
+        resume=args.resume,
+        timeout=args.timeout,
+        log=args.log,
+        tensorboard=args.tensorboard,
+        peak_tflops=args.peak_tflops,
+        flops_per_sample=_flops_per_sample(ranked),
+        name=Path(args.spec).stem,
+        schedule=schedule,
+        skip_nonfinite=args.skip_nonfinite,
+        fault=args.inject_fault,
+        weights=args.weights,
+        clip=args.clip,
+        data=args.data,
+        tokenizer=args.tokenizer,
+    )
 
 
 def _train_rank(opts: object, debug: bool) -> int:

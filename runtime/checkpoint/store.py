@@ -101,6 +101,7 @@ from .planners import PieceLoadPlanner, PieceSavePlanner
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
 
+    from parc.runtime.parts import ProgramParts
     from parc.runtime.program import Program
 
 __all__ = [
@@ -166,20 +167,8 @@ def save_checkpoint(
     _barrier()
     files = record_manifest(tmp, _rank())  # every rank hashes the files it wrote
     if _rank() == 0:
-        info = {
-            "format": FORMAT,
-            "step": step,
-            "optimizer": type(parts.optimizer).__name__,
-            "mesh": str(parts.plan.mesh),
-            "zero": parts.plan.zero,
-            # For the reader: any precision loads it (model.<param> is fp32 under bf16 too).
-            "precision": str(parts.plan.precision),
-            "reduce": str(parts.plan.reduce),
-            "files": files,
-        }
-        if data is not None:
-            info["data"] = data
-        write_manifest(tmp, info)  # sealed: an edit of parc.json is refused at load
+        # Sealed: an edit of parc.json is refused at load.
+        write_manifest(tmp, _manifest_info(parts, step, files, data))
         _publish(root, tmp, final)
         if keep is not None:
             _rotate(root, keep, final)
@@ -309,6 +298,29 @@ def _publish(root: Path, tmp: Path, final: Path) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(pointer, root / LATEST)
+
+
+def _manifest_info(
+    parts: ProgramParts,
+    step: int,
+    files: dict[str, dict[str, Any]] | None,
+    data: dict[str, int] | None,
+) -> dict[str, Any]:
+    """parc.json's entries for a save of `parts` at `step` (`files`: record_manifest's)."""
+    info = {
+        "format": FORMAT,
+        "step": step,
+        "optimizer": type(parts.optimizer).__name__,
+        "mesh": str(parts.plan.mesh),
+        "zero": parts.plan.zero,
+        # For the reader: any precision loads it (model.<param> is fp32 under bf16 too).
+        "precision": str(parts.plan.precision),
+        "reduce": str(parts.plan.reduce),
+        "files": files,
+    }
+    if data is not None:
+        info["data"] = data
+    return info
 
 
 def _rotate(root: Path, keep: int, newest: Path) -> None:

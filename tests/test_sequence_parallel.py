@@ -251,6 +251,17 @@ SEQ_FIRST_TP = (
 )
 
 
+def test_seq_first_blocks_are_refused_when_batch_equals_sequence_too() -> None:
+    # Batch 8 == sequence 8: shapes cannot tell (seq, batch, hidden) blocks from batch-first
+    # ones; the region sharded the batch dim and the report said sequence (a probe).
+    with pytest.raises(PlanError) as caught:
+        analyse(SEQ_FIRST_TP + "sequence_parallel tp\n", SEQ_FIRST, batch=8)
+    text = str(caught.value)
+    assert text.startswith("<spec>:6:1: error: sequence_parallel shards"), text
+    assert "seq_first_blocks.py:39: x = self.tok(ids).transpose(0, 1)` swaps" in text
+    assert "both 8" in text
+
+
 def test_blocks_on_seq_batch_activations_refuse_sequence_parallel_at_its_line() -> None:
     # The region is (batch, seq, hidden) activations; blocks on (seq, batch, hidden) kept
     # none, the report said sequence parallel and the run all-reduced as tp alone does,

@@ -52,7 +52,7 @@ from ..node_meta import Collectives
 from ..plan import Plan
 from .placement import Lowering, LowerKind, NodeRewrite, ParamUse, Partial, Replicate, Shard
 from .tp_context import Decision, Misaligned, NotDivisible, OpContext
-from .tp_sequence_checks import token_shape
+from .tp_sequence_checks import check_batch_first, token_shape
 from .tp_sequence_rules import SEQ_DROPOUT, SEQ_MODULES, SEQ_RULES
 
 __all__ = [
@@ -113,6 +113,7 @@ def sequence_region(
         if any(n in rows or n in entered or _scatters_into(n, place, lead) for n in group):
             kept |= group
     _check_rows_reached(gm, plan, spec, place, rows, kept, lead)
+    check_batch_first(gm, spec, lead)
     dropouts = {n.name for n in kept if n.name in sites}
     return SeqRegion(
         lead,

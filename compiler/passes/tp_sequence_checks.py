@@ -12,9 +12,10 @@ import torch.fx
 from parc.dsl.ast import AXIS_DP, AXIS_PP, Spec
 from parc.errors import PlanError, clip
 
+from ..node_info import node_source
 from ..plan import Plan
 
-__all__ = ["check_sequence_parallel", "token_shape"]
+__all__ = ["check_batch_first", "check_sequence_parallel", "token_shape"]
 
 
 def check_sequence_parallel(spec: Spec, tp_axis: str | None) -> bool:
@@ -98,3 +99,54 @@ def token_shape(gm: torch.fx.GraphModule, plan: Plan, spec: Spec | None) -> tupl
             "`sequence_parallel`",
         )
     return batch, length
+
+
+# Ops that swap two dims of a tensor: name -> the positional args after the tensor that
+# name the dims (transpose / swapaxes / swapdims), or a permutation (permute).
+_SWAPS = {"transpose": 2, "swapaxes": 2, "swapdims": 2, "permute": 3}
+
+
+def check_batch_first(gm: torch.fx.GraphModule, spec: Spec | None, lead: tuple[int, int]) -> None:
+    """With a traced batch equal to the sequence length, shapes cannot tell a model's
+    (seq, batch, hidden) blocks from (batch, seq, hidden) ones, and the region would shard
+    the batch dim of seq-first blocks while the report says sequence. A swap of the first
+    two dims of a (batch, seq, hidden) activation (Megatron's transpose after the
+    embedding) says seq-first: refused, as tp_sequence refuses such blocks by shape."""
+    batch, length = lead
+    if batch != length:
+        return  # tp_sequence tells them apart by shape
+    for node in gm.graph.nodes:
+        if _swaps_leading(node, lead):
+            stmt = spec.sequence_parallel if spec is not None else None
+            where = spec.locate(stmt.span) if spec is not None and stmt is not None else None
+            at = node_source(node)
+            raise PlanError(
+                "sequence_parallel shards (batch, seq, hidden) activations along the "
+                f"sequence, but {f'`{at}`' if at else repr(node.name)} swaps their batch "
+                "and sequence dims (the "
+                f"traced batch and sequence are both {length}, so their shapes cannot say "
+                "which blocks compute on (seq, batch, hidden)); parc's sequence parallel "
+                "takes batch-first activations only",
+                where,
+                hint="remove `sequence_parallel` (tp works without it), or keep the "
+                "activations batch-first between blocks",
+            )
+
+
+def _swaps_leading(node: torch.fx.Node, lead: tuple[int, int]) -> bool:
+    """`node` swaps dims 0 and 1 of a 3-dim floating value shaped (batch, seq, ...)."""
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    if node.op not in ("call_method", "call_function") or name not in _SWAPS:
+        return False
+    source, *rest = node.args
+    meta = source.meta.get("tensor_meta") if isinstance(source, torch.fx.Node) else None
+    if meta is None or len(meta.shape) != 3 or tuple(meta.shape[:2]) != lead:
+        return False
+    if not meta.dtype.is_floating_point:
+        return False
+    dims = rest[0] if len(rest) == 1 and isinstance(rest[0], list | tuple) else rest
+    if not all(isinstance(d, int) for d in dims) or len(dims) != _SWAPS[str(name)]:
+        return False
+    if name == "permute":
+        return [d % 3 for d in dims] == [1, 0, 2]
+    return sorted(d % 3 for d in dims) == [0, 1]

@@ -144,9 +144,8 @@ def _swaps_leading(node: torch.fx.Node, lead: tuple[int, int]) -> bool:
         return False
     if not meta.dtype.is_floating_point:
         return False
-    dims = rest[0] if len(rest) == 1 and isinstance(rest[0], list | tuple) else rest
-    if not all(isinstance(d, int) for d in dims) or len(dims) != _SWAPS[str(name)]:
+    given = rest[0] if len(rest) == 1 and isinstance(rest[0], list | tuple) else rest
+    dims = [d % 3 for d in given if isinstance(d, int)]
+    if len(dims) != len(given) or len(dims) != _SWAPS[str(name)]:
         return False
-    if name == "permute":
-        return [d % 3 for d in dims] == [1, 0, 2]
-    return sorted(d % 3 for d in dims) == [0, 1]
+    return dims == [1, 0, 2] if name == "permute" else sorted(dims) == [0, 1]

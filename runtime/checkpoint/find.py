@@ -28,7 +28,14 @@ from parc.errors import ParcError
 from .integrity import SafeReader, verify_metadata
 from .manifest import INFO, METADATA, STEP_DIR, damaged, read_manifest
 
-__all__ = ["LATEST", "ResumePoint", "checkpoint_path", "latest_checkpoint", "resume_point"]
+__all__ = [
+    "LATEST",
+    "ResumePoint",
+    "checkpoint_path",
+    "latest_checkpoint",
+    "resume_point",
+    "step_dirs",
+]
 
 LATEST = "latest"
 _POINTER_BYTES = 256  # `latest` holds one short name; never read a huge or endless file
@@ -53,16 +60,21 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
     if pointer.is_file() or pointer.is_symlink():
         path = _named_by_latest(root, pointer)
     else:
-        steps = [
-            (int(m.group(1)), p)
-            for p in (root.iterdir() if root.is_dir() else [])
-            if (m := STEP_DIR.fullmatch(p.name)) and p.is_dir()
-        ]
+        steps = step_dirs(root)
         if not steps:
             return None
-        path = max(steps)[1]
+        path = steps[-1][1]
     _check_usable(root, path)
     return path
+
+
+def step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """The `step-<N>` directories of `root` with their N, lowest first (no `*.tmp`)."""
+    return sorted(
+        (int(m.group(1)), p)
+        for p in (root.iterdir() if root.is_dir() else [])
+        if (m := STEP_DIR.fullmatch(p.name)) and p.is_dir()
+    )
 
 
 def checkpoint_path(directory: str | Path) -> Path:

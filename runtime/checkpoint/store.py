@@ -86,7 +86,7 @@ from parc.errors import ParcError
 
 from .buffers import buffer_pieces, check_buffers
 from .entries import EntryKind, check_entries
-from .find import LATEST, checkpoint_path, latest_checkpoint
+from .find import LATEST, checkpoint_path, latest_checkpoint, step_dirs
 from .integrity import (
     SafeReader,
     read_info,
@@ -325,11 +325,7 @@ def _manifest_info(
 
 def _rotate(root: Path, keep: int, newest: Path) -> None:
     """Remove every `step-<M>` of `root` but the newest `keep` (`newest` always stays)."""
-    steps = sorted(
-        (int(p.name.removeprefix("step-")), p)
-        for p in root.glob("step-*")
-        if p.is_dir() and not p.is_symlink() and p.name.removeprefix("step-").isdecimal()
-    )
+    steps = [(n, p) for n, p in step_dirs(root) if not p.is_symlink()]
     for _, path in steps[: max(0, len(steps) - keep)]:
         if path == newest:
             continue

@@ -59,6 +59,7 @@ __all__ = [
     "plan_timeline",
     "rank_actions",
     "rank_held",
+    "split_cost",
     "stage_held",
     "with_schedule",
 ]
@@ -111,7 +112,7 @@ def compute_schedule(plan: Plan) -> Schedule:
     """The schedule the plan runs, by pp rank (compute actions, or lowered if written so)."""
     if plan.hand_schedule is not None:
         return {rank: list(actions) for rank, actions in enumerate(plan.hand_schedule)}
-    return generate(*_generated(plan), split_cost=_split_cost(plan))
+    return generate(*_generated(plan), split_cost=split_cost(plan))
 
 
 def _generated(plan: Plan) -> tuple[ScheduleKind, int, int, tuple[int, ...]]:
@@ -120,14 +121,14 @@ def _generated(plan: Plan) -> tuple[ScheduleKind, int, int, tuple[int, ...]]:
     return plan.schedule, plan.num_stages, plan.microbatches, plan.stage_to_rank
 
 
-def _split_cost(plan: Plan) -> float:
+def split_cost(plan: Plan) -> float:
     """The device's `SPLIT_COST` for `schedule zb1` (the one schedule that splits)."""
     return SPLIT_COST[plan.device] if plan.schedule is ScheduleKind.ZB1 else 1.0
 
 
 def _lowered(plan: Plan) -> Schedule:
     if plan.hand_schedule is None:
-        return lower(*_generated(plan), split_cost=_split_cost(plan))
+        return lower(*_generated(plan), split_cost=split_cost(plan))
     schedule = compute_schedule(plan)
     return schedule if is_lowered(schedule) else lower_comms(schedule, plan.stage_to_rank)
 
@@ -164,7 +165,7 @@ def plan_bubble(plan: Plan) -> float:
     if p == 1:
         return 0.0
     if plan.hand_schedule is None and plan.schedule is ScheduleKind.ZB1:
-        return zb1_bubble(p, m, split_cost=_split_cost(plan))
+        return zb1_bubble(p, m, split_cost=split_cost(plan))
     if plan.hand_schedule is None and plan.num_stages == p:
         return (p - 1) / (m + p - 1)
     if plan.hand_schedule is None and plan.schedule is ScheduleKind.INTERLEAVED:

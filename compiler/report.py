@@ -13,7 +13,7 @@ from parc.dsl.ast import ScheduleKind
 from .estimate import Estimate
 from .ops.collectives import CommKind
 from .plan import Plan, compress_names
-from .plan_schedule import SPLIT_COST, compute_schedule
+from .plan_schedule import compute_schedule, split_cost
 from .report_memory import (
     buffer_lines,
     host_json,
@@ -250,7 +250,7 @@ def _pipeline_lines(plan: Plan, est: Estimate, grid: str | None) -> list[str]:
 def _zb1_bubble_words(plan: Plan) -> str:
     """How the report's zb1 bubble was found: ZB-H1's formula, or (where the device's
     split costs more than the whole backward) the simulation zb1 picked its split by."""
-    cost = SPLIT_COST[plan.device]
+    cost = split_cost(plan)
     if cost <= 1.0:
         return (
             f"ZB-H1 (T-3m)/T, T=max(3m+p-1, 2m+2p-1) with p={plan.pp}, m={plan.microbatches}, "

@@ -170,6 +170,15 @@ class Comm:
             p2p_ops.append(dist.P2POp(fn, tensor, peer))
         return list(dist.batch_isend_irecv(p2p_ops))
 
+    def p2p_independent(self, axis: str, device: torch.device) -> bool:
+        """Whether point-to-point ops of `device`'s tensors over `axis` progress each on
+        its own (gloo: a posted receive never holds up a later send), so that a receive
+        may be posted ahead of its place in a rank's list. Not under NCCL, which runs a
+        rank's ops in the order posted, on one stream."""
+        if self.size(axis) == 1 or device.type != "cpu" or not dist.is_initialized():
+            return False
+        return "gloo" in str(dist.get_backend(self._group(axis))).lower()
+
     def metric_sum(self, t: torch.Tensor) -> torch.Tensor:
         """Sum a small metric (e.g. the loss) over all ranks; not counted as training traffic."""
         if dist.is_initialized() and dist.get_world_size() > 1:

@@ -6,7 +6,8 @@ one `batch_isend_irecv`, posted together. It waits later than the simulator
 (so transfers overlap compute): a receive right before the compute that reads
 it (under gloo that receive's own ops, not the rest of its batch; NCCL gives
 one handle per batch), a send when the rank posts its next batch or ends the
-round (its tensor kept alive until then). Waiting later only lets a rank go on sooner, so a
+round (its tensor kept alive until then); under gloo it also posts each receive one
+compute ahead (`run`). Waiting later only lets a rank go on sooner, so a
 schedule the simulator proves runs here too, with the same transfers. A rank may
 run several stages (virtual stages): what a microbatch keeps lives per (stage,
 microbatch), and a comm action talks to the rank of its peer stage
@@ -112,9 +113,12 @@ class StageExecutor:
         device: torch.device,
         before_last_backward: Callable[[], None] | None = None,
         forward_contexts: Sequence[ForwardContext] = (),
+        receive_ahead: bool | None = None,
     ) -> None:
         """`stages`: the stages this rank runs; `stage_to_rank[s]`: the pp rank of stage s.
-        `forward_contexts` are entered in order around every forward (first outermost)."""
+        `forward_contexts` are entered in order around every forward (first outermost).
+        `receive_ahead`: post receives one compute ahead of their place (see `run`);
+        by default where the backend lets ops progress independently (gloo on CPU)."""
         coords = dict(comm.coords)
         mine = coords.get(AXIS_PP, 0)
         wrong = [s for s in stages if not 0 <= s < len(stage_to_rank) or stage_to_rank[s] != mine]
@@ -130,6 +134,9 @@ class StageExecutor:
         self.device = device
         self.before_last_backward = before_last_backward
         self.forward_contexts = tuple(forward_contexts)
+        if receive_ahead is None:
+            receive_ahead = comm.p2p_independent(AXIS_PP, device)
+        self.receive_ahead = receive_ahead
         # The last posted batch with its sent tensors (kept alive until it is waited for).
         self._sending: list[tuple[_Posted, list[torch.Tensor]]] = []
         # Global rank of every stage's pp rank, at this rank's other coordinates.
@@ -152,7 +159,14 @@ class StageExecutor:
         `before_backward` (the step's gradient buffers, zeroed) runs once, before the
         first backward, or earlier where the rank first waits for a peer: in time the
         rank would spend idle (a last stage waits for its first input, a first stage for
-        its first gradient), off the pipeline's critical path."""
+        its first gradient), off the pipeline's critical path.
+
+        With `receive_ahead` the receives between a compute action and the next one are
+        posted before the first of the two, each channel's in list order (so they pair
+        with the same sends), and waited for where they would be: the transfer runs
+        during that compute (gloo moves a message only once its receive is posted). The
+        sends and every wait stay where the list puts them, and posting earlier only
+        lets an op complete sooner, so what the simulator proves still runs."""
         order = self._order_of(actions)
         actions, split, last = order.actions, order.split, order.last
         states = {
@@ -161,10 +175,15 @@ class StageExecutor:
             for m in range(len(inputs))
         }
         losses: list[torch.Tensor] = []
-        for item in order.items:
+        ahead = order.receives_ahead if self.receive_ahead else {}
+        posted: set[int] = set()  # positions of the receives posted ahead
+        for k, item in enumerate(order.items):
             first = actions[item[0]]
             state = states[(first.stage, first.microbatch)]
             if first.kind.is_compute:
+                if k in ahead:
+                    self._post([actions[i] for i in ahead[k]], states)
+                    posted.update(ahead[k])
                 if before_backward is not None and (
                     first.kind is not ActionKind.F or state.will_wait(first.kind)
                 ):
@@ -186,7 +205,7 @@ class StageExecutor:
                 else:
                     self._backward(state)
             else:
-                self._communicate([actions[i] for i in item], states)
+                self._communicate([actions[i] for i in item if i not in posted], states)
         self._wait_sends()
         if before_backward is not None:  # no backward ran: the buffers are still due
             before_backward()
@@ -265,6 +284,17 @@ class StageExecutor:
     ) -> None:
         """Post one batch of sends and receives, each to the rank of its peer stage; then
         wait for the previous batches' sends (this batch's are waited at the next one)."""
+        sent = self._post(batch, states)
+        if sent is None:
+            return
+        self._wait_sends()  # the previous batch's, now that this one is posted
+        self._sending = [sent]
+
+    def _post(
+        self, batch: list[Action], states: Mapping[tuple[int, int], MicroState]
+    ) -> tuple[_Posted, list[torch.Tensor]] | None:
+        """Post `batch`'s ops; each receive's state waits on its own handles. Returns the
+        posted batch with its sent tensors (None when it has no ops)."""
         ops: list[tuple[CommKind, torch.Tensor, int]] = []
         received: list[tuple[MicroState, list[torch.Tensor], ActionKind, int]] = []
         for action in batch:
@@ -282,7 +312,7 @@ class StageExecutor:
                 received.append((state, bufs, action.kind, len(ops)))
                 ops += [(CommKind.RECV, b, peer) for b in bufs]
         if not ops:
-            return
+            return None
         posted = _Posted(self.comm.post_p2p(ops, AXIS_PP), len(ops))
         for state, bufs, kind, at in received:
             # Each compute waits for its own receives only: a batch of interleaved 1F1B
@@ -292,8 +322,7 @@ class StageExecutor:
                 state.received = bufs
             else:
                 state.grads_in = bufs
-        self._wait_sends()  # the previous batch's, now that this one is posted
-        self._sending = [(posted, [t for kind, t, _ in ops if kind is CommKind.SEND])]
+        return posted, [t for kind, t, _ in ops if kind is CommKind.SEND]
 
     def _wait_sends(self) -> None:
         """Wait for every posted send (and the end of a round: nothing stays in flight)."""
@@ -313,6 +342,9 @@ class _Order:
     # without one: the whole backward): the sync is armed before it (earlier gradient
     # hooks must not reduce).
     last: int
+    # Item index of a compute -> positions of the receives between it and the next
+    # compute, which `run` may post before it.
+    receives_ahead: Mapping[int, tuple[int, ...]]
 
     @classmethod
     def of(cls, actions: Sequence[Action]) -> _Order:
@@ -321,7 +353,26 @@ class _Order:
             (i for i, a in enumerate(actions) if held_delta(a, split) < 0),
             default=-1,
         )
-        return cls(actions, tuple(execution_items(actions)), split, last)
+        items = tuple(execution_items(actions))
+        return cls(actions, items, split, last, _receives_ahead(actions, items))
+
+
+def _receives_ahead(
+    actions: Sequence[Action], items: Sequence[tuple[int, ...]]
+) -> dict[int, tuple[int, ...]]:
+    """For each compute item, the receives of the batches between it and the next one."""
+    ahead: dict[int, tuple[int, ...]] = {}
+    compute: int | None = None  # the last compute item seen
+    for k, item in enumerate(items):
+        if actions[item[0]].kind.is_compute:
+            compute = k
+        elif compute is not None:
+            recvs = tuple(
+                i for i in item if not actions[i].kind.is_compute and not actions[i].kind.is_send
+            )
+            if recvs:
+                ahead[compute] = ahead.get(compute, ()) + recvs
+    return ahead
 
 
 class _Posted:

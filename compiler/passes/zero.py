@@ -49,19 +49,41 @@ def shard_parameters(
 
     # Step 1
     lower_module_calls(gm, lambda name, module: True)
-    offsets = layout.offsets
     # Step 2
-    reads: dict[int, list[torch.fx.Node]] = {}
-    for node in gm.graph.nodes:
-        key = canonical.get(str(node.target)) if node.op == "get_attr" else None
-        if key is not None and key in offsets:
-            reads.setdefault(offsets[key][0], []).append(node)
+    reads = _unit_reads(gm, layout, canonical)
     # Step 3
     holder = torch.nn.Module()
     for i, piece in enumerate(shards):
         holder.register_parameter(f"u{i}", piece)
     gm.add_module("zero3_shards", holder)
     # Step 4
+    _insert_gathers(gm, reads, layout, canonical)
+    # Step 5
+    _drop_whole_params(gm, layout, canonical)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _unit_reads(
+    gm: torch.fx.GraphModule, layout: Zero3Layout, canonical: Mapping[str, str]
+) -> dict[int, list[torch.fx.Node]]:
+    """Step 2: unit index -> the `get_attr` nodes reading its parameters, in graph order."""
+    reads: dict[int, list[torch.fx.Node]] = {}
+    for node in gm.graph.nodes:
+        key = canonical.get(str(node.target)) if node.op == "get_attr" else None
+        if key is not None and key in layout.offsets:
+            reads.setdefault(layout.offsets[key][0], []).append(node)
+    return reads
+
+
+def _insert_gathers(
+    gm: torch.fx.GraphModule,
+    reads: Mapping[int, list[torch.fx.Node]],
+    layout: Zero3Layout,
+    canonical: Mapping[str, str],
+) -> None:
+    """Step 4: each unit gathered before its first reader, every read replaced by a view."""
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     for unit, nodes in sorted(reads.items()):
         first = min((u for n in nodes for u in n.users), key=lambda u: order[u])
@@ -74,24 +96,26 @@ def shard_parameters(
                 key = canonical[str(node.target)]
                 if key not in views:
                     views[key] = gm.graph.call_function(
-                        zero3_view, (flat, offsets[key][1], layout.shapes[key])
+                        zero3_view, (flat, layout.offsets[key][1], layout.shapes[key])
                     )
                 node.replace_all_uses_with(views[key])
         for node in nodes:
             gm.graph.erase_node(node)
-    # Step 5
+
+
+def _drop_whole_params(
+    gm: torch.fx.GraphModule, layout: Zero3Layout, canonical: Mapping[str, str]
+) -> None:
+    """Step 5: every sharded parameter's slot in `gm`'s own module copies left empty."""
     copies: dict[str, torch.nn.Module] = {}
     for name in list(dict(gm.named_parameters(remove_duplicate=False))):
-        if name in canonical and canonical[name] in offsets:
+        if name in canonical and canonical[name] in layout.offsets:
             owner, _, leaf = name.rpartition(".")
             module = _own_module(gm, owner, copies)
             if leaf in module._parameters:
                 # An empty stand-in: modules lowered through functional_call get the
                 # views in its place; the whole tensor is no longer held.
                 module._parameters[leaf] = torch.nn.Parameter(torch.empty(0))
-    gm.graph.lint()
-    gm.recompile()
-    return gm
 
 
 def _own_module(

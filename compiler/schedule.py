@@ -224,6 +224,17 @@ def generate(
     per_stage = _GENERATORS[ScheduleKind(kind)](stages, microbatches)
     if ranks == tuple(range(stages)):
         return per_stage
+    return _merged_by_start(kind, per_stage, stages, microbatches, ranks)
+
+
+def _merged_by_start(
+    kind: ScheduleKind,
+    per_stage: Schedule,
+    stages: int,
+    microbatches: int,
+    ranks: tuple[int, ...],
+) -> Schedule:
+    """Steps 2-4 of `generate`: each rank's stages merged by their start times, validated."""
     # Step 2
     start = {s.action: s.start for slots in simulate(per_stage).slots.values() for s in slots}
     # Step 3

@@ -134,12 +134,8 @@ def compile_rank(
     full_shapes = {canonical[n]: tuple(p.shape) for n, p in named}
     inputs = [n for n in analysis.gm.graph.nodes if n.op == "placeholder"]
     slices, names = _slices(analysis), state_names(model)
-    # Step 2
-    gm = _tensor_parallel(analysis, coords.get(plan.tp_axis, 0) if plan.tp_axis else 0)
-    # Step 3
-    every = pipeline_split(gm, plan)
-    stages = {s.stage: s for s in every if plan.stage_to_rank[s.stage] == pp_index}
-    buffers = buffer_layout(model, every)
+    # Steps 2-3
+    stages, buffers = _rank_stages(analysis, coords, pp_index)
     # Step 4
     params = _local_params(stages, canonical, per_stage)
     # Step 5
@@ -178,6 +174,20 @@ def compile_rank(
         frozen=frozen_params(model),
         groups=groups,
     )
+
+
+def _rank_stages(
+    analysis: Analysis, coords: Mapping[str, int], pp_index: int
+) -> tuple[dict[int, StageGraph], BufferLayout]:
+    """Steps 2-3: the stage graphs of the rank's pp index, rewritten for its tp index, and
+    the model's buffers laid out over every stage."""
+    plan = analysis.plan
+    # Step 2
+    gm = _tensor_parallel(analysis, coords.get(plan.tp_axis, 0) if plan.tp_axis else 0)
+    # Step 3
+    every = pipeline_split(gm, plan)
+    stages = {s.stage: s for s in every if plan.stage_to_rank[s.stage] == pp_index}
+    return stages, buffer_layout(analysis.model, every)
 
 
 def _regions(

@@ -119,26 +119,21 @@ def estimate(
         its parameter slices (zero 3: unit shards) and buffers in their dtypes
         + the largest full parameter it replays + the init recording and fx graphs
     """
-    costs = node_costs(gm)
     stage_of = plan.stage_of()
     per_stage = stage_params(plan, gm, model)
     canonical = canonical_names(model)
     activations = stage_activations(plan, gm, saved)
     regions = _regions(plan, gm)
+    stages = _stage_costs(plan, gm, model, per_stage, activations, stage_of, regions)
     readers = param_readers(gm, canonical) if plan.zero in (1, 2, 3) else {}
     forward_tp = forward_tp_collectives(gm) if regions and plan.tp > 1 else {}
     saved_params = frozenset(canonical.get(n, n) for n in saved.params)
     scale = memory.profile_conversion(saved.precision)  # 1: the profile ran at this precision
-    split = _split_nodes(plan, gm)
-    stages, per_stage_memory, comms, all_units = [], [], [], []
+    per_stage_memory, comms, all_units = [], [], []
     in_flight = plan_in_flight(plan)
-    for s in range(plan.num_stages):
+    for s, act in enumerate(activations):  # one record per stage, in stage order
         units, n_local, tied = stage_units(plan, model, per_stage, s, bucket_elems, groups)
         all_units.append(units)
-        act = activations[s]
-        stages.append(
-            _stage_cost(costs, act, stage_of, regions, split, s, per_stage[s], model, plan)
-        )
         summed = _tied_across_ranks(plan, per_stage, tied)
         traffic = StageTraffic(s, units, summed, saved_params, regions, readers, forward_tp,
                                memory.param_bytes, memory.grad_bytes)  # fmt: skip
@@ -149,23 +144,47 @@ def estimate(
             plan, n_local, units, act, in_flight[s], memory, comms[-1][1], walked, scale, idle
         )
         per_stage_memory.append(mem)
-    # Every rank of a pp index holds the same: one record per pp index (rank_memories.py).
-    held = _rank_activations(plan, activations, scale)
-    ranks = tuple(
-        RankMemory(
-            plan.mesh.rank_of({AXIS_PP: r}), *_add_stages(per_stage_memory, plan, r, held[r])
-        )
-        for r in range(plan.pp)
-    )
+    by_rank = _by_rank(plan, per_stage_memory, activations, scale)
     host = host_memories(plan, gm, model, per_stage, all_units)
     loss = loss_memory(gm, loss_fn) if loss_fn is not None else None
-    by_rank = RankMemories(plan.mesh, ranks)
     parts = (tuple(stages), by_rank, tuple(comms), plan_bubble(plan), in_flight, memory, host)
     return Estimate(*parts, loss, padded_params(plan, model))
 
 
 # params, grads, optimizer, activations, buffers, peak_grads, master, step (RankMemory's order)
 _MemoryParts = tuple[int, int, int, int, int, int | None, int, int]
+
+
+def _stage_costs(
+    plan: Plan,
+    gm: torch.fx.GraphModule,
+    model: torch.nn.Module,
+    per_stage: list[list[str]],
+    activations: Sequence[StageActivations],
+    stage_of: dict[str, int],
+    regions: dict[str, str],
+) -> list[StageCost]:
+    """Every stage's work and stored activations, in stage order (`_stage_cost`)."""
+    costs, split = node_costs(gm), _split_nodes(plan, gm)
+    return [
+        _stage_cost(costs, activations[s], stage_of, regions, split, s, per_stage[s], model, plan)
+        for s in range(plan.num_stages)
+    ]
+
+
+def _by_rank(
+    plan: Plan,
+    per_stage: list[_MemoryParts],
+    activations: Sequence[StageActivations],
+    scale: float,
+) -> RankMemories:
+    """Every rank of a pp index holds the same: one record per pp index (rank_memories.py)."""
+    held = _rank_activations(plan, activations, scale)
+    ranks = tuple(
+        RankMemory(plan.mesh.rank_of({AXIS_PP: r}), *_add_stages(per_stage, plan, r, held[r]))
+        for r in range(plan.pp)
+    )
+    return RankMemories(plan.mesh, ranks)
 
 
 def _tied_across_ranks(
@@ -294,13 +313,7 @@ def _rank_memory(
         first_bucket=units[0].padded if units else 0,
         accumulating=plan.microbatches * plan.grad_accum > 1,
     )
-    # The largest tensor-parallel result, at the dtype it is sent in.
-    per_call = [
-        c.elements // c.count * c.bytes // c.elements
-        for c in comms
-        if c.axis == plan.tp_axis and c.count and c.elements
-    ]
-    message = int(max(per_call, default=0) * scale)
+    message = _largest_message(plan, comms, scale)
     activations = int(act.held(in_flight) * scale)
     if zero == 3:  # the gathered unit, its gradient, the cast and the shard it scatters into
         second = second_largest(u.padded for u in units)
@@ -325,6 +338,16 @@ def _rank_memory(
         o * memory.master_bytes,
         o * memory.step_bytes,
     )
+
+
+def _largest_message(plan: Plan, comms: tuple[Collective, ...], scale: float) -> int:
+    """The bytes of the largest tensor-parallel result, at the dtype it is sent in."""
+    per_call = [
+        c.elements // c.count * c.bytes // c.elements
+        for c in comms
+        if c.axis == plan.tp_axis and c.count and c.elements
+    ]
+    return int(max(per_call, default=0) * scale)
 
 
 def _stage_cost(

@@ -64,6 +64,7 @@ from .deferred_record import (
     recording,
     ref_of,
 )
+from .deferred_slots import owned, slot_groups
 from .init_tables import loaded_tables
 from .param_attrs import keep_attributes
 
@@ -149,7 +150,7 @@ class DeferredModel:
         names replaced, aliases included.
         """
         module = self.module if module is None else module
-        groups = _tied_groups(module)
+        groups = slot_groups(module)
         wanted = None if names is None else set(names)
         missing = (wanted or set()) - {s.name for group in groups for s in group}
         if missing:
@@ -161,7 +162,7 @@ class DeferredModel:
             if not old.is_meta or (wanted is not None and not wanted.intersection(aliases)):
                 continue
             full = self.value_of(old, name=aliases[0])
-            local = _owned(keep(aliases[0], full) if keep else full, full).to(device)
+            local = owned(keep(aliases[0], full) if keep else full, full).to(device)
             del full
             new = (
                 keep_attributes(old, nn.Parameter(local, old.requires_grad))
@@ -363,40 +364,3 @@ def _default_generator_kept() -> Iterator[None]:
         yield
     finally:
         torch.default_generator.set_state(state)
-
-
-# ----------------------------------------------------------------- materialise
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class _Slot:
-    owner: nn.Module
-    leaf: str
-    name: str  # qualified, relative to the module materialised
-    is_param: bool
-    tensor: torch.Tensor
-
-    def table(self) -> dict[str, Any]:
-        return self.owner._parameters if self.is_param else self.owner._buffers
-
-
-def _tied_groups(module: nn.Module) -> list[list[_Slot]]:
-    """Every parameter and buffer slot of `module`, grouped by the tensor they hold."""
-    groups: dict[int, list[_Slot]] = {}
-    for prefix, owner in module.named_modules(remove_duplicate=False):
-        for is_param, table in ((True, owner._parameters), (False, owner._buffers)):
-            for leaf, tensor in table.items():
-                if tensor is not None:
-                    name = f"{prefix}.{leaf}" if prefix else leaf
-                    slot = _Slot(owner, leaf, name, is_param, tensor)
-                    groups.setdefault(id(tensor), []).append(slot)
-    return list(groups.values())
-
-
-def _owned(local: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """`local`, copied if it is a view of part of `full` (so `full` can be freed)."""
-    storage = full.untyped_storage()
-    shares = local.untyped_storage().data_ptr() == storage.data_ptr()
-    if shares and local.numel() * local.element_size() < storage.nbytes():
-        return local.detach().clone()
-    return local.detach()

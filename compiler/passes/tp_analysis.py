@@ -65,8 +65,8 @@ from .tp_context import Decision, Misaligned, NotDivisible, OpContext
 from .tp_dims import output_metas
 from .tp_loss import kept_logits, loss_collectives
 from .tp_lowering import module_lowering
-from .tp_params import col_blocks, param_placements
-from .tp_rules import METADATA_OPS, PARTIAL_RULES, RULES
+from .tp_params import check_blocks, col_blocks, param_placements
+from .tp_rules import METADATA_OPS, PARTIAL_RULES, RULES, rule_key
 from .tp_sequence import (
     SeqRegion,
     entered_values,
@@ -170,7 +170,7 @@ class _Walk:
         self.canonical = canonical_names(gm)
         # Step 2
         self.blocks = col_blocks(gm, plan)
-        self._check_blocks()
+        check_blocks(gm, plan, self.blocks, spec)
         self.params = param_placements(gm, plan, self.blocks)
         self.place: dict[torch.fx.Node, Any] = {}
         self.values: dict[torch.fx.Node, tuple[Any, Any]] = {}
@@ -180,13 +180,6 @@ class _Walk:
         self.collectives: dict[torch.fx.Node, list[tuple[CommKind, int]]] = {}
         self.counted: set[tuple[str, Conversion]] = set()
         self.warnings: list[PlanWarning] = []
-
-    def _check_blocks(self) -> None:
-        for node in self.gm.graph.nodes:
-            k = self.blocks.get(node.name, 1)
-            out = node.meta["tensor_meta"].shape[-1] if k > 1 else 0
-            if k > 1 and out % (k * self.tp):
-                raise msg.blocks_error(node, out, k, self.plan, self._span(str(node.target)))
 
     def _span(self, module: str | None) -> Any:
         return msg.shard_span(self.spec, self.plan, module)
@@ -257,23 +250,11 @@ class _Walk:
         if rewrite:
             self.rewrites[node] = rewrite
 
-    def _key(self, node: torch.fx.Node, shard: ModuleShard | None) -> object:
-        if node.op != "call_module":
-            return node.target
-        kind = shard.kind if shard else None
-        module = self.gm.get_submodule(str(node.target))
-        if linear_form(module) is not None:  # any x @ W + b follows the Linear rules
-            return (torch.nn.Linear, kind)
-        for cls in type(module).__mro__:
-            if (cls, kind) in RULES:
-                return (cls, kind)
-        return None
-
     def _decide(
         self, node: torch.fx.Node, ins: dict[torch.fx.Node, Any], shard: ModuleShard | None
     ) -> Decision:
         """Step 3b-d: the rule's decision, or the all-gather fallback."""
-        key = self._key(node, shard)
+        key = rule_key(self.gm, node, shard.kind if shard else None)
         if key in METADATA_OPS or (key is getattr and not _is_tensor(node)):
             return Decision(R, passive=tuple(ins))  # sizes of the local tensor, as they are
         if self.region is not None and self.region.holds(node):

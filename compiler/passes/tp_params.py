@@ -16,16 +16,17 @@ from collections.abc import Iterator
 import torch
 import torch.fx
 
-from parc.dsl.ast import ShardKind
+from parc.dsl.ast import ShardKind, Spec
 from parc.errors import CompileError
 
 from ..layout import canonical_names, param_slices
 from ..plan import Plan
+from . import tp_messages as msg
 from .placement import Shard
 from .tp_dims import arg, norm_dim, output_metas, view_groups
 from .tp_rules import TRANSPARENT_OPS
 
-__all__ = ["col_blocks", "param_placements"]
+__all__ = ["check_blocks", "col_blocks", "param_placements"]
 
 _SPLITS = ("split", "chunk", torch.split, torch.chunk)
 _VIEWS = ("view", "reshape", torch.reshape)
@@ -44,6 +45,19 @@ def col_blocks(gm: torch.fx.GraphModule, plan: Plan) -> dict[str, int]:
         if k > 1:
             out[node.name] = k
     return out
+
+
+def check_blocks(
+    gm: torch.fx.GraphModule, plan: Plan, blocks: dict[str, int], spec: Spec | None
+) -> None:
+    """A PlanError unless each of a col layer's `blocks` parts splits evenly over tp
+    (`spec` locates it at the layer's `shard` line)."""
+    for node in gm.graph.nodes:
+        k = blocks.get(node.name, 1)
+        out = node.meta["tensor_meta"].shape[-1] if k > 1 else 0
+        if k > 1 and out % (k * plan.tp):
+            span = msg.shard_span(spec, plan, str(node.target))
+            raise msg.blocks_error(node, out, k, plan, span)
 
 
 def _consumers(node: torch.fx.Node) -> Iterator[tuple[torch.fx.Node, torch.fx.Node]]:

@@ -26,11 +26,13 @@ from __future__ import annotations
 import operator
 
 import torch
+import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 
 from parc.dsl.ast import ShardKind
 
+from ..linear_forms import linear_form
 from .placement import Partial, Placement, Replicate, Shard
 from .tp_context import Decision, Misaligned, NotDivisible, OpContext, Rule
 from .tp_view_rules import (
@@ -59,6 +61,7 @@ __all__ = [
     "NotDivisible",
     "OpContext",
     "Rule",
+    "rule_key",
 ]
 
 R = Replicate()
@@ -362,3 +365,18 @@ TRANSPARENT_OPS: frozenset[object] = frozenset(
     op for op, rule in RULES.items() if rule is unary and not isinstance(op, tuple)
 )
 """Ops that keep their input's layout (used to find a fused col layer's blocks)."""
+
+
+def rule_key(gm: torch.fx.GraphModule, node: torch.fx.Node, kind: ShardKind | None) -> object:
+    """The key of `node`'s rule in `RULES` (and `PARTIAL_RULES`): the call's target, or
+    for a module call with shard kind `kind` (None: not sharded) the pair (class, kind)
+    of the first class along the module's MRO that has a rule; None if none has."""
+    if node.op != "call_module":
+        return node.target
+    module = gm.get_submodule(str(node.target))
+    if linear_form(module) is not None:  # any x @ W + b follows the Linear rules
+        return (nn.Linear, kind)
+    for cls in type(module).__mro__:
+        if (cls, kind) in RULES:
+            return (cls, kind)
+    return None

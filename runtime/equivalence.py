@@ -13,12 +13,12 @@ bounds instead (runtime/calibration.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from parc.compiler.layout import DEFAULT_BUCKET_ELEMS
-from parc.compiler.model import load_model
+from parc.compiler.model import ModelSource, load_model
 
 from .reference import make_optimizer, model_env, optimizer_for, reference_run, scheduler_of
 from .schedules import Schedule, step_scheduler
@@ -33,6 +33,9 @@ from .tolerances import (
     SGD_MOMENTUM,
     Tolerance,
 )
+
+if TYPE_CHECKING:
+    from .program import Program
 
 __all__ = [
     "ADAMW_LR",
@@ -100,22 +103,41 @@ def parallel_case(
             inject(program, fault)
         program.clip = clip
         scheduler = scheduler_of(program.optimizer, optimizer, lr_schedule, source)
-        losses, stats, norms = [], [], []
-        for step in range(steps):
-            inputs, targets = source.batch(batch, step)
-            losses.append(program.step(inputs, targets))
-            stats.append(program.comm_stats())
-            norms.append(program.last_grad_norm)
-            step_scheduler(scheduler, losses[-1])
+        losses, stats, norms = _train(program, source, scheduler, steps=steps, batch=batch)
         params = program.state_dict() if want_params else {}
-        if optimizer == "gradient":  # a frozen parameter's gradient is none: zeros, as
-            # reference_run reports it (GradientProbe steps only what the optimizer holds)
-            for name, p in program.parts.local_params.items():
-                if not p.requires_grad and name in params:
-                    params[name] = torch.zeros_like(params[name])
+        if optimizer == "gradient":
+            _zero_frozen(program, params)
     rank = dist.get_rank() if dist.is_initialized() else 0
     mine = params if rank == 0 else {}
     return {"losses": losses, "params": mine, "stats": stats, "grad_norms": norms}
+
+
+def _train(
+    program: Program,
+    source: ModelSource,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    *,
+    steps: int,
+    batch: int,
+) -> tuple[list[float], list[Any], list[float]]:
+    """Run `steps` steps of `program` on the model's batches: each step's loss, the
+    collectives' counters after it and its global gradient norm before clipping."""
+    losses, stats, norms = [], [], []
+    for step in range(steps):
+        inputs, targets = source.batch(batch, step)
+        losses.append(program.step(inputs, targets))
+        stats.append(program.comm_stats())
+        norms.append(program.last_grad_norm)
+        step_scheduler(scheduler, losses[-1])
+    return losses, stats, norms
+
+
+def _zero_frozen(program: Program, params: dict[str, torch.Tensor]) -> None:
+    """`optimizer="gradient"`: a frozen parameter's gradient is none, so it is reported as
+    zeros, as reference_run reports it (GradientProbe steps only what the optimizer holds)."""
+    for name, p in program.parts.local_params.items():
+        if not p.requires_grad and name in params:
+            params[name] = torch.zeros_like(params[name])
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,14 +56,12 @@ the compute copies from the masters, drops the masters' gradients and
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from parc.compiler.layout import FlatUnit
 
 from .collectives import Comm
-from .grad_units import Unit, flatten_params, grad_hook, my_slice, pre_grad_hook
+from .grad_units import Unit, flatten_params, make_units, my_slice, register_hooks
 from .master_weights import MasterWeights, MixedPrecision, assemble_from_shards
 from .sync_protocol import TiedReduce
 
@@ -95,28 +93,12 @@ class GradSync:
         self.accumulating = accumulating
         self.dp, self.index = comm.size(axis), comm.index(axis)
         self.armed = False
-        self.units: list[Unit] = []
         self.masters: MasterWeights | None = None  # under bf16: what the optimizer steps
-        self._names: dict[str, tuple[int, int]] = {}  # parameter -> (unit, position in it)
-        first = 0
-        for spec in units:
-            params = [named[n] for n in spec.params]
-            offsets, off = [], 0
-            for p in params:
-                offsets.append(off)
-                off += p.numel()
-            deferred = any(n in tied for n in spec.params)
-            unit = Unit(spec, params, offsets, deferred, len(self.units), first)
-            unit.tied = [n for n in spec.params if n in tied]
-            first += len(params)
-            self.units.append(unit)
-            for j, (n, p) in enumerate(zip(spec.params, params)):
-                self._names[n] = (len(self.units) - 1, j)
-                ref, index = weakref.ref(self), len(self.units) - 1
-                if zero == 2 and not self._main_grad:  # before AccumulateGrad reads `.grad`
-                    p.register_hook(pre_grad_hook(ref, index))
-                if self._hooked:
-                    p.register_post_accumulate_grad_hook(grad_hook(ref, index, j))
+        self.units = make_units(named, units, tied)
+        # parameter -> (unit, position in it)
+        self._names = {n: (u.order, j) for u in self.units for j, n in enumerate(u.spec.params)}
+        # Zero 2's pre-hook runs before AccumulateGrad reads `.grad`.
+        register_hooks(self, before=zero == 2 and not self._main_grad, after=self._hooked)
         if mixed is not None:
             self.masters = MasterWeights()
             if zero == 0:

@@ -13,7 +13,15 @@ from parc.compiler.layout import FlatUnit
 
 from .master_weights import COMPUTE_DTYPE, MasterWeights
 
-__all__ = ["Unit", "flatten_params", "grad_hook", "my_slice", "pre_grad_hook"]
+__all__ = [
+    "Unit",
+    "flatten_params",
+    "grad_hook",
+    "make_units",
+    "my_slice",
+    "pre_grad_hook",
+    "register_hooks",
+]
 
 
 @dataclass(eq=False)
@@ -71,6 +79,39 @@ class Unit:
                 view.zero_()
                 self.params[position].grad = view
                 self.arrived[position] = True
+
+
+def make_units(
+    named: dict[str, torch.nn.Parameter], specs: tuple[FlatUnit, ...], tied: frozenset[str]
+) -> list[Unit]:
+    """One `Unit` per flat unit of the layout, in order: its parameters, their offsets in the
+    flat buffer and its weights tied across stages (a unit holding one waits for `finish`)."""
+    units: list[Unit] = []
+    first = 0
+    for spec in specs:
+        params = [named[n] for n in spec.params]
+        offsets, off = [], 0
+        for p in params:
+            offsets.append(off)
+            off += p.numel()
+        deferred = any(n in tied for n in spec.params)
+        unit = Unit(spec, params, offsets, deferred, len(units), first)
+        unit.tied = [n for n in spec.params if n in tied]
+        first += len(params)
+        units.append(unit)
+    return units
+
+
+def register_hooks(sync: Any, *, before: bool, after: bool) -> None:
+    """Hook every parameter of `sync.units` (a GradSync): `before`, zero 2's `pre_grad_hook`;
+    `after`, `grad_hook` once its gradient is accumulated."""
+    ref = weakref.ref(sync)
+    for unit in sync.units:
+        for position, p in enumerate(unit.params):
+            if before:
+                p.register_hook(pre_grad_hook(ref, unit.order))
+            if after:
+                p.register_post_accumulate_grad_hook(grad_hook(ref, unit.order, position))
 
 
 def grad_hook(sync: weakref.ref[Any], index: int, position: int) -> Callable[[torch.Tensor], None]:

@@ -79,6 +79,9 @@ def train(spec_text: str, wait_at_once: bool, steps: int) -> dict[str, Any]:
         source = load_model(GPT)
         program = parc_compile(spec_text, source, batch=8, optimizer=make_optimizer("sgd"))
         executor = program.executor
+        # Rule 2 posts each receive where the list has it: one posted ahead and waited
+        # for at once could wait for a send its peer makes only after this rank's next.
+        executor.receive_ahead = executor.receive_ahead and not wait_at_once
         forward, backward = executor._forward, executor._backward
 
         def logged_forward(state: Any, inputs: Any, targets: Any, scale: float) -> Any:
@@ -122,18 +125,19 @@ def test_the_first_stage_computes_while_its_sends_are_in_flight(
 ) -> None:
     # Rank 0's batches send activations (and, under 1F1B, receive gradients for a later
     # B); the F right after reads none of them, so it runs while they are in flight. The
-    # last stage has no such batch: each of its batches holds the receive its next
-    # compute reads (lower_comms puts SEND_B m and RECV_F m+1 together), so it overlaps
-    # only once a lowering posts receives earlier.
+    # last stage's batches each hold the receive its next compute reads (lower_comms puts
+    # SEND_B m and RECV_F m+1 together): under gloo that receive is posted one compute
+    # ahead (tests/test_receive_ahead.py), so it is in flight across that compute too.
     results = gloo_pool(2).run(train, _SPECS[schedule], False, 1)
-    log = results[0]["log"]
-    posted = {batch: i for i, (kind, batch) in enumerate(log) if kind == "post"}
-    first_wait: dict[int, int] = {}
-    for i, (kind, batch) in enumerate(log):
-        if kind == "wait":
-            first_wait.setdefault(batch, i)
-    assert set(first_wait) == set(posted), f"a batch was never waited for: {log}"
-    overlapped = [
-        b for b, i in posted.items() if any(k in ("F", "B") for k, _ in log[i : first_wait[b]])
-    ]
-    assert overlapped, f"every batch was waited for before any compute: {log}"
+    for rank, result in enumerate(results):
+        log = result["log"]
+        posted = {batch: i for i, (kind, batch) in enumerate(log) if kind == "post"}
+        first_wait: dict[int, int] = {}
+        for i, (kind, batch) in enumerate(log):
+            if kind == "wait":
+                first_wait.setdefault(batch, i)
+        assert set(first_wait) == set(posted), f"rank {rank}: a batch never waited for: {log}"
+        overlapped = [
+            b for b, i in posted.items() if any(k in ("F", "B") for k, _ in log[i : first_wait[b]])
+        ]
+        assert overlapped, f"rank {rank}: every batch waited for before any compute: {log}"

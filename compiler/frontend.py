@@ -5,6 +5,13 @@ unless real weights are asked for, so planning a large model allocates nothing;
 `deferred=True` builds it on meta while recording its initialisation
 (compiler/deferred_init.py), so a rank can later compute only the values it holds.
 
+The model file's `configure_optimizer` is called once here, on memory-free
+stand-ins of the model's parameters (compiler/optimizer_groups.py
+`probe_optimizer`): that one optimizer gives the parameter groups, the memory
+model and the optimizer warning. Under tp it is called once more, on stand-ins
+of a tp rank's slices, where a sharded parameter's slice has another shape
+(`sliced_group_problem`).
+
     >>> a = analyse("specs/gpt_tp.par", "examples/gpt.py", batch=8)   # doctest: +SKIP
     >>> print(a.plan)                                                   # doctest: +SKIP
 """
@@ -30,7 +37,7 @@ from .deferred_init import DeferredModel, record_build
 from .dropout import dropout_warnings, random_draw_warnings
 from .estimate import Estimate, estimate
 from .layout import canonical_names, local_shape, param_slices
-from .memory_model import built_dtype, memory_model_of
+from .memory_model import built_dtype, memory_model_for
 from .model import BatchSignature, ModelSource, load_model, owns_loss
 from .model_output import ModelLoss, input_tensors
 from .model_state import (
@@ -44,7 +51,7 @@ from .model_state import (
     untraced_writes,
 )
 from .node_info import node_source
-from .optimizer_groups import MIXED_HINT, other_groups, param_group_map, sliced_group_problem
+from .optimizer_groups import MIXED_HINT, other_groups, probe_optimizer, sliced_group_problem
 from .optimizers import optimizer_warnings
 from .passes.own_loss import count_own_loss, loss_fn_ignored_warnings, mixed_loss_warnings
 from .passes.pipeline_split import annotate_stages
@@ -74,9 +81,13 @@ class Analysis:
     deferred: DeferredModel | None = None
     """With `analyse(deferred=True)`: the model's initial values, one tensor at a time."""
     groups: Mapping[str, int] | None = None
-    """Parameter name -> its group in the model's optimizer (compiler/optimizers.py
-    `param_group_map`; None when the factory fails on stand-ins): ZeRO's flat units never
+    """Parameter name -> its group in the model's optimizer (compiler/optimizer_groups.py
+    `probe_optimizer`; None when the factory fails on stand-ins): ZeRO's flat units never
     mix two, and every rank's optimizer must make the same groups (runtime/assemble.py)."""
+    optimizer: torch.optim.Optimizer | None = None
+    """The optimizer `configure_optimizer` made over stand-ins of the model's parameters
+    (the front end's one call; None when it failed there): its class and groups' settings
+    for checks that would otherwise call the factory again (runtime/check.py)."""
 
 
 def as_spec(spec: Spec | str | Path) -> Spec:
@@ -188,15 +199,16 @@ def _analyse(
         check_padding(gm, plan, spec)  # a padded vocabulary's columns reach no user's code
         plan = dataclasses.replace(plan, warnings=plan.warnings + tuple(found))
         source = dataclasses.replace(source, loss_fn=loss_on_shards(source.loss_fn, gm, plan))
-    plan = _with_model_warnings(plan, spec, gm, built, source, targets)
-    memory = memory_model_of(
-        source.configure_optimizer, plan.precision, plan.reduce, built_dtype(built)
-    )
     named = list(built.named_parameters())
-    groups = param_group_map(source.configure_optimizer, named)
+    probe = probe_optimizer(source.configure_optimizer, named)  # its one call on stand-ins
+    plan = _with_model_warnings(plan, spec, gm, built, source, targets, probe.optimizer)
+    memory = memory_model_for(probe.optimizer, plan.precision, plan.reduce, built_dtype(built))
+    groups = probe.groups
     _check_sliced_groups(source, named, plan, built, groups)
     costs = estimate(plan, gm, built, saved, memory=memory, loss_fn=source.loss_fn, groups=groups)
-    return Analysis(spec, source, built, gm, plan, costs, saved, example, deferred, groups)
+    return Analysis(
+        spec, source, built, gm, plan, costs, saved, example, deferred, groups, probe.optimizer
+    )
 
 
 def _check_sliced_groups(
@@ -233,8 +245,10 @@ def _with_model_warnings(
     built: torch.nn.Module,
     source: ModelSource,
     targets: Any,
+    optimizer: torch.optim.Optimizer | None,
 ) -> Plan:
-    """The plan with the warnings about the model's state, dropout, loss and optimizer."""
+    """The plan with the warnings about the model's state, dropout, loss and optimizer
+    (`optimizer`: the front end's probe of configure_optimizer)."""
     found = [
         *batch_statistics_warnings(built, plan, spec),
         *buffer_write_warnings(gm, built, plan, spec),
@@ -244,7 +258,7 @@ def _with_model_warnings(
         *random_draw_warnings(gm, plan, spec),
         *mixed_loss_warnings(gm, plan, spec),
         *loss_fn_ignored_warnings(source.loss_fn, targets, plan, spec),
-        *optimizer_warnings(source.configure_optimizer, plan, spec),
+        *optimizer_warnings(optimizer, plan, spec),
     ]
     return dataclasses.replace(plan, warnings=plan.warnings + tuple(found))
 

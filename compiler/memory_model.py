@@ -15,7 +15,9 @@ bf16 one (`step_bytes`, 4 per optimizer element): made after the reduction,
 freed after the step. ZeRO-2 then keeps no bf16 shard (`held_grad_bytes`):
 2Ψ + 12Ψ/dp between steps, and the fp32 gradient 4Ψ/dp at the step.
 
-The number of optimizer states comes from the model file's own optimizer:
+The number of optimizer states comes from the model file's own optimizer, the
+one its `configure_optimizer` made for the compiler's probe
+(compiler/optimizer_groups.py `probe_optimizer`: `memory_model_for`):
 
     >>> states_of(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))]))
     2
@@ -38,6 +40,7 @@ __all__ = [
     "MemoryModel",
     "Precision",
     "built_dtype",
+    "memory_model_for",
     "memory_model_of",
     "states_of",
 ]
@@ -200,21 +203,36 @@ def built_dtype(model: torch.nn.Module) -> torch.dtype | None:
     return None if widest == torch.float32 else widest
 
 
+def memory_model_for(
+    opt: torch.optim.Optimizer | None,
+    precision: Precision = Precision.FP32,
+    reduce: Precision | None = None,
+    built: torch.dtype | None = None,
+) -> MemoryModel:
+    """The memory model of the optimizer `opt` (its class and its groups' settings; the
+    front end's is the model's `configure_optimizer` over stand-ins of its parameters);
+    `built`: the model's `built_dtype`. None (a factory that failed): AdamW's, and the
+    factory's error surfaces at run."""
+    plain = MemoryModel(precision=precision, reduce=reduce, built=built)
+    if opt is None:
+        return plain
+    return replace(plain, optimizer=type(opt).__name__, states=states_of(opt))
+
+
 def memory_model_of(
     optimizer_factory: object,
     precision: Precision = Precision.FP32,
     reduce: Precision | None = None,
     built: torch.dtype | None = None,
 ) -> MemoryModel:
-    """The memory model of a model file's `configure_optimizer`, built on two tiny
-    parameters; `built`: the model's `built_dtype`."""
+    """The memory model of an optimizer factory called on two tiny parameters (for a
+    factory with no model at hand; the front end uses its one probe's optimizer:
+    `memory_model_for`)."""
     # A vector and a matrix: a factory grouping by p.dim() makes both of its groups.
     probes = [torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(3, 5))]
-    plain = MemoryModel(precision=precision, reduce=reduce, built=built)
     try:
-        opt = optimizer_factory(probes)  # type: ignore[operator]
+        made = optimizer_factory(probes)  # type: ignore[operator]
     except Exception:
-        return plain  # its error surfaces at run
-    if not isinstance(opt, torch.optim.Optimizer):
-        return plain
-    return replace(plain, optimizer=type(opt).__name__, states=states_of(opt))
+        made = None
+    opt = made if isinstance(made, torch.optim.Optimizer) else None
+    return memory_model_for(opt, precision, reduce, built)

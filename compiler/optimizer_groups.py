@@ -1,18 +1,41 @@
 """The parameter groups an optimizer factory makes, as ZeRO lays out units by them.
 
-`param_group_map` asks the factory once, on memory-free stand-ins of the model's
-parameters, which group each goes in (compiler/layout.py `flat_units` never puts
-two groups in one unit; runtime/assemble.py steps each shard in its group). Every
-rank's factory call must put its parameters in the same groups: under tp a rank
-gives it tp-local slices, so a factory that groups by shape can put a sliced
-parameter elsewhere. `sliced_group_problem` finds that before launch (found by a
-probe: the run refused it, `parc compile` said nothing), with the words the
-rank's own refusal uses (`other_groups`, `MIXED_HINT`).
+`probe_optimizer` calls the factory once, on memory-free stand-ins of the
+model's parameters; what that one optimizer is (its class, its groups'
+settings) and which group each parameter went in (`OptimizerProbe.groups`:
+compiler/layout.py `flat_units` never puts two groups in one unit;
+runtime/assemble.py steps each shard in its group) is all the compiler asks of
+the factory. Every rank's factory call must put its parameters in the same
+groups: under tp a rank gives it tp-local slices, so a factory that groups by
+shape can put a sliced parameter elsewhere. `sliced_group_problem` finds that
+before launch (found by a probe: the run refused it, `parc compile` said
+nothing), with the words the rank's own refusal uses (`other_groups`,
+`MIXED_HINT`).
+
+How often a model file's `configure_optimizer` is called, per process (a user's
+factory may log, count or be slow; README.md, Model convention):
+
+1. the front end (compiler/frontend.py `analyse`, the planner's
+   compiler/planner/model_profile.py): once, `probe_optimizer` on stand-ins of
+   the whole model's parameters; its optimizer gives the memory model
+   (compiler/memory_model.py `memory_model_for`), `parc compile`'s optimizer
+   warning and `parc check`'s refusal (compiler/optimizers.py), its groups the
+   units;
+2. under tp, where a sharded parameter's slice has another shape: once more, on
+   stand-ins of a tp rank's slices (`sliced_group_problem`), since only a call
+   can say whether the factory groups them as it grouped the whole ones;
+3. `parc.compile`: once more, on the parameters the rank's program trains
+   (runtime/assemble.py), the optimizer every step steps.
+
+A factory that raises or returns no optimizer on the stand-ins gets no further
+probe call: the groups are unknown (None), the memory model takes AdamW's, no
+warning is given, and its own error is raised where it is called for real.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -20,9 +43,11 @@ from .param_attrs import keep_attributes
 
 __all__ = [
     "MIXED_HINT",
+    "OptimizerProbe",
     "built_optimizer",
     "other_groups",
     "param_group_map",
+    "probe_optimizer",
     "sliced_group_problem",
 ]
 
@@ -44,6 +69,40 @@ def built_optimizer(
     return opt if isinstance(opt, torch.optim.Optimizer) else None
 
 
+@dataclass(frozen=True, slots=True)
+class OptimizerProbe:
+    """What one call of an optimizer factory on stand-ins of the model's parameters made."""
+
+    optimizer: torch.optim.Optimizer | None
+    """The factory's optimizer over the stand-ins (its class, its groups' settings); None
+    when the factory raised or returned no optimizer."""
+    groups: dict[str, int] | None
+    """Parameter name -> the index of the group the factory put it in (-1: in none, so
+    never stepped); None with no optimizer."""
+
+
+def probe_optimizer(
+    factory: object,
+    named: Sequence[tuple[str, torch.nn.Parameter]],
+    shapes: Mapping[str, tuple[int, ...]] | None = None,
+) -> OptimizerProbe:
+    """The factory called once on stand-ins of the model's `named` parameters (their
+    shapes, dtypes, requires_grad and attributes, no memory): its optimizer and the group
+    of each parameter. Nothing is called for a model without parameters (torch's
+    optimizers refuse an empty list). `shapes`: name -> the shape its stand-in has instead
+    of its own (a tp rank's slice)."""
+    # Stand-ins, as ZeRO-3's factory call gets (runtime/assemble.py): real CPU tensors of
+    # the parameters' shapes and dtypes that hold no memory, the model maybe on meta.
+    shapes = shapes or {}
+    stand_ins = [_stand_in(p, shapes.get(name, tuple(p.shape))) for name, p in named]
+    opt = built_optimizer(factory, stand_ins) if named else None
+    if opt is None:
+        return OptimizerProbe(None, None)
+    where = {id(p): g for g, group in enumerate(opt.param_groups) for p in group["params"]}
+    groups = {name: where.get(id(p), -1) for (name, _), p in zip(named, stand_ins, strict=True)}
+    return OptimizerProbe(opt, groups)
+
+
 def param_group_map(
     factory: object,
     named: Sequence[tuple[str, torch.nn.Parameter]],
@@ -51,21 +110,12 @@ def param_group_map(
 ) -> dict[str, int] | None:
     """Parameter name -> the index of the parameter group the factory puts it in (-1: in
     none, so never stepped), from one call on stand-ins of the model's `named`
-    parameters (their shapes, dtypes and requires_grad, no memory); None when the
-    factory fails on them (its own error is raised when it runs). ZeRO's flat units
-    never mix two groups (compiler/layout.py `flat_units`), so each shard steps with its
-    group's settings, and every rank's optimizer must put its parameters in these groups
-    (runtime/assemble.py). `shapes`: name -> the shape its stand-in has instead of its
-    own (a tp rank's slice)."""
-    # Stand-ins, as ZeRO-3's factory call gets (runtime/assemble.py): real CPU tensors of
-    # the parameters' shapes and dtypes that hold no memory, the model maybe on meta.
-    shapes = shapes or {}
-    stand_ins = [_stand_in(p, shapes.get(name, tuple(p.shape))) for name, p in named]
-    opt = built_optimizer(factory, stand_ins) if named else None
-    if opt is None:
-        return None
-    where = {id(p): g for g, group in enumerate(opt.param_groups) for p in group["params"]}
-    return {name: where.get(id(p), -1) for (name, _), p in zip(named, stand_ins, strict=True)}
+    parameters (`probe_optimizer`); None when the factory fails on them (its own error is
+    raised when it runs). ZeRO's flat units never mix two groups (compiler/layout.py
+    `flat_units`), so each shard steps with its group's settings, and every rank's
+    optimizer must put its parameters in these groups (runtime/assemble.py). `shapes`:
+    name -> the shape its stand-in has instead of its own (a tp rank's slice)."""
+    return probe_optimizer(factory, named, shapes).groups
 
 
 def sliced_group_problem(

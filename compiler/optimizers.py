@@ -44,7 +44,6 @@ import torch
 from parc.dsl.ast import Zero
 from parc.errors import ParcError
 
-from .optimizer_groups import built_optimizer
 from .optimizer_rebuild import construct_like, lost_settings
 from .plan import PlanWarning
 
@@ -214,19 +213,22 @@ def factory_origin(factory: object, source: Any) -> tuple[str, str | None]:
     return f"configure_optimizer (line {code.co_firstlineno})", source.path
 
 
-def optimizer_warnings(factory: object, plan: Any, spec: Any) -> list[PlanWarning]:
+def optimizer_warnings(
+    opt: torch.optim.Optimizer | None, plan: Any, spec: Any
+) -> list[PlanWarning]:
     """`parc compile`'s warning when the model's optimizer would be refused at launch.
 
     A warning, not an error: `parc check --optimizer` and `parc.compile(optimizer=...)`
-    may override the model's optimizer. Built on one small parameter, as the memory
-    model is; a factory that fails there raises its own error when it runs.
+    may override the model's optimizer. `opt` is the one the front end's probe had
+    `configure_optimizer` make over stand-ins of the model's parameters
+    (compiler/optimizer_groups.py `probe_optimizer`); None, a factory that failed there,
+    raises its own error when it runs.
     """
-    node = spec.statement(Zero) if plan.zero else None
-    span = spec.locate(node.span if node is not None else spec.mesh.span)
-    opt = built_optimizer(factory, [torch.nn.Parameter(torch.zeros(2, 3))])
     problem = None if opt is None else optimizer_problem(opt, plan)
     if opt is None or problem is None:
         return []
+    node = spec.statement(Zero) if plan.zero else None
+    span = spec.locate(node.span if node is not None else spec.mesh.span)
     return [
         PlanWarning(
             f"configure_optimizer returns {type(opt).__name__}: {problem}; `parc run` and "

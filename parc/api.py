@@ -19,6 +19,15 @@ instead of replaying the initialisation (runtime/hf_weights.py).
 
 A model whose build cannot be deferred (`CannotDefer`) is built whole on the CPU
 instead, with a warning saying why and what it costs.
+
+The optimizer factory (the model file's `configure_optimizer`, or `optimizer`) is
+called twice on each rank: once in step 1 on memory-free stand-ins of the model's
+parameters (its groups, memory model and warning: compiler/optimizer_groups.py),
+and once in step 4 on the parameters the program trains. Under tp, where a sharded
+parameter's slice has another shape, step 1 calls it once more on stand-ins of the
+rank's slices, so that a factory grouping them otherwise is refused on every rank
+before any collective. An `optimizer` override's step-1 call is its own; the model
+file's factory is then called once, in step 1.
 """
 
 from __future__ import annotations

@@ -194,7 +194,8 @@ def _before_launch(
         from parc.runtime.hf_weights import check_weights
 
         check_weights(weights, analysis.model)
-    opt_class = _check_optimizer(source, optimizer, analysis.plan, lr_schedule)
+    probed = analysis.optimizer  # the model's, from the front end's one call of its factory
+    opt_class = _check_optimizer(source, optimizer, analysis.plan, lr_schedule, probed=probed)
     return analysis.plan, opt_class
 
 
@@ -349,22 +350,31 @@ def precision_gap(mixed: dict[str, Any], fp32: dict[str, Any]) -> PrecisionGap:
 
 
 def _check_optimizer(
-    source: ModelSource, name: str, plan: Any, schedule: Schedule | None = None
+    source: ModelSource,
+    name: str,
+    plan: Any,
+    schedule: Schedule | None,
+    *,
+    probed: torch.optim.Optimizer | None,
 ) -> str:
     """Refuse an optimizer the plan cannot run (as parc.compile would on every rank);
-    its class name (`DEFAULT` and the call when the file defines none). Built on one
-    small parameter: a factory that fails there raises its own error in the reference
-    run. `schedule`: the lr schedule both sides step, checked against that optimizer
-    (runtime/schedules.py `check_schedule`)."""
+    its class name (`DEFAULT` and the call when the file defines none). The model's
+    (`name` "model") is `probed`, the one the front end had configure_optimizer make
+    over stand-ins of its parameters (frontend.py `Analysis.optimizer`), so the factory
+    is not called again; an override is built on one small parameter. None (a factory
+    that failed there) raises its own error in the reference run. `schedule`: the lr
+    schedule both sides step, checked against that optimizer (runtime/schedules.py
+    `check_schedule`, which builds one more on one small parameter)."""
+    from parc.compiler.optimizer_groups import built_optimizer
     from parc.compiler.optimizers import check_optimizer, factory_origin
 
     factory = source.configure_optimizer if name == "model" else make_optimizer(name)
     check_schedule(schedule, source, factory)  # and the lr schedule over it
-    try:
-        opt = factory([torch.nn.Parameter(torch.zeros(2, 3))])
-    except Exception:
-        return ""
-    if not isinstance(opt, torch.optim.Optimizer):
+    if name == "model":
+        opt = probed
+    else:
+        opt = built_optimizer(factory, [torch.nn.Parameter(torch.zeros(2, 3))])
+    if opt is None:
         return ""
     origin, file = factory_origin(factory, source)
     check_optimizer(opt, plan, origin=origin, file=file)

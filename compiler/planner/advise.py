@@ -25,7 +25,7 @@ from types import ModuleType
 from parc.dsl.ast import ScheduleKind
 from parc.errors import ParcError
 
-from ..memory_model import MemoryModel, Precision, memory_model_of
+from ..memory_model import MemoryModel, Precision
 from ..model import ModelSource, load_model
 from .cluster import Cluster, ComputeRate, parse_cluster
 from .model_profile import ModelProfile, profile_model
@@ -100,7 +100,7 @@ def plan_model(
     gpus = min(machines.gpus, machines.world)
     profile = profile_model(source, gpus_per_node=gpus, seq=seq, precision=precision)
     profiled = time.perf_counter()
-    memory = memory_model_of(source.configure_optimizer, precision, built=profile.built)
+    memory = profile.memory  # configure_optimizer's, from the profile's one call of it
     rate = machines.rate(precision, profile.built)  # a model built in bf16 computes in bf16
     # Step 2
     found = search(

@@ -46,12 +46,12 @@ from ..cost import node_costs
 from ..host_memory import HostFacts, host_facts
 from ..layout import canonical_names, local_shape, param_slices, zero3_owner
 from ..loss_memory import LossMemory, loss_memory
-from ..memory_model import built_dtype
+from ..memory_model import MemoryModel, built_dtype, memory_model_for
 from ..model import ModelSource
 from ..model_output import input_tensors
 from ..node_meta import meta_of
 from ..ops.collectives import CommKind
-from ..optimizer_groups import param_group_map
+from ..optimizer_groups import probe_optimizer
 from ..passes.placement import Partial, Shard
 from ..passes.tp_loss import loss_on_shards, takes_shards
 from ..plan import Plan
@@ -143,6 +143,9 @@ class ModelProfile:
     """The model has frozen parameters (requires_grad=False), which `zero 3` refuses."""
     built: torch.dtype | None = None  # its parameters' dtype when not float32 (built_dtype)
     anchored: tuple[str, ...] = ()  # units written from the root in stage lines (Plan.anchored)
+    memory: MemoryModel = MemoryModel()
+    """Bytes per parameter element at `precision` with the model's optimizer, the one
+    configure_optimizer made in the profile's one call of it (`_Base`)."""
 
 
 def profile_model(
@@ -220,6 +223,7 @@ def _profile(
         frozen=any(not p.requires_grad for p in model.parameters()),
         built=built_dtype(model),
         anchored=anchored_names(units, dict(model.named_modules())),
+        memory=memory_model_for(base.optimizer, precision, built=built_dtype(model)),
     )
 
 
@@ -254,7 +258,9 @@ class _Base:
         self.shapes = {canonical[n]: tuple(p.shape) for n, p in model.named_parameters()}
         self.frozen = {canonical[n] for n, p in model.named_parameters() if not p.requires_grad}
         named = list(model.named_parameters())
-        group = param_group_map(source.configure_optimizer, named) or {}  # -1: in none
+        probe = probe_optimizer(source.configure_optimizer, named)  # its one call here
+        self.optimizer = probe.optimizer
+        group = probe.groups or {}  # -1: in none
         self.unstepped = {canonical[n] for n, p in named if p.requires_grad and group.get(n, 0) < 0}
         self.homes = {
             p: tuple(sorted({self.unit[r] for r in readers}))

@@ -263,9 +263,9 @@ def _build(side: str, schedule: Schedule) -> Any:
     return _Parc(schedule) if side == "parc" else _Native(schedule)
 
 
-def _batches() -> list[Any]:
+def _batches(steps: int = STEPS) -> list[Any]:
     source = _source()
-    return [source.batch(BATCH, s) for s in range(WARMUP + STEPS)]
+    return [source.batch(BATCH, s) for s in range(WARMUP + steps)]
 
 
 def time_all(schedules: tuple[Schedule, ...] = SCHEDULES) -> dict[str, Any]:

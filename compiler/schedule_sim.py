@@ -40,10 +40,11 @@ happens later than under rule 2, so nothing can deadlock that rule 2 lets
 complete; the values are the same bitwise. Under NCCL a rank's ops also run in
 the order posted (one stream), which is rule 2's order. What the simulator's
 times do not show is the overlap: a rank computes while its earlier batch is in
-flight. Posting a receive *earlier* than its place is another matter: NCCL would then run it
+flight. Posting an op *earlier* than its place is another matter: NCCL would then run it
 before ops posted after it, so the executor does it only where each op progresses
-on its own (gloo): there a receive posted one compute ahead, in its channel's order,
-pairs with the same send and only completes sooner.
+on its own (gloo): there a receive posted one compute ahead, or a send right after
+the compute that makes it, in its channel's order, pairs with the same transfer and
+only completes sooner (runtime/pipeline/posting.py).
 
     >>> from parc.compiler.schedule import format_grid, gpipe, lower_comms
     >>> timeline = simulate(lower_comms(gpipe(2, 2)))

@@ -307,14 +307,14 @@ def test_a_boundary_computed_in_another_dtype_travels_as_its_contract(
 
 def test_a_boundary_of_another_shape_is_a_fault_naming_it() -> None:
     from parc.compiler.passes.pipeline_split import Boundary
-    from parc.runtime.pipeline.executor import _as_contract
+    from parc.runtime.pipeline.posting import as_contract
 
     boundary = Boundary("relu", (2, 8), torch.bfloat16)
     with pytest.raises(RuntimeFault, match="boundary 'relu' as float32\\[2, 4\\]"):
-        _as_contract(torch.zeros(2, 4), boundary, stage=0, rank=0)
+        as_contract(torch.zeros(2, 4), boundary, stage=0, rank=0)
     with pytest.raises(RuntimeFault, match="int64"):
-        _as_contract(torch.zeros(2, 8, dtype=torch.int64), boundary, stage=0, rank=0)
-    assert _as_contract(torch.zeros(2, 8), boundary, stage=0, rank=0).dtype == torch.bfloat16
+        as_contract(torch.zeros(2, 8, dtype=torch.int64), boundary, stage=0, rank=0)
+    assert as_contract(torch.zeros(2, 8), boundary, stage=0, rank=0).dtype == torch.bfloat16
 
 
 # ----------------------------------------------------------------- ZeRO-3's reduce-scatter

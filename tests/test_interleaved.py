@@ -150,10 +150,10 @@ class _Work:
 def test_a_compute_waits_for_its_own_receives_and_each_handle_once() -> None:
     # A steady batch of interleaved 1F1B: [SEND_F, SEND_B, RECV_F, RECV_B], one handle per
     # op as gloo gives. The forward waits for RECV_F alone, not the backward's gradient.
-    from parc.runtime.pipeline.executor import _Posted
+    from parc.runtime.pipeline.posting import Posted
 
     works = [_Work() for _ in range(4)]
-    batch = _Posted(list(works), 4)
+    batch = Posted(list(works), 4)
     recv_f, recv_b = batch.part([2]), batch.part([3])
     recv_f.wait()
     assert [w.waits for w in works] == [0, 0, 1, 0]
@@ -163,10 +163,10 @@ def test_a_compute_waits_for_its_own_receives_and_each_handle_once() -> None:
 
 
 def test_a_batch_with_one_handle_is_waited_as_a_whole() -> None:
-    from parc.runtime.pipeline.executor import _Posted
+    from parc.runtime.pipeline.posting import Posted
 
     work = _Work()
-    batch = _Posted([work], 4)  # NCCL: one handle for the coalesced batch
+    batch = Posted([work], 4)  # NCCL: one handle for the coalesced batch
     assert batch.part([2]) is batch
     batch.part([3]).wait()
     batch.wait()

@@ -81,7 +81,7 @@ def train(spec_text: str, wait_at_once: bool, steps: int) -> dict[str, Any]:
         executor = program.executor
         # Rule 2 posts each receive where the list has it: one posted ahead and waited
         # for at once could wait for a send its peer makes only after this rank's next.
-        executor.receive_ahead = executor.receive_ahead and not wait_at_once
+        executor.post_ahead = executor.post_ahead and not wait_at_once
         forward, backward = executor._forward, executor._backward
 
         def logged_forward(state: Any, inputs: Any, targets: Any, scale: float) -> Any:
@@ -127,7 +127,7 @@ def test_the_first_stage_computes_while_its_sends_are_in_flight(
     # B); the F right after reads none of them, so it runs while they are in flight. The
     # last stage's batches each hold the receive its next compute reads (lower_comms puts
     # SEND_B m and RECV_F m+1 together): under gloo that receive is posted one compute
-    # ahead (tests/test_receive_ahead.py), so it is in flight across that compute too.
+    # ahead (tests/test_post_ahead.py), so it is in flight across that compute too.
     results = gloo_pool(2).run(train, _SPECS[schedule], False, 1)
     for rank, result in enumerate(results):
         log = result["log"]

@@ -6,8 +6,8 @@ one `batch_isend_irecv`, posted together. It waits later than the simulator
 (so transfers overlap compute): a receive right before the compute that reads
 it (under gloo that receive's own ops, not the rest of its batch; NCCL gives
 one handle per batch), a send when the rank posts its next batch or ends the
-round (its tensor kept alive until then); under gloo it also posts each receive one
-compute ahead (`run`). Waiting later only lets a rank go on sooner, so a
+round (its tensor kept alive until then); under gloo it also posts receives one
+compute ahead and sends right after their compute (`run`, `posting.py`). Waiting later only lets a rank go on sooner, so a
 schedule the simulator proves runs here too, with the same transfers. A rank may
 run several stages (virtual stages): what a microbatch keeps lives per (stage,
 microbatch), and a comm action talks to the rank of its peer stage
@@ -27,7 +27,7 @@ before the last action the weights' gradients accumulate at: the rank's last W, 
 B without a W.
 A sent tensor is its boundary's contract (the receiver allocated that shape and
 dtype): a floating value computed in another floating dtype is cast to it inside
-autograd, any other difference raises (`_as_contract`).
+autograd, any other difference raises (`parc.runtime.pipeline.posting.as_contract`).
 
 A single stage (pp=1, one stage) has nothing to overlap: whatever the schedule, each
 microbatch's backward runs right after its forward (`one_at_a_time`), so only
@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from parc.compiler.passes.pipeline_split import Boundary, StageGraph
+from parc.compiler.passes.pipeline_split import StageGraph
 from parc.compiler.schedule_actions import (
     Action,
     ActionKind,
@@ -54,10 +54,10 @@ from parc.compiler.schedule_actions import (
 )
 from parc.compiler.schedule_split import held_delta, split_backwards
 from parc.dsl.ast import AXIS_PP
-from parc.errors import RuntimeFault
 from parc.runtime.collectives import Comm, CommKind
 
 from .backward_split import PendingWeights, backward_input
+from .posting import Posted, as_contract, receive_buffers, receives_ahead, sends_ahead
 from .user_checks import LossFn, checked_loss
 
 __all__ = ["ForwardContext", "MicroState", "StageExecutor", "one_at_a_time"]
@@ -82,7 +82,7 @@ class MicroState:
     grads_in: list[torch.Tensor] = field(default_factory=list)
     grads_out: list[torch.Tensor] = field(default_factory=list)
     # The posted batches receiving into `received` (RECV_F) and `grads_in` (RECV_B).
-    receiving: dict[ActionKind, _Posted] = field(default_factory=dict)
+    receiving: dict[ActionKind, Posted] = field(default_factory=dict)
     weights: PendingWeights | None = None  # a split backward's W, between its B and W
 
     def will_wait(self, kind: ActionKind) -> bool:
@@ -113,12 +113,13 @@ class StageExecutor:
         device: torch.device,
         before_last_backward: Callable[[], None] | None = None,
         forward_contexts: Sequence[ForwardContext] = (),
-        receive_ahead: bool | None = None,
+        post_ahead: bool | None = None,
     ) -> None:
         """`stages`: the stages this rank runs; `stage_to_rank[s]`: the pp rank of stage s.
         `forward_contexts` are entered in order around every forward (first outermost).
-        `receive_ahead`: post receives one compute ahead of their place (see `run`);
-        by default where the backend lets ops progress independently (gloo on CPU)."""
+        `post_ahead`: post receives one compute ahead of their place and sends right
+        after the compute that makes them (see `run`); by default where the backend lets
+        ops progress independently (gloo on CPU)."""
         coords = dict(comm.coords)
         mine = coords.get(AXIS_PP, 0)
         wrong = [s for s in stages if not 0 <= s < len(stage_to_rank) or stage_to_rank[s] != mine]
@@ -134,11 +135,13 @@ class StageExecutor:
         self.device = device
         self.before_last_backward = before_last_backward
         self.forward_contexts = tuple(forward_contexts)
-        if receive_ahead is None:
-            receive_ahead = comm.p2p_independent(AXIS_PP, device)
-        self.receive_ahead = receive_ahead
+        if post_ahead is None:
+            post_ahead = comm.p2p_independent(AXIS_PP, device)
+        self.post_ahead = post_ahead
         # The last posted batch with its sent tensors (kept alive until it is waited for).
-        self._sending: list[tuple[_Posted, list[torch.Tensor]]] = []
+        self._sending: list[tuple[Posted, list[torch.Tensor]]] = []
+        # Sends posted ahead of their batch, waited for as that batch's (`run`).
+        self._early: list[tuple[Posted, list[torch.Tensor]]] = []
         # Global rank of every stage's pp rank, at this rank's other coordinates.
         self.rank_of_stage = tuple(comm.rank_of({**coords, AXIS_PP: r}) for r in stage_to_rank)
         self._order: tuple[Sequence[Action], _Order] | None = None  # the last tuple run
@@ -161,55 +164,71 @@ class StageExecutor:
         rank would spend idle (a last stage waits for its first input, a first stage for
         its first gradient), off the pipeline's critical path.
 
-        With `receive_ahead` the receives between a compute action and the next one are
-        posted before the first of the two, each channel's in list order (so they pair
-        with the same sends), and waited for where they would be: the transfer runs
-        during that compute (gloo moves a message only once its receive is posted). The
-        sends and every wait stay where the list puts them, and posting earlier only
-        lets an op complete sooner, so what the simulator proves still runs."""
+        With `post_ahead` the receives between a compute action and the next one are
+        posted before the first of the two, and a send that the list posts only after
+        later computes (an interleaved unit's F waits for its B) right after the compute
+        that makes it; each channel's ops stay in list order (so they pair with the same
+        peers' ops) and every wait stays where it was: a transfer runs during the compute
+        (gloo moves a message only once both ends are posted). Posting earlier only lets
+        an op complete sooner, so what the simulator proves still runs."""
         order = self._order_of(actions)
-        actions, split, last = order.actions, order.split, order.last
+        actions = order.actions
         states = {
             (s, m): MicroState(stage)
             for s, stage in self.stages.items()
             for m in range(len(inputs))
         }
         losses: list[torch.Tensor] = []
-        ahead = order.receives_ahead if self.receive_ahead else {}
-        posted: set[int] = set()  # positions of the receives posted ahead
+        receives, sends = (order.receives_ahead, order.sends_ahead) if self.post_ahead else ({}, {})
+        posted: set[int] = set()  # positions of the ops posted ahead of their batch
         for k, item in enumerate(order.items):
             first = actions[item[0]]
             state = states[(first.stage, first.microbatch)]
-            if first.kind.is_compute:
-                if k in ahead:
-                    self._post([actions[i] for i in ahead[k]], states)
-                    posted.update(ahead[k])
-                if before_backward is not None and (
-                    first.kind is not ActionKind.F or state.will_wait(first.kind)
-                ):
-                    before_backward()
-                    before_backward = None
-                state.wait_for(first.kind)
-            if first.kind is ActionKind.F:
-                m = first.microbatch
-                loss = self._forward(state, inputs[m], targets[m], scale)
-                if loss is not None:
-                    losses.append(loss)
-            elif first.kind.is_compute:
-                if last_round and item[0] == last and self.before_last_backward:
-                    self.before_last_backward()
-                if first.kind is ActionKind.W:
-                    self._weights(state)
-                elif (first.stage, first.microbatch) in split:
-                    self._backward_input(state)
-                else:
-                    self._backward(state)
-            else:
+            if not first.kind.is_compute:
                 self._communicate([actions[i] for i in item if i not in posted], states)
+                continue
+            if k in receives:
+                self._post([actions[i] for i in receives[k]], states)
+                posted.update(receives[k])
+            if before_backward is not None and (
+                first.kind is not ActionKind.F or state.will_wait(first.kind)
+            ):
+                before_backward()
+                before_backward = None
+            state.wait_for(first.kind)
+            if last_round and item[0] == order.last and self.before_last_backward:
+                self.before_last_backward()
+            m = first.microbatch
+            loss = self._compute(first, state, order, inputs[m], targets[m], scale)
+            if loss is not None:
+                losses.append(loss)
+            if k in sends:
+                self._early += filter(None, [self._post([actions[i] for i in sends[k]], states)])
+                posted.update(sends[k])
         self._wait_sends()
         if before_backward is not None:  # no backward ran: the buffers are still due
             before_backward()
         return losses
+
+    def _compute(
+        self,
+        action: Action,
+        state: MicroState,
+        order: _Order,
+        inputs: Sequence[torch.Tensor],
+        targets: Any,
+        scale: float,
+    ) -> torch.Tensor | None:
+        """Run one compute action; F on the last stage returns its unscaled loss."""
+        if action.kind is ActionKind.F:
+            return self._forward(state, inputs, targets, scale)
+        if action.kind is ActionKind.W:
+            self._weights(state)
+        elif (action.stage, action.microbatch) in order.split:
+            self._backward_input(state)
+        else:
+            self._backward(state)
+        return None
 
     def _order_of(self, actions: Sequence[Action]) -> _Order:
         """How `actions` run (`_Order`); made once for a tuple (the Program's every step)."""
@@ -235,7 +254,7 @@ class StageExecutor:
         outs = list(outs)
         sends = outs[1:] if stage.is_last else outs
         state.sent = [
-            _as_contract(t, b, stage.stage, self.comm.rank)
+            as_contract(t, b, stage.stage, self.comm.rank)
             for t, b in zip(sends, stage.send, strict=True)
         ]
         if stage.is_last:
@@ -287,12 +306,14 @@ class StageExecutor:
         sent = self._post(batch, states)
         if sent is None:
             return
-        self._wait_sends()  # the previous batch's, now that this one is posted
-        self._sending = [sent]
+        for previous, _ in self._sending:  # the previous batch's, now that this one is posted
+            previous.wait()
+        # Sends posted ahead of this batch are waited for with it, where they would be.
+        self._sending, self._early = [sent, *self._early], []
 
     def _post(
         self, batch: list[Action], states: Mapping[tuple[int, int], MicroState]
-    ) -> tuple[_Posted, list[torch.Tensor]] | None:
+    ) -> tuple[Posted, list[torch.Tensor]] | None:
         """Post `batch`'s ops; each receive's state waits on its own handles. Returns the
         posted batch with its sent tensors (None when it has no ops)."""
         ops: list[tuple[CommKind, torch.Tensor, int]] = []
@@ -308,12 +329,12 @@ class StageExecutor:
             else:  # a receive: the buffers of this stage's side of the boundary
                 forward = action.kind is ActionKind.RECV_F
                 contract = state.stage.recv if forward else state.stage.send
-                bufs = _buffers(contract, self.device)
+                bufs = receive_buffers(contract, self.device)
                 received.append((state, bufs, action.kind, len(ops)))
                 ops += [(CommKind.RECV, b, peer) for b in bufs]
         if not ops:
             return None
-        posted = _Posted(self.comm.post_p2p(ops, AXIS_PP), len(ops))
+        posted = Posted(self.comm.post_p2p(ops, AXIS_PP), len(ops))
         for state, bufs, kind, at in received:
             # Each compute waits for its own receives only: a batch of interleaved 1F1B
             # carries the next forward's input and the next backward's gradient.
@@ -326,9 +347,9 @@ class StageExecutor:
 
     def _wait_sends(self) -> None:
         """Wait for every posted send (and the end of a round: nothing stays in flight)."""
-        for posted, _ in self._sending:
+        for posted, _ in [*self._sending, *self._early]:
             posted.wait()
-        self._sending = []
+        self._sending, self._early = [], []
 
 
 @dataclass(frozen=True)
@@ -345,6 +366,9 @@ class _Order:
     # Item index of a compute -> positions of the receives between it and the next
     # compute, which `run` may post before it.
     receives_ahead: Mapping[int, tuple[int, ...]]
+    # Item index of a compute -> positions of its sends that the list posts only after
+    # later computes, which `run` may post right after it.
+    sends_ahead: Mapping[int, tuple[int, ...]]
 
     @classmethod
     def of(cls, actions: Sequence[Action]) -> _Order:
@@ -354,78 +378,11 @@ class _Order:
             default=-1,
         )
         items = tuple(execution_items(actions))
-        return cls(actions, items, split, last, _receives_ahead(actions, items))
-
-
-def _receives_ahead(
-    actions: Sequence[Action], items: Sequence[tuple[int, ...]]
-) -> dict[int, tuple[int, ...]]:
-    """For each compute item, the receives of the batches between it and the next one."""
-    ahead: dict[int, tuple[int, ...]] = {}
-    compute: int | None = None  # the last compute item seen
-    for k, item in enumerate(items):
-        if actions[item[0]].kind.is_compute:
-            compute = k
-        elif compute is not None:
-            recvs = tuple(
-                i for i in item if not actions[i].kind.is_compute and not actions[i].kind.is_send
-            )
-            if recvs:
-                ahead[compute] = ahead.get(compute, ()) + recvs
-    return ahead
-
-
-class _Posted:
-    """The handles of one posted batch of `ops` ops: gloo gives one per op, so `part`
-    can wait for some ops alone; NCCL one for the coalesced batch, waited as a whole.
-    Each handle is waited for once: a gloo receive's second wait never returns."""
-
-    def __init__(self, works: list[Any], ops: int) -> None:
-        self._works: list[Any] = works
-        self._per_op = len(works) == ops
-
-    def part(self, indices: Sequence[int]) -> _Posted:
-        """The handles of the ops at `indices`, moved out of this batch's (which then
-        waits for the others only); the batch itself where it has one handle."""
-        if not self._per_op:
-            return self
-        taken = [self._works[i] for i in indices]
-        for i in indices:
-            self._works[i] = None
-        return _Posted(taken, len(taken))
-
-    def wait(self) -> None:
-        for work in self._works:
-            if work is not None:
-                work.wait()
-        self._works = []
-
-
-def _as_contract(t: torch.Tensor, boundary: Boundary, stage: int, rank: int) -> torch.Tensor:
-    """`t` as `boundary` of `stage` travels: its receiver allocated the boundary's shape and
-    dtype from the compile-time profile, and a message of another size or dtype hangs or
-    corrupts NCCL. A floating value computed in another floating dtype than the profile
-    said (CUDA autocast runs norms in fp32 where the CPU profile saw bf16) is cast to
-    the contract's, inside autograd: its gradient comes back in the contract's dtype and
-    is cast to `t`'s. Any other difference is a RuntimeFault naming the boundary."""
-    if t.dtype == boundary.dtype and tuple(t.shape) == boundary.shape:
-        return t
-    if (
-        tuple(t.shape) == boundary.shape
-        and t.is_floating_point()
-        and boundary.dtype.is_floating_point
-    ):
-        return t.to(boundary.dtype)
-    seen = f"{str(t.dtype).removeprefix('torch.')}[{', '.join(map(str, t.shape))}]"
-    raise RuntimeFault(
-        f"stage {stage} computed pipeline boundary '{boundary.name}' as {seen}, but the "
-        f"compiled program's contract (what the receiving stage allocates) is {boundary}",
-        rank=rank,
-        hint="the model computes another shape or dtype at run time than on its sample "
-        "batch at compile time; make the value's shape and dtype depend on the input's "
-        "shape only",
-    )
-
-
-def _buffers(contract: Sequence[Boundary], device: torch.device) -> list[torch.Tensor]:
-    return [torch.empty(b.shape, dtype=b.dtype, device=device) for b in contract]
+        return cls(
+            actions,
+            items,
+            split,
+            last,
+            receives_ahead(actions, items),
+            sends_ahead(actions, items),
+        )

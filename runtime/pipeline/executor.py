@@ -7,8 +7,9 @@ one `batch_isend_irecv`, posted together. It waits later than the simulator
 it (under gloo that receive's own ops, not the rest of its batch; NCCL gives
 one handle per batch), a send when the rank posts its next batch or ends the
 round (its tensor kept alive until then); under gloo it also posts receives one
-compute ahead and sends right after their compute (`run`, `posting.py`). Waiting later only lets a rank go on sooner, so a
-schedule the simulator proves runs here too, with the same transfers. A rank may
+compute ahead and sends right after their compute (`run`, `posting.py`). Waiting
+later only lets a rank go on sooner, so a schedule the simulator proves runs here
+too, with the same transfers. A rank may
 run several stages (virtual stages): what a microbatch keeps lives per (stage,
 microbatch), and a comm action talks to the rank of its peer stage
 (``stage_to_rank``), at this rank's other mesh coordinates.

@@ -283,6 +283,23 @@ def test_a_case_module_added_to_sys_path_later_is_importable(
     assert pool.run(answer, 41) == [42, 42]
 
 
+def _env(name: str) -> str | None:
+    return os.environ.get(name)
+
+
+def test_ranks_see_the_environment_the_pool_started_in(
+    gloo_pool: PoolFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The forkserver forks every rank from its own environment, which is the one of the
+    # first pool's start: a model file reading a variable set since (`parc check` in a
+    # Python session) read the old value.
+    gloo_pool(2).run(_pid)  # the forkserver is running
+    monkeypatch.setenv("PARC_POOL_TEST_VAR", "set after the forkserver")
+    with WorkerPool(2, timeout=30) as pool:
+        assert pool.run(_env, "PARC_POOL_TEST_VAR") == ["set after the forkserver"] * 2
+        assert pool.run(_env, "OMP_NUM_THREADS") == ["1", "1"]  # the rank's own still win
+
+
 def test_a_case_that_cannot_be_pickled_is_refused_before_it_is_sent(
     gloo_pool: PoolFactory,
 ) -> None:

@@ -196,6 +196,7 @@ class WorkerPool:
                 store=Path(f"{stem}-store"),
                 log=Path(f"{stem}-rank{rank}.log"),
                 stack=Path(f"{stem}-rank{rank}.stack"),
+                env=tuple(os.environ.items()),
             )
             conn, rank_conn = ctx.Pipe()
             lifeline_r, lifeline_w = ctx.Pipe(duplex=False)

@@ -46,6 +46,9 @@ class RankSpec:
     store: Path  # the FileStore, shared by the ranks of one start
     log: Path  # stdout and stderr
     stack: Path  # faulthandler dumps
+    # The owner's environment when the pool started: the forkserver forks every rank
+    # from its own, which is the environment of the first pool's start.
+    env: tuple[tuple[str, str], ...] = ()
 
 
 _STACK_FILE: TextIO | None = None  # kept open for faulthandler's C-level handlers
@@ -74,6 +77,8 @@ def rank_main(spec: RankSpec, conn: Connection, lifeline: Connection) -> None:
 
 
 def _set_up_rank(spec: RankSpec, lifeline: Connection) -> None:
+    os.environ.clear()
+    os.environ.update(spec.env)
     fd = os.open(spec.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)  # file descriptors, so C++ (gloo) output lands there too
     os.dup2(fd, 2)

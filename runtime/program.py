@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 
 from parc.compiler.default_loss import DefaultLoss, TargetScan, scan_targets
-from parc.compiler.model import off_batch
 from parc.compiler.model_output import input_tensors
 from parc.compiler.ops.own_loss import OWN_LOSS_COUNTS, OwnLossCounts
 from parc.compiler.saved import cast_inputs
@@ -39,6 +38,7 @@ from parc.errors import RuntimeFault
 from parc.runtime.pipeline.executor import StageExecutor
 from parc.runtime.pipeline.user_checks import checked_loss
 
+from .batch_checks import batch_problems
 from .clip import NormLayout, check_max_norm, clip_grads, flag_and_square_sum, scale_grads
 from .collectives import CommKind
 from .compiled import compile_seconds
@@ -269,14 +269,7 @@ class Program:
         """The batch (`expected` rows) must match the traced contract: the inputs unless
         None, the targets when `read`. Under `step` every rank checks the same batch and
         raises the same error."""
-        problems = [] if xs is None else self._input_problems(xs, expected)
-        if read:
-            if not isinstance(targets, torch.Tensor):
-                problems.append(f"targets are {type(targets).__name__}, not a tensor")
-            elif off_batch(targets, expected):
-                problems.append(
-                    f"targets have shape {tuple(targets.shape)}; dim 0 must be the batch {expected}"
-                )
+        problems = batch_problems(self.parts.input_shapes, xs, targets, expected, read=read)
         if problems:
             raise RuntimeFault(
                 "the batch does not match the compiled program: " + "; ".join(problems),
@@ -285,22 +278,6 @@ class Program:
                 hint=f"{given} the same shapes every step (the pipeline boundaries and shards "
                 "were sized for them); compile with the batch you train",
             )
-
-    def _input_problems(self, xs: Sequence[torch.Tensor], expected: int) -> list[str]:
-        problems = []
-        if len(xs) != len(self.parts.input_shapes):
-            problems.append(
-                f"{len(xs)} inputs given, the model was traced with {len(self.parts.input_shapes)}"
-            )
-        for i, (x, traced) in enumerate(zip(xs, self.parts.input_shapes)):
-            if not isinstance(x, torch.Tensor):
-                problems.append(f"input {i} is {type(x).__name__}, not a tensor")
-            elif off_batch(x, expected) or tuple(x.shape[1:]) != tuple(traced[1:]):
-                problems.append(
-                    f"input {i} has shape {tuple(x.shape)}; the program was compiled for "
-                    f"({expected}, {', '.join(map(str, traced[1:]))})"
-                )
-        return problems
 
     def _tied_reduce(self, name: str, grad: torch.Tensor) -> None:
         group = self.parts.tied.get(name)

@@ -216,3 +216,12 @@ def test_parc_run_names_the_model_file_when_the_batch_shape_changes(tmp_path: Pa
     ) in done.stderr, done.stderr
     assert "pad or crop to a fixed sequence length" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_batch_checks_docstring_examples_run() -> None:
+    import doctest
+
+    from parc.runtime import batch_checks
+
+    result = doctest.testmod(batch_checks)
+    assert result.attempted > 0 and result.failed == 0

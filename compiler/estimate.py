@@ -28,8 +28,9 @@ from .layout import DEFAULT_BUCKET_ELEMS, FlatUnit, canonical_names, stage_param
 from .loss_memory import LossMemory, loss_memory, padded_params
 from .memory_model import ADAMW, MemoryModel
 from .node_meta import meta_of
+from .ops.collectives import CommKind
 from .passes.placement import Partial, Shard
-from .plan import Plan
+from .plan import DeviceKind, Plan
 from .plan_schedule import plan_bubble, plan_in_flight, rank_held
 from .rank_memories import RankMemories
 from .rank_memory import (
@@ -313,7 +314,7 @@ def _rank_memory(
         first_bucket=units[0].padded if units else 0,
         accumulating=plan.microbatches * plan.grad_accum > 1,
     )
-    message = _largest_message(plan, comms, scale)
+    message = _largest_message(plan, comms, scale) + _receives_ahead(plan, comms)
     activations = int(act.held(in_flight) * scale)
     if zero == 3:  # the gathered unit, its gradient, the cast and the shard it scatters into
         second = second_largest(u.padded for u in units)
@@ -348,6 +349,17 @@ def _largest_message(plan: Plan, comms: tuple[Collective, ...], scale: float) ->
         if c.axis == plan.tp_axis and c.count and c.elements
     ]
     return int(max(per_call, default=0) * scale)
+
+
+def _receives_ahead(plan: Plan, comms: tuple[Collective, ...]) -> int:
+    """The bytes of one microbatch's pipeline receives on this stage (its input and its
+    output's gradient): on CPU ranks (gloo) the executor posts a batch's receives one
+    compute ahead (runtime/pipeline/posting.py), so they are alive during that compute;
+    under NCCL a receive is allocated right before the compute that reads it."""
+    if plan.pp == 1 or plan.device is not DeviceKind.CPU:
+        return 0
+    steps = plan.microbatches * plan.grad_accum
+    return sum(c.bytes for c in comms if c.kind is CommKind.RECV and c.axis == AXIS_PP) // steps
 
 
 def _stage_cost(

@@ -263,7 +263,9 @@ def test_frozen_parameters_are_priced_as_the_compiler_prices_them(tmp_path: Path
     for ev in result.search.best_of.values():
         spec = tmp_path / "best.par"
         spec.write_text(result.spec_text(ev))
-        a = analyse(spec, model, batch=8)
+        # The planner plans GPUs, as the spec's `# check:` line (--cluster) compiles it:
+        # on CPU ranks the pipeline's receives posted ahead are priced too.
+        a = analyse(spec, model, batch=8, target=DeviceKind.CUDA)
         peak = max(peaks_with_loss(a.estimate, a.plan))
         # As test_the_written_spec_compiles_to_the_same_estimate: no ZeRO padding.
         assert peak == pytest.approx(ev.memory.total, rel=0.01), result.spec_text(ev)
@@ -295,7 +297,7 @@ def test_small_models_are_priced_as_the_compiler_prices_them(
         for ev in result.search.best_of.values():
             spec = tmp_path / "best.par"
             spec.write_text(result.spec_text(ev))
-            a = analyse(spec, model, batch=8)
+            a = analyse(spec, model, batch=8, target=DeviceKind.CUDA)  # as planned: GPUs
             ranks = list(a.estimate.memory)
             # No ZeRO padding here: the parts are the compiled ones exactly, the peak
             # within the planner's bucket approximation (parameter boundaries aside).

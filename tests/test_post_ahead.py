@@ -178,3 +178,19 @@ def test_posting_docstring_examples_run() -> None:
 
     result = doctest.testmod(posting)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_the_estimate_holds_the_receives_posted_ahead_on_cpu(tmp_path: Any) -> None:
+    from parc.compiler.frontend import analyse
+    from parc.compiler.plan import DeviceKind
+
+    spec = tmp_path / "pp.par"
+    spec.write_text("mesh pp=2\nstage auto\nmicrobatches 4\nschedule 1f1b\n")
+    env = gpt_env(4, False)
+    with model_env(env):
+        on = {kind: analyse(spec, GPT, batch=8, target=kind) for kind in DeviceKind}
+    cpu, cuda = (on[k].estimate.memory for k in (DeviceKind.CPU, DeviceKind.CUDA))
+    # One microbatch's boundary: (micro 2, seq, dim) fp32, received forward on the last
+    # stage and backward (its gradient) on the first; posted one compute ahead on CPU.
+    boundary = 2 * int(env["GPT_SEQ"]) * int(env["GPT_DIM"]) * 4
+    assert [c.buffers - g.buffers for c, g in zip(cpu, cuda, strict=True)] == [boundary] * 2

@@ -39,8 +39,9 @@ class RankMemory:
     activations and `buffers`, the transient collective buffers alive then:
     ZeRO-2's first gradient bucket, or all its full buckets under accumulation;
     a gathered ZeRO-3 unit and its gradient; the largest tensor-parallel
-    message; on CPU pipeline ranks one microbatch's receives, posted ahead; or, where more, what the end of backward holds once activations
-    are freed), or the optimizer step's (`step_peak`: everything resident and
+    message; on CPU pipeline ranks one microbatch's receives, posted ahead;
+    or, where more, what the end of backward holds once activations are
+    freed), or the optimizer step's (`step_peak`: everything resident and
     `step`, the master's fp32 gradient cast from a bf16 reduction), whichever is more.
     """
 

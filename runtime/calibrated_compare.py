@@ -26,6 +26,7 @@ from .calibration import (
     tensor_bounds,
 )
 from .equivalence import LOSS_RTOL, Comparison, Tolerance, compare_runs
+from .first_step import gradient_signs
 
 __all__ = ["calibrated_compare", "twin_unstable"]
 
@@ -175,7 +176,8 @@ def calibrated_compare(
     base = compare_runs(ref, par, Tolerance())  # losses, parameters, buffers redone below
     noise = _noise(ref, twin, split, cal)
     rows, first_bad = _loss_rows(ref["losses"], noise["losses"], par["losses"], cal)
-    keep = same_sign(ref["grads"], twin["grads"], par_grads) if cal.excuse_flips else None
+    signs = ref.get("step_signs", gradient_signs)  # reference_run's: its optimizer's first step
+    keep = same_sign(ref["grads"], twin["grads"], par_grads, signs) if cal.excuse_flips else None
     params = tensor_bounds(
         ref["params"], noise["params"], par["params"], steps, cal.param_eps, cal.noise_mult,
         keep, ulps=cal.floor_ulps,

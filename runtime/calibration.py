@@ -94,7 +94,13 @@ under autocast), so the bounds measure parallelism, not precision:
   twin or the parallel run than in the reference (`same_sign`) are left out
   of the parameters' distances (the gradients themselves were compared).
   Without this, correct AdamW runs reached 27× their twin's distance (gpt
-  pp=2 and dp=4 zero 3, one bias): past NOISE_MULT.
+  pp=2 and dp=4 zero 3, one bias): past NOISE_MULT. The sign is that of the
+  first update (runtime/first_step.py, the reference's optimizer stepped once
+  from the initial parameters with each run's gradients), not of the gradient:
+  Adam's coupled `weight_decay` adds decay·p first, so a gradient of 1.3e-3
+  against a decay term of −1.2e-3 flips the step with the gradient's sign kept
+  (a probe's classifier under dp=2 × tp=2 zero 3, Adam with amsgrad and weight
+  decay 0.01: 2.2× past its bound; 0.088 with the update's sign).
 - Losses (`loss_running_max`): each step against the twin's largest relative
   difference so far. The twin's per-step distance swings 60× between steps
   (1.1e-6 to 6.9e-5 on gpt dp=2); against the step's own, correct 10-step
@@ -147,6 +153,7 @@ import torch
 from parc.dsl.ast import Precision
 
 from .equivalence import LOSS_RTOL
+from .first_step import StepSigns, gradient_signs
 from .probes import GradientProbe, nudge_outputs
 
 __all__ = [
@@ -292,14 +299,16 @@ def _masked(diff: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
 
 
 def same_sign(
-    ref: dict[str, torch.Tensor], twin: dict[str, torch.Tensor], par: dict[str, torch.Tensor]
+    ref: dict[str, torch.Tensor],
+    twin: dict[str, torch.Tensor],
+    par: dict[str, torch.Tensor],
+    signs: StepSigns = gradient_signs,
 ) -> dict[str, torch.Tensor]:
-    """Per parameter, the elements whose step-0 gradient has the same sign in all three
-    runs (a parameter the parallel run lacks, or of another shape, keeps every element)."""
-    out = {}
-    for name, g in ref.items():
-        got = par.get(name)
-        if got is not None and got.shape == g.shape:
-            sign = torch.sign(g)
-            out[name] = (torch.sign(twin[name]) == sign) & (torch.sign(got) == sign)
-    return out
+    """Per parameter, the elements whose first step goes the same way in all three runs:
+    `signs` of each run's step-0 gradients (runtime/first_step.py: the optimizer's first
+    update, which coupled weight decay moves off the gradient's sign; default the
+    gradients' own signs). A parameter the parallel run lacks, or of another shape, keeps
+    every element."""
+    shared = {n: g for n, g in par.items() if n in ref and g.shape == ref[n].shape}
+    want, other, got = signs(ref), signs({n: twin[n] for n in shared}), signs(shared)
+    return {n: (other[n] == want[n]) & (got[n] == want[n]) for n in shared}

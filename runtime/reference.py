@@ -30,6 +30,7 @@ from parc.dsl.ast import Precision
 from parc.errors import RuntimeFault
 from parc.runtime.pipeline.user_checks import checked_loss, checked_optimizer
 
+from .first_step import first_step_signs
 from .master_weights import Recipe, upcast
 from .probes import GradientProbe, nudge_outputs
 from .schedules import Schedule, scheduler_for, step_scheduler
@@ -147,6 +148,10 @@ def _reference(
     with user_code(path, f"creating the optimizer {ref}"):
         opt = checked_optimizer(optimizer_for(source, optimizer)(recipe.stepped()), path)
         scheduler = scheduler_of(opt, optimizer, lr_schedule, source)  # as the parallel run's
+    initial = {n: p.detach().clone() for n, p in recipe.named_stepped()}
+    where = {id(p): g for g, group in enumerate(opt.param_groups) for p in group["params"]}
+    groups = {n: where.get(id(p), -1) for n, p in recipe.named_stepped()}
+    step_signs = first_step_signs(opt, groups, initial)  # its settings before any step
     losses, grads, norms = [], {}, []
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
@@ -171,6 +176,8 @@ def _reference(
         "buffers": buffers,
         "grads": grads,
         "grad_norms": norms,
+        # The direction of the first update from any run's step-0 gradients (calibration.py)
+        "step_signs": step_signs,
     }
 
 

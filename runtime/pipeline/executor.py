@@ -39,6 +39,7 @@ the same order as under GPipe's or 1F1B's (microbatch order), so bitwise alike.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -165,13 +166,9 @@ class StageExecutor:
         rank would spend idle (a last stage waits for its first input, a first stage for
         its first gradient), off the pipeline's critical path.
 
-        With `post_ahead` the receives between a compute action and the next one are
-        posted before the first of the two, and a send that the list posts only after
-        later computes (an interleaved unit's F waits for its B) right after the compute
-        that makes it; each channel's ops stay in list order (so they pair with the same
-        peers' ops) and every wait stays where it was: a transfer runs during the compute
-        (gloo moves a message only once both ends are posted). Posting earlier only lets
-        an op complete sooner, so what the simulator proves still runs."""
+        With `post_ahead` (gloo) some receives are posted a compute ahead of their batch
+        and some sends right after their compute, every wait where it was: which ones, and
+        why the simulator's proof still holds, is `parc.runtime.pipeline.posting`."""
         order = self._order_of(actions)
         actions = order.actions
         states = {
@@ -181,7 +178,8 @@ class StageExecutor:
         }
         losses: list[torch.Tensor] = []
         receives, sends = (order.receives_ahead, order.sends_ahead) if self.post_ahead else ({}, {})
-        posted: set[int] = set()  # positions of the ops posted ahead of their batch
+        # Each is posted before its batch is reached: a compute ahead of it.
+        posted = order.posted_ahead if self.post_ahead else frozenset()
         for k, item in enumerate(order.items):
             first = actions[item[0]]
             state = states[(first.stage, first.microbatch)]
@@ -190,7 +188,6 @@ class StageExecutor:
                 continue
             if k in receives:
                 self._post([actions[i] for i in receives[k]], states)
-                posted.update(receives[k])
             if before_backward is not None and (
                 first.kind is not ActionKind.F or state.will_wait(first.kind)
             ):
@@ -204,8 +201,7 @@ class StageExecutor:
             if loss is not None:
                 losses.append(loss)
             if k in sends:
-                self._early += filter(None, [self._post([actions[i] for i in sends[k]], states)])
-                posted.update(sends[k])
+                self._post_early([actions[i] for i in sends[k]], states)
         self._wait_sends()
         if before_backward is not None:  # no backward ran: the buffers are still due
             before_backward()
@@ -312,6 +308,14 @@ class StageExecutor:
         # Sends posted ahead of this batch are waited for with it, where they would be.
         self._sending, self._early = [sent, *self._early], []
 
+    def _post_early(
+        self, sends: list[Action], states: Mapping[tuple[int, int], MicroState]
+    ) -> None:
+        """Post sends ahead of their batch; they are waited for as that batch's."""
+        posted = self._post(sends, states)
+        if posted is not None:
+            self._early.append(posted)
+
     def _post(
         self, batch: list[Action], states: Mapping[tuple[int, int], MicroState]
     ) -> tuple[Posted, list[torch.Tensor]] | None:
@@ -370,6 +374,12 @@ class _Order:
     # Item index of a compute -> positions of its sends that the list posts only after
     # later computes, which `run` may post right after it.
     sends_ahead: Mapping[int, tuple[int, ...]]
+
+    @functools.cached_property
+    def posted_ahead(self) -> frozenset[int]:
+        """Positions of every op `receives_ahead` and `sends_ahead` name."""
+        ahead = (*self.receives_ahead.values(), *self.sends_ahead.values())
+        return frozenset(i for positions in ahead for i in positions)
 
     @classmethod
     def of(cls, actions: Sequence[Action]) -> _Order:

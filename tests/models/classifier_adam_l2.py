@@ -9,55 +9,31 @@ the first step's direction, and the element ends a whole 2·lr from one device's
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import importlib.util
+import sys
+from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["build_model", "configure_optimizer", "loss_fn", "sample_batch"]
 
-WIDTH, FEATURES, CLASSES = 32, 16, 8
+# tests/models/classifier_bf16.py, loaded by path (model files are not on sys.path):
+# the same network, loss and optimizer, here built and fed in fp32.
+_SPEC = importlib.util.spec_from_file_location(
+    "_classifier_bf16", Path(__file__).with_name("classifier_bf16.py")
+)
+assert _SPEC is not None and _SPEC.loader is not None
+_BF16 = sys.modules[_SPEC.name] = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(_BF16)
 
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(WIDTH)
-        self.up = nn.Linear(WIDTH, 2 * WIDTH)
-        self.down = nn.Linear(2 * WIDTH, WIDTH)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(self.norm(x))))
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(FEATURES, WIDTH)
-        self.blocks = nn.ModuleList(Block() for _ in range(2))
-        self.out = nn.Linear(WIDTH, CLASSES)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        for block in self.blocks:
-            h = block(h)
-        return self.out(h)
+loss_fn = _BF16.loss_fn
+configure_optimizer = _BF16.configure_optimizer
 
 
 def build_model() -> nn.Module:
-    return Net()
+    return _BF16.Net()
 
 
 def sample_batch(batch_size: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 + step)
-    x = torch.randn(batch_size, FEATURES, generator=g)
-    return x, torch.randint(0, CLASSES, (batch_size,), generator=g)
-
-
-def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits, targets)
-
-
-def configure_optimizer(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    return torch.optim.Adam(params, lr=1e-2, amsgrad=True, weight_decay=0.01)
+    return _BF16.fp32_batch(batch_size, step)

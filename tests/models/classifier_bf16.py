@@ -44,10 +44,16 @@ def build_model() -> nn.Module:
     return Net().to(torch.bfloat16)
 
 
-def sample_batch(batch_size: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def fp32_batch(batch_size: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch before its cast (tests/models/classifier_adam_l2.py trains on it)."""
     g = torch.Generator().manual_seed(100 + step)
-    x = torch.randn(batch_size, 16, generator=g).to(torch.bfloat16)
+    x = torch.randn(batch_size, 16, generator=g)
     return x, torch.randint(0, OUT, (batch_size,), generator=g)
+
+
+def sample_batch(batch_size: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = fp32_batch(batch_size, step)
+    return x.to(torch.bfloat16), y
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

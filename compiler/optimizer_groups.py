@@ -34,7 +34,7 @@ warning is given, and its own error is raised where it is called for real.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +45,7 @@ __all__ = [
     "MIXED_HINT",
     "OptimizerProbe",
     "built_optimizer",
+    "group_of",
     "other_groups",
     "param_group_map",
     "probe_optimizer",
@@ -67,6 +68,15 @@ def built_optimizer(
     except Exception:
         return None
     return opt if isinstance(opt, torch.optim.Optimizer) else None
+
+
+def group_of(
+    opt: torch.optim.Optimizer, named: Iterable[tuple[str, torch.Tensor]]
+) -> dict[str, int]:
+    """Name -> the index of the group of `opt` holding that parameter (-1: in none, so
+    never stepped)."""
+    where = {id(p): g for g, group in enumerate(opt.param_groups) for p in group["params"]}
+    return {name: where.get(id(p), -1) for name, p in named}
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,9 +108,8 @@ def probe_optimizer(
     opt = built_optimizer(factory, stand_ins) if named else None
     if opt is None:
         return OptimizerProbe(None, None)
-    where = {id(p): g for g, group in enumerate(opt.param_groups) for p in group["params"]}
-    groups = {name: where.get(id(p), -1) for (name, _), p in zip(named, stand_ins, strict=True)}
-    return OptimizerProbe(opt, groups)
+    names = [name for name, _ in named]
+    return OptimizerProbe(opt, group_of(opt, zip(names, stand_ins, strict=True)))
 
 
 def param_group_map(

@@ -39,7 +39,7 @@ import torch.fx
 
 from parc.compiler.model import ModelSource
 from parc.compiler.optimizer_factory import OptimizerFactory
-from parc.compiler.optimizer_groups import MIXED_HINT, other_groups
+from parc.compiler.optimizer_groups import MIXED_HINT, group_of, other_groups
 from parc.compiler.optimizer_rebuild import rebuilt_like
 from parc.compiler.optimizers import check_optimizer, factory_origin
 from parc.compiler.param_attrs import keep_attributes
@@ -225,15 +225,14 @@ def _optimizer(
     opt = checked_optimizer(factory(list(params.values())), source.path)
     origin, file = factory_origin(factory, source)
     check_optimizer(opt, plan, origin=origin, file=file)
-    where = {id(p): g for g, group in enumerate(opt.param_groups) for p in group["params"]}
+    mine = group_of(opt, params.items())
     if groups is not None:
-        mine = {n: where.get(id(p), -1) for n, p in params.items()}
         _check_groups(mine, groups, origin, file)
     if plan.zero == 0:
         return opt
     stepped_groups: list[list[torch.nn.Parameter]] = [[] for _ in opt.param_groups]
     for names, stepped in zip(sync.optimizer_units(), sync.optimizer_params(), strict=True):
-        found = {where.get(id(params[n]), -1) for n in names}
+        found = {mine[n] for n in names}
         if len(found) > 1:
             raise _refusal(_mixed_groups(origin, names, found), file)
         (group,) = found

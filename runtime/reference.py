@@ -26,6 +26,7 @@ from parc.compiler.model_output import (
     input_tensors,
     take,
 )
+from parc.compiler.optimizer_groups import group_of
 from parc.dsl.ast import Precision
 from parc.errors import RuntimeFault
 from parc.runtime.pipeline.user_checks import checked_loss, checked_optimizer
@@ -149,9 +150,8 @@ def _reference(
         opt = checked_optimizer(optimizer_for(source, optimizer)(recipe.stepped()), path)
         scheduler = scheduler_of(opt, optimizer, lr_schedule, source)  # as the parallel run's
     initial = {n: p.detach().clone() for n, p in recipe.named_stepped()}
-    where = {id(p): g for g, group in enumerate(opt.param_groups) for p in group["params"]}
-    groups = {n: where.get(id(p), -1) for n, p in recipe.named_stepped()}
-    step_signs = first_step_signs(opt, groups, initial)  # its settings before any step
+    # Its settings before any step, for the first update's direction (first_step.py).
+    step_signs = first_step_signs(opt, group_of(opt, recipe.named_stepped()), initial)
     losses, grads, norms = [], {}, []
     for step in range(steps):
         opt.zero_grad(set_to_none=True)

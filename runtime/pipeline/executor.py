@@ -7,7 +7,8 @@ one `batch_isend_irecv`, posted together. It waits later than the simulator
 it (under gloo that receive's own ops, not the rest of its batch; NCCL gives
 one handle per batch), a send when the rank posts its next batch or ends the
 round (its tensor kept alive until then); under gloo it also posts receives one
-compute ahead and sends right after their compute (`run`, `posting.py`). Waiting
+compute ahead and sends right after their compute, then yields its CPU once
+(`run`, `posting.py`). Waiting
 later only lets a rank go on sooner, so a schedule the simulator proves runs here
 too, with the same transfers. A rank may
 run several stages (virtual stages): what a microbatch keeps lives per (stage,
@@ -59,7 +60,14 @@ from parc.dsl.ast import AXIS_PP
 from parc.runtime.collectives import Comm, CommKind
 
 from .backward_split import PendingWeights, backward_input
-from .posting import Posted, as_contract, receive_buffers, receives_ahead, sends_ahead
+from .posting import (
+    Posted,
+    as_contract,
+    hand_over_cpu,
+    receive_buffers,
+    receives_ahead,
+    sends_ahead,
+)
 from .user_checks import LossFn, checked_loss
 
 __all__ = ["ForwardContext", "MicroState", "StageExecutor", "one_at_a_time"]
@@ -340,6 +348,9 @@ class StageExecutor:
         if not ops:
             return None
         posted = Posted(self.comm.post_p2p(ops, AXIS_PP), len(ops))
+        sent = [t for kind, t, _ in ops if kind is CommKind.SEND]
+        if sent and self.post_ahead:  # gloo: the receiver's thread runs now (posting.py)
+            hand_over_cpu()
         for state, bufs, kind, at in received:
             # Each compute waits for its own receives only: a batch of interleaved 1F1B
             # carries the next forward's input and the next backward's gradient.
@@ -348,7 +359,7 @@ class StageExecutor:
                 state.received = bufs
             else:
                 state.grads_in = bufs
-        return posted, [t for kind, t, _ in ops if kind is CommKind.SEND]
+        return posted, sent
 
     def _wait_sends(self) -> None:
         """Wait for every posted send (and the end of a round: nothing stays in flight)."""
@@ -384,16 +395,7 @@ class _Order:
     @classmethod
     def of(cls, actions: Sequence[Action]) -> _Order:
         split = split_backwards({0: list(actions)})
-        last = max(
-            (i for i, a in enumerate(actions) if held_delta(a, split) < 0),
-            default=-1,
-        )
+        last = max((i for i, a in enumerate(actions) if held_delta(a, split) < 0), default=-1)
         items = tuple(execution_items(actions))
-        return cls(
-            actions,
-            items,
-            split,
-            last,
-            receives_ahead(actions, items),
-            sends_ahead(actions, items),
-        )
+        ahead = receives_ahead(actions, items), sends_ahead(actions, items)
+        return cls(actions, items, split, last, *ahead)

@@ -6,6 +6,7 @@ JSON-serialisable dict.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from parc.dsl.ast import ScheduleKind
@@ -188,23 +189,26 @@ def _collective_lines(plan: Plan, est: Estimate) -> list[str]:
     if not rows:
         return [*lines, "  none: a single device"]
     header = ["stage", "kind", "axis", "count", "elements", "purpose"]
-    by_axis = ", ".join(f"{axis} {human_bytes(b)}" for axis, b in bytes_by_axis(est).items())
-    return [
-        *lines,
-        *table(header, rows),
-        f"  bytes per step by axis (the busiest stage): {by_axis}",
-    ]
+    by_axis = bytes_by_axis(est, plan.stage_to_rank)
+    busiest = (
+        "the busiest pp rank, all its stages" if plan.num_stages > plan.pp else "the busiest stage"
+    )
+    text = ", ".join(f"{axis} {human_bytes(b)}" for axis, b in by_axis.items())
+    return [*lines, *table(header, rows), f"  bytes per step by axis ({busiest}): {text}"]
 
 
-def bytes_by_axis(est: Estimate) -> dict[str, int]:
+def bytes_by_axis(est: Estimate, stage_to_rank: Sequence[int]) -> dict[str, int]:
     """Bytes of the collectives per step over each axis, at the dtypes the runtime sends
-    (a send and its matching receive counted once: the sends), on the stage with the most."""
-    out: dict[str, int] = {}
-    for _, comms in est.collectives:
-        mine: dict[str, int] = {}
+    (a send and its matching receive counted once: the sends), on the pp rank with the
+    most: its stages' together (`stage_to_rank`: under interleaving a rank runs several)."""
+    ranks: dict[int, dict[str, int]] = {}
+    for stage, comms in est.collectives:
+        mine = ranks.setdefault(stage_to_rank[stage], {})
         for c in comms:
             if c.kind is not CommKind.RECV:
                 mine[c.axis] = mine.get(c.axis, 0) + c.bytes
+    out: dict[str, int] = {}
+    for mine in ranks.values():
         for axis, b in mine.items():
             out[axis] = max(out.get(axis, 0), b)
     return out
@@ -338,7 +342,7 @@ def report_json(plan: Plan, est: Estimate) -> dict[str, Any]:
             for stage, comms in est.collectives
             for c in comms
         ],
-        "bytes_by_axis": bytes_by_axis(est),
+        "bytes_by_axis": bytes_by_axis(est, plan.stage_to_rank),
         "precision": precision_json(est),
         "bubble": est.bubble,
         "loss_memory": loss_json(est),

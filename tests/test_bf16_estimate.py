@@ -195,7 +195,7 @@ def test_the_report_shows_bytes_per_axis_and_the_precision() -> None:
     analysis = _analyse(TRAFFIC["3d"] + "precision bf16\nreduce fp32\n", GPT, GPT_ENV)
     text = format_report(analysis.plan, analysis.estimate, title="t")
     facts = report_json(analysis.plan, analysis.estimate)
-    by_axis = bytes_by_axis(analysis.estimate)
+    by_axis = bytes_by_axis(analysis.estimate, analysis.plan.stage_to_rank)
     assert set(by_axis) == {"dp", "pp", "tp"} and facts["bytes_by_axis"] == by_axis
     line = ", ".join(f"{a} {human_bytes(b)}" for a, b in by_axis.items())
     assert f"bytes per step by axis (the busiest stage): {line}" in text

@@ -167,21 +167,31 @@ def evaluate(
     scale = mem.profile_conversion(profile.precision)
     kind = cand.schedule if cand.pp > 1 else schedule
     memory = _rank_memories(cand, st, micro, mem, kind, scale, profile_of(profile, cand))
-    seconds, dp_time, traffic = [], 0.0, {"tp": 0.0, "pp": 0.0, "dp": 0.0}
+    seconds: list[StageSeconds] = []
+    # Per pp rank (stage s runs on rank s % pp): bytes sent by axis, dp (reduce, gather) s.
+    sent_by = [{"tp": 0.0, "pp": 0.0, "dp": 0.0} for _ in range(cand.pp)]
+    dp_by = [[0.0, 0.0] for _ in range(cand.pp)]
     for s, ss in enumerate(st.stages):
         took, sent = _stage_seconds(cand, ss, s == 0 or s == len(st.stages) - 1, micro, mem,
                                     links, cluster, scale)  # fmt: skip
         seconds.append(took)
-        dp_seconds, dp_bytes = _stage_dp(cand, ss, mem, links["dp"], BACKWARD_SHARE * took.compute)
-        dp_time = max(dp_time, dp_seconds)
+        reduce, gather, dp_bytes = _stage_dp(cand, ss, mem, links["dp"])
+        dp_by[s % cand.pp][0] += reduce
+        dp_by[s % cand.pp][1] += gather
         for axis, b in (("tp", sent[0] * steps), ("pp", sent[1] * steps), ("dp", dp_bytes)):
-            traffic[axis] = max(traffic[axis], b)
+            sent_by[s % cand.pp][axis] += b
+    traffic = {axis: max(r[axis] for r in sent_by) for axis in ("tp", "pp", "dp")}
+    ranks = _per_rank(seconds, cand.pp)
+    dp_time = max(
+        exposed_dp(cand.zero, *dp, BACKWARD_SHARE * r.compute) if cand.dp > 1 else 0.0
+        for dp, r in zip(dp_by, ranks, strict=True)
+    )
     tied = wire_bytes(CommKind.ALL_REDUCE, 2, st.tied * mem.grad_bytes) if cand.pp > 1 else 0.0
     dp_time += _seconds(tied, int(tied > 0), links["pp"])
     bubble = pipeline_bubble(kind, cand.pp, cand.virtual, cand.microbatches)
     standard = cand.virtual == 1 and kind is not ScheduleKind.ZB1
     time = StepTime.of(
-        _per_rank(seconds, cand.pp), microbatches=cand.microbatches, grad_accum=cand.grad_accum,
+        ranks, microbatches=cand.microbatches, grad_accum=cand.grad_accum,
         dp=dp_time, bubble_share=None if standard else bubble,
     )  # fmt: skip
     worst = max(memory, key=lambda m: m.total)
@@ -254,25 +264,20 @@ def _stage_seconds(
 
 
 def _stage_dp(
-    cand: Candidate,
-    ss: _StageSum,
-    mem: MemoryModel,
-    link: tuple[float, bool],
-    backward: float,
-) -> tuple[float, float]:
-    """(exposed seconds, bytes sent) of a stage's data-parallel traffic per step."""
+    cand: Candidate, ss: _StageSum, mem: MemoryModel, link: tuple[float, bool]
+) -> tuple[float, float, float]:
+    """(reduce seconds, gather seconds, bytes sent) of a stage's data-parallel traffic
+    per step; what the last backward hides is taken off per rank (`evaluate`)."""
     if cand.dp == 1:
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     reduce, gather = _dp_bytes(cand, ss.params, ss.regathered, mem)
     repeat = cand.microbatches * cand.grad_accum if cand.zero == 3 else 1
     calls = (ss.modules if cand.zero == 3 else -(-ss.params // DEFAULT_BUCKET_ELEMS)) * repeat
-    took = exposed_dp(
-        cand.zero,
+    return (
         _seconds(reduce * repeat, calls, link),
         _seconds(gather * repeat, calls, link),
-        backward,
+        (reduce + gather) * repeat,
     )
-    return took, (reduce + gather) * repeat
 
 
 def _rank_memories(

@@ -86,11 +86,12 @@ def step_time_lines(analysis: Any, cluster: Any) -> list[str]:
 
 
 def _traffic(analysis: Analysis) -> dict[str, float]:
-    """Bytes one rank sends per step over each axis (the busiest stage's rank)."""
+    """Bytes one rank sends per step over each axis (the busiest pp rank's: its stages'
+    together, several under interleaving)."""
     plan, est = analysis.plan, analysis.estimate
-    out: dict[str, float] = {}
-    for _, comms in est.collectives:
-        sent: dict[str, float] = {}
+    ranks: dict[int, dict[str, float]] = {}
+    for stage, comms in est.collectives:
+        sent = ranks.setdefault(plan.stage_to_rank[stage], {})
         for c in comms:
             if c.kind is CommKind.RECV:
                 continue
@@ -98,6 +99,8 @@ def _traffic(analysis: Analysis) -> dict[str, float]:
             tied = c.kind is CommKind.ALL_REDUCE and c.axis == AXIS_PP  # tied weights, as a pair
             n = 2 if tied else plan.mesh.size(c.axis)
             sent[c.axis] = sent.get(c.axis, 0.0) + wire_bytes(c.kind, n, size)
+    out: dict[str, float] = {}
+    for sent in ranks.values():
         for axis, b in sent.items():
             out[axis] = max(out.get(axis, 0.0), b)
     return out

@@ -148,48 +148,37 @@ class StepTime:
 
 
 def estimate_step_time(plan: Plan, est: Estimate, cluster: Cluster) -> StepTime:
-    """The step time of a compiled plan (its Estimate) on `cluster` (for `parc compile`)."""
+    """The step time of a compiled plan (its Estimate) on `cluster` (for `parc compile`).
+
+    Per pp rank, over the stages it runs (several under interleaving): a microbatch's
+    seconds summed, and its data-parallel traffic summed before what the last backward
+    hides is taken off (exposed_dp); the slowest rank sets the step."""
     micro_steps = plan.microbatches * plan.grad_accum
     rate = cluster.rate(est.memory_model.precision, est.memory_model.built).tflops * 1e12
-    stages, dp = [], 0.0
-    for cost, (_, comms) in zip(est.stages, est.collectives):
-        tp = pp = reduce = gather = 0.0
+    ranks: list[list[float]] = [[0.0] * 5 for _ in range(plan.pp)]  # compute tp pp reduce gather
+    for cost, (stage, comms) in zip(est.stages, est.collectives):
+        mine = ranks[plan.stage_to_rank[stage]]
+        mine[0] += cost.rank_flops_per_sample * plan.batch.micro / rate
         for c in comms:
+            seconds = transfer_seconds(cluster, plan.mesh, c.axis, c.kind, c.bytes, c.count)
             if c.axis == AXIS_DP:
-                took = transfer_seconds(cluster, plan.mesh, c.axis, c.kind, c.bytes, c.count)
-                if c.kind is CommKind.ALL_GATHER:
-                    gather += took
-                else:
-                    reduce += took
+                mine[4 if c.kind is CommKind.ALL_GATHER else 3] += seconds
             elif c.axis == AXIS_PP and c.kind is CommKind.ALL_REDUCE:  # weights tied across stages
-                reduce += transfer_seconds(cluster, plan.mesh, c.axis, c.kind, c.bytes, 1)
+                mine[3] += transfer_seconds(cluster, plan.mesh, c.axis, c.kind, c.bytes, 1)
             elif c.axis == AXIS_PP:
-                if c.kind is CommKind.SEND:
-                    pp += transfer_seconds(cluster, plan.mesh, c.axis, c.kind, c.bytes, c.count)
+                mine[2] += seconds / micro_steps if c.kind is CommKind.SEND else 0.0
             else:
-                tp += transfer_seconds(cluster, plan.mesh, c.axis, c.kind, c.bytes, c.count)
-        compute = cost.rank_flops_per_sample * plan.batch.micro / rate
-        stages.append(StageSeconds(compute, tp / micro_steps, pp / micro_steps))
-        dp = max(dp, exposed_dp(plan.zero, reduce, gather, BACKWARD_SHARE * compute))
-    if plan.num_stages == plan.pp:
-        # zb1 fills the bubble with deferred W's: its own idle share (plan_bubble's).
-        share = est.bubble if plan.schedule is ScheduleKind.ZB1 and plan.pp > 1 else None
-        return StepTime.of(
-            stages, microbatches=plan.microbatches, grad_accum=plan.grad_accum, dp=dp,
-            bubble_share=share,
-        )  # fmt: skip
-    # Virtual stages: a pp rank runs each microbatch through all of its stages.
-    ranks = [
-        StageSeconds(*(sum(getattr(stages[s], k) for s in mine) for k in ("compute", "tp", "pp")))
-        for mine in (
-            [s for s in range(plan.num_stages) if plan.stage_to_rank[s] == r]
-            for r in range(plan.pp)
-        )
-    ]
+                mine[1] += seconds / micro_steps
+    dp = max(exposed_dp(plan.zero, r[3], r[4], BACKWARD_SHARE * r[0]) for r in ranks)
+    # zb1 fills the bubble with deferred W's, interleaving shrinks it: their own idle
+    # share (plan_bubble's); (p-1) slots of the slowest rank otherwise.
+    standard = plan.num_stages == plan.pp and not (
+        plan.schedule is ScheduleKind.ZB1 and plan.pp > 1
+    )
     return StepTime.of(
-        ranks,
+        [StageSeconds(*r[:3]) for r in ranks],
         microbatches=plan.microbatches,
         grad_accum=plan.grad_accum,
         dp=dp,
-        bubble_share=est.bubble,
+        bubble_share=None if standard else est.bubble,
     )

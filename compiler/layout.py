@@ -36,7 +36,7 @@ from parc.errors import PlanError
 from .blocks import Blocks
 from .cost import params_of_node
 from .linear_forms import linear_form
-from .plan import Plan
+from .plan import ModuleShard, Plan
 
 __all__ = [
     "DEFAULT_BUCKET_ELEMS",
@@ -104,9 +104,11 @@ def param_slices(plan: Plan, model: torch.nn.Module) -> dict[str, ParamSlice]:
     modules = dict(model.named_modules())
     for name, module in modules.items():
         shard = plan.shard_of(name)
+        if shard is not None and not _shardable(module):  # its own forward, traced through
+            raise _traced_through(shard)
         for leaf, _ in module.named_parameters(recurse=False):
             full = f"{name}.{leaf}" if name else leaf
-            slice_ = _slice_for(shard.kind, leaf, module, plan.tp) if shard else None
+            slice_ = _slice_for(shard, leaf, module, plan.tp) if shard else None
             key = canonical[full]
             if key in out and out[key][0] != slice_:
                 raise _tie_conflict(key, out[key][1], name, plan, modules)
@@ -114,17 +116,34 @@ def param_slices(plan: Plan, model: torch.nn.Module) -> dict[str, ParamSlice]:
     return {k: v[0] for k, v in out.items() if v[0] is not None}
 
 
-def _slice_for(kind: ShardKind, leaf: str, module: torch.nn.Module, tp: int) -> ParamSlice | None:
+def _slice_for(
+    shard: ModuleShard, leaf: str, module: torch.nn.Module, tp: int
+) -> ParamSlice | None:
+    kind = shard.kind
     if isinstance(module, torch.nn.Embedding):  # vocab: its rows; col: its embedding dim
         if kind is ShardKind.VOCAB:
             return ParamSlice(0, tp, padding=-module.num_embeddings % tp)
         return ParamSlice(1, tp)
     form = linear_form(module)
-    assert form is not None, f"resolve shards only linear maps and embeddings: {module}"
+    assert form is not None, "param_slices refused a module it cannot split"
     if kind is ShardKind.COL:  # outputs tp does not divide are padded (an LM head's vocab)
         pad = -form.out_features % tp
         return ParamSlice(form.out_dim if leaf == form.weight else 0, tp, padding=pad)
     return ParamSlice(form.in_dim, tp) if leaf == form.weight else None
+
+
+def _traced_through(shard: ModuleShard) -> PlanError:
+    """A layer resolve took for a Linear or an Embedding (its class is one) whose own
+    forward the graph holds instead of its call: a subclass that overrides forward."""
+    return PlanError(
+        f"'{shard.module}' is {shard.module_type}, a subclass whose own forward computes more "
+        f"than a {'lookup' if shard.kind is ShardKind.VOCAB else 'linear map'} (or computes it "
+        f"in a way parc does not recognise), so parc cannot split it `{shard.kind}` yet",
+        None,
+        hint=f"leave '{shard.module}' replicated (remove it from the shard statement on spec "
+        f"line {shard.line}), or make its forward the base class's and do the rest around it",
+        names=(shard.module,),
+    )
 
 
 def _tie_conflict(

@@ -63,6 +63,9 @@ for _name, _op in AUGMENTED_NAMES.items():
     setattr(_AugmentedProxy, _name, _augmented(_op))
 
 
+_SPLIT_LAYERS = (torch.nn.Linear, torch.nn.Embedding)
+
+
 class _ParcTracer(torch.fx.Tracer):
     """fx's default tracer with stack traces on; remembers the innermost module entered."""
 
@@ -75,6 +78,16 @@ class _ParcTracer(torch.fx.Tracer):
 
     def proxy(self, node: torch.fx.Node) -> torch.fx.Proxy:
         return _AugmentedProxy(node, self)
+
+    def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
+        """torch.nn's modules, as fx has them, and a subclass of one of the layers parc
+        splits (`Linear`, `Embedding`) that keeps its forward: the same call, so the same
+        leaf (traced through, its graph would hold the layer's ops but not the layer)."""
+        if super().is_leaf_module(m, module_qualified_name):
+            return True
+        return any(
+            isinstance(m, base) and type(m).forward is base.forward for base in _SPLIT_LAYERS
+        )
 
     def to_bool(self, obj: torch.fx.Proxy) -> bool:
         """An assert's condition passes for now (checked after tracing); any other branch

@@ -1,0 +1,61 @@
+"""Layers that subclass torch.nn's Linear and Embedding (tests/test_layer_subclasses.py).
+
+LAYER_OVERRIDE picks which of them override forward: "" (none: each keeps its base
+class's forward, as a wrapper that only adds attributes or methods does), "linear"
+(`x @ W.T + b`, Falcon's FalconLinear) or "embedding" (the lookup times a scale,
+Gemma's scaled word embedding).
+"""
+
+import os
+
+import torch
+from torch import nn
+
+VOCAB, DIM, SEQ = 51, 16, 6  # a vocabulary 2 does not divide: padded under `vocab`
+
+
+class TaggedLinear(nn.Linear):
+    tag = "kept"
+
+    def describe(self) -> str:
+        return f"{self.tag} {self.in_features}->{self.out_features}"
+
+
+class TaggedEmbedding(nn.Embedding):
+    tag = "kept"
+
+
+class TransposedLinear(TaggedLinear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x @ self.weight.T
+        return out if self.bias is None else out + self.bias
+
+
+class ScaledEmbedding(TaggedEmbedding):
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * DIM**0.5
+
+
+class Net(nn.Module):
+    def __init__(self, override: str) -> None:
+        super().__init__()
+        linear = TransposedLinear if override == "linear" else TaggedLinear
+        self.emb = (ScaledEmbedding if override == "embedding" else TaggedEmbedding)(VOCAB, DIM)
+        self.fc1 = linear(DIM, 4 * DIM)
+        self.fc2 = linear(4 * DIM, DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        h = h + self.fc2(torch.tanh(self.fc1(h)))
+        return self.head(h)
+
+
+def build_model() -> nn.Module:
+    return Net(os.environ.get("LAYER_OVERRIDE", ""))
+
+
+def sample_batch(batch_size: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    ids = torch.randint(0, VOCAB, (batch_size, SEQ + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]

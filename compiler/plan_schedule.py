@@ -47,6 +47,7 @@ from .schedule import (
 )
 from .schedule_interleaved import interleaved_bubble
 from .schedule_sim import simulate, validate
+from .schedule_spec import check_merged_schedule
 from .schedule_zero_bubble import zb1_bubble
 
 __all__ = [
@@ -96,9 +97,12 @@ def with_schedule(plan: Plan, schedule: HandSchedule) -> Plan:
 def check_generated(plan: Plan, spec: Spec) -> None:
     """The spec's generated schedule must run (gpipe or 1f1b merged onto virtual stages
     may not at some microbatch counts): else a PlanError at the line that asked for it
-    (`virtual_stages`, `schedule`, else the `microbatches`), the grid and the fix."""
+    (`virtual_stages`, `schedule`, else the `microbatches`), the grid and the fix.
+    Microbatch counts known not to run are refused first, without a grid
+    (`check_merged_schedule`)."""
     if plan.pp == 1 or plan.hand_schedule is not None:
         return
+    check_merged_schedule(spec, plan.num_stages)
     try:
         compute_schedule(plan)
     except ScheduleError as e:

@@ -11,7 +11,8 @@ Explicit stages (`assign_stages`):
    different ids is an overlap; the stages are 0..n-1 with n = pp (one per pp
    rank) or a multiple of pp (virtual stages: k per rank, stage s on rank
    s % pp), every one non-empty; ranges over the same list (`layers[0:4]`,
-   `layers[6:12]`) must not leave a gap.
+   `layers[6:12]`) must not leave a gap: an entry between them that no line names
+   any part of (compiler/stage_lines.py).
 2. Nodes inside a named module take its stage; other activation nodes join the
    latest stage among their inputs (so parameters used before the first named
    stage land in stage 0 and after the last one in the last); other nodes take
@@ -30,18 +31,16 @@ compiler/cost.py, compiler/auto_stage.py). Either way the spec's `schedule` and
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 import torch.fx
 
-from parc.dsl.ast import AXIS_PP, IndexRange, Spec, Stage
+from parc.dsl.ast import AXIS_PP, Spec, Stage
 from parc.errors import PlanError
 
 from .cost import node_costs
-from .match import match_modules
 from .passes.tp_rules import METADATA_OPS
-from .schedule_spec import check_pipeline_statements, virtual_per_rank
+from .schedule_spec import check_pipeline_statements, no_pipeline, virtual_per_rank
+from .stage_lines import named_modules
 from .trace import module_path, node_source
 
 __all__ = [
@@ -113,16 +112,16 @@ def assign_stages(
         flat = {n.name: 0 for n in gm.graph.nodes}
         return tuple(flat.items()), stage_module_names(gm, flat, modules, 1)
     if pp == 1:
+        why, mesh = no_pipeline(spec)
         raise PlanError(
-            "`stage` statements need a pp axis in the mesh",
+            f"`stage` statements need a pp axis of size 2 or more: {why}",
             spec.locate(spec.stages[0].span),
-            hint="add pp to the mesh, e.g. `mesh pp=2`",
+            hint=f"write `{mesh}`, or leave out the `stage` lines",
         )
     # Step 1
     n = _count_stages(spec, pp)
     check_pipeline_statements(spec, n)
-    named = _named_modules(spec, modules)
-    _check_range_gaps(spec)
+    named = named_modules(spec, modules)
     # Step 2
     explicit: dict[str, tuple[int, Stage]] = {}
     for node in gm.graph.nodes:
@@ -162,55 +161,6 @@ def _count_stages(spec: Spec, pp: int) -> int:
             "in the mesh",
         )
     return n
-
-
-def _named_modules(spec: Spec, modules: dict[str, torch.nn.Module]) -> dict[str, tuple[int, Stage]]:
-    named: dict[str, tuple[int, Stage]] = {}
-    for stmt in spec.stages:
-        for pattern in stmt.patterns:
-            for name in match_modules(spec, pattern, modules):
-                prior = _overlapping(named, name)
-                if prior is not None and prior[1][0] != stmt.stage:
-                    raise PlanError(
-                        f"'{name}' is in stage {stmt.stage} here and in stage {prior[1][0]} "
-                        f"(line {prior[1][1].span.line}, as '{prior[0]}'): stages overlap",
-                        spec.locate(pattern.span),
-                        hint="give every module exactly one stage",
-                        names=(name, prior[0]),
-                    )
-                named[name] = (stmt.stage, stmt)
-    return named
-
-
-def _overlapping(
-    named: dict[str, tuple[int, Stage]], name: str
-) -> tuple[str, tuple[int, Stage]] | None:
-    """A named module equal to, inside, or containing `name`."""
-    for other, value in named.items():
-        if other == name or name.startswith(other + ".") or other.startswith(name + "."):
-            return other, value
-    return None
-
-
-def _check_range_gaps(spec: Spec) -> None:
-    ranges: dict[str, list[tuple[int, int, Stage]]] = {}
-    for stmt in spec.stages:
-        for pattern in stmt.patterns:
-            segs = pattern.segments
-            if segs and isinstance(segs[-1], IndexRange):
-                key = ".".join(str(s) for s in (*segs[:-1], segs[-1].name))
-                ranges.setdefault(key, []).append((segs[-1].start, segs[-1].stop, stmt))
-    for key, found in ranges.items():
-        found.sort(key=lambda r: r[0])
-        for (_, stop, first), (start, _, second) in itertools.pairwise(found):
-            if start > stop:
-                base = key  # as written: `model.layers[1:2]` names the gap in a nested list
-                raise PlanError(
-                    f"{base}[{stop}:{start}] is in no stage: the ranges on lines "
-                    f"{first.span.line} and {second.span.line} leave a gap",
-                    spec.locate(second.span),
-                    hint=f"extend one of the ranges to cover {base}[{stop}:{start}]",
-                )
 
 
 def fill_stages(
@@ -320,10 +270,11 @@ def auto_stages(
     auto = spec.stage_auto
     assert auto is not None
     if pp == 1:
+        why, mesh = no_pipeline(spec)
         raise PlanError(
-            "`stage auto` needs a pp axis in the mesh",
+            f"`stage auto` needs a pp axis of size 2 or more: {why}",
             spec.locate(auto.span),
-            hint="add pp to the mesh, e.g. `mesh pp=2`",
+            hint=f"write `{mesh}`, or leave out `stage auto`",
         )
     n = pp * virtual_per_rank(spec)
     check_pipeline_statements(spec, n)

@@ -530,7 +530,8 @@ def test_schedule_actions_and_grid_docstring_examples_run() -> None:
 
 def test_a_virtual_schedule_that_cannot_run_is_named_at_its_spec_line() -> None:
     # Was the schedule's internal words ("after lower_comms: ...") with no spec line
-    # (found by a probe): now the `virtual_stages` line, the grid and the fix.
+    # (found by a probe), then the simulator's grid: now the `virtual_stages` line, what
+    # 1f1b runs there and the fix (tests/test_stage_lines_probe.py).
     from helpers import MLP
 
     from parc.compiler.frontend import analyse
@@ -540,5 +541,7 @@ def test_a_virtual_schedule_that_cannot_run_is_named_at_its_spec_line() -> None:
     with pytest.raises(PlanError) as caught:
         analyse(spec, MLP, batch=8)
     text = str(caught.value)
-    assert text.startswith("<spec>:3:1: error: 1f1b over 4 stages on 2 pp ranks cannot run at 8")
+    assert text.startswith("<spec>:3:1: error: the default `1f1b` is a schedule for one stage")
+    assert "runs at most 2 microbatches, and the spec has 8" in text
     assert "    virtual_stages 2\n    ^" in text and "schedule interleaved" in text
+    assert "step " not in text  # refused before the simulator, without its grid

@@ -183,7 +183,7 @@ def evaluate(
     traffic = {axis: max(r[axis] for r in sent_by) for axis in ("tp", "pp", "dp")}
     ranks = _per_rank(seconds, cand.pp)
     dp_time = max(
-        exposed_dp(cand.zero, *dp, BACKWARD_SHARE * r.compute) if cand.dp > 1 else 0.0
+        exposed_dp(cand.zero, dp[0], dp[1], BACKWARD_SHARE * r.compute) if cand.dp > 1 else 0.0
         for dp, r in zip(dp_by, ranks, strict=True)
     )
     tied = wire_bytes(CommKind.ALL_REDUCE, 2, st.tied * mem.grad_bytes) if cand.pp > 1 else 0.0

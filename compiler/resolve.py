@@ -37,6 +37,7 @@ from parc.dsl.ast import (
     ShardKind,
     Spec,
 )
+from parc.dsl.syntax_errors import did_you_mean
 from parc.errors import PlanError, clip
 
 from .compile_checks import check_compile
@@ -129,7 +130,8 @@ def _check_axes(spec: Spec) -> str | None:
             raise PlanError(
                 f"axis '{clip(shard.axis)}' is not in the mesh (axes: {known})",
                 spec.locate(shard.axis_span),
-                hint=f"add it to the mesh line, e.g. `mesh {clip(shard.axis)}=2`",
+                hint=did_you_mean(shard.axis, [a.name for a in mesh.axes])
+                or f"add it to the mesh line, e.g. `mesh {clip(shard.axis)}=2`",
             )
         tp_axes.setdefault(shard.axis, shard)
     if len(tp_axes) > 1:

@@ -13,6 +13,7 @@ column and a caret, never a lark exception or a lark terminal name.
 
 from __future__ import annotations
 
+import codecs
 import re
 from collections.abc import Iterator
 from enum import Enum
@@ -59,6 +60,8 @@ from parc.dsl.syntax_errors import (
     STATEMENT_KEYWORDS,
     SourceText,
     did_you_mean,
+    negative_index_error,
+    not_utf8_error,
     syntax_error,
     token_span,
 )
@@ -120,13 +123,16 @@ def load_spec(path: str | Path) -> Spec:
                 "spec may be",
                 hint="a spec is a few dozen lines of text: check that this is the right file",
             )
-        text = data.decode("utf-8-sig")  # -sig: drop a BOM if present
-    except (OSError, UnicodeDecodeError) as err:
-        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+    except OSError as err:
         raise SpecError(
-            f"cannot read spec file '{path}': {reason}",
+            f"cannot read spec file '{path}': {err.strerror or err}",
             hint="check the path; spec files are UTF-8 text",
         ) from None
+    data = data.removeprefix(codecs.BOM_UTF8)  # an editor's mark, not text
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise not_utf8_error(data, err, str(path)) from None
     return parse_spec(text, filename=str(path))
 
 
@@ -326,8 +332,8 @@ class _Builder(Transformer[Token, Any]):
 
     def index_range(self, meta: Meta, children: list[Token]) -> tuple[Segment, ...]:
         name, _, first, _, last, _ = children
-        start = self._integer(first, "the range start", minimum=0)
-        stop = self._integer(last, "the range stop", minimum=0)
+        start = self._index(first, "the range start", meta, name)
+        stop = self._index(last, "the range stop", meta, name)
         if start >= stop:
             raise self._source.error(
                 f"the range [{start}:{stop}] is empty; its start must be less than its stop",
@@ -342,8 +348,15 @@ class _Builder(Transformer[Token, Any]):
         return (IndexAll(str(children[0])),)
 
     def index_one(self, meta: Meta, children: list[Token]) -> tuple[Segment, ...]:
-        index = self._integer(children[2], "the index", minimum=0)
+        index = self._index(children[2], "the index", meta, children[0])
         return (Name(str(children[0])), Name(str(index)))
+
+    def _index(self, token: Token, what: str, meta: Meta, name: Token) -> int:
+        """A pattern's index: a whole number from 0 (`layers[-1]` is refused as negative)."""
+        if re.fullmatch(r"-[0-9]+", str(token)):
+            written = self._source.line(meta.line)[meta.column - 1 : meta.end_column - 1]
+            raise negative_index_error(self._source, token_span(token), written, str(name))
+        return self._integer(token, what, minimum=0)
 
     def _integer(self, token: Token, what: str, *, minimum: int, maximum: int | None = None) -> int:
         text = str(token)

@@ -109,9 +109,10 @@ def suggest(pattern: Pattern, names: Iterable[str], n: int = 3) -> list[str]:
 
 
 def _similarity(a: str, b: str) -> float:
-    """difflib's ratio, or 0 when the lengths alone keep it below the cutoff: a 2 MB
-    pattern is close to no name, and ratio() would take a second per name to say so."""
-    matcher = difflib.SequenceMatcher(None, a, b)
+    """difflib's ratio, case ignored (`MLP.FC1` is one slip from `mlp.fc1`), or 0 when the
+    lengths alone keep it below the cutoff: a 2 MB pattern is close to no name, and
+    ratio() would take a second per name to say so."""
+    matcher = difflib.SequenceMatcher(None, a.lower(), b.lower())
     return matcher.ratio() if matcher.real_quick_ratio() >= _CUTOFF else 0.0
 
 

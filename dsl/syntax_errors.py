@@ -4,7 +4,8 @@ The parser (`parc.dsl.parser`) reads `.par` text with lark; when the grammar
 refuses a line, `syntax_error` says what was expected in the user's words
 ("expected '->' and a stage number after 'layers[0:2]'"), never with a lark
 terminal name, and points a caret at the bad token. `SourceText` quotes the
-offending line in every error the parser raises. A token quoted in a message
+offending line in every error the parser raises; `not_utf8_error` places a
+file's undecodable bytes the same way. A token quoted in a message
 is clipped to 60 characters (`parc.errors.clip`) and the echoed line is cut
 around the caret (`parc.errors.format_caret`), so a 2 MB token makes a short
 error, not a 6 MB one.
@@ -14,17 +15,27 @@ from __future__ import annotations
 
 import difflib
 import re
+import unicodedata
 from collections.abc import Iterable
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from lark import Token
 from lark.exceptions import UnexpectedCharacters, UnexpectedInput
 
-from parc.dsl.ast import Span
+from parc.dsl.ast import Precision, ScheduleKind, ShardKind, Span
 from parc.errors import SourceSpan, SpecError, clip
 
-__all__ = ["STATEMENT_KEYWORDS", "SourceText", "did_you_mean", "syntax_error", "token_span"]
+__all__ = [
+    "STATEMENT_KEYWORDS",
+    "SourceText",
+    "did_you_mean",
+    "negative_index_error",
+    "not_utf8_error",
+    "syntax_error",
+    "token_span",
+]
 
 STATEMENT_KEYWORDS = (
     "mesh",
@@ -67,9 +78,48 @@ def token_span(token: Token) -> Span:
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str | None:
-    """A "did you mean 'x'?" hint for the closest choice, or None if none is close."""
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f"did you mean '{close[0]}'?" if close else None
+    """A "did you mean 'x'?" hint for the closest choice, or None if none is close.
+
+    Case is ignored in comparing, so `ZB1` and `Mesh` find `zb1` and `mesh`; the hint
+    quotes the choice as it must be written.
+
+        >>> did_you_mean("ZB1", ["gpipe", "1f1b", "zb1"]), did_you_mean("xyz", ["mesh"])
+        ("did you mean 'zb1'?", None)
+    """
+    folded = {choice.lower(): choice for choice in choices}
+    close = difflib.get_close_matches(word.lower(), list(folded), n=1, cutoff=0.6)
+    return f"did you mean '{folded[close[0]]}'?" if close else None
+
+
+def negative_index_error(source: SourceText, number: Span, written: str, name: str) -> SpecError:
+    """`layers[-2:]`: Python's count from the end, which a pattern's index does not have.
+    `number` is where the negative number sits; `written` is the index as the user wrote it."""
+    return source.error(
+        f"negative indices are not supported: '{clip(written)}'; a pattern's indices "
+        "count from 0, the first module of the list",
+        number,
+        hint=f"name the modules by their own indices, e.g. '{clip(name)}[4:6]' for the last "
+        "two of 6",
+    )
+
+
+def not_utf8_error(data: bytes, err: UnicodeDecodeError, filename: str) -> SpecError:
+    """Bytes that are not UTF-8, placed by line and column as every spec error is."""
+    # Everything before the bad bytes decodes; line ends as `parse_spec` reads them.
+    before = data[: err.start].decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
+    line = before.count("\n") + 1
+    column = len(before) - before.rfind("\n")
+    text = data.decode("utf-8", errors="replace").replace("\r\n", "\n").replace("\r", "\n")
+    source = SourceText(filename, tuple(text.split("\n")))
+    bad = data[err.start : err.end]
+    shown = ("byte " if len(bad) == 1 else "bytes ") + " ".join(f"0x{b:02x}" for b in bad)
+    return source.error(
+        f"the spec is not UTF-8 text: {shown} here cannot be read as UTF-8 ({err.reason}; "
+        "shown as \ufffd)",
+        Span(line, column, column + 1),
+        hint="save the file as UTF-8 (an editor's 'encoding' setting, or `iconv -t utf-8`), "
+        "or retype the character",
+    )
 
 
 # What each grammar terminal means to a user, in the order messages list them.
@@ -88,13 +138,34 @@ _TERMINAL_WORDS = {
     "_NL": "end of line",
     "$END": "end of file",
 }
-# `NAME` means different things per statement; see `_terminal_word`.
+
+
+def _join_or(words: list[str]) -> str:
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
+
+
+def _one_of(what: str, kind: type[Enum]) -> str:
+    """`what` with its vocabulary, read off the enum so that the list never goes stale."""
+    return f"{what} ({_join_or([str(member.value) for member in kind])})"
+
+
+# What `NAME` and `WORD` mean after each statement's keyword (the parser's `_choice`
+# checks the value against the same enum); see `_terminal_word`.
 _NAME_WORDS = {
     "mesh": "an axis such as 'dp=2'",
-    "shard": "a shard kind (col, row or vocab)",
+    "shard": _one_of("a shard kind", ShardKind),
+    "sequence_parallel": "a mesh axis name",
 }
-_PREVIOUS = re.compile(r"(->|[A-Za-z0-9_.*\[\]:]+|\S)\s*$")
+_WORD_WORDS = {
+    "schedule": _one_of("a schedule", ScheduleKind),
+    "precision": _one_of("a precision", Precision),
+    "reduce": _one_of("a reduction format", Precision),
+}
+# The token before the error; a '-' belongs to it only as a negative index (`layers[-2:`).
+_PREVIOUS = re.compile(r"(->|(?:[A-Za-z0-9_.*\[\]:]|(?<=[\[:])-)+|\S)\s*$")
 _FIRST_WORD = re.compile(r"\s*([A-Za-z0-9_]+)")
+# An index still open where the error is, holding a negative number (`layers[-2:`).
+_OPEN_NEGATIVE_INDEX = re.compile(r"([A-Za-z0-9_]+)\[[^\[\]]*?(-[0-9]+)[^\[\]]*$")
 
 
 def syntax_error(err: UnexpectedInput, source: SourceText) -> SpecError:
@@ -107,7 +178,7 @@ def syntax_error(err: UnexpectedInput, source: SourceText) -> SpecError:
     token = getattr(err, "token", None)
     ends_line = not isinstance(token, Token) or token.type in ("_NL", "$END")
     if isinstance(err, UnexpectedCharacters):
-        bad = f"unexpected character {text[column - 1 : column]!r}"
+        bad = f"unexpected character {_character(text[column - 1 : column])}"
     else:
         bad = "" if ends_line else f"unexpected '{clip(token)}'"
     span = Span(line, column, column + (1 if ends_line else len(str(token))))
@@ -116,11 +187,26 @@ def syntax_error(err: UnexpectedInput, source: SourceText) -> SpecError:
     keyword = _FIRST_WORD.match(text)
     expected = _expected(accepts, keyword.group(1) if keyword else "", _after_shard_kind(err))
     before = text[: column - 1].split("#")[0]  # no token contains '#': the rest is a comment
+    negative = _OPEN_NEGATIVE_INDEX.search(before)
+    if negative:  # what lark refuses (`[-2:]`) is not the mistake; the minus sign is
+        close = text.find("]", negative.end())
+        written = text[negative.start() : close + 1 if close >= 0 else len(before)]
+        at = negative.start(2) + 1
+        number = Span(line, at, at + len(negative.group(2)))
+        return negative_index_error(source, number, written, negative.group(1))
     previous = _PREVIOUS.search(before)
     if previous:
         expected += f" after '{clip(previous.group(1))}'"
     message = f"{bad}; {expected}" if bad else expected
     return source.error(message, span, hint=_nested_index_hint(token, before))
+
+
+def _character(char: str) -> str:
+    """A character as a message quotes it, named when not plain ASCII: a no-break space
+    (U+00A0) looks like a space on screen."""
+    if char.isascii():
+        return repr(char)
+    return f"{char!r} (U+{ord(char):04X} {unicodedata.name(char, 'unnamed character')})"
 
 
 def _nested_index_hint(token: Any, before: str) -> str | None:
@@ -182,10 +268,6 @@ def _terminal_word(terminal: str, keyword: str, after_shard_kind: bool) -> str:
         if keyword == "shard" and after_shard_kind:
             return "a mesh axis name"
         return _NAME_WORDS.get(keyword, "a name")
-    if terminal == "WORD" and keyword == "schedule":
-        return "a schedule (gpipe or 1f1b)"
+    if terminal == "WORD" and keyword in _WORD_WORDS:
+        return _WORD_WORDS[keyword]
     return _TERMINAL_WORDS[terminal]
-
-
-def _join_or(words: list[str]) -> str:
-    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"

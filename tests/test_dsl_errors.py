@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from parc.dsl import parse_spec
+from parc.dsl import ScheduleKind, parse_spec
 from parc.errors import SpecError
 
 # Lark's names for terminals and rules must never reach a user.
@@ -56,7 +56,7 @@ CASES: list[tuple[str, str, int, tuple[str, ...]]] = [
     # patterns
     ("shard layers[6:2].mlp col tp", "1:7", 11, ("range [6:2] is empty", "start", "stop")),
     ("recompute layers[3:3]", "1:11", 11, ("range [3:3] is empty",)),
-    ("recompute layers[-1:2]", "1:18", 2, ("range start", "at least 0", "-1")),
+    ("recompute layers[-1:2]", "1:18", 2, ("negative indices are not supported", "'layers[-1:2]'")),
     ("recompute layers[0:2.5]", "1:20", 3, ("range stop", "whole number", "'2.5'")),
     ("recompute layers[0:", "1:20", 1, ("expected a number after 'layers[0:'",)),
     ("recompute layers[0:2", "1:21", 1, ("expected ']'",)),
@@ -86,7 +86,11 @@ CASES: list[tuple[str, str, int, tuple[str, ...]]] = [
     ("microbatches 1e3", "1:14", 3, ("whole number", "'1e3'")),
     ("schedule gpip", "1:10", 4, ("'gpip' is not a schedule", "gpipe, 1f1b")),
     ("schedule 1F1B", "1:10", 4, ("'1F1B' is not a schedule",)),
-    ("schedule", "1:9", 1, ("expected a schedule (gpipe or 1f1b)",)),
+    ("schedule", "1:9", 1, ("expected a schedule (gpipe, 1f1b, interleaved or zb1)",)),
+    ("schedule\u00a0zb1", "1:9", 1, ("'\\xa0' (U+00A0 NO-BREAK SPACE)", "interleaved or zb1")),
+    ("precision", "1:10", 1, ("expected a precision (fp32, bf16 or fp16)",)),
+    ("reduce", "1:7", 1, ("expected a reduction format (fp32, bf16 or fp16)",)),
+    ("sequence_parallel", "1:18", 1, ("expected a mesh axis name",)),
     ("zero 4", "1:6", 1, ("zero level", "one of 0, 1, 2, 3", "got 4")),
     ("zero -1", "1:6", 2, ("zero level", "one of 0, 1, 2, 3")),
     ("zero one", "1:6", 3, ("unexpected 'one'", "expected a number after 'zero'")),
@@ -105,7 +109,12 @@ CASES: list[tuple[str, str, int, tuple[str, ...]]] = [
     # a lone \r ends a line
     ("mesh dp=2\rzero 1 2", "2:8", 1, ("unexpected '2'", "end of line after '1'")),
     ("zero 1 # a\u2028b", "1:11", 1, ("unexpected character '\\u2028'", "after '1'")),
-    ("meshé dp=2", "1:5", 1, ("unexpected character 'é'",)),
+    ("meshé dp=2", "1:5", 1, ("unexpected character 'é' (U+00E9 LATIN SMALL LETTER E",)),
+    # negative indices: Python's count from the end, which patterns do not have
+    ("stage layers[-2:] -> 0", "1:14", 2, ("negative indices are not supported: 'layers[-2:]'",)),
+    ("recompute a.layers[-1:].mlp", "1:20", 2, ("negative indices", "'layers[-1:]'")),
+    ("stage layers[-2] -> 0", "1:14", 2, ("negative indices are not supported: 'layers[-2]'",)),
+    ("recompute layers[1:-1]", "1:20", 2, ("negative indices", "'layers[1:-1]'")),
 ]
 
 
@@ -149,6 +158,14 @@ def test_malformed_spec_is_reported_at_its_place(
         ("schedule 1f1", "did you mean '1f1b'?"),
         ("schedule gpip", "did you mean 'gpipe'?"),
         ("stage aut", "did you mean 'stage auto'?"),
+        # the wrong case is a close misspelling too
+        ("schedule ZB1", "did you mean 'zb1'?"),
+        ("schedule Interleaved", "did you mean 'interleaved'?"),
+        ("MESH dp=2", "did you mean 'mesh'?"),
+        ("shard x COL tp", "did you mean 'col'?"),
+        ("precision BF16", "did you mean 'bf16'?"),
+        ("reduce FP32", "did you mean 'fp32'?"),
+        ("stage AUTO", "did you mean 'stage auto'?"),
     ],
 )
 def test_close_misspellings_get_a_did_you_mean(text: str, hint: str) -> None:
@@ -201,3 +218,15 @@ def test_a_statement_given_twice_is_an_error_at_the_second(text: str) -> None:
     # Accepted silently, although the README says duplicate statements are checked.
     err = _raise(text)
     assert err.line == 3 and "repeats line" in err.message and err.hint == "keep one of them"
+
+
+def test_the_schedules_an_error_lists_are_the_schedule_kinds() -> None:
+    # "expected a schedule (gpipe or 1f1b)" outlived the schedules added after it.
+    listed = _raise("schedule").message
+    assert all(kind.value in listed for kind in ScheduleKind), listed
+
+
+def test_an_open_ended_negative_range_quotes_what_was_written() -> None:
+    # It said "expected a number after '2:'", quoting neither the index nor its list.
+    err = _raise("mesh pp=2\nstage layers[-2:] -> 0\n")
+    assert "'2:'" not in err.message and err.hint is not None and "layers[4:6]" in err.hint

@@ -326,11 +326,36 @@ def test_load_spec_missing_file_is_a_spec_error_naming_the_path(tmp_path: Path) 
     assert "cannot read" in str(caught.value)
 
 
-def test_load_spec_non_utf8_file_is_a_spec_error(tmp_path: Path) -> None:
+def test_load_spec_non_utf8_file_is_a_spec_error_at_its_line_and_column(tmp_path: Path) -> None:
+    # It gave "can't decode byte 0xe9 in position 23": a byte offset, not line:col.
     path = tmp_path / "latin1.par"
-    path.write_bytes(b"zero 1 # caf\xe9\n")
-    with pytest.raises(SpecError, match="cannot read"):
+    path.write_bytes(b"mesh dp=2\r\nzero 1 # caf\xe9\n")
+    with pytest.raises(SpecError) as caught:
         load_spec(path)
+    err = caught.value
+    assert (err.line, err.column) == (2, 13)
+    assert "not UTF-8" in err.message and "byte 0xe9" in err.message
+    assert str(err).startswith(f"{path}:2:13: error: ")
+    assert str(err).splitlines()[1:3] == ["    zero 1 # caf\ufffd", "                ^"]
+
+
+@pytest.mark.parametrize(
+    ("data", "where", "shown"),
+    [
+        (b"\xef\xbb\xbfmesh \xff", (1, 6), "byte 0xff"),  # a BOM is not a column
+        (b"mesh dp=2\nschedule \xe2\x82\n", (2, 10), "bytes 0xe2 0x82"),  # cut short
+        (b"\xc3", (1, 1), "byte 0xc3"),  # at the end of the file
+    ],
+)
+def test_undecodable_bytes_are_placed_by_line_and_column(
+    tmp_path: Path, data: bytes, where: tuple[int, int], shown: str
+) -> None:
+    path = tmp_path / "bad.par"
+    path.write_bytes(data)
+    with pytest.raises(SpecError) as caught:
+        load_spec(path)
+    assert (caught.value.line, caught.value.column) == where
+    assert shown in caught.value.message
 
 
 def test_spec_locate_quotes_the_parsed_line() -> None:

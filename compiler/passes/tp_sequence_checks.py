@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch.fx
 
 from parc.dsl.ast import AXIS_DP, AXIS_PP, Spec
+from parc.dsl.syntax_errors import did_you_mean
 from parc.errors import PlanError, clip
 
 from ..node_info import node_source
@@ -38,7 +39,8 @@ def check_sequence_parallel(spec: Spec, tp_axis: str | None) -> bool:
         raise PlanError(
             f"axis '{axis}' is not in the mesh (axes: {known})",
             where,
-            hint=f"add it to the mesh line, e.g. `mesh {axis}=2`, and shard blocks over it",
+            hint=did_you_mean(stmt.axis, [a.name for a in spec.mesh.axes])
+            or f"add it to the mesh line, e.g. `mesh {axis}=2`, and shard blocks over it",
         )
     if tp_axis is None:
         raise PlanError(

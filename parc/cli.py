@@ -282,6 +282,7 @@ class _Output:
     kind: str  # a PathKind name (compiler/output.py, imported only when there is a path)
     example: str  # a file name for the hint when a directory is given instead
     dir_if: tuple[str, str] | None = None  # (argument, value): then it names a directory
+    suffix: str | None = None  # the one format it writes: a file named otherwise is refused
 
 
 # What each command writes, checked before any work starts (a --log that cannot be
@@ -289,7 +290,7 @@ class _Output:
 _OUTPUTS: dict[str, tuple[_Output, ...]] = {
     "compile": (
         _Output("output", "-o", "DIR", "plan"),
-        _Output("timeline", "--timeline", "FILE", "t.svg"),
+        _Output("timeline", "--timeline", "FILE", "t.svg", suffix=".svg"),
     ),
     "plan": (_Output("output", "-o", "FILE", "best.par"),),
     "run": (
@@ -316,6 +317,21 @@ def _check_outputs(args: argparse.Namespace) -> None:
             as_dir = out.dir_if is not None and getattr(args, out.dir_if[0]) == out.dir_if[1]
             kind = PathKind.DIR if as_dir else PathKind[out.kind]
             check_writable(Path(path), kind, out.flag, out.example)
+            _check_suffix(out, Path(path))
+
+
+def _check_suffix(out: _Output, path: Path) -> None:
+    """A file named for another format (`--timeline t.png`) would hold what its name
+    does not say: refused, since parc draws in one format only."""
+    if out.suffix is None or path.suffix.lower() == out.suffix:
+        return
+    named = f"ends in {path.suffix}" if path.suffix else "has no extension"
+    raise ParcError(
+        f"{out.flag} {path}: the {out.attr} is written as {out.suffix.lstrip('.').upper()}, "
+        f"but the file name {named}",
+        hint=f"name a {out.suffix} file, e.g. {out.flag} {path.with_suffix(out.suffix)} "
+        "(convert it afterwards if you need another format)",
+    )
 
 
 def _signalled(sig: signal.Signals) -> int:

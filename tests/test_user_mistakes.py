@@ -279,6 +279,8 @@ MISUSE = [
     (["export", "{DIR}", MODEL, "-o", "{UNDER_FILE}"], "-o {UNDER_FILE}: {FILE} is a file"),
     (["compile", SPEC, MODEL, "--timeline", "{UNDER_FILE}"], "--timeline {UNDER_FILE}: {FILE}"),
     (["compile", SPEC, MODEL, "--timeline", "{DIR}"], "--timeline {DIR}: is a directory"),
+    # SVG written into a .png without a word
+    (["compile", SPEC, MODEL, "--timeline", "{DIR}/t.png"], "timeline is written as SVG, but"),
     (["compile", SPEC, MODEL, "-o", "{FILE}"], "-o {FILE}: exists and is not a directory"),
     (["run", SPEC, MODEL, "--log", "{UNDER_FILE}"], "--log {UNDER_FILE}: {FILE} is a file"),
     (["run", SPEC, MODEL, "--log", "{DIR}"], "--log {DIR}: is a directory"),

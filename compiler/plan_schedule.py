@@ -142,9 +142,30 @@ def rank_actions(plan: Plan, pp_index: int) -> tuple[Action, ...]:
     return tuple(_lowered(plan)[pp_index])
 
 
-def plan_timeline(plan: Plan, *, backward_cost: int = 1) -> Timeline:
-    """The plan's lowered schedule simulated under the executor's rules."""
-    return simulate(_lowered(plan), stage_to_rank=plan.stage_to_rank, backward_cost=backward_cost)
+def plan_timeline(plan: Plan, *, costed: bool = False) -> Timeline:
+    """The plan's lowered schedule simulated under the executor's rules. By default each
+    action takes one time unit (a whole backward beside split ones two): the steps the
+    grid draws. `costed`: at the costs `plan_bubble` prices, so that a drawing's bubble
+    is the report's; they differ only for a generated zb1 where `SPLIT_COST` is above 1
+    (the CPU), whose split B and W then cost that much each."""
+    cost = split_cost(plan) if costed and plan.hand_schedule is None else 1.0
+    if cost == 1.0:
+        return simulate(_lowered(plan), stage_to_rank=plan.stage_to_rank)
+    timeline = simulate(
+        _lowered(plan),
+        stage_to_rank=plan.stage_to_rank,
+        backward_cost=cost,
+        weight_cost=cost,
+        whole_cost=2,  # as `costed_timeline`, which `zb1_bubble` reads
+    )
+    # Times such as 5.4799999999999995 print as 5.48 in the drawing's titles.
+    slots = {
+        rank: tuple(
+            dataclasses.replace(s, start=round(s.start, 9), end=round(s.end, 9)) for s in row
+        )
+        for rank, row in timeline.slots.items()
+    }
+    return Timeline(slots, round(timeline.makespan, 9))
 
 
 def plan_in_flight(plan: Plan) -> tuple[int, ...]:

@@ -11,12 +11,12 @@ from pathlib import Path
 __all__ = ["schedule_grid", "write_timeline"]
 
 
-def _timeline(plan: object) -> object:
+def _timeline(plan: object, *, costed: bool = False) -> object:
     from parc.compiler.plan import Plan
     from parc.compiler.plan_schedule import plan_timeline
 
     assert isinstance(plan, Plan)
-    return plan_timeline(plan)
+    return plan_timeline(plan, costed=costed)
 
 
 def schedule_grid(plan: object) -> str | None:
@@ -43,16 +43,21 @@ def schedule_grid(plan: object) -> str | None:
 
 
 def write_timeline(plan: object, path: Path) -> None:
-    """The pipeline schedule as an SVG timeline at `path` (written atomically)."""
+    """The pipeline schedule as an SVG timeline at `path` (written atomically), drawn at
+    the costs the report's bubble is priced at, so that the two bubbles agree."""
     from parc.compiler.output import write_atomic
     from parc.compiler.plan import Plan
+    from parc.compiler.plan_schedule import split_cost
     from parc.compiler.schedule import Timeline
     from parc.runtime.pipeline.timeline import timeline_svg
 
     assert isinstance(plan, Plan)
-    timeline = _timeline(plan)
+    timeline = _timeline(plan, costed=True)
     assert isinstance(timeline, Timeline)
     schedule = "hand-written" if plan.hand_schedule is not None else str(plan.schedule)
     on = f" on pp={plan.pp}" if plan.num_stages > plan.pp else ""
     title = f"{schedule}, {plan.num_stages} stages{on}, {plan.microbatches} microbatches"
+    cost = split_cost(plan)
+    if plan.hand_schedule is None and cost != 1.0:
+        title += f" (on {plan.device.value}: F 1, a whole backward 2, B and W {cost:g} each)"
     write_atomic(path, timeline_svg(timeline, title=title))

@@ -14,6 +14,8 @@ CPU, so on these partly split schedules).
 from __future__ import annotations
 
 import itertools
+import re
+from pathlib import Path
 
 import pytest
 from helpers import GPT, gpt_env
@@ -34,6 +36,7 @@ from parc.compiler.schedule import (
 )
 from parc.compiler.schedule_zero_bubble import zb1, zb1_bubble
 from parc.runtime.equivalence import model_env
+from parc.schedule_views import write_timeline
 
 SIZES = list(itertools.product(range(1, 5), range(1, 17)))
 COSTS = (1.1, SPLIT_COST[DeviceKind.CPU], 1.6)
@@ -115,3 +118,13 @@ def test_the_plan_follows_the_device_its_ranks_run_on() -> None:
     text = format_report(cpu.plan, cpu.estimate, title="t")
     assert "on cpu a split backward costs 1.37× the whole one, so zb1 splits 1 of 8" in text
     assert "ZB-H1 (T-3m)/T" in format_report(cuda.plan, cuda.estimate, title="t")
+
+
+def test_the_timeline_drawing_prices_the_split_as_the_report_does(tmp_path: Path) -> None:
+    # The SVG drew B and W at one unit each (bubble 14.3%) beside the report's 13.9%.
+    cpu = _analysis(DeviceKind.CPU)
+    write_timeline(cpu.plan, tmp_path / "t.svg")
+    svg = (tmp_path / "t.svg").read_text()
+    drawn = re.search(r"bubble (\d+\.\d)%", svg)
+    assert drawn is not None and float(drawn.group(1)) == round(100 * cpu.estimate.bubble, 1)
+    assert "B and W 1.37 each" in svg and "t=12.37..14.37" in svg  # rank 0's last whole B

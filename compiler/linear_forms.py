@@ -11,7 +11,9 @@ the layout from the captured graph, never from a class name:
    tensor input `x`, one output, and between them only views that keep the
    last dim, one contraction (`addmm`, `mm`, `matmul`) with the module's 2-D
    parameter as its right operand, and at most one add of its 1-D parameter
-   (`addmm`'s first operand or an `add`): row by row, `x @ W + b`.
+   (`addmm`'s first operand or an `add`): row by row, `x @ W + b`. The right
+   operand may be W's transpose (`x @ W.T`, Falcon's FalconLinear), or the call
+   `F.linear(x, W, b)`: then W is (out, in), as nn.Linear keeps it.
 2. Replace the call's nodes by one `call_module` node, as `symbolic_trace`
    would record a torch.nn leaf (the module's own forward runs it), and keep
    its `LinearForm` on the module (`linear_form` reads it back).
@@ -38,7 +40,14 @@ from typing import Any
 import torch
 import torch.fx
 
-__all__ = ["LinearForm", "WeightLayout", "as_linear_weight", "linear_form", "reform_linear_maps"]
+__all__ = [
+    "LinearForm",
+    "WeightLayout",
+    "as_linear_weight",
+    "forward_is_linear",
+    "linear_form",
+    "reform_linear_maps",
+]
 
 _FORM_ATTR = "_parc_linear_form"  # where a module keeps the form its captured call showed
 
@@ -83,6 +92,26 @@ def linear_form(module: torch.nn.Module) -> LinearForm | None:
     return form if isinstance(form, LinearForm) else None
 
 
+def forward_is_linear(module: torch.nn.Linear) -> bool:
+    """Whether a subclass of nn.Linear that overrides forward still computes `F.linear(x,
+    W, b)`: its forward, traced alone, is step 1's `x @ W.T (+ b)` or `F.linear(x, W, b)`
+    with nothing else (Falcon's FalconLinear). Then it is called as the leaf nn.Linear is."""
+    try:
+        graph = torch.fx.symbolic_trace(module).graph
+    except Exception:  # any forward fx cannot trace alone is no plain linear map
+        return False
+    nodes = [n for n in graph.nodes if n.op in ("call_function", "call_method")]
+    output = next(n for n in reversed(graph.nodes) if n.op == "output").args[0]
+    if not isinstance(output, torch.fx.Node) or output not in nodes:
+        return False
+    targets = {"weight": "w", **({"bias": "b"} if module.bias is not None else {})}
+    x, seen = _walk_back(output, set(nodes), targets)
+    reads = seen["wT"] + seen["wF"]
+    bias = seen["b"] == (1 if module.bias is not None else 0)
+    placeholder = x is not None and x.op == "placeholder"
+    return placeholder and reads == 1 and seen["w"] == 0 and bias and seen["steps"] == len(nodes)
+
+
 def as_linear_weight(graph: torch.fx.Graph, weight: torch.fx.Node, form: LinearForm) -> Any:
     """`weight` as `F.linear` reads it, (out, in): a `.t()` view of an (in, out) weight."""
     if form.layout is WeightLayout.OUT_IN:
@@ -95,6 +124,38 @@ def as_linear_weight(graph: torch.fx.Graph, weight: torch.fx.Node, form: LinearF
 
 _VIEWS = frozenset({"view", "reshape"})
 _ADDS = frozenset({operator.add, torch.add})
+_MATMULS = frozenset({torch.matmul, operator.matmul})
+_LINEARS = frozenset({torch.nn.functional.linear, torch.ops.aten.linear.default})
+# A 2-D weight's transpose, as a capture or a trace records `W.T` / `W.t()`.
+_TRANSPOSES = frozenset({torch.ops.aten.numpy_T.default, torch.ops.aten.t.default, torch.t, "t"})
+
+
+def _transpose_of(node: Any) -> Any:
+    """What `node` transposes when it is the transpose of a 2-D tensor (`W.T`, `W.t()`,
+    `W.transpose(0, 1)`, `W.permute(1, 0)`), else None."""
+    if _transposed(node):
+        return node.args[0]
+    return None
+
+
+def _transposed(node: Any) -> bool:
+    if not isinstance(node, torch.fx.Node) or node.op not in ("call_function", "call_method"):
+        return False
+    rest: tuple[Any, ...] = tuple(node.args[1:])
+    if node.target in _TRANSPOSES and not rest:
+        return True
+    if node.target is getattr and rest == ("T",):  # fx's record of `W.T`
+        return True
+    if len(rest) == 1 and isinstance(rest[0], list | tuple):  # permute's dims as one list
+        rest = tuple(rest[0])
+    if not all(isinstance(d, int) for d in rest):
+        return False
+    dims = [d % 2 for d in rest]  # of a 2-D weight: -1 is 1, -2 is 0
+    if node.target in (torch.ops.aten.transpose.int, torch.transpose, "transpose"):
+        return sorted(dims) == [0, 1]
+    return node.target in (torch.ops.aten.permute.default, torch.permute, "permute") and (
+        dims == [1, 0]
+    )
 
 
 def reform_linear_maps(graph: torch.fx.Graph, model: torch.nn.Module) -> list[str]:
@@ -109,9 +170,10 @@ def reform_linear_maps(graph: torch.fx.Graph, model: torch.nn.Module) -> list[st
     for nodes in calls.values():
         name = str(list(nodes[0].meta["nn_module_stack"].values())[-1][0])
         module = model.get_submodule(name) if name else None
-        # An nn.Linear was re-formed already; a module a previous capture gave a form
-        # is matched again (its graph is new).
-        if module is None or isinstance(module, torch.nn.Linear):
+        # An nn.Linear was re-formed already (one that overrides forward, such as
+        # Falcon's `x @ W.T`, is matched here); a module a previous capture gave a form is
+        # matched again (its graph is new).
+        if module is None or type(module).forward is torch.nn.Linear.forward:
             continue
         match = _linear_call(nodes, name, module)
         if match is None:
@@ -143,21 +205,24 @@ def _linear_call(
         return None
     y = outside[0]
     x, seen = _walk_back(y, inside, targets)
-    if x is None or seen.get("w") != 1 or seen.get("b", 0) != (1 if b_name else 0):
+    reads = seen["w"] + seen["wT"] + seen["wF"]
+    if x is None or reads != 1 or seen.get("b", 0) != (1 if b_name else 0):
         return None
     if seen["steps"] != len(nodes):
         return None  # a node of the call that is not on the path from x to y
+    layout = WeightLayout.OUT_IN if seen["wT"] or seen["wF"] else WeightLayout.IN_OUT
+    in_features, out_features = w.shape if layout is WeightLayout.IN_OUT else w.shape[::-1]
     x_shape, y_shape = _shape(x), _shape(y)
-    in_features, out_features = w.shape
     if x_shape is None or y_shape != (*x_shape[:-1], out_features) or x_shape[-1] != in_features:
         return None
-    form = LinearForm(in_features, out_features, WeightLayout.IN_OUT, w_name, b_name)
-    return x, y, form
+    if b_name is not None and getattr(module, b_name).shape != (out_features,):
+        return None
+    return x, y, LinearForm(in_features, out_features, layout, w_name, b_name)
 
 
 def _weight_and_bias(module: torch.nn.Module) -> tuple[tuple[str, torch.Tensor], str | None] | None:
-    """A leaf module's one 2-D parameter (in, out) and the name of its 1-D parameter of
-    `out` features, if it has one."""
+    """A leaf module's one 2-D parameter and the name of its 1-D parameter of as many
+    features as one of its dims, if it has one (which dim: the call's layout)."""
     if next(module.children(), None) is not None:
         return None
     params = list(module.named_parameters(recurse=False))
@@ -166,7 +231,7 @@ def _weight_and_bias(module: torch.nn.Module) -> tuple[tuple[str, torch.Tensor],
     if len(weights) != 1 or len(biases) > 1 or len(weights) + len(biases) != len(params):
         return None
     w_name, w = weights[0]
-    if biases and biases[0][1].shape[0] != w.shape[1]:
+    if biases and biases[0][1].shape[0] not in w.shape:
         return None
     return (w_name, w), (biases[0][0] if biases else None)
 
@@ -179,7 +244,7 @@ def _walk_back(
     Returns the input (None when a step is not one) and what was seen: the weight
     and bias reads ("w", "b") and the number of steps.
     """
-    seen = {"w": 0, "b": 0, "steps": 0}
+    seen = {"w": 0, "wT": 0, "wF": 0, "b": 0, "steps": 0}
     node = y
     while node in inside:
         seen["steps"] += 1
@@ -189,6 +254,7 @@ def _walk_back(
         data, reads = step
         for read in reads:
             seen[read] += 1
+        seen["steps"] += reads.count("wT")  # the transpose of W: a node of the call too
         node = data
     return node, seen
 
@@ -208,8 +274,16 @@ def _step(node: torch.fx.Node, targets: dict[str, str]) -> tuple[torch.fx.Node, 
     addmm = node.target is torch.ops.aten.addmm.default and len(args) == 3 and not node.kwargs
     if addmm and (param(args[0]), param(args[2])) == ("b", "w"):  # beta = alpha = 1
         return (args[1], ["b", "w"]) if isinstance(args[1], torch.fx.Node) else None
-    if node.target is torch.matmul and len(args) == 2 and param(args[1]) == "w":
-        return (args[0], ["w"]) if isinstance(args[0], torch.fx.Node) else None
+    if node.target in _MATMULS and len(args) == 2 and isinstance(args[0], torch.fx.Node):
+        if param(args[1]) == "w":  # x @ W: W is (in, out)
+            return args[0], ["w"]
+        if param(_transpose_of(args[1])) == "w":  # x @ W.T: W is (out, in)
+            return args[0], ["wT"]
+    linear = node.target in _LINEARS and 2 <= len(args) <= 3 and not node.kwargs
+    if linear and param(args[1]) == "w" and isinstance(args[0], torch.fx.Node):
+        bias = args[2] if len(args) == 3 else None
+        if bias is None or param(bias) == "b":  # F.linear(x, W, b): W is (out, in)
+            return args[0], ["wF", "b"] if bias is not None else ["wF"]
     if node.target in _ADDS and len(args) == 2 and not node.kwargs:
         for data, other in (args, args[::-1]):
             if param(other) == "b" and isinstance(data, torch.fx.Node) and param(data) is None:

@@ -34,6 +34,7 @@ import torch.fx
 from parc.errors import CompileError, ModelError, ParcError
 
 from .fx_blind_spots import grad_switches, inference_refused, stale_buffer_reads
+from .linear_forms import forward_is_linear
 from .model_output import Path, choose_output, leaves
 from .model_state import changed_numbers, module_state, restore_rebound
 from .node_info import module_path, node_source
@@ -81,13 +82,14 @@ class _ParcTracer(torch.fx.Tracer):
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
         """torch.nn's modules, as fx has them, and a subclass of one of the layers parc
-        splits (`Linear`, `Embedding`) that keeps its forward: the same call, so the same
-        leaf (traced through, its graph would hold the layer's ops but not the layer)."""
+        splits (`Linear`, `Embedding`) that keeps its forward, or a Linear whose own
+        forward still computes `F.linear` (`forward_is_linear`): the same call, so the
+        same leaf (traced through, its graph would hold the layer's ops but not the layer)."""
         if super().is_leaf_module(m, module_qualified_name):
             return True
-        return any(
-            isinstance(m, base) and type(m).forward is base.forward for base in _SPLIT_LAYERS
-        )
+        if any(isinstance(m, base) and type(m).forward is base.forward for base in _SPLIT_LAYERS):
+            return True
+        return isinstance(m, torch.nn.Linear) and forward_is_linear(m)
 
     def to_bool(self, obj: torch.fx.Proxy) -> bool:
         """An assert's condition passes for now (checked after tracing); any other branch

@@ -2,13 +2,16 @@
 
 A subclass that keeps its base class's forward (a wrapper that adds attributes or
 methods) is the same call: torch.fx traces it as the leaf its base class is
-(compiler/trace.py), and it is split like one. Before, fx traced through it (only
-torch.nn's own classes are its leaves), and any `shard` line on it ended in an
-internal AssertionError (an independent probe found it, on a one-line subclass).
-A subclass that overrides forward (Falcon's FalconLinear, Gemma's scaled embedding,
-OPT's learned positional embedding) is refused with a clear error naming the layer,
-its class and the spec line (compiler/layout.py), never a crash, and never a silent
-all-gather of the weight in place of the split the spec asked for.
+(compiler/trace.py), and it is split like one; so is a Linear whose own forward still
+computes `F.linear`, as `x @ W.T + b` (Falcon's FalconLinear) or `F.linear(x, W, b)`
+(compiler/linear_forms.py, `forward_is_linear`; the export capture matches the same
+forms in its graph). Before, fx traced through them (only torch.nn's own classes are
+its leaves), and any `shard` line on one ended in an internal AssertionError (an
+independent probe found it, on a one-line subclass). A subclass whose forward computes
+more (a Linear's output scaled, Gemma's scaled embedding, OPT's learned positional
+embedding) is refused with a clear error naming the layer, its class and the spec line
+(compiler/layout.py), never a crash, and never a silent all-gather of the weight in
+place of the split the spec asked for.
 """
 
 from __future__ import annotations
@@ -26,24 +29,32 @@ MODEL = str(ROOT / "tests" / "models" / "layer_subclasses.py")
 SPLIT = "mesh tp=2\nshard emb vocab tp\nshard fc1 col tp\nshard fc2 row tp\nshard head col tp\n"
 
 
-def test_subclasses_that_keep_forward_are_leaves() -> None:
-    with model_env({"LAYER_OVERRIDE": ""}):
+@pytest.mark.parametrize(
+    ("override", "cls"),
+    [("", "TaggedLinear"), ("transposed", "TransposedLinear"), ("functional", "FunctionalLinear")],
+)
+def test_subclasses_that_compute_their_base_call_are_leaves(override: str, cls: str) -> None:
+    with model_env({"LAYER_OVERRIDE": override}):
         analysis = analyse(SPLIT, MODEL, batch=4)
     called = {str(n.target) for n in analysis.gm.graph.nodes if n.op == "call_module"}
     assert {"emb", "fc1", "fc2", "head"} <= called
-    assert {s.module: s.module_type for s in analysis.plan.shards}["fc1"] == "TaggedLinear"
+    assert {s.module: s.module_type for s in analysis.plan.shards}["fc1"] == cls
 
 
 @pytest.mark.multiprocess
-def test_subclasses_that_keep_forward_train_as_one_device(gloo_pool: Any) -> None:
+@pytest.mark.parametrize("override", ["", "transposed"])
+def test_subclasses_that_compute_their_base_call_train_as_one_device(
+    gloo_pool: Any, override: str
+) -> None:
     # SGD, the current tolerances (docs/architecture.md, Equivalence).
-    assert_equivalent(gloo_pool, SPLIT, MODEL, env={"LAYER_OVERRIDE": ""}, steps=2, batch=4)
+    env = {"LAYER_OVERRIDE": override}
+    assert_equivalent(gloo_pool, SPLIT, MODEL, env=env, steps=2, batch=4)
 
 
 @pytest.mark.parametrize(
     ("override", "layer", "cls", "what"),
     [
-        ("linear", "fc1", "TransposedLinear", "linear map"),
+        ("scaled", "fc1", "ScaledLinear", "linear map"),
         ("embedding", "emb", "ScaledEmbedding", "lookup"),
     ],
 )

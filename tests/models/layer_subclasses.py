@@ -1,9 +1,10 @@
 """Layers that subclass torch.nn's Linear and Embedding (tests/test_layer_subclasses.py).
 
 LAYER_OVERRIDE picks which of them override forward: "" (none: each keeps its base
-class's forward, as a wrapper that only adds attributes or methods does), "linear"
-(`x @ W.T + b`, Falcon's FalconLinear) or "embedding" (the lookup times a scale,
-Gemma's scaled word embedding).
+class's forward, as a wrapper that only adds attributes or methods does),
+"transposed" (the Linears compute `x @ W.T + b`, as Falcon's FalconLinear does),
+"functional" (`F.linear(x, W, b)`), "scaled" (the Linears' output times 2: more than
+a linear map) or "embedding" (the lookup times a scale, Gemma's scaled embedding).
 """
 
 import os
@@ -31,6 +32,19 @@ class TransposedLinear(TaggedLinear):
         return out if self.bias is None else out + self.bias
 
 
+class FunctionalLinear(TaggedLinear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+class ScaledLinear(TaggedLinear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias) * 2.0
+
+
+LINEARS = {"transposed": TransposedLinear, "functional": FunctionalLinear, "scaled": ScaledLinear}
+
+
 class ScaledEmbedding(TaggedEmbedding):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return super().forward(ids) * DIM**0.5
@@ -39,7 +53,7 @@ class ScaledEmbedding(TaggedEmbedding):
 class Net(nn.Module):
     def __init__(self, override: str) -> None:
         super().__init__()
-        linear = TransposedLinear if override == "linear" else TaggedLinear
+        linear = LINEARS.get(override, TaggedLinear)
         self.emb = (ScaledEmbedding if override == "embedding" else TaggedEmbedding)(VOCAB, DIM)
         self.fc1 = linear(DIM, 4 * DIM)
         self.fc2 = linear(4 * DIM, DIM)

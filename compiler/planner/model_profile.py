@@ -63,7 +63,7 @@ from ..trace import trace_model
 from ..traffic import output_bytes, with_bytes
 from ..zb_memory import kept_until_w
 from .pipeline_cost import UnitsAsStages
-from .profile_units import profile_units, recompute_patterns, sample_inputs
+from .profile_units import profile_units, recompute_patterns, sample_inputs, sequence_length
 from .shard_layout import SEQUENCE_LINE, analyse_lines, megatron_layout, vocab_lines
 from .shard_layout import shard_lines as blocks_lines
 
@@ -173,6 +173,7 @@ def _profile(
     torch.manual_seed(0)
     model = source.build(device="meta")
     inputs, own = sample_inputs(source, seq)
+    native = sequence_length(source.batch(1, 0)[0])
     compute = compute_dtype(precision)
     gm = trace_model(model, inputs, own_loss=own, file=source.path, compute=compute)
     saved = profile_forward(gm, input_tensors(inputs), precision)
@@ -199,8 +200,12 @@ def _profile(
             rejected[tp] = exc.message
             continue
         profiles[tp] = base.at(tp, shard_lines, warnings, plan)
-        variants = ((vocab_profiles, vocab), (sequence, (*vocab, SEQUENCE_LINE)))
-        for into, extra in variants if vocab else variants[1:]:
+        variants = [(vocab_profiles, vocab)] if vocab else []
+        # Sequence parallel splits the sequence the model file's batches have too (what
+        # a spec's `# check:` line runs), not only the `--seq` it is planned at.
+        if native % tp == 0:
+            variants.append((sequence, (*vocab, SEQUENCE_LINE)))
+        for into, extra in variants:
             with contextlib.suppress(ParcError):  # e.g. padded logits read sharded: not planned
                 lines = shard_lines + extra
                 plan, warnings = analyse_lines(gm, model, lines, tp, base.loss_parallel)

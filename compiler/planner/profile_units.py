@@ -15,7 +15,7 @@ from ..model import ModelSource, owns_loss
 from ..model_output import input_tensors
 from ..trace import module_path
 
-__all__ = ["profile_units", "recompute_patterns", "sample_inputs"]
+__all__ = ["profile_units", "recompute_patterns", "sample_inputs", "sequence_length"]
 
 
 def sample_inputs(source: ModelSource, seq: int | None) -> tuple[Any, bool]:
@@ -36,6 +36,13 @@ def sample_inputs(source: ModelSource, seq: int | None) -> tuple[Any, bool]:
         )
     cut = [x.narrow(1, 0, seq) if x.dim() >= 2 else x for x in xs]
     return (dict(zip(inputs, cut, strict=True)) if isinstance(inputs, dict) else tuple(cut)), own
+
+
+def sequence_length(inputs: Any) -> int:
+    """The sequence length of a batch's inputs (dim 1 of the first with two dims or
+    more), or 0 when none has one (then nothing splits a sequence)."""
+    long = [x for x in input_tensors(inputs) if x.dim() >= 2]
+    return long[0].shape[1] if long else 0
 
 
 def profile_units(gm: torch.fx.GraphModule, blocks: Blocks) -> tuple[dict[str, str], list[str]]:

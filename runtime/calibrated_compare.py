@@ -24,6 +24,7 @@ from .calibration import (
     calibration_for,
     same_sign,
     tensor_bounds,
+    uncancelled,
 )
 from .equivalence import LOSS_RTOL, Comparison, Tolerance, compare_runs
 from .first_step import gradient_signs
@@ -177,7 +178,12 @@ def calibrated_compare(
     noise = _noise(ref, twin, split, cal)
     rows, first_bad = _loss_rows(ref["losses"], noise["losses"], par["losses"], cal)
     signs = ref.get("step_signs", gradient_signs)  # reference_run's: its optimizer's first step
-    keep = same_sign(ref["grads"], twin["grads"], par_grads, signs) if cal.excuse_flips else None
+    keep = uncancelled(ref["grads"], par_grads)  # every precision
+    if cal.excuse_flips:
+        flips = same_sign(ref["grads"], twin["grads"], par_grads, signs)
+        keep = {n: keep[n] & m if n in keep else m for n, m in flips.items()} | {
+            n: m for n, m in keep.items() if n not in flips
+        }
     params = tensor_bounds(
         ref["params"], noise["params"], par["params"], steps, cal.param_eps, cal.noise_mult,
         keep, ulps=cal.floor_ulps,

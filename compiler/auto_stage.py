@@ -27,8 +27,10 @@ time per op. FLOPs alone put a block whose big matmuls run efficiently on a
 par with as many FLOPs of small, memory- and overhead-bound blocks.
 `balanced_cuts` picks the n−1 cuts (n stages: pp, or V·pp with
 `virtual_stages V`, V per pp rank) minimising the slowest stage with a
-dynamic program over the chain of legal cuts; `cut_stages` gives every
-activation the stage the cuts put it in.
+dynamic program over the chain of usable cuts: legal cuts with work on both
+sides, one per run of cuts with no kernel between them (`usable_cuts`), so no
+stage holds only a view or a free cast; `cut_stages` gives every activation
+the stage the cuts put it in.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from .blocks import Blocks
 from .cost import CPU_RATES, DeviceRates, NodeCost
 from .node_info import module_path
 
-__all__ = ["balanced_cuts", "cut_stages", "legal_cuts", "placed_order"]
+__all__ = ["balanced_cuts", "cut_stages", "legal_cuts", "placed_order", "usable_cuts"]
 
 
 def _input_fed(gm: torch.fx.GraphModule) -> set[str]:
@@ -152,6 +154,40 @@ def _inside_module(
     return [c in after and bool(innermost[c]) and innermost[c] == innermost[after[c]] for c in cuts]
 
 
+def _runs_kernel(cost: NodeCost) -> bool:
+    """Whether a node is work: a kernel, not a view, a size or a same-dtype `.to`."""
+    return cost.ops > 0 or cost.flops > 0
+
+
+def usable_cuts(
+    gm: torch.fx.GraphModule,
+    activations: set[str],
+    costs: dict[str, NodeCost],
+    blocks: Blocks | None = None,
+) -> list[str]:
+    """The `legal_cuts` that give both sides work, one per run of cuts with no work
+    between them: such cuts split the model into the same stages but for free nodes,
+    and taking two of them makes a stage with nothing to run (a cast, a view).
+
+    Work is an activation that runs a kernel; the rest run wherever their users are.
+    Of a run, a cut between modules is kept over one inside a module (after the free
+    `x.to(float32)` that opens a norm, the residual add before it), then the latest.
+    The number of stages `stage auto` can make is one more than their count.
+    """
+    cuts = legal_cuts(gm, activations, blocks)
+    order = [n.name for n in placed_order(gm, activations)]
+    inside = dict(zip(cuts, _inside_module(order, activations, gm, cuts), strict=True))
+    work = [name for name in order if name in activations and _runs_kernel(costs[name])]
+    total, done, cut_set = len(work), 0, set(cuts)
+    runs: dict[int, list[str]] = {}  # work done before a cut -> the cuts there
+    work_set = set(work)
+    for name in order:
+        done += name in work_set
+        if name in cut_set and 0 < done < total:
+            runs.setdefault(done, []).append(name)
+    return [max(run, key=lambda c: (not inside[c], run.index(c))) for run in runs.values()]
+
+
 def balanced_cuts(
     gm: torch.fx.GraphModule,
     activations: set[str],
@@ -161,8 +197,9 @@ def balanced_cuts(
     blocks: Blocks | None = None,
 ) -> list[str] | None:
     """stages−1 legal cuts minimising the slowest stage's seconds at `rates`, or None if
-    there are too few; `blocks`: the model's (`legal_cuts`)."""
-    cuts = legal_cuts(gm, activations, blocks)
+    there are too few; `blocks`: the model's (`legal_cuts`). Only `usable_cuts` are
+    candidates, so every stage runs a kernel."""
+    cuts = usable_cuts(gm, activations, costs, blocks)
     if len(cuts) < stages - 1:
         return None
     order = [n.name for n in placed_order(gm, activations)]

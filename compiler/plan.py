@@ -24,6 +24,7 @@ __all__ = [
     "ModuleShard",
     "Plan",
     "PlanWarning",
+    "SplitModule",
     "compress_names",
 ]
 
@@ -133,6 +134,34 @@ class PlanWarning:
 
 
 @dataclass(frozen=True, slots=True)
+class SplitModule:
+    """A module with weights of its own whose nodes `stage auto` put on several stages.
+
+    Prints as the report's line, e.g. ``norm runs on stages 5, 6 (one call, cut inside
+    it): its weights are read on stage 6 only, not tied``.
+    """
+
+    name: str
+    stages: tuple[int, ...]
+    """The stages its nodes run on."""
+    weight_stages: tuple[int, ...]
+    """The stages whose nodes read its own weights: several means they are tied."""
+    calls: int
+    """How often forward calls it (the graph's module stack): 1 means cut inside a call."""
+
+    def __str__(self) -> str:
+        on = ", ".join(map(str, self.stages))
+        why = "called more than once" if self.calls > 1 else "one call, cut inside it"
+        if len(self.weight_stages) > 1:
+            weights = "its weights are tied"
+        elif self.weight_stages:
+            weights = f"its weights are read on stage {self.weight_stages[0]} only, not tied"
+        else:
+            weights = "its weights are read on no stage"
+        return f"{self.name} runs on stages {on} ({why}): {weights}"
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
     """What a spec means for one model.
 
@@ -153,10 +182,10 @@ class Plan:
     recompute: tuple[str, ...]
     tp_axis: str | None
     stage_auto: bool = False
-    split_modules: tuple[tuple[str, tuple[int, ...]], ...] = ()
-    """Modules with weights of their own whose calls run on several stages (a module
-    called more than once, cut between its calls by `stage auto`), each with its stages:
-    their weights are tied across those stages, and no `stage` lines write that split."""
+    split_modules: tuple[SplitModule, ...] = ()
+    """Modules with weights of their own whose nodes run on several stages (a module
+    called more than once, cut between its calls by `stage auto`, or one call cut inside):
+    no `stage` lines write that split."""
     warnings: tuple[PlanWarning, ...] = ()
     capture: str = ""
     """How the model was captured and which output it trains on (the report's `Model` line)."""

@@ -123,9 +123,7 @@ def _stage_lines(plan: Plan, est: Estimate) -> list[str]:
     lines = [title, *table(header, rows)]
     if plan.num_stages > plan.pp:
         lines.append(f"  virtual stages: {rank_stages_text(plan)}")
-    for name, stages in plan.split_modules:  # a module called more than once, cut between
-        on = ", ".join(map(str, stages))
-        lines.append(f"  {name} runs on stages {on} (called more than once): its weights are tied")
+    lines += [f"  {split}" for split in plan.split_modules]
     if plan.stage_auto and plan.split_modules:
         lines.append("  no `stage` lines write this split (a module is on one stage there)")
     elif plan.stage_auto:

@@ -23,7 +23,8 @@ from functools import partial
 import torch
 import torch.fx
 
-from parc.compiler.stages import assign_stages, auto_stages, split_modules
+from parc.compiler.stage_splits import split_modules
+from parc.compiler.stages import assign_stages, auto_stages
 from parc.dsl import anchored_names
 from parc.dsl.ast import (
     AXIS_DP,

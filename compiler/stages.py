@@ -22,7 +22,9 @@ Explicit stages (`assign_stages`):
 `stage auto` (`auto_stages`): a legal cut is an activation node after which it
 alone crosses to the next stage, e.g. the residual stream between blocks (the
 model inputs, such as `targets` used by a loss at the end, reach every stage
-and never block a cut); a small dynamic program over the legal cuts picks the
+and never block a cut); cuts with no kernel between them count once, so no
+stage is left without work, and a model with too few is refused, naming how
+many stages it can make. A small dynamic program over them picks the
 n−1 (n = V·pp with `virtual_stages V`, else pp) that minimise the slowest
 stage's training seconds (FLOPs, bytes moved and ops at CPU rates:
 compiler/cost.py, compiler/auto_stage.py). Either way the spec's `schedule` and
@@ -243,27 +245,12 @@ def stage_module_names(
     return tuple(tuple(names) for names in out)
 
 
-def split_modules(
-    gm: torch.fx.GraphModule, stages: dict[str, int], modules: dict[str, torch.nn.Module]
-) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    """Modules holding parameters of their own whose nodes sit on several stages."""
-    where: dict[str, set[int]] = {}
-    for node in gm.graph.nodes:
-        for name in module_path(node):
-            where.setdefault(name, set()).add(stages[node.name])
-    return tuple(
-        (name, tuple(sorted(where[name])))
-        for name, module in modules.items()
-        if len(where.get(name, ())) > 1 and any(True for _ in module.parameters(recurse=False))
-    )
-
-
 def auto_stages(
     spec: Spec, gm: torch.fx.GraphModule, modules: dict[str, torch.nn.Module]
 ) -> tuple[NodeStages, StageModules]:
     """`stage auto`: cut where one tensor crosses or a block ends, balancing training
     seconds."""
-    from .auto_stage import balanced_cuts, cut_stages
+    from .auto_stage import balanced_cuts, cut_stages, usable_cuts
     from .blocks import find_blocks
 
     pp = spec.mesh.size(AXIS_PP)
@@ -283,16 +270,34 @@ def auto_stages(
     for name, module in modules.items():
         if "." not in name:
             root.add_module(name, module)
-    cuts = balanced_cuts(gm, activations, node_costs(gm), n, blocks=find_blocks(root))
+    costs, blocks = node_costs(gm), find_blocks(root)
+    cuts = balanced_cuts(gm, activations, costs, n, blocks=blocks)
     if cuts is None:
-        per_rank = f" ({n // pp} per pp rank)" if n > pp else ""
-        raise PlanError(
-            f"`stage auto` found fewer than {n - 1} places to cut the model into {n} "
-            f"stages{per_rank}",
-            spec.locate(auto.span),
-            hint="lower pp"
-            + (" or virtual_stages" if n > pp else "")
-            + ", or write explicit `stage` lines",
-        )
+        raise _too_few_cuts(spec, n, pp, len(usable_cuts(gm, activations, costs, blocks)) + 1)
     stages = fill_stages(gm, cut_stages(gm, activations, cuts), activations)
     return tuple(stages.items()), stage_module_names(gm, stages, modules, n)
+
+
+def _too_few_cuts(spec: Spec, n: int, pp: int, most: int) -> PlanError:
+    """`stage auto` asked for `n` stages of a model it can cut into `most` at most: the
+    error at `virtual_stages` (or `stage auto`), with the line to write instead."""
+    per_rank = n // pp
+    virtual = spec.virtual_stages
+    wanted = f"pp={pp} × virtual_stages {per_rank}" if virtual is not None else f"pp={pp}"
+    if virtual is not None and most >= 2 * pp:
+        instead = f"write `virtual_stages {most // pp}`"
+    elif virtual is not None and most >= pp:
+        instead = "leave out `virtual_stages` (one stage per pp rank)"
+    elif most >= 2:
+        instead = f"lower pp to {most}" + (" and leave out `virtual_stages`" if virtual else "")
+    else:
+        instead = "leave out the pp axis"
+    stmt = virtual if virtual is not None else spec.stage_auto
+    assert stmt is not None
+    return PlanError(
+        f"`stage auto` can cut this model into at most {most} stages ({most - 1} places "
+        f"where one tensor crosses or a block ends, with work on both sides), fewer than "
+        f"the {n} stages of {wanted}",
+        spec.locate(stmt.span),
+        hint=f"{instead}, or write explicit `stage` lines",
+    )

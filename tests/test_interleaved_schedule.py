@@ -289,4 +289,6 @@ def test_stage_auto_says_when_the_model_has_too_few_cuts_for_v_stages() -> None:
     err = _plan_error(
         _spec("stage auto\nvirtual_stages 40\nschedule interleaved\nmicrobatches 4\n")
     )
-    assert "into 80 stages (40 per pp rank)" in err.message
+    assert "the 80 stages of pp=2 × virtual_stages 40" in err.message
+    assert err.line == 3  # the `virtual_stages 40` line
+    assert "write `virtual_stages " in (err.hint or "")  # the most this model fills

@@ -20,6 +20,7 @@ import re
 import pytest
 
 from parc.compiler.frontend import Analysis, analyse
+from parc.compiler.plan import SplitModule
 from parc.compiler.report import format_report, human_bytes, report_json
 
 MLP = "examples/mlp.py"
@@ -187,7 +188,9 @@ def test_a_module_stage_auto_cuts_between_its_calls_is_named_and_no_stage_lines_
     model = tmp_path / "shared_loop.py"
     model.write_text(_SHARED_LOOP)
     analysis = analyse("mesh pp=2\nstage auto\n", model, batch=4)
-    assert analysis.plan.split_modules == (("shared", (0, 1)),)
+    assert analysis.plan.split_modules == (
+        SplitModule(name="shared", stages=(0, 1), weight_stages=(0, 1), calls=4),
+    )
     text = format_report(analysis.plan, analysis.estimate, title="report")
     assert "shared runs on stages 0, 1 (called more than once)" in text
     assert "the same split as stage lines" not in text

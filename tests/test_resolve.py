@@ -318,7 +318,7 @@ BAD_SPECS = [
         microbatches 2
         """,
         "2:1",
-        ("fewer than 3 places to cut", "4 stages", "lower pp"),
+        ("at most 3 stages", "4 stages of pp=4", "lower pp to 3"),
     ),
     # --- mesh axes and their roles
     BadSpec(

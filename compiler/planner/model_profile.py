@@ -186,6 +186,37 @@ def _profile(
     shard_lines = blocks_lines(layout, model, found)
     # Steps 4 and 5
     base = _Base(gm, model, saved, unit_of, units, found, source)
+    profiles, rejected, vocab_profiles, sequence = _tp_profiles(
+        base, shard_lines, gpus_per_node, native
+    )
+    xs = input_tensors(inputs)
+    first = xs[0] if isinstance(xs[0], torch.Tensor) else torch.zeros(1)
+    return ModelProfile(
+        path=source.path,
+        units=tuple(units),
+        blocks=blocks,
+        recompute_patterns=recompute_patterns(units, blocks),
+        params=sum(p.numel() for p in model.parameters()),
+        tokens=max(1, first.numel()),
+        tp=profiles,
+        rejected_tp=rejected,
+        host=host_facts(model, gm, base.unit),
+        precision=precision,
+        vocab=vocab_profiles,
+        sequence=sequence,
+        frozen=any(not p.requires_grad for p in model.parameters()),
+        built=built_dtype(model),
+        anchored=anchored_names(units, dict(model.named_modules())),
+        memory=memory_model_for(base.optimizer, precision, built=built_dtype(model)),
+    )
+
+
+def _tp_profiles(
+    base: _Base, shard_lines: tuple[str, ...], gpus_per_node: int, native: int
+) -> tuple[dict[int, TPProfile], dict[int, str], dict[int, TPProfile], dict[int, TPProfile]]:
+    """Steps 4 and 5 at every tp size dividing a node: the block layout's profiles, the
+    sizes it cannot split and why, and the vocab-parallel and sequence-parallel ones."""
+    gm, model = base.gm, base.model
     profiles, rejected = {1: base.at(1, (), 0, None)}, {}
     vocab = vocab_lines(gm)
     vocab_profiles: dict[int, TPProfile] = {}
@@ -210,26 +241,7 @@ def _profile(
                 lines = shard_lines + extra
                 plan, warnings = analyse_lines(gm, model, lines, tp, base.loss_parallel)
                 into[tp] = base.at(tp, lines, warnings, plan)
-    xs = input_tensors(inputs)
-    first = xs[0] if isinstance(xs[0], torch.Tensor) else torch.zeros(1)
-    return ModelProfile(
-        path=source.path,
-        units=tuple(units),
-        blocks=blocks,
-        recompute_patterns=recompute_patterns(units, blocks),
-        params=sum(p.numel() for p in model.parameters()),
-        tokens=max(1, first.numel()),
-        tp=profiles,
-        rejected_tp=rejected,
-        host=host_facts(model, gm, base.unit),
-        precision=precision,
-        vocab=vocab_profiles,
-        sequence=sequence,
-        frozen=any(not p.requires_grad for p in model.parameters()),
-        built=built_dtype(model),
-        anchored=anchored_names(units, dict(model.named_modules())),
-        memory=memory_model_for(base.optimizer, precision, built=built_dtype(model)),
-    )
+    return profiles, rejected, vocab_profiles, sequence
 
 
 class _Base:

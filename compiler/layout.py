@@ -108,7 +108,7 @@ def param_slices(plan: Plan, model: torch.nn.Module) -> dict[str, ParamSlice]:
             raise _traced_through(shard)
         for leaf, _ in module.named_parameters(recurse=False):
             full = f"{name}.{leaf}" if name else leaf
-            slice_ = _slice_for(shard, leaf, module, plan.tp) if shard else None
+            slice_ = _slice_for(shard.kind, leaf, module, plan.tp) if shard else None
             key = canonical[full]
             if key in out and out[key][0] != slice_:
                 raise _tie_conflict(key, out[key][1], name, plan, modules)
@@ -116,10 +116,7 @@ def param_slices(plan: Plan, model: torch.nn.Module) -> dict[str, ParamSlice]:
     return {k: v[0] for k, v in out.items() if v[0] is not None}
 
 
-def _slice_for(
-    shard: ModuleShard, leaf: str, module: torch.nn.Module, tp: int
-) -> ParamSlice | None:
-    kind = shard.kind
+def _slice_for(kind: ShardKind, leaf: str, module: torch.nn.Module, tp: int) -> ParamSlice | None:
     if isinstance(module, torch.nn.Embedding):  # vocab: its rows; col: its embedding dim
         if kind is ShardKind.VOCAB:
             return ParamSlice(0, tp, padding=-module.num_embeddings % tp)

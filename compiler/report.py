@@ -6,7 +6,7 @@ JSON-serialisable dict.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from parc.dsl.ast import ScheduleKind
@@ -28,8 +28,10 @@ from .report_memory import (
 )
 from .report_table import MAX_RANK_ROWS, human_bytes, human_count, table
 from .schedule import peak_in_flight, split_backwards
+from .traffic import Collective
 
 __all__ = [
+    "busiest_rank_by_axis",
     "bytes_by_axis",
     "format_report",
     "human_bytes",
@@ -198,17 +200,27 @@ def _collective_lines(plan: Plan, est: Estimate) -> list[str]:
 def bytes_by_axis(est: Estimate, stage_to_rank: Sequence[int]) -> dict[str, int]:
     """Bytes of the collectives per step over each axis, at the dtypes the runtime sends
     (a send and its matching receive counted once: the sends), on the pp rank with the
-    most: its stages' together (`stage_to_rank`: under interleaving a rank runs several)."""
-    ranks: dict[int, dict[str, int]] = {}
+    most (`busiest_rank_by_axis`)."""
+    found = busiest_rank_by_axis(est, stage_to_rank, lambda c: c.bytes)
+    return {axis: int(b) for axis, b in found.items()}
+
+
+def busiest_rank_by_axis(
+    est: Estimate, stage_to_rank: Sequence[int], size: Callable[[Collective], float]
+) -> dict[str, float]:
+    """Per axis, the most `size` of its collectives (receives left out: each is its send's)
+    a pp rank has per step, its stages' together (`stage_to_rank`: under interleaving a
+    rank runs several)."""
+    ranks: dict[int, dict[str, float]] = {}
     for stage, comms in est.collectives:
         mine = ranks.setdefault(stage_to_rank[stage], {})
         for c in comms:
             if c.kind is not CommKind.RECV:
-                mine[c.axis] = mine.get(c.axis, 0) + c.bytes
-    out: dict[str, int] = {}
+                mine[c.axis] = mine.get(c.axis, 0.0) + size(c)
+    out: dict[str, float] = {}
     for mine in ranks.values():
         for axis, b in mine.items():
-            out[axis] = max(out.get(axis, 0), b)
+            out[axis] = max(out.get(axis, 0.0), b)
     return out
 
 

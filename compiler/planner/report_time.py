@@ -13,7 +13,8 @@ from parc.dsl.ast import AXIS_PP
 
 from ..frontend import Analysis
 from ..ops.collectives import CommKind
-from ..report import human_bytes, human_count
+from ..report import busiest_rank_by_axis, human_bytes, human_count
+from ..traffic import Collective
 from .cluster import Cluster
 from .time_model import axis_bandwidth, estimate_step_time, wire_bytes
 
@@ -87,23 +88,15 @@ def step_time_lines(analysis: Any, cluster: Any) -> list[str]:
 
 def _traffic(analysis: Analysis) -> dict[str, float]:
     """Bytes one rank sends per step over each axis (the busiest pp rank's: its stages'
-    together, several under interleaving)."""
-    plan, est = analysis.plan, analysis.estimate
-    ranks: dict[int, dict[str, float]] = {}
-    for stage, comms in est.collectives:
-        sent = ranks.setdefault(plan.stage_to_rank[stage], {})
-        for c in comms:
-            if c.kind is CommKind.RECV:
-                continue
-            size = c.bytes  # at the dtype the runtime sends (compiler/traffic.py)
-            tied = c.kind is CommKind.ALL_REDUCE and c.axis == AXIS_PP  # tied weights, as a pair
-            n = 2 if tied else plan.mesh.size(c.axis)
-            sent[c.axis] = sent.get(c.axis, 0.0) + wire_bytes(c.kind, n, size)
-    out: dict[str, float] = {}
-    for sent in ranks.values():
-        for axis, b in sent.items():
-            out[axis] = max(out.get(axis, 0.0), b)
-    return out
+    together, several under interleaving), on the wire of each collective's ring."""
+    plan = analysis.plan
+
+    def wire(c: Collective) -> float:
+        tied = c.kind is CommKind.ALL_REDUCE and c.axis == AXIS_PP  # tied weights, as a pair
+        # at the dtype the runtime sends (compiler/traffic.py)
+        return wire_bytes(c.kind, 2 if tied else plan.mesh.size(c.axis), c.bytes)
+
+    return busiest_rank_by_axis(analysis.estimate, plan.stage_to_rank, wire)
 
 
 def _tokens_per_sample(analysis: Analysis) -> int:

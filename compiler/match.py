@@ -6,6 +6,8 @@ stage assignment (stages.py: `stage`), so neither imports the other.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from parc.dsl import match_names, pattern_width, suggest
@@ -24,6 +26,7 @@ def match_modules(spec: Spec, pattern: Pattern, modules: dict[str, torch.nn.Modu
     if names:
         _check_ranges(spec, pattern, names, modules)
         return names
+    _check_range_starts(spec, pattern, modules)
     close = suggest(pattern, modules)
     hint = f"did you mean {', '.join(repr(c) for c in close)}?" if close else None
     if not close and "." not in str(pattern):  # perhaps the model's own nn.Parameter
@@ -51,13 +54,36 @@ def _check_ranges(
                 parts = name.split(".")
                 container = ".".join(parts[: len(parts) - width + at + 1])
                 count = _list_length(modules[container])
-                if segment.stop > count:
+                if segment.stop is not None and segment.stop > count:
                     raise PlanError(
                         f"range {clip(segment)} reaches past the end of '{container}', which "
                         f"has {count} entries ({segment.name}[0:{count}])",
                         spec.locate(pattern.span),
                         hint=f"a range must lie inside its list: write "
                         f"{segment.name}[{segment.start}:{count}], or build the model deeper",
+                        names=(container,),
+                    )
+        at += 2 if isinstance(segment, IndexRange | IndexAll) else 1
+
+
+def _check_range_starts(spec: Spec, pattern: Pattern, modules: dict[str, torch.nn.Module]) -> None:
+    """A pattern that matches nothing only because a range starts at or past the end of
+    its list (`layers[5:]` of 4 layers): say how long the list is."""
+    every = tuple(IndexAll(s.name) if isinstance(s, IndexRange) else s for s in pattern.segments)
+    names = match_names(dataclasses.replace(pattern, segments=every), modules)
+    width, at = pattern_width(pattern), 0
+    for segment in pattern.segments:
+        if isinstance(segment, IndexRange):
+            for name in names:
+                parts = name.split(".")
+                container = ".".join(parts[: len(parts) - width + at + 1])
+                count = _list_length(modules[container])
+                if segment.start >= count:
+                    raise PlanError(
+                        f"range {clip(segment)} starts past the end of '{container}', which "
+                        f"has {count} entries ({segment.name}[0:{count}])",
+                        spec.locate(pattern.span),
+                        hint=f"a range must lie inside its list: its start must be below {count}",
                         names=(container,),
                     )
         at += 2 if isinstance(segment, IndexRange | IndexAll) else 1

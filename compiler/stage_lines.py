@@ -77,6 +77,8 @@ def _check_range_gaps(spec: Spec, named: NamedModules, modules: dict[str, torch.
     for found in ranges.values():
         found.sort(key=lambda r: r[1].start)
         for (pattern, first, one), (_, second, other) in itertools.pairwise(found):
+            if first.stop is None:  # `layers[a:]` runs to the end: no gap after it
+                continue
             unnamed = [
                 i
                 for i in range(first.stop, second.start)

@@ -333,7 +333,9 @@ class _Builder(Transformer[Token, Any]):
     def index_range(self, meta: Meta, children: list[Token]) -> tuple[Segment, ...]:
         name, _, first, _, last, _ = children
         start = self._index(first, "the range start", meta, name)
-        stop = self._index(last, "the range stop", meta, name)
+        return self._range(meta, name, start, self._index(last, "the range stop", meta, name))
+
+    def _range(self, meta: Meta, name: Token, start: int, stop: int) -> tuple[Segment, ...]:
         if start >= stop:
             raise self._source.error(
                 f"the range [{start}:{stop}] is empty; its start must be less than its stop",
@@ -344,7 +346,21 @@ class _Builder(Transformer[Token, Any]):
             )
         return (IndexRange(str(name), start, stop),)
 
+    def index_from(self, meta: Meta, children: list[Token]) -> tuple[Segment, ...]:
+        """`layers[a:]`: from entry a to the end of the list, as Python slices."""
+        name, _, first, _, _ = children
+        return (IndexRange(str(name), self._index(first, "the range start", meta, name), None),)
+
+    def index_to(self, meta: Meta, children: list[Token]) -> tuple[Segment, ...]:
+        """`layers[:b]`: `layers[0:b]`."""
+        name, _, _, last, _ = children
+        return self._range(meta, name, 0, self._index(last, "the range stop", meta, name))
+
     def index_all(self, meta: Meta, children: list[Token]) -> tuple[Segment, ...]:
+        return (IndexAll(str(children[0])),)
+
+    def index_every(self, meta: Meta, children: list[Token]) -> tuple[Segment, ...]:
+        """`layers[:]`: `layers[*]`."""
         return (IndexAll(str(children[0])),)
 
     def index_one(self, meta: Meta, children: list[Token]) -> tuple[Segment, ...]:

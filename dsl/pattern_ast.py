@@ -48,14 +48,19 @@ class Star:
 
 @dataclass(frozen=True, slots=True)
 class IndexRange:
-    """`layers[a:b]`: the two segments `layers.i` for a <= i < b."""
+    """`layers[a:b]`: the two segments `layers.i` for a <= i < b; `layers[a:]` (stop
+    None): every i >= a, to the end of each list it matches into; `layers[:b]` is
+    `layers[0:b]`."""
 
     name: str
     start: int
-    stop: int
+    stop: int | None
 
     def __str__(self) -> str:
-        return f"{self.name}[{self.start}:{self.stop}]"
+        return f"{self.name}[{self.start}:{'' if self.stop is None else self.stop}]"
+
+    def covers(self, index: int) -> bool:
+        return self.start <= index and (self.stop is None or index < self.stop)
 
 
 @dataclass(frozen=True, slots=True)

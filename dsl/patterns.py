@@ -15,6 +15,7 @@ that matches nothing is a user error; `suggest` gives the did-you-mean.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import re
 from collections.abc import Iterable, Iterator, Sequence
@@ -48,7 +49,7 @@ def _segment_matches(segment: Segment, parts: Sequence[str]) -> bool:
     if parts[0] != segment.name or not _is_index(parts[1]):
         return False
     if isinstance(segment, IndexRange):
-        return segment.start <= int(parts[1]) < segment.stop
+        return segment.covers(int(parts[1]))
     return True
 
 
@@ -138,7 +139,7 @@ def _repair(pattern: Pattern, name: str) -> tuple[str, float] | None:
             segments.append(Name(parts[0]))
             scores.append(_similarity(segment.text, parts[0]))
         else:
-            fixed = type(segment)(parts[0], *_range_of(segment))
+            fixed = dataclasses.replace(segment, name=parts[0])
             if not _segment_matches(fixed, parts):
                 return None  # an index out of range is not a spelling mistake
             segments.append(fixed)
@@ -146,7 +147,3 @@ def _repair(pattern: Pattern, name: str) -> tuple[str, float] | None:
     # min, not mean: every literal segment must be close, else `layers0.mlp`
     # would suggest `0.mlp` for its exact `mlp` alone.
     return str(Pattern(tuple(segments), anchored=pattern.anchored)), min(scores)
-
-
-def _range_of(segment: IndexRange | IndexAll) -> tuple[int, ...]:
-    return (segment.start, segment.stop) if isinstance(segment, IndexRange) else ()

@@ -58,10 +58,10 @@ CASES: list[tuple[str, str, int, tuple[str, ...]]] = [
     ("recompute layers[3:3]", "1:11", 11, ("range [3:3] is empty",)),
     ("recompute layers[-1:2]", "1:18", 2, ("negative indices are not supported", "'layers[-1:2]'")),
     ("recompute layers[0:2.5]", "1:20", 3, ("range stop", "whole number", "'2.5'")),
-    ("recompute layers[0:", "1:20", 1, ("expected a number after 'layers[0:'",)),
+    ("recompute layers[0:", "1:20", 1, ("expected a number or ']' after 'layers[0:'",)),
     ("recompute layers[0:2", "1:21", 1, ("expected ']'",)),
-    ("recompute layers[", "1:18", 1, ("expected a number or '*'",)),
-    ("recompute layers[x]", "1:18", 1, ("unexpected 'x'", "a number or '*'")),
+    ("recompute layers[", "1:18", 1, ("expected a number, '*' or ':'",)),
+    ("recompute layers[x]", "1:18", 1, ("unexpected 'x'", "a number, '*' or ':'")),
     ("recompute *[0:2]", "1:12", 1, ("unexpected '['",)),
     ("recompute mlp-fc1", "1:14", 1, ("unexpected character '-'",)),
     # stage

@@ -271,6 +271,8 @@ def test_precision_statement_errors(text: str, words: tuple[str, ...]) -> None:
         ("*.attn.*", P(Star(), Name("attn"), Star())),
         ("layers[0:6]", P(IndexRange("layers", 0, 6))),
         ("h[2:3].mlp", P(IndexRange("h", 2, 3), Name("mlp"))),
+        ("layers[4:]", P(IndexRange("layers", 4, None))),
+        ("layers[4:].mlp", P(IndexRange("layers", 4, None), Name("mlp"))),
         ("layers[*].attn", P(IndexAll("layers"), Name("attn"))),
         ("blocks.layers[*]", P(Name("blocks"), IndexAll("layers"))),
         ("_private.x_1", P(Name("_private"), Name("x_1"))),
@@ -279,6 +281,13 @@ def test_precision_statement_errors(text: str, words: tuple[str, ...]) -> None:
 def test_pattern_forms(text: str, expected: Pattern) -> None:
     assert pattern_of(text) == expected
     assert str(expected) == text
+
+
+def test_python_slice_forms_without_an_end() -> None:
+    assert pattern_of("layers[:3]") == P(IndexRange("layers", 0, 3))
+    assert pattern_of("layers[:]") == P(IndexAll("layers"))
+    with pytest.raises(SpecError, match=r"the range \[0:0\] is empty"):
+        pattern_of("layers[:0]")
 
 
 def test_index_sugar_is_two_name_segments() -> None:

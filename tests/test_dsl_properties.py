@@ -56,7 +56,8 @@ indices = st.integers(0, 999)
 @st.composite
 def index_ranges(draw: st.DrawFn) -> IndexRange:
     start = draw(st.integers(0, 50))
-    return IndexRange(draw(identifiers), start, draw(st.integers(start + 1, start + 50)))
+    stop = draw(st.none() | st.integers(start + 1, start + 50))  # None: `layers[a:]`
+    return IndexRange(draw(identifiers), start, stop)
 
 
 segments: st.SearchStrategy[Segment] = st.one_of(

@@ -36,6 +36,7 @@ from parc.errors import CompileError, ModelError
 from .deferred_init import DeferredModel, record_build
 from .dropout import dropout_warnings, random_draw_warnings
 from .estimate import Estimate, estimate
+from .gradless import check_gradless
 from .layout import canonical_names, local_shape, param_slices
 from .memory_model import built_dtype, memory_model_for
 from .model import BatchSignature, ModelSource, load_model, owns_loss
@@ -184,6 +185,7 @@ def _analyse(
     saved = profile_forward(gm, input_tensors(inputs), spec.precision)
     plan = resolve(spec, built, gm, batch=batch)
     check_frozen(built, plan, spec)
+    check_gradless(gm, built, plan, source.path)
     plan = dataclasses.replace(plan, capture=_capture_note(gm), device=target)
     if schedule is not None:
         plan = with_schedule(plan, schedule)

@@ -50,6 +50,7 @@ from parc.compiler.plan import DeviceKind
 from parc.compiler.plan_schedule import HandSchedule
 from parc.compiler.rank_program import RankProgram, compile_rank
 from parc.dsl.ast import AXIS_DP, AXIS_PP, Precision, Spec
+from parc.errors import ParcError
 from parc.precision import override_compile, override_precision
 from parc.runtime.assemble import assemble
 from parc.runtime.collectives import Comm
@@ -98,6 +99,7 @@ def compile(
     (runtime/clip.py; None, the default, clips nothing), and each step's norm is
     `program.last_grad_norm`.
     """
+    _check_factory(optimizer)
     source = model if isinstance(model, ModelSource) else load_model(model)
     spec = override_compile(override_precision(as_spec(spec), precision).spec, compiled)
     device = device or device_for_rank()
@@ -118,6 +120,27 @@ def compile(
     parts = assemble(program, comm, source=source, optimizer=factory, device=device)
     _seed_random_streams(seed, comm.index(AXIS_DP), comm.index(AXIS_PP))
     return Program(parts)
+
+
+def _check_factory(optimizer: object) -> None:
+    """`optimizer` must be a factory (parameters -> optimizer), called on each rank's own
+    parameters: an optimizer made over other tensors (the user's model) cannot be used, and
+    calling one failed deep in assembly with a bare TypeError (found by a probe)."""
+    if optimizer is None or (
+        callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer)
+    ):
+        return
+    name = type(optimizer).__name__
+    made = isinstance(optimizer, torch.optim.Optimizer)
+    got = f"an optimizer, an instance of {name}" if made else f"an object of type {name}"
+    raise ParcError(
+        "parc.compile(optimizer=...) takes a factory, a function from parameters to an "
+        "optimizer, which parc calls on each rank's own parameters (slices, shards or fp32 "
+        f"masters); got {got}",
+        hint="pass `lambda params: torch.optim.AdamW(params, lr=3e-4)`, the class itself "
+        "(`torch.optim.AdamW`) or a functools.partial of it; parc.compile builds the model, "
+        "so there are no parameters to make an optimizer over before it",
+    )
 
 
 def _deferred(

@@ -108,7 +108,7 @@ class GradSync:
                 flatten_params(unit, self.index, self.masters)
 
     @property
-    def _autograd_grads(self) -> bool:
+    def autograd_grads(self) -> bool:
         """Zero 0 over one dp rank in fp32: nothing is reduced, so no buffer is needed.
         `release_stale` drops every `.grad` (as `zero_grad(set_to_none=True)`) and autograd makes
         each one as a plain loop's backward does: taking the incoming gradient tensor,
@@ -153,7 +153,7 @@ class GradSync:
         reduce-scatter makes the next; over one dp rank in fp32 every `.grad`, which
         autograd makes again, as a plain loop's `zero_grad(set_to_none=True)` before
         its forward), so its forward runs without them."""
-        if self._autograd_grads:
+        if self.autograd_grads:
             for unit in self.units:
                 for p in unit.params:
                     p.grad = None
@@ -174,12 +174,12 @@ class GradSync:
         Zero 0 and 1 keep their buffers between steps; zero 2 allocates a unit's
         buffer only when its first gradient arrives (`_allocate`). Under `reduce
         fp32` no `.grad` points into them: a hook adds each one in (`_on_grad`). Zero 0
-        over one dp rank in fp32 has no buffers (`_autograd_grads`): `release_stale`
+        over one dp rank in fp32 has no buffers (`autograd_grads`): `release_stale`
         dropped every `.grad` and autograd makes it.
         """
         for unit in self.units:
             unit.ready, unit.work, unit.launched = 0, None, False
-            if self._autograd_grads or self.zero == 2:
+            if self.autograd_grads or self.zero == 2:
                 continue
             if unit.grad is None:  # zeroed once: a padded tail stays zero
                 size = unit.spec.padded if self.zero >= 1 else unit.spec.numel
@@ -240,7 +240,7 @@ class GradSync:
         if unit.launched:
             return
         unit.launched = True
-        if self._autograd_grads:  # over one rank the sum is the gradient: nothing moves
+        if self.autograd_grads:  # over one rank the sum is the gradient: nothing moves
             return
         if self._copy_first:
             unit.fill_missing()
@@ -312,7 +312,7 @@ class GradSync:
         for unit in self.units:
             if not unit.deferred:
                 continue
-            if self._autograd_grads:
+            if self.autograd_grads:
                 grads.update((name, self._grad_of(unit, name)) for name in unit.tied)
                 continue
             if unit.grad is None:  # zero 2: no gradient arrived; the stages still sum
@@ -325,7 +325,7 @@ class GradSync:
             tied_reduce(name, grads[name])
 
     def _grad_of(self, unit: Unit, name: str) -> torch.Tensor:
-        """`_autograd_grads`: parameter `name`'s `.grad`, zeros when no gradient reached it
+        """`autograd_grads`: parameter `name`'s `.grad`, zeros when no gradient reached it
         (a tied weight's stages all take part in its sum)."""
         p = unit.params[unit.spec.params.index(name)]
         if p.grad is None:

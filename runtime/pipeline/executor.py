@@ -40,7 +40,6 @@ the same order as under GPipe's or 1F1B's (microbatch order), so bitwise alike.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,26 +47,14 @@ from typing import Any
 import torch
 
 from parc.compiler.passes.pipeline_split import StageGraph
-from parc.compiler.schedule_actions import (
-    Action,
-    ActionKind,
-    execution_items,
-    one_at_a_time,
-    peer_stage,
-)
-from parc.compiler.schedule_split import held_delta, split_backwards
+from parc.compiler.schedule_actions import Action, ActionKind, one_at_a_time, peer_stage
 from parc.dsl.ast import AXIS_PP
 from parc.runtime.collectives import Comm, CommKind
 
 from .backward_split import PendingWeights, backward_input
-from .posting import (
-    Posted,
-    as_contract,
-    hand_over_cpu,
-    receive_buffers,
-    receives_ahead,
-    sends_ahead,
-)
+from .idle import IdleWork
+from .order import ActionOrder
+from .posting import Posted, as_contract, hand_over_cpu, receive_buffers
 from .user_checks import LossFn, checked_loss
 
 __all__ = ["ForwardContext", "MicroState", "StageExecutor", "one_at_a_time"]
@@ -154,7 +141,7 @@ class StageExecutor:
         self._early: list[tuple[Posted, list[torch.Tensor]]] = []
         # Global rank of every stage's pp rank, at this rank's other coordinates.
         self.rank_of_stage = tuple(comm.rank_of({**coords, AXIS_PP: r}) for r in stage_to_rank)
-        self._order: tuple[Sequence[Action], _Order] | None = None  # the last tuple run
+        self._order: tuple[Sequence[Action], ActionOrder] | None = None  # the last tuple run
 
     def run(
         self,
@@ -165,6 +152,7 @@ class StageExecutor:
         scale: float,
         last_round: bool,
         before_backward: Callable[[], None] | None = None,
+        idle: IdleWork | None = None,
     ) -> list[torch.Tensor]:
         """Run the actions for len(inputs) microbatches; the last stage's unscaled losses,
         detached, on the device (read them once per step: each read is a host sync).
@@ -172,7 +160,9 @@ class StageExecutor:
         `before_backward` (the step's gradient buffers, zeroed) runs once, before the
         first backward, or earlier where the rank first waits for a peer: in time the
         rank would spend idle (a last stage waits for its first input, a first stage for
-        its first gradient), off the pipeline's critical path.
+        its first gradient), off the pipeline's critical path. `idle` (in the last round)
+        hears when each stage's gradients are final and runs its work where the rank
+        would wait for a peer (`parc.runtime.pipeline.idle`).
 
         With `post_ahead` (gloo) some receives are posted a compute ahead of their batch
         and some sends right after their compute, every wait where it was: which ones, and
@@ -201,6 +191,8 @@ class StageExecutor:
             ):
                 before_backward()
                 before_backward = None
+            if idle is not None and state.will_wait(first.kind):
+                idle.run()
             state.wait_for(first.kind)
             if last_round and item[0] == order.last and self.before_last_backward:
                 self.before_last_backward()
@@ -208,6 +200,8 @@ class StageExecutor:
             loss = self._compute(first, state, order, inputs[m], targets[m], scale)
             if loss is not None:
                 losses.append(loss)
+            if idle is not None and last_round and item[0] in order.stage_finals:
+                idle.stage_final(order.stage_finals[item[0]])
             if k in sends:
                 self._post_early([actions[i] for i in sends[k]], states)
         self._wait_sends()
@@ -219,7 +213,7 @@ class StageExecutor:
         self,
         action: Action,
         state: MicroState,
-        order: _Order,
+        order: ActionOrder,
         inputs: Sequence[torch.Tensor],
         targets: Any,
         scale: float,
@@ -235,11 +229,11 @@ class StageExecutor:
             self._backward(state)
         return None
 
-    def _order_of(self, actions: Sequence[Action]) -> _Order:
-        """How `actions` run (`_Order`); made once for a tuple (the Program's every step)."""
+    def _order_of(self, actions: Sequence[Action]) -> ActionOrder:
+        """How `actions` run (`ActionOrder`); made once for a tuple (the Program's every step)."""
         if self._order is not None and self._order[0] is actions:
             return self._order[1]
-        order = _Order.of(one_at_a_time(actions) if len(self.stage_to_rank) == 1 else actions)
+        order = ActionOrder.of(one_at_a_time(actions) if len(self.stage_to_rank) == 1 else actions)
         if isinstance(actions, tuple):  # immutable: the same object runs the same way
             self._order = (actions, order)
         return order
@@ -366,36 +360,3 @@ class StageExecutor:
         for posted, _ in [*self._sending, *self._early]:
             posted.wait()
         self._sending, self._early = [], []
-
-
-@dataclass(frozen=True)
-class _Order:
-    """A rank's action list as `run` walks it: what a step derives from the list alone."""
-
-    actions: Sequence[Action]
-    items: tuple[tuple[int, ...], ...]  # `execution_items`
-    split: frozenset[tuple[int, int]]  # (stage, microbatch) of the split backwards (a W)
-    # The position of the last action the weights' gradients accumulate at (a W, or a B
-    # without one: the whole backward): the sync is armed before it (earlier gradient
-    # hooks must not reduce).
-    last: int
-    # Item index of a compute -> positions of the receives between it and the next
-    # compute, which `run` may post before it.
-    receives_ahead: Mapping[int, tuple[int, ...]]
-    # Item index of a compute -> positions of its sends that the list posts only after
-    # later computes, which `run` may post right after it.
-    sends_ahead: Mapping[int, tuple[int, ...]]
-
-    @functools.cached_property
-    def posted_ahead(self) -> frozenset[int]:
-        """Positions of every op `receives_ahead` and `sends_ahead` name."""
-        ahead = (*self.receives_ahead.values(), *self.sends_ahead.values())
-        return frozenset(i for positions in ahead for i in positions)
-
-    @classmethod
-    def of(cls, actions: Sequence[Action]) -> _Order:
-        split = split_backwards({0: list(actions)})
-        last = max((i for i, a in enumerate(actions) if held_delta(a, split) < 0), default=-1)
-        items = tuple(execution_items(actions))
-        ahead = receives_ahead(actions, items), sends_ahead(actions, items)
-        return cls(actions, items, split, last, *ahead)

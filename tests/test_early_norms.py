@@ -81,8 +81,10 @@ def test_a_finished_stages_norm_is_taken_early_and_the_step_is_unchanged(gloo_po
         first_done = 2 if rank == 0 else 3
         for taken in early["taken"]:
             assert taken, f"rank {rank}: no norm was taken in a wait"
-            assert all(f"layers.{first_done}." in n or n.startswith("ln_f") or n.startswith(
-                "lm_head") for n in taken), (rank, taken)
+            assert all(
+                f"layers.{first_done}." in n or n.startswith("ln_f") or n.startswith("lm_head")
+                for n in taken
+            ), (rank, taken)
         assert not any(whole["taken"])
 
 
@@ -126,8 +128,10 @@ def nan_in_an_early_stage(spec: str, skip: bool) -> dict[str, Any]:
         except RuntimeFault as err:
             return {"error": str(err), "covered": sorted(program._early.covered)}
         after = program.state_dict()
-        return {"skipped": program.skipped, "unchanged": all(
-            torch.equal(v, after[k]) for k, v in before.items())}
+        return {
+            "skipped": program.skipped,
+            "unchanged": all(torch.equal(v, after[k]) for k, v in before.items()),
+        }
 
 
 def test_a_nan_gradient_in_an_early_stage_stops_every_rank(gloo_pool: Any) -> None:

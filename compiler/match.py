@@ -7,6 +7,7 @@ stage assignment (stages.py: `stage`), so neither imports the other.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 
 import torch
 
@@ -46,24 +47,16 @@ def _check_ranges(
 ) -> None:
     """Each `name[a:b]` of `pattern` stays inside every list it matched into: Python's
     slice semantics would quietly read `layers[0:7]` of 2 layers as `layers[0:2]`."""
-    width = pattern_width(pattern)
-    at = 0  # where the segment starts, counted from the first segment
-    for segment in pattern.segments:
-        if isinstance(segment, IndexRange):
-            for name in names:
-                parts = name.split(".")
-                container = ".".join(parts[: len(parts) - width + at + 1])
-                count = _list_length(modules[container])
-                if segment.stop is not None and segment.stop > count:
-                    raise PlanError(
-                        f"range {clip(segment)} reaches past the end of '{container}', which "
-                        f"has {count} entries ({segment.name}[0:{count}])",
-                        spec.locate(pattern.span),
-                        hint=f"a range must lie inside its list: write "
-                        f"{segment.name}[{segment.start}:{count}], or build the model deeper",
-                        names=(container,),
-                    )
-        at += 2 if isinstance(segment, IndexRange | IndexAll) else 1
+    for segment, container, count in _ranged_lists(pattern, names, modules):
+        if segment.stop is not None and segment.stop > count:
+            raise PlanError(
+                f"range {clip(segment)} reaches past the end of '{container}', which "
+                f"has {count} entries ({segment.name}[0:{count}])",
+                spec.locate(pattern.span),
+                hint=f"a range must lie inside its list: write "
+                f"{segment.name}[{segment.start}:{count}], or build the model deeper",
+                names=(container,),
+            )
 
 
 def _check_range_starts(spec: Spec, pattern: Pattern, modules: dict[str, torch.nn.Module]) -> None:
@@ -71,21 +64,29 @@ def _check_range_starts(spec: Spec, pattern: Pattern, modules: dict[str, torch.n
     its list (`layers[5:]` of 4 layers): say how long the list is."""
     every = tuple(IndexAll(s.name) if isinstance(s, IndexRange) else s for s in pattern.segments)
     names = match_names(dataclasses.replace(pattern, segments=every), modules)
-    width, at = pattern_width(pattern), 0
+    for segment, container, count in _ranged_lists(pattern, names, modules):
+        if segment.start >= count:
+            raise PlanError(
+                f"range {clip(segment)} starts past the end of '{container}', which "
+                f"has {count} entries ({segment.name}[0:{count}])",
+                spec.locate(pattern.span),
+                hint=f"a range must lie inside its list: its start must be below {count}",
+                names=(container,),
+            )
+
+
+def _ranged_lists(
+    pattern: Pattern, names: list[str], modules: dict[str, torch.nn.Module]
+) -> Iterator[tuple[IndexRange, str, int]]:
+    """(range segment, the list it indexes in `name`, that list's length) for each range
+    of `pattern` and each of the `names` it matched (its ranges widened or not)."""
+    width, at = pattern_width(pattern), 0  # `at`: where the segment starts
     for segment in pattern.segments:
         if isinstance(segment, IndexRange):
             for name in names:
                 parts = name.split(".")
                 container = ".".join(parts[: len(parts) - width + at + 1])
-                count = _list_length(modules[container])
-                if segment.start >= count:
-                    raise PlanError(
-                        f"range {clip(segment)} starts past the end of '{container}', which "
-                        f"has {count} entries ({segment.name}[0:{count}])",
-                        spec.locate(pattern.span),
-                        hint=f"a range must lie inside its list: its start must be below {count}",
-                        names=(container,),
-                    )
+                yield segment, container, _list_length(modules[container])
         at += 2 if isinstance(segment, IndexRange | IndexAll) else 1
 
 

@@ -5,8 +5,8 @@ ZeRO gives each dp rank's optimizer a flat shard instead of the model's paramete
 class. What configures an instance lives in two places: its parameter groups
 (`lr`, `betas`, ... as torch's optimizers keep them) and, for a hand-written class,
 possibly its own attributes (`self.scale = scale`). `rebuilt_like` constructs the
-class over the new groups, passing each constructor keyword the first group holds
-(a required `lr` included), then compares the plain attributes (numbers, strings,
+class over the new groups, passing each constructor keyword the instance was made with
+(its `defaults`, a required `lr` included), then compares the plain attributes (numbers, strings,
 flags) of both instances: one the rebuild cannot restore is a ParcError naming
 it, never a silently different optimizer.
 
@@ -43,9 +43,15 @@ _BASE = _base_attributes()
 
 
 def construct_like(opt: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> Any:
-    """`type(opt)` over `groups`, given each constructor keyword `opt`'s first group holds."""
+    """`type(opt)` over `groups`, given each constructor keyword `opt` was made with: its
+    `defaults` (what the constructor stored), else what its first group holds. Not the
+    first group first: a keyword the constructor reads itself (Adagrad's
+    `initial_accumulator_value` fills every state with the constructor's value, whatever a
+    group says) must be the user's, or a rebuild over ZeRO shards starts from other state
+    than one device (found by a probe: a first group's own value trained otherwise)."""
     cls: Any = type(opt)
     hyper = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
+    hyper.update(getattr(opt, "defaults", None) or {})
     try:
         signature = inspect.signature(cls.__init__)
     except (TypeError, ValueError):

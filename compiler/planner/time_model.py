@@ -147,6 +147,18 @@ class StepTime:
         return StepTime(slowest.compute * steps, slowest.tp * steps, slowest.pp * steps, dp, bubble)
 
 
+@dataclass(slots=True)
+class _RankSeconds:
+    """A pp rank's seconds, summed over its stages while `estimate_step_time` reads them:
+    a microbatch's compute, tp and pp seconds, and the step's dp reduce and gather."""
+
+    compute: float = 0.0
+    tp: float = 0.0
+    pp: float = 0.0
+    reduce: float = 0.0
+    gather: float = 0.0
+
+
 def estimate_step_time(plan: Plan, est: Estimate, cluster: Cluster) -> StepTime:
     """The step time of a compiled plan (its Estimate) on `cluster` (for `parc compile`).
 
@@ -155,28 +167,30 @@ def estimate_step_time(plan: Plan, est: Estimate, cluster: Cluster) -> StepTime:
     hides is taken off (exposed_dp); the slowest rank sets the step."""
     micro_steps = plan.microbatches * plan.grad_accum
     rate = cluster.rate(est.memory_model.precision, est.memory_model.built).tflops * 1e12
-    ranks: list[list[float]] = [[0.0] * 5 for _ in range(plan.pp)]  # compute tp pp reduce gather
+    ranks = [_RankSeconds() for _ in range(plan.pp)]
     for cost, (stage, comms) in zip(est.stages, est.collectives):
         mine = ranks[plan.stage_to_rank[stage]]
-        mine[0] += cost.rank_flops_per_sample * plan.batch.micro / rate
+        mine.compute += cost.rank_flops_per_sample * plan.batch.micro / rate
         for c in comms:
             seconds = transfer_seconds(cluster, plan.mesh, c.axis, c.kind, c.bytes, c.count)
-            if c.axis == AXIS_DP:
-                mine[4 if c.kind is CommKind.ALL_GATHER else 3] += seconds
+            if c.axis == AXIS_DP and c.kind is CommKind.ALL_GATHER:
+                mine.gather += seconds
+            elif c.axis == AXIS_DP:
+                mine.reduce += seconds
             elif c.axis == AXIS_PP and c.kind is CommKind.ALL_REDUCE:  # weights tied across stages
-                mine[3] += transfer_seconds(cluster, plan.mesh, c.axis, c.kind, c.bytes, 1)
+                mine.reduce += transfer_seconds(cluster, plan.mesh, c.axis, c.kind, c.bytes, 1)
             elif c.axis == AXIS_PP:
-                mine[2] += seconds / micro_steps if c.kind is CommKind.SEND else 0.0
+                mine.pp += seconds / micro_steps if c.kind is CommKind.SEND else 0.0
             else:
-                mine[1] += seconds / micro_steps
-    dp = max(exposed_dp(plan.zero, r[3], r[4], BACKWARD_SHARE * r[0]) for r in ranks)
+                mine.tp += seconds / micro_steps
+    dp = max(exposed_dp(plan.zero, r.reduce, r.gather, BACKWARD_SHARE * r.compute) for r in ranks)
     # zb1 fills the bubble with deferred W's, interleaving shrinks it: their own idle
     # share (plan_bubble's); (p-1) slots of the slowest rank otherwise.
     standard = plan.num_stages == plan.pp and not (
         plan.schedule is ScheduleKind.ZB1 and plan.pp > 1
     )
     return StepTime.of(
-        [StageSeconds(*r[:3]) for r in ranks],
+        [StageSeconds(r.compute, r.tp, r.pp) for r in ranks],
         microbatches=plan.microbatches,
         grad_accum=plan.grad_accum,
         dp=dp,

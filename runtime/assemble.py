@@ -90,7 +90,7 @@ def assemble(
     # Step 5
     local = _factory_params(program, device, sync)
     named = dict(zip(program.params, local, strict=True))
-    opt = _optimizer(optimizer, source, plan, named, sync, program.groups)
+    opt = _optimizer(optimizer, source, plan, named, sync, program.groups, device)
     # Step 6
     return ProgramParts(
         plan=plan,
@@ -211,6 +211,7 @@ def _optimizer(
     params: dict[str, torch.nn.Parameter],
     sync: GradientSync,
     groups: Mapping[str, int] | None,
+    device: torch.device | None = None,
 ) -> torch.optim.Optimizer:
     """The factory's optimizer over this rank's parameters (`params`, by canonical name),
     or rebuilt over its ZeRO shards, each shard in the group of the parameters it holds
@@ -222,12 +223,19 @@ def _optimizer(
     rank's parameters in other groups than it made of the whole model's (`groups`), which
     would train them with other settings than one device does.
     """
-    opt = checked_optimizer(factory(list(params.values())), source.path)
+    # A rank whose stages hold no parameter (a parameter-free pipeline stage) gives the
+    # factory one stand-in: torch refuses an empty list, which is not the factory's fault
+    # (found by a probe); its optimizer then steps nothing, in the factory's groups.
+    given = list(params.values()) or [torch.nn.Parameter(torch.zeros(1, device=device))]
+    opt = checked_optimizer(factory(given), source.path)
     origin, file = factory_origin(factory, source)
     check_optimizer(opt, plan, origin=origin, file=file)
     mine = group_of(opt, params.items())
     if groups is not None:
         _check_groups(mine, groups, origin, file)
+    if not params:
+        nothing: torch.optim.Optimizer = rebuilt_like(opt, [[] for _ in opt.param_groups])
+        return nothing
     if plan.zero == 0:
         return opt
     stepped_groups: list[list[torch.nn.Parameter]] = [[] for _ in opt.param_groups]

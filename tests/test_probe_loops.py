@@ -7,6 +7,14 @@ single-device loop (optimizers, schedulers, clipping, checkpoints, layouts):
   master the same way, and `zero 3` hung both ranks in backward. Now refused where the
   layout would step it (compiler/gradless.py); tp and pp in fp32 leave the gradient
   None and train as one device.
+- a pipeline stage without parameters (`stage tail -> 1` on a parameter-free module)
+  handed the optimizer factory an empty list, and torch's "optimizer got an empty
+  parameter list" was blamed on the user's factory; now the rank's optimizer is the
+  factory's class and groups over nothing (runtime/assemble.py).
+- ZeRO rebuilt the user's optimizer over its shards with its first group's settings as
+  the constructor's arguments; Adagrad's constructor fills every state with its own
+  `initial_accumulator_value`, so a first group naming another value started from
+  other state than one device (compiler/optimizer_rebuild.py).
 - `parc.compile(optimizer=torch.optim.AdamW(...))`, an optimizer where a factory is
   expected, failed after compiling with "TypeError: 'AdamW' object is not callable";
   now a ParcError before anything runs, saying what to pass.
@@ -28,6 +36,7 @@ from parc.errors import ModelError, ParcError
 from parc.runtime.equivalence import model_env
 
 DETACHED = str(Path(__file__).parent / "models" / "detached_param.py")
+PARAM_FREE = str(Path(__file__).parent / "models" / "paramfree_stage.py")
 TP2 = "mesh tp=2\nshard fc1 col tp\nshard fc2 row tp\n"
 
 
@@ -153,3 +162,12 @@ def test_zero_1_trains_that_optimizer_as_one_device(gloo_pool: Any) -> None:
     # fp32 sums in another order: LOSS_RTOL (runtime/tolerances.py); the first group's
     # 0.5 as every state's start moved the last loss by 4e-3 relative on gpt.py.
     assert got == pytest.approx(want, rel=1e-5), (got, want)
+
+
+# ------------------------------------------------------------ a stage without parameters
+
+
+@pytest.mark.parametrize("extra", ["", "mesh pp=2 dp=2\nzero 1\n"], ids=["pp2", "pp2-dp2-zero1"])
+def test_a_stage_without_parameters_trains_as_one_device(gloo_pool: Any, extra: str) -> None:
+    spec = (extra or "mesh pp=2\n") + "stage fc1, fc2 -> 0\nstage tail -> 1\n"
+    assert_equivalent(gloo_pool, spec, PARAM_FREE, env={}, steps=3)

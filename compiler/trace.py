@@ -33,6 +33,7 @@ import torch.fx
 
 from parc.errors import CompileError, ModelError, ParcError
 
+from .base_calls import reform_base_calls
 from .fx_blind_spots import grad_switches, inference_refused, stale_buffer_reads
 from .linear_forms import forward_is_linear
 from .model_output import Path, choose_output, leaves
@@ -170,6 +171,7 @@ def _traced(
             raise
         return _exported(model, inputs, own_loss, file, fx_error, compute)
     gm.meta["parc_capture"] = "fx"
+    reform_base_calls(gm, model)  # a Linear/Embedding subclass that computes more
     augmented_writes(gm, inputs)  # `h += 1`: in place on a tensor, a new int otherwise
     functional_writes(gm)  # `h.add_(1)` as export writes it: `h = h.add(1)`
     choose_single_output(gm, _fx_leaves(gm, inputs, own_loss), own_loss, file)

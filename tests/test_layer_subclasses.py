@@ -8,10 +8,13 @@ computes `F.linear`, as `x @ W.T + b` (Falcon's FalconLinear) or `F.linear(x, W,
 forms in its graph). Before, fx traced through them (only torch.nn's own classes are
 its leaves), and any `shard` line on one ended in an internal AssertionError (an
 independent probe found it, on a one-line subclass). A subclass whose forward computes
-more (a Linear's output scaled, Gemma's scaled embedding, OPT's learned positional
-embedding) is refused with a clear error naming the layer, its class and the spec line
-(compiler/layout.py), never a crash, and never a silent all-gather of the weight in
-place of the split the spec asked for.
+more around its base class's call (`F.linear(...) * 2`, Gemma's `super().forward(ids) *
+scale`) has that call made a leaf of the base class, the rest left in the graph
+(compiler/base_calls.py), so it is split too; before, it was refused (a probe found Gemma's
+`shard embed_tokens vocab tp` refused). One that computes its map or lookup without the
+base call (`(x @ W.T + b) * 2`, `weight[ids]`) is refused with a clear error naming the
+layer, its class and the spec line (compiler/layout.py), never a crash, and never a
+silent all-gather of the weight in place of the split the spec asked for.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 from helpers import ROOT, assert_equivalent
 
 from parc.compiler.frontend import analyse
@@ -51,11 +55,38 @@ def test_subclasses_that_compute_their_base_call_train_as_one_device(
     assert_equivalent(gloo_pool, SPLIT, MODEL, env=env, steps=2, batch=4)
 
 
+@pytest.mark.parametrize(("override", "layer"), [("scaled", "fc1"), ("embedding", "emb")])
+def test_a_subclass_that_computes_more_around_its_base_call_is_split(
+    override: str, layer: str
+) -> None:
+    with model_env({"LAYER_OVERRIDE": override}):
+        analysis = analyse(SPLIT, MODEL, batch=4)
+    gm = analysis.gm
+    calls = [n for n in gm.graph.nodes if n.op == "call_module" and n.target == layer]
+    assert len(calls) == 1
+    (scale,) = calls[0].users  # the subclass's `* 2` / `* scale` after the base call
+    assert scale.op == "call_function" and scale.args == (calls[0], scale.args[1])
+    # The graph calls the base class's forward; the model keeps its own layer, the same
+    # parameters, and the plan names its class.
+    standin, own = gm.get_submodule(layer), analysis.model.get_submodule(layer)
+    assert type(standin) in (torch.nn.Linear, torch.nn.Embedding) and type(own) is not type(standin)
+    assert standin.weight is own.weight
+    assert {s.module: s.module_type for s in analysis.plan.shards}[layer] == type(own).__name__
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("override", ["scaled", "embedding"])
+def test_a_subclass_that_computes_more_trains_as_one_device(gloo_pool: Any, override: str) -> None:
+    # SGD, the current tolerances (docs/architecture.md, Equivalence).
+    env = {"LAYER_OVERRIDE": override}
+    assert_equivalent(gloo_pool, SPLIT, MODEL, env=env, steps=2, batch=4)
+
+
 @pytest.mark.parametrize(
     ("override", "layer", "cls", "what"),
     [
-        ("scaled", "fc1", "ScaledLinear", "linear map"),
-        ("embedding", "emb", "ScaledEmbedding", "lookup"),
+        ("scaled_matmul", "fc1", "ScaledMatmulLinear", "linear map"),
+        ("indexed", "emb", "IndexedEmbedding", "lookup"),
     ],
 )
 def test_a_subclass_that_overrides_forward_is_refused_by_name(

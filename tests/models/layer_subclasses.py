@@ -3,8 +3,10 @@
 LAYER_OVERRIDE picks which of them override forward: "" (none: each keeps its base
 class's forward, as a wrapper that only adds attributes or methods does),
 "transposed" (the Linears compute `x @ W.T + b`, as Falcon's FalconLinear does),
-"functional" (`F.linear(x, W, b)`), "scaled" (the Linears' output times 2: more than
-a linear map) or "embedding" (the lookup times a scale, Gemma's scaled embedding).
+"functional" (`F.linear(x, W, b)`), "scaled" (the Linears' `F.linear` output times 2:
+more than a linear map), "embedding" (the lookup times a scale, Gemma's scaled
+embedding), or the same two computed without the base call, which parc cannot split:
+"scaled_matmul" (`(x @ W.T + b) * 2`) and "indexed" (`weight[ids] * scale`).
 """
 
 import os
@@ -42,7 +44,17 @@ class ScaledLinear(TaggedLinear):
         return nn.functional.linear(x, self.weight, self.bias) * 2.0
 
 
-LINEARS = {"transposed": TransposedLinear, "functional": FunctionalLinear, "scaled": ScaledLinear}
+class ScaledMatmulLinear(TaggedLinear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.weight.T + self.bias) * 2.0
+
+
+LINEARS = {
+    "transposed": TransposedLinear,
+    "functional": FunctionalLinear,
+    "scaled": ScaledLinear,
+    "scaled_matmul": ScaledMatmulLinear,
+}
 
 
 class ScaledEmbedding(TaggedEmbedding):
@@ -50,11 +62,19 @@ class ScaledEmbedding(TaggedEmbedding):
         return super().forward(ids) * DIM**0.5
 
 
+class IndexedEmbedding(TaggedEmbedding):
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight[ids] * DIM**0.5
+
+
+EMBEDDINGS = {"embedding": ScaledEmbedding, "indexed": IndexedEmbedding}
+
+
 class Net(nn.Module):
     def __init__(self, override: str) -> None:
         super().__init__()
         linear = LINEARS.get(override, TaggedLinear)
-        self.emb = (ScaledEmbedding if override == "embedding" else TaggedEmbedding)(VOCAB, DIM)
+        self.emb = EMBEDDINGS.get(override, TaggedEmbedding)(VOCAB, DIM)
         self.fc1 = linear(DIM, 4 * DIM)
         self.fc2 = linear(4 * DIM, DIM)
         self.head = nn.Linear(DIM, VOCAB)

@@ -43,7 +43,10 @@ def reshape(ctx: OpContext) -> Decision | None:
     shards the heads. One head (`view(B, T, 1, head_dim)`, the single kv head of
     multi-query attention) is such a split too: sharding head_dim instead would
     give attention no rule but all-gathers, so it is NotDivisible like any
-    heads count the axis does not divide.
+    heads count the axis does not divide. Only a split of the features (the last
+    dim) names heads that way: a size-1 dim put before an inner sharded dim is
+    another dim of size 1 (BLOOM's `view(B, n_head, T, head_dim)` of its
+    (B·n_head, T, head_dim) scores at micro-batch 1 keeps the heads sharded).
     """
     x = ctx.arg(0)
     s = ctx.sharded(x)
@@ -56,7 +59,7 @@ def reshape(ctx: OpContext) -> Decision | None:
         return None
     _, gj = groups[at]
     parts = tuple(dst[j] for j in gj)
-    if s.blocks == 1 and _one_head_before(ctx.node, groups, at):
+    if s.blocks == 1 and s.dim == len(src) - 1 and _one_head_before(ctx.node, groups, at):
         raise NotDivisible(src[s.dim], (1, *parts), 1, ctx.tp)
     if s.blocks > 1 and parts[0] == s.blocks and len(parts) > 1:
         out, size, need = Shard(gj[1]), parts[1], ctx.tp

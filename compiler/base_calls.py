@@ -15,9 +15,10 @@ call of the layer: a `shard` line had nothing to split. `reform_base_calls`:
 2. Replace the call by a `call_module` of the module's *base call*: a shallow copy of
    the module whose class is the base class (`nn.Embedding`, `nn.Linear`), sharing its
    parameter and buffer tables (the same tensors, the same names), put at the module's
-   path in the graph module. The rest of the subclass's forward stays in the graph as
-   it was, so the tensor-parallel rules place it like any op after the layer (a vocab
-   lookup's partial sum is all-reduced before Gemma's scale multiplies it).
+   path in the graph module (`is_base_call` tells it). The rest of the subclass's
+   forward stays in the graph as it was, so the tensor-parallel rules place it like
+   any op after the layer (a vocab lookup's partial sum is all-reduced before Gemma's
+   scale multiplies it).
 
 The model's own modules are never changed. A subclass whose forward computes its
 lookup or map some other way (`self.weight[ids]`) has no such call and stays refused
@@ -34,7 +35,9 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-__all__ = ["reform_base_calls"]
+__all__ = ["is_base_call", "reform_base_calls"]
+
+_MARK = "_parc_base_call"  # set on a stand-in: its buffers are the subclass's, never read
 
 _EMBEDDING_OPTIONS = ("padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
 # Step 1: functional call -> (the layer class, its parameters' argument names)
@@ -145,4 +148,12 @@ def _base_call(module: torch.nn.Module, base: type[torch.nn.Module]) -> torch.nn
     and buffer tables) whose forward is the base class's."""
     standin = copy.copy(module)
     standin.__class__ = base
+    setattr(standin, _MARK, True)
     return standin
+
+
+def is_base_call(module: torch.nn.Module) -> bool:
+    """Whether `module` is a stand-in of step 2: its call is its base class's, which reads
+    its parameters alone; the buffers it shares (Gemma's fp32 `embed_scale`) are the
+    subclass's, read by the graph's own ops after the call."""
+    return getattr(module, _MARK, False) is True

@@ -33,6 +33,7 @@ from parc.dsl import load_spec, parse_spec
 from parc.dsl.ast import Spec
 from parc.errors import CompileError, ModelError
 
+from .base_calls import is_base_call
 from .deferred_init import DeferredModel, record_build
 from .dropout import dropout_warnings, random_draw_warnings
 from .estimate import Estimate, estimate
@@ -277,6 +278,8 @@ def _check_module_state_dtypes(gm: torch.fx.GraphModule, compute: torch.dtype | 
         if node.op != "call_module":
             continue
         module = gm.get_submodule(str(node.target))
+        if is_base_call(module):  # a Linear/Embedding call: it reads no buffer
+            continue
         if not any(p.is_floating_point() for p in module.parameters(recurse=False)):
             continue
         odd = [

@@ -51,3 +51,11 @@ def test_the_scaled_embedding_is_called_as_a_layer_and_scaled_after() -> None:
 def test_gemma_vocab_parallel_trains_as_one_device(gloo_pool: Any, sequence: str) -> None:
     # SGD, the current tolerances (docs/architecture.md, Equivalence).
     assert_equivalent(gloo_pool, VOCAB + sequence, GEMMA, env={}, steps=2, batch=4)
+
+
+def test_under_bf16_the_split_embedding_is_not_taken_for_a_batchnorm() -> None:
+    # The layer's call reads its weight alone: Gemma's fp32 `embed_scale` buffer, which
+    # it shares with the model's own module, is read by the scale after it (a probe's
+    # `precision bf16` was refused as BatchNorm's bf16 weights beside fp32 statistics).
+    plan = analyse(VOCAB + "precision bf16\n", GEMMA, batch=4).plan
+    assert plan.shard_of("model.embed_tokens") is not None

@@ -73,27 +73,39 @@ def iter_full_state(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(state_dict key, full tensor), one distinct tensor at a time (module docstring).
 
-    Every rank must run it to the end: the ranks that keep nothing yield nothing
-    but take part in every collective.
+    Every rank takes part in every collective: the ranks that keep nothing yield nothing
+    but gather each tensor with the others. A loop that stops early (a `break` on rank
+    0, which the other ranks cannot see) closes the generator, which then gathers the
+    rest without yielding them; it hung the ranks before (found by a probe).
     """
     keep = not rank0_only or parts.comm.rank == 0
     aliases: dict[str, list[str]] = {}
     for key, canonical in state_keys(parts).items():
         aliases.setdefault(canonical, []).append(key)
     staging = _Staging.for_parts(parts)
-    for canonical, its_keys in aliases.items():
-        if canonical in parts.full_shapes:
-            full = _parameter(parts, canonical, staging)
-        else:
-            full = _buffer(parts, canonical, staging)
-        if not keep:
-            continue
-        # Step 3: a copy out of the reused buffer.
-        kept = full.to("cpu", copy=True) if cpu_offload else full.clone()
-        del full
-        for key in its_keys:
-            yield key, kept
-        del kept
+    pending = iter(aliases.items())
+    try:
+        for canonical, its_keys in pending:
+            full = _full(parts, canonical, staging)
+            if not keep:
+                continue
+            # Step 3: a copy out of the reused buffer.
+            kept = full.to("cpu", copy=True) if cpu_offload else full.clone()
+            del full
+            for key in its_keys:
+                yield key, kept
+            del kept
+    except GeneratorExit:  # closed early: the other ranks still gather what is left
+        for canonical, _ in pending:
+            _full(parts, canonical, staging)
+        raise
+
+
+def _full(parts: ProgramParts, canonical: str, staging: _Staging) -> torch.Tensor:
+    """One parameter or buffer, whole, in `staging`'s reused buffer."""
+    if canonical in parts.full_shapes:
+        return _parameter(parts, canonical, staging)
+    return _buffer(parts, canonical, staging)
 
 
 @dataclass(frozen=True, slots=True)

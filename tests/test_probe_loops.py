@@ -15,6 +15,9 @@ single-device loop (optimizers, schedulers, clipping, checkpoints, layouts):
   the constructor's arguments; Adagrad's constructor fills every state with its own
   `initial_accumulator_value`, so a first group naming another value started from
   other state than one device (compiler/optimizer_rebuild.py).
+- `for key, t in program.iter_state(): ... break` on rank 0 (the only rank that yields
+  under rank0_only) left the other ranks gathering the rest alone: a hang. Now the
+  generator, closed early, still takes part in the remaining gathers (runtime/gather.py).
 - `parc.compile(optimizer=torch.optim.AdamW(...))`, an optimizer where a factory is
   expected, failed after compiling with "TypeError: 'AdamW' object is not callable";
   now a ParcError before anything runs, saying what to pass.
@@ -171,3 +174,31 @@ def test_zero_1_trains_that_optimizer_as_one_device(gloo_pool: Any) -> None:
 def test_a_stage_without_parameters_trains_as_one_device(gloo_pool: Any, extra: str) -> None:
     spec = (extra or "mesh pp=2\n") + "stage fc1, fc2 -> 0\nstage tail -> 1\n"
     assert_equivalent(gloo_pool, spec, PARAM_FREE, env={}, steps=3)
+
+
+# ------------------------------------------------------------ iter_state stopped early
+
+
+def _first_key_then_whole_state(spec: str) -> dict[str, Any]:
+    """On every rank: a step, rank 0 takes the first tensor of iter_state and stops (the
+    others yield nothing and gather every tensor), then every rank gathers the state."""
+    from parc.compiler.model import load_model
+
+    source = load_model(MLP)
+    program = parc.compile(spec, source, batch=8)
+    program.step(*source.batch(8, 0))
+    first = None
+    for key, tensor in program.iter_state():
+        first = (key, tensor)
+        break
+    whole = program.state_dict()
+    if first is None:
+        return {}
+    return {"first": first[0], "same": torch.equal(first[1], whole[first[0]])}
+
+
+@pytest.mark.parametrize("spec", ["mesh dp=2\nzero 3\n", "mesh pp=2\nstage auto\n"])
+def test_a_rank_may_stop_iter_state_early(gloo_pool: Any, spec: str) -> None:
+    # Before: rank 1 waited in a gather rank 0 never joined (the 60 s deadline).
+    results = gloo_pool(2).run(_first_key_then_whole_state, spec, timeout=60.0)
+    assert results[0] == {"first": "layers.0.weight", "same": True} and results[1] == {}

@@ -394,6 +394,8 @@ class Program:
         gathered once and yielded under its first key, then at once under each of its
         tied aliases (the same tensor object), so keys come in the model's order except
         that an alias follows its tensor. Drop each tensor when done with it and the
-        rank holds one at a time. Every rank must run it to the end (collectives).
+        rank holds one at a time. Every rank takes part in the gathers: a rank that keeps
+        nothing yields nothing, and a loop may stop early (`break`): the closed generator
+        still joins the remaining gathers (runtime/gather.py).
         """
         return iter_full_state(self.parts, rank0_only=rank0_only, cpu_offload=cpu_offload)

@@ -163,8 +163,8 @@ def _zeros(like: torch.Tensor, shape: torch.Size, spec: StateSpec) -> torch.Tens
 def _tensor(kind: str, value: Any) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise ParcError(
-            f"optimizer state '{kind}' is a {type(value).__name__}, not a tensor; checkpoints "
-            "store optimizer state as tensors",
+            f"optimizer state '{kind}' is of type {type(value).__name__}, not a tensor; "
+            "checkpoints store optimizer state as tensors",
             hint="use a torch.optim optimizer, which keeps its state (step counts included) "
             "as tensors",
         )

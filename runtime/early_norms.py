@@ -11,6 +11,11 @@ half of the first rank's pass leaves the end of the step, where every rank waits
 for it in the loss all-reduce (the pass is memory-bound: ~1.4 ms for 13 MB of
 fp32 gradients on this machine's CPU, bench/pp_interleaved.py's model).
 
+The executor runs idle work only at waits after the rank's last send (the
+module parc.runtime.pipeline.idle says why), so on the rank whose stage-0
+backwards end the step; every other rank ends its round with a send and runs its
+whole pass while it waits for that rank in the all-reduce.
+
 Only where a stage's gradients are the optimizer's as soon as its backward ends:
 zero 0 over one dp rank in fp32 (`GradSync.autograd_grads`: nothing reduces or
 copies them later), a parameter not tied to another (a tied weight's gradients

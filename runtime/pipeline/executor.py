@@ -161,8 +161,8 @@ class StageExecutor:
         first backward, or earlier where the rank first waits for a peer: in time the
         rank would spend idle (a last stage waits for its first input, a first stage for
         its first gradient), off the pipeline's critical path. `idle` (in the last round)
-        hears when each stage's gradients are final and runs its work where the rank
-        would wait for a peer (`parc.runtime.pipeline.idle`).
+        hears when each stage's gradients are final and runs its work where the rank,
+        its sends all posted, would wait for a peer (`parc.runtime.pipeline.idle`).
 
         With `post_ahead` (gloo) some receives are posted a compute ahead of their batch
         and some sends right after their compute, every wait where it was: which ones, and
@@ -191,7 +191,7 @@ class StageExecutor:
             ):
                 before_backward()
                 before_backward = None
-            if idle is not None and state.will_wait(first.kind):
+            if idle is not None and item[0] > order.last_send and state.will_wait(first.kind):
                 idle.run()
             state.wait_for(first.kind)
             if last_round and item[0] == order.last and self.before_last_backward:

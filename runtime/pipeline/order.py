@@ -13,7 +13,7 @@ import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from parc.compiler.schedule_actions import Action, execution_items
+from parc.compiler.schedule_actions import Action, ActionKind, execution_items
 from parc.compiler.schedule_split import held_delta, split_backwards
 
 from .posting import receives_ahead, sends_ahead
@@ -52,6 +52,12 @@ class ActionOrder:
         gradients are final."""
         finals = {a.stage: i for i, a in enumerate(self.actions) if held_delta(a, self.split) < 0}
         return {i: stage for stage, i in finals.items()}
+
+    @functools.cached_property
+    def last_send(self) -> int:
+        """The position of the rank's last send (-1: none); after it no peer waits on it."""
+        sends = (ActionKind.SEND_F, ActionKind.SEND_B)
+        return max((i for i, a in enumerate(self.actions) if a.kind in sends), default=-1)
 
     @classmethod
     def of(cls, actions: Sequence[Action]) -> ActionOrder:

@@ -117,12 +117,18 @@ def param_slices(plan: Plan, model: torch.nn.Module) -> dict[str, ParamSlice]:
 
 
 def _slice_for(kind: ShardKind, leaf: str, module: torch.nn.Module, tp: int) -> ParamSlice | None:
+    """The slice of `module`'s parameter `leaf`; None for one its layer's call does not
+    read (a subclass's own extra parameters, a LoRA's A and B, stay whole)."""
     if isinstance(module, torch.nn.Embedding):  # vocab: its rows; col: its embedding dim
+        if leaf != "weight":
+            return None
         if kind is ShardKind.VOCAB:
             return ParamSlice(0, tp, padding=-module.num_embeddings % tp)
         return ParamSlice(1, tp)
     form = linear_form(module)
     assert form is not None, "param_slices refused a module it cannot split"
+    if leaf not in (form.weight, form.bias):
+        return None
     if kind is ShardKind.COL:  # outputs tp does not divide are padded (an LM head's vocab)
         pad = -form.out_features % tp
         return ParamSlice(form.out_dim if leaf == form.weight else 0, tp, padding=pad)

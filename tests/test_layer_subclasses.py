@@ -26,6 +26,7 @@ import torch
 from helpers import ROOT, assert_equivalent
 
 from parc.compiler.frontend import analyse
+from parc.compiler.layout import param_slices
 from parc.errors import ParcError
 from parc.runtime.equivalence import model_env
 
@@ -74,8 +75,19 @@ def test_a_subclass_that_computes_more_around_its_base_call_is_split(
     assert {s.module: s.module_type for s in analysis.plan.shards}[layer] == type(own).__name__
 
 
+def test_a_subclasss_own_extra_parameters_stay_whole() -> None:
+    # LoRA's A and B are the subclass's, not its base call's: split with the layer (its
+    # bias's dim 0 for A), they were all-gathered back at every use (a probe found it).
+    with model_env({"LAYER_OVERRIDE": "lora"}):
+        analysis = analyse(SPLIT, MODEL, batch=4)
+    slices = param_slices(analysis.plan, analysis.gm)
+    assert {"fc1.weight", "fc1.bias", "fc2.weight"} <= set(slices)
+    assert not {n for n in slices if "lora" in n}
+    assert not [w for w in analysis.plan.warnings if "all-gathered" in w.message]
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("override", ["scaled", "embedding"])
+@pytest.mark.parametrize("override", ["scaled", "embedding", "lora"])
 def test_a_subclass_that_computes_more_trains_as_one_device(gloo_pool: Any, override: str) -> None:
     # SGD, the current tolerances (docs/architecture.md, Equivalence).
     env = {"LAYER_OVERRIDE": override}

@@ -5,7 +5,8 @@ class's forward, as a wrapper that only adds attributes or methods does),
 "transposed" (the Linears compute `x @ W.T + b`, as Falcon's FalconLinear does),
 "functional" (`F.linear(x, W, b)`), "scaled" (the Linears' `F.linear` output times 2:
 more than a linear map), "embedding" (the lookup times a scale, Gemma's scaled
-embedding), or the same two computed without the base call, which parc cannot split:
+embedding), "lora" (the base call plus a low-rank `x @ A.T @ B.T` of the layer's own
+parameters A, B), or the same scaled two computed without the base call, which parc cannot split:
 "scaled_matmul" (`(x @ W.T + b) * 2`) and "indexed" (`weight[ids] * scale`).
 """
 
@@ -49,11 +50,25 @@ class ScaledMatmulLinear(TaggedLinear):
         return (x @ self.weight.T + self.bias) * 2.0
 
 
+class LoraLinear(TaggedLinear):
+    """A low-rank update beside the base call, its A and B parameters of its own."""
+
+    def __init__(self, in_features: int, out_features: int, rank: int = 4) -> None:
+        super().__init__(in_features, out_features)
+        self.lora_a = nn.Parameter(torch.randn(rank, in_features) * 0.1)
+        self.lora_b = nn.Parameter(torch.randn(out_features, rank) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        low_rank = nn.functional.linear(nn.functional.linear(x, self.lora_a), self.lora_b)
+        return nn.functional.linear(x, self.weight, self.bias) + low_rank
+
+
 LINEARS = {
     "transposed": TransposedLinear,
     "functional": FunctionalLinear,
     "scaled": ScaledLinear,
     "scaled_matmul": ScaledMatmulLinear,
+    "lora": LoraLinear,
 }
 
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from parc.compiler.default_loss import DefaultLoss, TargetScan, scan_targets
+from parc.compiler.default_loss import DefaultLoss, TargetScan
 from parc.compiler.model_output import input_tensors
 from parc.compiler.ops.own_loss import OWN_LOSS_COUNTS, OwnLossCounts
 from parc.compiler.saved import cast_inputs
@@ -43,7 +43,9 @@ from .clip import NormLayout, check_max_norm, clip_grads, flag_and_square_sum, s
 from .collectives import CommKind
 from .compiled import compile_seconds
 from .early_norms import EarlyNorms
+from .evaluate import Evaluator
 from .gather import gather_full_state, iter_full_state
+from .loss_counts import counts_loss, tokens_per_call
 from .master_weights import COMPUTE_DTYPE, upcast
 from .nonfinite import first_nonfinite_param, grad_views, nonfinite_fault
 from .parts import ProgramParts
@@ -80,6 +82,7 @@ class Program:
         self.hooks = StepHooks()
         self._early = EarlyNorms.of(parts, self._counts)  # norms in idle waits, or None
         self._compile_start = compile_seconds() if parts.plan.compiled else 0.0
+        self._evaluation: Evaluator | None = None  # made on the first `evaluate`
         self.executor = StageExecutor(
             parts.stages,
             parts.comm,
@@ -134,33 +137,44 @@ class Program:
             self._per_call = self._tokens_per_call(ys, shared=True)
             return self._step(xs or [], ys)
 
+    # ------------------------------------------------------------ evaluation
+
+    def evaluate(self, inputs: Any, targets: Any) -> float:
+        """The mean loss of one global batch in eval mode, forward only (call on every
+        rank, as `step`: the same batch contract and dp slicing, the same loss): no
+        gradient, no optimizer step, nothing of the training state changes (parameters,
+        optimizer, `steps_done`, `comm_stats`, the random stream). See runtime/evaluate.py."""
+        with self.comm.active():
+            xs = list(input_tensors(inputs))
+            self._check_batch(xs, targets, self.plan.batch.global_batch, read=True)
+            b = self.plan.batch.per_replica
+            cut = slice(self.comm.index(AXIS_DP) * b, (self.comm.index(AXIS_DP) + 1) * b)
+            per_call, scan = tokens_per_call(self.parts, self.comm, targets)
+            return self._evaluator().run([x[cut] for x in xs], targets[cut], per_call, scan)
+
+    def evaluate_local(self, inputs: Any, targets: Any) -> float:
+        """`evaluate` on this rank's share of the global batch, given as `step_local`
+        takes it (inputs where `parts.needs_inputs`, targets on the last stage, None
+        elsewhere); the loss is the global batch's."""
+        with self.comm.active():
+            xs = list(input_tensors(inputs)) if self.parts.needs_inputs else None
+            ys = targets if self.parts.holds_last_stage else None
+            per_replica, last = self.plan.batch.per_replica, self.parts.holds_last_stage
+            self._check_batch(xs, ys, per_replica, read=last, given="each rank's share must have")
+            per_call, scan = tokens_per_call(self.parts, self.comm, ys, shared=True)
+            return self._evaluator().run(xs or [], ys, per_call, scan)
+
+    def _evaluator(self) -> Evaluator:
+        """The forward-only runs, made on the first evaluation (runtime/evaluate.py)."""
+        if self._evaluation is None:
+            self._evaluation = Evaluator(self.parts)
+        return self._evaluation
+
     def _tokens_per_call(self, targets: torch.Tensor | None, shared: bool = False) -> float | None:
-        """DefaultLoss.per_call for this step: None unless the default loss ignores some
-        of the global batch's targets (then the counted targets over the loss calls a
-        step sums). `targets`: the global batch's, or (`shared`) this rank's share, None
-        on a rank without the last stage; the shares' counts are summed over the world.
-        The scan is also the range check's read (`_scan`): one read of the host targets,
-        on a rank holding the last stage only."""
-        self._scan = None
-        if not isinstance(self.parts.loss_fn, DefaultLoss):
-            return None
-        last = self.parts.holds_last_stage and targets is not None
-        if last:
-            assert targets is not None
-            self._scan = scan_targets(targets)
-        if shared:
-            counts = torch.zeros(2, dtype=torch.float64, device=self.parts.device)
-            if self._scan is not None and self._counts_loss():
-                counts[0], counts[1] = self._scan.counted, self._scan.total
-            counted, total = self.comm.metric_sum(counts).tolist()
-        elif self._scan is not None:
-            counted, total = self._scan.counted, self._scan.total
-        else:
-            return None  # a rank without the loss: it never calls it
-        plan = self.plan
-        if counted == total:
-            return None  # every target counts: each call's mean is already the global one
-        return max(counted, 1.0) / (plan.dp * plan.microbatches * plan.grad_accum)
+        """DefaultLoss.per_call for this step (runtime/loss_counts.py); its scan of the
+        targets is kept for the range check (`_scan`)."""
+        per_call, self._scan = tokens_per_call(self.parts, self.comm, targets, shared=shared)
+        return per_call
 
     def _step(self, xs: list[torch.Tensor], targets: torch.Tensor | None) -> float:
         """The step on this rank's dp share: `xs` its input tensors ([] on a rank whose
@@ -306,12 +320,7 @@ class Program:
             dist.all_reduce(grad, group=group)
 
     def _counts_loss(self) -> bool:
-        """Whether this rank's losses are in the global one: it holds the last stage and is
-        index 0 on every axis but dp and pp (the others compute the same losses)."""
-        names = self.plan.mesh.names
-        return self.parts.holds_last_stage and all(
-            self.comm.index(a) == 0 for a in names if a not in (AXIS_DP, AXIS_PP)
-        )
+        return counts_loss(self.parts, self.comm)
 
     def _global_loss(
         self,

@@ -42,7 +42,6 @@ from .batch_checks import batch_problems
 from .clip import NormLayout, check_max_norm, clip_grads, flag_and_square_sum, scale_grads
 from .collectives import CommKind
 from .compiled import compile_seconds
-from .early_norms import EarlyNorms
 from .evaluate import Evaluator
 from .gather import gather_full_state, iter_full_state
 from .loss_counts import counts_loss, tokens_per_call
@@ -80,7 +79,6 @@ class Program:
         self._bytes: dict[tuple[CommKind, str], int] = {}
         # Where a step is watched or changed (step_hooks.py); nothing replaces a method.
         self.hooks = StepHooks()
-        self._early = EarlyNorms.of(parts, self._counts)  # norms in idle waits, or None
         self._compile_start = compile_seconds() if parts.plan.compiled else 0.0
         self._evaluation: Evaluator | None = None  # made on the first `evaluate`
         self.executor = StageExecutor(
@@ -191,18 +189,15 @@ class Program:
         ys = targets.to(self.parts.device) if targets is not None else None
         losses: list[torch.Tensor] = []  # on the device: read once, in _global_loss
         counts = OwnLossCounts()  # the model's own mean loss' targets (ops/own_loss.py)
-        # Norms taken in the pipeline's idle time, unless a hook may write the gradients.
-        early = None if self.hooks.after_sync else self._early
-        if early is not None:
-            early.start()
         with OWN_LOSS_COUNTS.activated(counts):
-            self._rounds(losses, xs, ys, early)
+            self._rounds(losses, xs, ys)
         self._unchecked_targets = None  # a stage without the loss never reads them
         self.parts.sync.finish(self._tied_reduce)
         self.hooks.synced(self.steps_done)
         self.parts.sync.arm(False)
         # Before the optimizer step: a NaN/inf must never reach the parameters (nonfinite.py).
-        flag, square_sum = self._norms(early)
+        views = ((view, self._counts[name]) for name, view in grad_views(self.parts))
+        flag, square_sum = flag_and_square_sum(views, self.parts.device)  # clip.py
         loss, flagged, self.last_grad_norm = self._global_loss(losses, flag, square_sum, counts)
         # A flag may be a finite norm whose squares overflowed: only the exact search can tell.
         param = first_nonfinite_param(self.parts) if flagged and math.isfinite(loss) else None
@@ -217,22 +212,8 @@ class Program:
         self.steps_done += 1
         return loss
 
-    def _norms(self, early: EarlyNorms | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The non-finite flag and this rank's share of the squared global norm (clip.py):
-        one pass over the gradient parts no idle wait has taken (early_norms.py)."""
-        views = grad_views(self.parts)
-        if early is None:
-            pairs = ((view, self._counts[name]) for name, view in views)
-            return flag_and_square_sum(pairs, self.parts.device)
-        flag, square_sum = flag_and_square_sum(early.rest(views), self.parts.device)
-        return early.combine(flag, square_sum)
-
     def _rounds(
-        self,
-        losses: list[torch.Tensor],
-        xs: list[torch.Tensor],
-        ys: torch.Tensor | None,
-        early: EarlyNorms | None,
+        self, losses: list[torch.Tensor], xs: list[torch.Tensor], ys: torch.Tensor | None
     ) -> None:
         """The step's grad_accum pipeline rounds on this rank's share; each microbatch's
         loss is appended to `losses`."""
@@ -258,7 +239,6 @@ class Program:
                 # Gradient buffers (re)made in the step, not after it (ZeRO-2 holds only
                 # its gradient shards between steps), where the rank first idles.
                 before_backward=self.parts.sync.prepare if r == 0 else None,
-                idle=early,
             )
 
     def _loss(self, output: Any, targets: torch.Tensor) -> torch.Tensor:

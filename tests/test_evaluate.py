@@ -8,8 +8,9 @@ mixed-precision recipe): before any step (the seed's weights) and after one step
 products in another order (split matmuls, all-reduces, microbatch means), which
 moves an fp32 loss by a few ulps (measured over these layouts at most 1.3e-7
 relative, against LOSS_RTOL's 1e-5) and a bf16 one by its roundings (measured at
-most 6.7e-6, dp=2 tp=2 sequence parallel zero 3; against BF16_LOSS_RTOL's 7e-4). A loss computed with dropout on, or a microbatch or
-replica missing from the mean, moves it by 1e-2 or more.
+most 6.7e-6, dp=2 tp=2 sequence parallel zero 3; against BF16_LOSS_RTOL's 7e-4).
+A loss computed with dropout on, or a microbatch or replica missing from the mean,
+moves it by 1e-2 or more.
 
 Evaluating changes nothing a step reads: a run that evaluates between its steps
 trains bitwise as one that does not (losses, parameters, `comm_stats`,

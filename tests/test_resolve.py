@@ -492,7 +492,7 @@ BAD_SPECS = [
         shard layers[4:6].mlp.fc1 col tp
         """,
         "2:7",
-        ("pattern 'layers[4:6].mlp.fc1' matches no module",),
+        ("range layers[4:6] starts past the end of 'layers', which has 4 entries",),
     ),
 ]
 

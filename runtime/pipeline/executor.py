@@ -52,7 +52,6 @@ from parc.dsl.ast import AXIS_PP
 from parc.runtime.collectives import Comm, CommKind
 
 from .backward_split import PendingWeights, backward_input
-from .idle import IdleWork
 from .order import ActionOrder
 from .posting import Posted, as_contract, hand_over_cpu, receive_buffers
 from .user_checks import LossFn, checked_loss
@@ -152,7 +151,6 @@ class StageExecutor:
         scale: float,
         last_round: bool,
         before_backward: Callable[[], None] | None = None,
-        idle: IdleWork | None = None,
     ) -> list[torch.Tensor]:
         """Run the actions for len(inputs) microbatches; the last stage's unscaled losses,
         detached, on the device (read them once per step: each read is a host sync).
@@ -160,9 +158,7 @@ class StageExecutor:
         `before_backward` (the step's gradient buffers, zeroed) runs once, before the
         first backward, or earlier where the rank first waits for a peer: in time the
         rank would spend idle (a last stage waits for its first input, a first stage for
-        its first gradient), off the pipeline's critical path. `idle` (in the last round)
-        hears when each stage's gradients are final and runs its work where the rank,
-        its sends all posted, would wait for a peer (`parc.runtime.pipeline.idle`).
+        its first gradient), off the pipeline's critical path.
 
         With `post_ahead` (gloo) some receives are posted a compute ahead of their batch
         and some sends right after their compute, every wait where it was: which ones, and
@@ -191,8 +187,6 @@ class StageExecutor:
             ):
                 before_backward()
                 before_backward = None
-            if idle is not None and item[0] > order.last_send and state.will_wait(first.kind):
-                idle.run()
             state.wait_for(first.kind)
             if last_round and item[0] == order.last and self.before_last_backward:
                 self.before_last_backward()
@@ -200,8 +194,6 @@ class StageExecutor:
             loss = self._compute(first, state, order, inputs[m], targets[m], scale)
             if loss is not None:
                 losses.append(loss)
-            if idle is not None and last_round and item[0] in order.stage_finals:
-                idle.stage_final(order.stage_finals[item[0]])
             if k in sends:
                 self._post_early([actions[i] for i in sends[k]], states)
         self._wait_sends()

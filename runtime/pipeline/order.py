@@ -3,8 +3,8 @@
 Made once per action tuple by the executor (`parc.runtime.pipeline.executor`):
 the items `run` walks (`execution_items`: a compute alone, or a run of comm
 actions posted together), the backwards a W splits, where the weights'
-gradients last accumulate (the rank's, and each stage's), and which receives and
-sends gloo may post ahead of their place (`parc.runtime.pipeline.posting`).
+gradients last accumulate, and which receives and sends gloo may post ahead of
+their place (`parc.runtime.pipeline.posting`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from parc.compiler.schedule_actions import Action, ActionKind, execution_items
+from parc.compiler.schedule_actions import Action, execution_items
 from parc.compiler.schedule_split import held_delta, split_backwards
 
 from .posting import receives_ahead, sends_ahead
@@ -44,20 +44,6 @@ class ActionOrder:
         """Positions of every op `receives_ahead` and `sends_ahead` name."""
         ahead = (*self.receives_ahead.values(), *self.sends_ahead.values())
         return frozenset(i for positions in ahead for i in positions)
-
-    @functools.cached_property
-    def stage_finals(self) -> Mapping[int, int]:
-        """Position of each stage's last action its weights' gradients accumulate at (as
-        `last`, per stage) -> that stage: after it, in a step's last round, the stage's
-        gradients are final."""
-        finals = {a.stage: i for i, a in enumerate(self.actions) if held_delta(a, self.split) < 0}
-        return {i: stage for stage, i in finals.items()}
-
-    @functools.cached_property
-    def last_send(self) -> int:
-        """The position of the rank's last send (-1: none); after it no peer waits on it."""
-        sends = (ActionKind.SEND_F, ActionKind.SEND_B)
-        return max((i for i, a in enumerate(self.actions) if a.kind in sends), default=-1)
 
     @classmethod
     def of(cls, actions: Sequence[Action]) -> ActionOrder:

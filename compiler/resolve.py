@@ -95,11 +95,15 @@ def resolve(spec: Spec, model: torch.nn.Module, gm: torch.fx.GraphModule, *, bat
         anchored=anchored_names((n for names in stage_modules for n in names), modules),
     )
     _check_ties(spec, plan, model)
+    _check_ties(spec, plan, gm)
     return plan
 
 
 def _check_ties(spec: Spec, plan: Plan, model: torch.nn.Module) -> None:
-    """A tied weight must be sliced the same way by every module using it."""
+    """A tied weight must be sliced the same way by every module using it, and each split
+    layer must be one parc can split in the graph too (a subclass of a Linear or an
+    Embedding whose forward the trace went through is not): the layout's PlanError,
+    placed at the module's `shard` line."""
     try:
         param_slices(plan, model)
     except PlanError as exc:

@@ -110,6 +110,7 @@ def test_a_subclass_that_overrides_forward_is_refused_by_name(
     assert f"'{layer}' is {cls}, a subclass whose own forward computes more than a {what}" in text
     line = 2 if layer == "emb" else 3
     assert f"spec line {line}" in info.value.hint
+    assert text.startswith(f"<spec>:{line}:1: error: "), text  # placed at its shard line
     # Left replicated (and fc2, the same class as fc1), the same model compiles.
     dropped = ("emb",) if layer == "emb" else ("fc1", "fc2")
     lines = SPLIT.splitlines(keepends=True)

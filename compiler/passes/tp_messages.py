@@ -7,6 +7,7 @@ of the spec that caused it.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 
 import torch
@@ -63,10 +64,29 @@ def _at(node: torch.fx.Node) -> str:
     return f" at {source}" if source else ""
 
 
+def _cuts_at_offsets(node: torch.fx.Node) -> bool:
+    """Whether `node` cuts its input at fixed offsets: `x[..., a:b]` or a split into
+    pieces of different sizes (a fused q/k/v of unequal widths)."""
+    if node.target is operator.getitem and len(node.args) > 1:
+        index = node.args[1]
+        parts = index if isinstance(index, tuple) else (index,)
+        return any(isinstance(p, slice) and p != slice(None) for p in parts)
+    if node.target in (torch.split, torch.Tensor.split, "split") and len(node.args) > 1:
+        sizes = node.args[1]
+        return isinstance(sizes, list | tuple) and len(set(sizes)) > 1
+    return False
+
+
 def _fix_gather(node: torch.fx.Node, gm: torch.fx.GraphModule, origin: str | None) -> str:
     if node.op == "call_module" and linear_form(gm.get_submodule(str(node.target))) is not None:
         return f"shard '{node.target}' row so it takes the sharded input as it is"
     pair = f"'{origin}'" if origin else "the col layer"
+    if _cuts_at_offsets(node):
+        return (
+            f"this cuts {pair}'s output at fixed offsets (a fused q/k/v of unequal widths), "
+            "which tp's equal column blocks cannot follow: give each piece its own Linear "
+            f"and shard those col, or leave {pair} replicated"
+        )
     return f"shard a Linear after {pair} `row` to consume its output sharded, or unshard {pair}"
 
 

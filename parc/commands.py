@@ -16,6 +16,7 @@ from parc.schedule_views import schedule_grid, write_timeline
 if TYPE_CHECKING:
     from parc.compiler.model import ModelSource
     from parc.dsl.ast import Spec
+    from parc.runtime.export import ExportFormat
     from parc.runtime.launch import RunOptions
     from parc.runtime.schedules import Schedule
 
@@ -347,6 +348,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         )
     shard = parse_size(args.max_shard_size or "5GB", "--max-shard-size")
     _outside_checkpoints(Path(args.checkpoint), Path(args.output))
+    replaced = _replaced(Path(args.output), fmt)
     path = export_state_dict(
         args.checkpoint, args.model, args.output, format=fmt, max_shard_size=shard, dtype=args.dtype
     )
@@ -360,4 +362,20 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(f"wrote {path}: load it with from_pretrained(path) (transformers) or --weights")
     else:
         print(f"wrote {path}: load it with build_model().load_state_dict(torch.load(path))")
+    if replaced:
+        print(f"  replaced what was there: {replaced}")
     return EXIT_OK
+
+
+def _replaced(output: Path, fmt: ExportFormat) -> str:
+    """What an export over an existing output replaces, said so that it never goes
+    silently ('' when nothing): the file, or an earlier export's weight files in the
+    directory (the directory's other files are kept)."""
+    from parc.runtime.export import ExportFormat as Format
+    from parc.runtime.hf_export import export_files
+
+    if fmt is not Format.HF:
+        return f"the earlier {output}" if output.is_file() else ""
+    names = export_files(output)
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return f"{shown} in {output} (its other files are kept)" if names else ""

@@ -45,11 +45,12 @@ from parc.errors import ParcError
 from .hf_weights import INDEX, SINGLE
 from .state_file import TensorLayout, laid_out_bytes
 
-__all__ = ["DEFAULT_MAX_SHARD_SIZE", "HFWriter", "stored_names"]
+__all__ = ["DEFAULT_MAX_SHARD_SIZE", "HFWriter", "export_files", "stored_names"]
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # save_pretrained's default, "5GB"
 _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 _ALIGN = 8  # the safetensors header is padded to a multiple of 8 bytes
+_CONFIG = "config.json"
 
 # torch dtype -> the safetensors name of it (safetensors' own table).
 _DTYPES: dict[torch.dtype, str] = {
@@ -89,6 +90,19 @@ class _Place:
     file: int
     start: int
     end: int
+
+
+def export_files(out: Path) -> list[str]:
+    """The files in `out` an export there replaces or removes (weights, index, config.json),
+    sorted: what `parc export` names before it writes, so that nothing goes silently.
+    Every other file (a tokenizer, a README) is kept."""
+    if not out.is_dir():
+        return []
+    return sorted(
+        p.name
+        for p in out.iterdir()
+        if p.name in (SINGLE, INDEX, _CONFIG) or _SHARD.fullmatch(p.name)
+    )
 
 
 class HFWriter:

@@ -10,6 +10,9 @@ these worked. What did not is pinned here.
    files, index and config.json an earlier export or `save_pretrained` had left in
    DIR. Replacing stays (a re-export into its own directory is how a user updates
    it), but parc now names what it replaced; the directory's other files are kept.
+2. A mistyped checkpoint path (`parc export nosuch ...`, `--resume --checkpoint
+   nosuch`) read "no complete checkpoint in nosuch", as if a run had saved nothing
+   there; it now says the path does not exist (or is a file).
 """
 
 from __future__ import annotations
@@ -67,3 +70,19 @@ def test_an_hf_export_into_a_used_directory_names_the_files_it_replaced(
     assert "replaced what was there: model.safetensors in" in again, again
     assert "its other files are kept" in again and "tokenizer.json" not in again
     assert (out / "tokenizer.json").read_text() == "{}"
+
+
+@pytest.mark.parametrize("kind", ["missing", "file"])
+def test_a_mistyped_checkpoint_path_is_said_to_be_missing_not_empty(
+    kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from parc.cli import main
+
+    path = tmp_path / "ckpt"
+    if kind == "file":
+        path.write_text("x")
+    code = main(["export", str(path), GPT, "-o", str(tmp_path / "m.pt")])
+    err = capsys.readouterr().err
+    said = "it does not exist" if kind == "missing" else "it is a file, not a directory"
+    assert code == 2 and f"no complete checkpoint in {path}: {said}" in err, err
+    assert "Traceback" not in err and not (tmp_path / "m.pt").exists()

@@ -86,11 +86,21 @@ def checkpoint_path(directory: str | Path) -> Path:
     path = latest_checkpoint(root) if not root.name.endswith(".tmp") else None
     if path is None:
         raise ParcError(
-            f"no complete checkpoint in {root}",
+            f"no complete checkpoint in {root}{_why_none(root)}",
             hint="pass the directory save_checkpoint wrote (it holds step-<N>/ and `latest`); "
             "step-<N>.tmp directories are unfinished saves and are never loaded",
         )
     return path
+
+
+def _why_none(root: Path) -> str:
+    """Why `root` holds no checkpoint, when it is not just empty: a mistyped path is
+    said to be one, not left to look like a run that never saved."""
+    if not root.exists():
+        return ": it does not exist"
+    if not root.is_dir():
+        return ": it is a file, not a directory"
+    return ""
 
 
 def resume_point(directory: str | Path) -> ResumePoint:

@@ -322,13 +322,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def _outside_checkpoints(checkpoint: Path, output: Path) -> None:
     """Refuse an export over the checkpoints it reads: into a step directory (a shard,
     `parc.json`), onto `latest`, or onto the run's directory itself (an hf export's
-    files mixed into it). A file beside the step directories is fine."""
+    files mixed into it). A step name not saved yet is refused too (`-o DIR/step-6`):
+    a resumed run saves there and would replace the export. A file beside the step
+    directories is fine."""
+    from parc.runtime.checkpoint.manifest import STEP_DIR
+
     root = checkpoint.resolve()
     if root.name.startswith("step-"):
         root = root.parent  # a step directory: its run's directory holds `latest`
     out = output.resolve()
-    steps = [d for d in root.glob("step-*") if d.is_dir()]
-    if out in (root, root / "latest") or any(out == d or d in out.parents for d in steps):
+    under = out.relative_to(root).parts[:1] if out.is_relative_to(root) else ("",)
+    name = under[0] if under else "latest"  # out == root: refused as `latest` is
+    if name == "latest" or STEP_DIR.fullmatch(name.removesuffix(".tmp")):
         raise ParcError(
             f"-o {output} is inside the checkpoint directory {checkpoint} that the export "
             "reads: it would overwrite or mix into the run's checkpoints",

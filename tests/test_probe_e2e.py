@@ -13,6 +13,9 @@ these worked. What did not is pinned here.
 2. A mistyped checkpoint path (`parc export nosuch ...`, `--resume --checkpoint
    nosuch`) read "no complete checkpoint in nosuch", as if a run had saved nothing
    there; it now says the path does not exist (or is a file).
+3. `parc export CKPT ... -o CKPT/step-6` (a step not saved yet) was accepted, and a
+   `--resume` of that run to step 6 then saved its checkpoint over the export:
+   lost without a word. A step name inside the run's directory is now refused.
 """
 
 from __future__ import annotations
@@ -86,3 +89,17 @@ def test_a_mistyped_checkpoint_path_is_said_to_be_missing_not_empty(
     said = "it does not exist" if kind == "missing" else "it is a file, not a directory"
     assert code == 2 and f"no complete checkpoint in {path}: {said}" in err, err
     assert "Traceback" not in err and not (tmp_path / "m.pt").exists()
+
+
+@pytest.mark.parametrize("name", ["step-6", "step-6.tmp", "step-6/hf"])
+def test_an_export_named_as_a_future_step_of_the_run_is_refused(
+    name: str, ckpt: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from parc.cli import main
+
+    out = ckpt / name
+    with model_env(GPT_ENV):
+        code = main(["export", str(ckpt), GPT, "-o", str(out), "--format", "hf"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"-o {out} is inside the checkpoint directory" in err, err
+    assert not (ckpt / "step-6").exists() and not (ckpt / "step-6.tmp").exists()

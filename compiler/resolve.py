@@ -48,6 +48,7 @@ from .match import alias_warnings, match_modules, suffix_warnings
 from .passes.tp_padding import feeds_only_the_loss
 from .passes.tp_sequence_checks import check_sequence_parallel
 from .plan import BatchPlan, MeshPlan, ModuleShard, Plan, PlanWarning
+from .schedule_spec import check_interleaved_microbatches
 from .spec_warnings import covered_statements, idle_statements
 from .user_recompute import checkpointed_modules
 
@@ -312,6 +313,7 @@ def _a(noun: str) -> str:
 
 def check_batch(spec: Spec, batch: int) -> BatchPlan:
     """Step 4: global = micro × microbatches × grad_accum × dp, with micro ≥ 1."""
+    check_interleaved_microbatches(spec)  # first: the batch hint is for valid microbatches
     plan = BatchPlan(batch, spec.mesh.size(AXIS_DP), spec.grad_accum, spec.microbatches)
     split = plan.dp * plan.grad_accum * plan.microbatches
     if batch >= split and batch % split == 0:

@@ -32,6 +32,7 @@ from parc.errors import PlanError
 
 __all__ = [
     "MERGED_MICROBATCHES",
+    "check_interleaved_microbatches",
     "check_merged_schedule",
     "check_pipeline_statements",
     "no_pipeline",
@@ -150,9 +151,16 @@ def _check_interleaved(spec: Spec, stages: int, pp: int) -> None:
             hint="with `stage auto` add `virtual_stages 2`; with stage lines name stages up "
             f"to {2 * pp - 1} (stage s runs on pp rank s % pp); or use `schedule 1f1b`",
         )
-    # Step 3
-    m = spec.microbatches
-    if m % pp == 0:
+    check_interleaved_microbatches(spec)
+
+
+def check_interleaved_microbatches(spec: Spec) -> None:
+    """Step 3: under `schedule interleaved` on pp ≥ 2, a PlanError unless the microbatches
+    are a multiple of pp. Also run by `check_batch` before it judges the batch, so that a
+    batch hint is never for microbatches this step refuses."""
+    pp, m = spec.mesh.size(AXIS_PP), spec.microbatches
+    stmt = spec.statement(Schedule)
+    if spec.schedule is not ScheduleKind.INTERLEAVED or stmt is None or pp < 2 or m % pp == 0:
         return
     counted = spec.statement(Microbatches)
     below, above = m // pp * pp, -(-m // pp) * pp

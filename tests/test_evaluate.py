@@ -197,10 +197,28 @@ def _zero3_left(zero3: Any) -> list[str]:
         held.append(f"gathers {sorted(zero3._prefetched)} {sorted(zero3._cache)}")
     if zero3._inflight is not None:
         held.append("a reduce-scatter in flight")
-    alive = [unit for unit, ref in zero3._bases.values() if ref() is not None]
+    alive = _alive_units(zero3)
     if alive:
         held.append(f"gathered units alive: {alive}")
     return held
+
+
+def _alive_units(zero3: Any, seconds: float = 2.0) -> list[int]:
+    """The units whose gathered buffer is still alive once gloo and the collector have
+    let go: a finished all-gather's Work holds its output tensor until gloo's worker
+    thread releases it, just after `wait` returns, so a buffer may outlive the call by a
+    moment (an immediate check failed 2 of 3 runs; with this wait 0 of 16). A buffer the
+    evaluation itself kept is still alive after `seconds`."""
+    import gc
+    import time
+
+    deadline = time.monotonic() + seconds
+    while True:
+        alive = [unit for unit, ref in zero3._bases.values() if ref() is not None]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        gc.collect()
+        time.sleep(0.01)
 
 
 TRAJECTORIES = {

@@ -185,6 +185,7 @@ AUDITED = {
     ("compiler/ops/collectives.py", "_scatter_dim"): "a tp op's partial sums: device",
     ("compiler/ops/vocab.py", "_VocabCrossEntropy.forward"): "logits' statistics: device",
     ("runtime/materialise.py", "_first_problem"): "objects",
+    ("runtime/eval_mode.py", "refuse_baked"): "objects",
 }
 
 # Tensors made without a device in these files, and why none reaches a collective.

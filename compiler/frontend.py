@@ -61,6 +61,7 @@ from .plan import DeviceKind, Plan
 from .plan_schedule import HandSchedule, check_generated, with_schedule
 from .resolve import check_batch, resolve
 from .saved import SavedTensors, cast_inputs, compute_dtype, profile_forward
+from .schedule_spec import check_written_schedule
 from .trace import trace_model
 
 __all__ = ["Analysis", "analyse", "as_spec", "default_batch", "local_device_kind"]
@@ -164,6 +165,8 @@ def _analyse(
 ) -> Analysis:
     source = model if isinstance(model, ModelSource) else load_model(model)
     batch = batch if batch is not None else default_batch(spec)
+    if schedule is None:  # a hand-written schedule replaces the merged gpipe/1f1b
+        check_written_schedule(spec)
     batch_plan = check_batch(spec, batch)
     built, deferred = how.build(source)
     versions = buffer_versions(built)

@@ -35,6 +35,7 @@ __all__ = [
     "check_interleaved_microbatches",
     "check_merged_schedule",
     "check_pipeline_statements",
+    "check_written_schedule",
     "no_pipeline",
     "virtual_per_rank",
 ]
@@ -172,6 +173,22 @@ def check_interleaved_microbatches(spec: Spec) -> None:
         spec.locate((counted or stmt).span),
         hint=f"choose {choose}",
     )
+
+
+def check_written_schedule(spec: Spec) -> None:
+    """Steps 3 and 5 as far as the spec alone says (its stage count from `stage auto` with
+    `virtual_stages`, or from the stage lines' ids): run before the batch is judged, so
+    that a `--batch` hint is never for microbatches these steps then refuse."""
+    check_interleaved_microbatches(spec)
+    pp = spec.mesh.size(AXIS_PP)
+    if pp < 2 or (spec.stage_auto is None and not spec.stages):
+        return
+    if spec.stage_auto is not None:
+        stages = pp * virtual_per_rank(spec)
+    else:
+        stages = max(s.stage for s in spec.stages) + 1
+    if stages > pp and stages % pp == 0:  # otherwise refused at the stage lines, later
+        check_merged_schedule(spec, stages)
 
 
 def check_merged_schedule(spec: Spec, stages: int) -> None:

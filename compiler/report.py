@@ -238,7 +238,8 @@ def _pipeline_lines(plan: Plan, est: Estimate, grid: str | None) -> list[str]:
         how = "simulated, backward as long as forward"
     schedule = "hand-written" if plan.hand_schedule is not None else str(plan.schedule)
     lines = [
-        f"Pipeline  schedule {schedule}, {plan.microbatches} microbatches, "
+        f"Pipeline  schedule {schedule}, {plan.microbatches} "
+        f"microbatch{'' if plan.microbatches == 1 else 'es'}, "
         f"bubble {est.bubble:.1%} ({how}); "
         f"microbatches in flight per stage: {', '.join(map(str, est.in_flight))}",
     ]

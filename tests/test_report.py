@@ -148,6 +148,8 @@ def test_pipeline_bubble_is_p_minus_1_over_m_plus_p_minus_1(
     assert analysis.estimate.bubble == pytest.approx((pp - 1) / (microbatches + pp - 1))
     assert printed in report
     assert f"with p={pp}, m={microbatches}" in report
+    counted = "1 microbatch," if microbatches == 1 else f"{microbatches} microbatches,"
+    assert f"schedule 1f1b, {counted} bubble" in report
 
 
 def test_no_pipeline_no_bubble() -> None:

@@ -196,15 +196,7 @@ def _analyse(
     check_generated(plan, spec)
     annotate_stages(gm, plan)
     if plan.tp_axis is not None and plan.tp > 1:
-        from .passes.tp_analysis import analyse_tensor_parallel
-        from .passes.tp_loss import loss_on_shards, takes_shards
-        from .passes.tp_padding import check_padding
-
-        shards = takes_shards(source.loss_fn)  # loss parallel: the default cross-entropy
-        found = analyse_tensor_parallel(gm, plan, spec, strict=strict, loss_parallel=shards)
-        check_padding(gm, plan, spec)  # a padded vocabulary's columns reach no user's code
-        plan = dataclasses.replace(plan, warnings=plan.warnings + tuple(found))
-        source = dataclasses.replace(source, loss_fn=loss_on_shards(source.loss_fn, gm, plan))
+        plan, source = _tensor_parallel(gm, plan, spec, source, strict)
     named = list(built.named_parameters())
     probe = probe_optimizer(source.configure_optimizer, named)  # its one call on stand-ins
     plan = _with_model_warnings(plan, spec, gm, built, source, targets, probe.optimizer)
@@ -215,6 +207,22 @@ def _analyse(
     return Analysis(
         spec, source, built, gm, plan, costs, saved, example, deferred, groups, probe.optimizer
     )
+
+
+def _tensor_parallel(
+    gm: torch.fx.GraphModule, plan: Plan, spec: Spec, source: ModelSource, strict: bool
+) -> tuple[Plan, ModelSource]:
+    """The tensor-parallel passes over `gm`: the plan with their warnings, and the source
+    whose loss reads the logits' shards where the default cross-entropy can (loss parallel)."""
+    from .passes.tp_analysis import analyse_tensor_parallel
+    from .passes.tp_loss import loss_on_shards, takes_shards
+    from .passes.tp_padding import check_padding
+
+    shards = takes_shards(source.loss_fn)  # loss parallel: the default cross-entropy
+    found = analyse_tensor_parallel(gm, plan, spec, strict=strict, loss_parallel=shards)
+    check_padding(gm, plan, spec)  # a padded vocabulary's columns reach no user's code
+    plan = dataclasses.replace(plan, warnings=plan.warnings + tuple(found))
+    return plan, dataclasses.replace(source, loss_fn=loss_on_shards(source.loss_fn, gm, plan))
 
 
 def _check_sliced_groups(

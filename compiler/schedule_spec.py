@@ -176,10 +176,10 @@ def check_interleaved_microbatches(spec: Spec) -> None:
 
 
 def check_written_schedule(spec: Spec) -> None:
-    """Steps 3 and 5 as far as the spec alone says (its stage count from `stage auto` with
+    """Step 5 as far as the spec alone says (its stage count from `stage auto` with
     `virtual_stages`, or from the stage lines' ids): run before the batch is judged, so
-    that a `--batch` hint is never for microbatches these steps then refuse."""
-    check_interleaved_microbatches(spec)
+    that a `--batch` hint is never for microbatches this step then refuses (step 3's
+    multiple of pp is `check_batch`'s own first check)."""
     pp = spec.mesh.size(AXIS_PP)
     if pp < 2 or (spec.stage_auto is None and not spec.stages):
         return

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -51,6 +51,17 @@ from .parts import ProgramParts
 from .step_hooks import StepHooks
 
 __all__ = ["Program", "ProgramParts", "StepHooks"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Share:
+    """What a rank trains or evaluates on: its input tensors, its targets (None on a rank
+    without the last stage), and the default loss's divisor and target scan."""
+
+    xs: list[torch.Tensor]
+    ys: torch.Tensor | None
+    per_call: float | None
+    scan: TargetScan | None
 
 
 class Program:
@@ -114,12 +125,9 @@ class Program:
     def step(self, inputs: Any, targets: Any) -> float:
         """Forward, backward, gradient sync and optimizer step for one global batch."""
         with self.comm.active():
-            xs = list(input_tensors(inputs))
-            self._check_batch(xs, targets, self.plan.batch.global_batch, read=True)
-            b = self.plan.batch.per_replica
-            start = self.comm.index(AXIS_DP) * b
-            self._per_call = self._tokens_per_call(targets)
-            return self._step([x[start : start + b] for x in xs], targets[start : start + b])
+            share = self._global_share(inputs, targets)
+            self._per_call, self._scan = share.per_call, share.scan
+            return self._step(share.xs, share.ys)
 
     def step_local(self, inputs: Any, targets: Any) -> float:
         """`step` on this rank's share of the global batch: its `plan.batch.per_replica`
@@ -128,12 +136,9 @@ class Program:
         last stage (None elsewhere). The loss is the global batch's, as `step` returns it.
         A share that does not match the compiled program is a RuntimeFault on its rank."""
         with self.comm.active():
-            xs = list(input_tensors(inputs)) if self.parts.needs_inputs else None
-            ys = targets if self.parts.holds_last_stage else None
-            per_replica, last = self.plan.batch.per_replica, self.parts.holds_last_stage
-            self._check_batch(xs, ys, per_replica, read=last, given="each rank's share must have")
-            self._per_call = self._tokens_per_call(ys, shared=True)
-            return self._step(xs or [], ys)
+            share = self._local_share(inputs, targets)
+            self._per_call, self._scan = share.per_call, share.scan
+            return self._step(share.xs, share.ys)
 
     # ------------------------------------------------------------ evaluation
 
@@ -143,24 +148,16 @@ class Program:
         gradient, no optimizer step, nothing of the training state changes (parameters,
         optimizer, `steps_done`, `comm_stats`, the random stream). See runtime/evaluate.py."""
         with self.comm.active():
-            xs = list(input_tensors(inputs))
-            self._check_batch(xs, targets, self.plan.batch.global_batch, read=True)
-            b = self.plan.batch.per_replica
-            cut = slice(self.comm.index(AXIS_DP) * b, (self.comm.index(AXIS_DP) + 1) * b)
-            per_call, scan = tokens_per_call(self.parts, self.comm, targets)
-            return self._evaluator().run([x[cut] for x in xs], targets[cut], per_call, scan)
+            share = self._global_share(inputs, targets)
+            return self._evaluator().run(share.xs, share.ys, share.per_call, share.scan)
 
     def evaluate_local(self, inputs: Any, targets: Any) -> float:
         """`evaluate` on this rank's share of the global batch, given as `step_local`
         takes it (inputs where `parts.needs_inputs`, targets on the last stage, None
         elsewhere); the loss is the global batch's."""
         with self.comm.active():
-            xs = list(input_tensors(inputs)) if self.parts.needs_inputs else None
-            ys = targets if self.parts.holds_last_stage else None
-            per_replica, last = self.plan.batch.per_replica, self.parts.holds_last_stage
-            self._check_batch(xs, ys, per_replica, read=last, given="each rank's share must have")
-            per_call, scan = tokens_per_call(self.parts, self.comm, ys, shared=True)
-            return self._evaluator().run(xs or [], ys, per_call, scan)
+            share = self._local_share(inputs, targets)
+            return self._evaluator().run(share.xs, share.ys, share.per_call, share.scan)
 
     def _evaluator(self) -> Evaluator:
         """The forward-only runs, made on the first evaluation (runtime/evaluate.py)."""
@@ -168,11 +165,26 @@ class Program:
             self._evaluation = Evaluator(self.parts)
         return self._evaluation
 
-    def _tokens_per_call(self, targets: torch.Tensor | None, shared: bool = False) -> float | None:
-        """DefaultLoss.per_call for this step (runtime/loss_counts.py); its scan of the
-        targets is kept for the range check (`_scan`)."""
-        per_call, self._scan = tokens_per_call(self.parts, self.comm, targets, shared=shared)
-        return per_call
+    def _global_share(self, inputs: Any, targets: Any) -> _Share:
+        """This rank's dp slice of a global batch (checked) and the default loss's count
+        of the global batch's targets (runtime/loss_counts.py), for `step` and `evaluate`."""
+        xs = list(input_tensors(inputs))
+        self._check_batch(xs, targets, self.plan.batch.global_batch, read=True)
+        b = self.plan.batch.per_replica
+        start = self.comm.index(AXIS_DP) * b
+        per_call, scan = tokens_per_call(self.parts, self.comm, targets)
+        ys = targets[start : start + b]
+        return _Share([x[start : start + b] for x in xs], ys, per_call, scan)
+
+    def _local_share(self, inputs: Any, targets: Any) -> _Share:
+        """A rank's own share (checked: `step_local`), what its stages read of it, and the
+        default loss's count summed over the world, for `step_local` and `evaluate_local`."""
+        xs = list(input_tensors(inputs)) if self.parts.needs_inputs else None
+        ys = targets if self.parts.holds_last_stage else None
+        per_replica, last = self.plan.batch.per_replica, self.parts.holds_last_stage
+        self._check_batch(xs, ys, per_replica, read=last, given="each rank's share must have")
+        per_call, scan = tokens_per_call(self.parts, self.comm, ys, shared=True)
+        return _Share(xs or [], ys, per_call, scan)
 
     def _step(self, xs: list[torch.Tensor], targets: torch.Tensor | None) -> float:
         """The step on this rank's dp share: `xs` its input tensors ([] on a rank whose

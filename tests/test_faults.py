@@ -344,6 +344,40 @@ def test_skipping_a_nonfinite_step_equals_training_without_that_batch(
         assert torch.equal(skipped[0]["params"][name], value), name
 
 
+def fault_after_a_slow_peer(spec: str, marker: str) -> bool:
+    """`raise@1:1` while rank 0 is slow to finish step 0 (half a second after its last
+    collective, as `parc run`'s rank 0 logs and saves there): on rank 1, whether rank 0 had
+    finished step 0 when the fault fired. Rank 0 stops at step 1's start (its barrier), so
+    no rank waits on a peer that raised."""
+    from parc.api import compile as parc_compile
+    from parc.testing.faults import inject
+
+    with model_env(MLP_ENV):
+        source = load_model(MLP)
+        program = parc_compile(spec, source, batch=BATCH, optimizer=make_optimizer("sgd"))
+        inject(program, "raise@1:1")
+        if program.comm.rank == 0:
+            program.step(*source.batch(BATCH, 0))
+            time.sleep(0.5)
+            Path(marker).write_text("step 0 done")
+            program.hooks.round_starts(1)  # step 1's start: meets rank 1 there
+            return True
+        program.step(*source.batch(BATCH, 0))
+        with pytest.raises(RuntimeError, match="injected fault raise@1:1"):
+            program.step(*source.batch(BATCH, 1))
+        return Path(marker).exists()
+
+
+def test_a_rank_fault_fires_once_every_rank_has_finished_the_step_before(
+    gloo_pool: Any, tmp_path: Path
+) -> None:
+    """What a killed run leaves (rank 0's log line and checkpoint of the step before) must
+    not depend on how far rank 0 got before the launcher ended it (a CI run once logged
+    [0, 1, 2, 3, 4, 5] for [0, 1, 2, 3, 3, 4, 5] in test_schedules.py)."""
+    results = gloo_pool(2).run(fault_after_a_slow_peer, LAYOUTS["dp2"], str(tmp_path / "m"))
+    assert results == [True, True]
+
+
 def test_a_parc_error_in_a_fault_names_the_parameters(gloo_pool: Any) -> None:
     with pytest.raises(
         WorkerError, match=re.escape("the model has no parameter 'layers.9.weight'")
@@ -384,5 +418,6 @@ def test_injecting_faults_replaces_no_method_and_no_part(
         )
         assert not changed, f"attributes of the {what} set by injecting: {changed}"
     hooks = program.hooks
-    assert (len(hooks.before_round), len(hooks.loss), len(hooks.after_sync)) == (5, 1, 3)
+    # before_round: the five rank faults and the barrier their step starts with
+    assert (len(hooks.before_round), len(hooks.loss), len(hooks.after_sync)) == (6, 1, 3)
     assert program.comm.unsummed_axes == {"dp"}

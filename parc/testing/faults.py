@@ -23,10 +23,14 @@ hidden from `--help`) and of the robustness tests:
                             (default: the model's last parameter)
 
 Steps count from 0, as `Program.steps_done` does. A process fault (raise,
-kill, hang) happens once, like a real crash: only in the first attempt of a
-torchrun job (`TORCHELASTIC_RESTART_COUNT` unset or 0), so a run restarted by
-`--max-restarts` goes through. A numerical fault happens at its step in every
-attempt, like a NaN that the data at that step produces.
+kill, hang, exit, interrupt) happens once, like a real crash: only in the first
+attempt of a torchrun job (`TORCHELASTIC_RESTART_COUNT` unset or 0), so a run
+restarted by `--max-restarts` goes through. Its step starts with a barrier on
+every rank, so every rank has finished the step before (its log line and due
+checkpoint written) when the fault fires: what a run leaves behind does not
+depend on how far the other ranks got before the launcher ended them. A
+numerical fault happens at its step in every attempt, like a NaN that the data
+at that step produces.
 """
 
 from __future__ import annotations
@@ -186,6 +190,21 @@ def _grad_ulp(program: Program, fault: Fault) -> None:
     _after_sync(program, nudge)
 
 
+def _meet_before(program: Program, steps: set[int]) -> None:
+    """Every rank waits for the others at the first round of each step of `steps`."""
+    import torch.distributed as dist
+
+    met: set[int] = set()
+
+    def meet(step: int) -> None:
+        if step in steps and step not in met:
+            met.add(step)
+            if dist.is_initialized():
+                dist.barrier()
+
+    program.hooks.before_round.append(meet)
+
+
 def _on_rank(program: Program, fault: Fault) -> None:
     """Raise, die, hang, exit or get SIGINT on one rank at the start of one step."""
     if program.comm.rank != fault.rank or not _first_attempt():
@@ -252,6 +271,9 @@ FAULTS: dict[FaultKind, Callable[[Program, Fault], None]] = {
 def inject(program: Program, text: str) -> list[Fault]:
     """Inject every fault of `text` (see the module docstring) into `program`; returns them."""
     faults = parse_faults(text)
+    steps = {f.step for f in faults if f.kind in _ON_RANK and f.step is not None}
+    if steps and _first_attempt():
+        _meet_before(program, steps)
     for fault in faults:
         FAULTS[fault.kind](program, fault)
     return faults

@@ -179,6 +179,14 @@ class Comm:
             return False
         return "gloo" in str(dist.get_backend(self._group(axis))).lower()
 
+    def broadcast(self, t: torch.Tensor, axis: str, index: int) -> None:
+        """`t`, in place, as the rank at `index` on `axis` holds it. Uncounted: it moves
+        state (a full state gather, an evaluation's buffers), never a step's traffic."""
+        if self.size(axis) == 1:
+            return
+        src = self.rank_of({**self.coords, axis: index})
+        dist.broadcast(t, src=src, group=self._group(axis))
+
     def metric_sum(self, t: torch.Tensor) -> torch.Tensor:
         """Sum a small metric (e.g. the loss) over all ranks; not counted as training traffic."""
         if dist.is_initialized() and dist.get_world_size() > 1:

@@ -19,6 +19,13 @@ without one would otherwise wait for its peers forever).
 `eval_mode` also runs under `torch.no_grad()` and restores the random generators
 (CPU and the rank's device) after: a forward that draws (noise) leaves the
 training stream where it was, so the next step is the step without the call.
+
+Under dp each replica's forwards update its own buffers from its own samples
+(BatchNorm's running statistics differ between replicas), and the model's are
+dp rank 0's (runtime/buffers.py: what `state_dict`, checkpoints and export
+keep). `replica_zero_buffers` evaluates every replica with dp rank 0's, so the
+loss is that of the model a user exports, and gives each replica its own back
+after.
 """
 
 from __future__ import annotations
@@ -36,9 +43,12 @@ from parc.compiler.dropout import DROPOUT_MODULES, DropoutSite, dropout_sites
 from parc.compiler.ops.sequence import module_dropout_off, tp_sequence_dropout
 from parc.compiler.passes.pipeline_split import StageGraph
 from parc.compiler.trace import module_path, node_source
+from parc.dsl.ast import AXIS_DP
 from parc.errors import RuntimeFault
 
-__all__ = ["baked_sites", "eval_mode", "refuse_baked"]
+from .collectives import Comm
+
+__all__ = ["baked_sites", "eval_mode", "refuse_baked", "replica_zero_buffers"]
 
 # Ops whose training behaviour the trace fixes as an argument (rules as data): the
 # argument's (position, keyword, default); a value that is not False is training mode.
@@ -69,6 +79,27 @@ def eval_mode(stages: Mapping[int, StageGraph], device: torch.device) -> Iterato
     finally:
         for m, mode in zip(modules, modes, strict=True):
             m.training = mode
+
+
+@contextlib.contextmanager
+def replica_zero_buffers(buffers: Mapping[str, torch.Tensor], comm: Comm) -> Iterator[None]:
+    """`buffers` (this rank's live persistent buffers, by canonical name) as dp rank 0
+    holds them for the block; each replica's own restored after. Every rank of a dp group
+    holds the same stage, so the same names (broadcast in name order)."""
+    if comm.size(AXIS_DP) == 1 or not buffers:
+        yield
+        return
+    live = [buffers[name] for name in sorted(buffers)]
+    with torch.no_grad():
+        own = [b.clone() for b in live]
+        for b in live:
+            comm.broadcast(b, AXIS_DP, 0)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, mine in zip(live, own, strict=True):
+                b.copy_(mine)
 
 
 def baked_sites(gm: torch.fx.GraphModule) -> list[str]:

@@ -20,7 +20,9 @@ What differs from a step:
   deadlock) when the Program first evaluates (`Evaluator`);
 - the forwards run in eval mode (runtime/eval_mode.py): no gradients, modules
   in eval (their dropout off), the random generators restored after; a traced
-  training-mode op that cannot be switched off is refused on every rank;
+  training-mode op that cannot be switched off is refused on every rank; under
+  dp every replica reads dp rank 0's buffers (the model's: BatchNorm's running
+  statistics differ between replicas), its own restored after;
 - nothing of the step's state moves: no gradient buffer, no optimizer step, no
   step hook, `steps_done` and the last step's `comm_stats` unchanged (the
   call's collectives are counted apart and dropped). Under ZeRO-3 each forward
@@ -54,7 +56,7 @@ from parc.runtime.pipeline.executor import StageExecutor
 from parc.runtime.pipeline.user_checks import checked_loss
 
 from .collectives import CommStats
-from .eval_mode import eval_mode, refuse_baked
+from .eval_mode import eval_mode, refuse_baked, replica_zero_buffers
 from .loss_counts import counts_loss
 from .master_weights import COMPUTE_DTYPE, upcast
 from .parts import ProgramParts
@@ -139,13 +141,17 @@ class Evaluator:
         stats, comm.stats = comm.stats, CommStats()  # the step's counters stay the step's
         m, rows = plan.microbatches, plan.batch.micro
         try:
-            with comm.active(), eval_mode(parts.stages, parts.device):
-                with OWN_LOSS_COUNTS.activated(counts):
-                    for r in range(plan.grad_accum):
-                        micro_x, micro_y = microbatches_of(xs, ys, r * m, m, rows)
-                        losses += self.executor.run(
-                            self.actions, micro_x, micro_y, scale=1.0, last_round=False
-                        )
+            with (
+                comm.active(),
+                eval_mode(parts.stages, parts.device),
+                replica_zero_buffers(parts.buffers.local, comm),
+                OWN_LOSS_COUNTS.activated(counts),
+            ):
+                for r in range(plan.grad_accum):
+                    micro_x, micro_y = microbatches_of(xs, ys, r * m, m, rows)
+                    losses += self.executor.run(
+                        self.actions, micro_x, micro_y, scale=1.0, last_round=False
+                    )
                 return self._mean(losses, counts)
         finally:
             self._call, comm.stats = None, stats

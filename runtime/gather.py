@@ -29,7 +29,7 @@ it receives, and on a ZeRO-3 holder its own assembled one). A rank that
 receives a tensor reads it with the tensor's own dtype and shape (a bf16
 parameter arrives as bf16; a buffer of the wrong byte count would hang NCCL).
 
-Uses plain torch.distributed calls, not the counted `Comm`: gathering a
+Moves tensors with `Comm.broadcast`, which counts nothing: gathering a
 checkpoint is not training traffic.
 """
 
@@ -41,7 +41,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from parc.compiler.layout import held_range, local_shape
 from parc.dsl.ast import AXIS_DP, AXIS_PP
@@ -166,7 +165,7 @@ def _parameter(parts: ProgramParts, name: str, staging: _Staging) -> torch.Tenso
         elif local is not full:
             # A flat unit shared with another dtype must not change what is sent.
             full.copy_(local)
-    _broadcast_from(parts, full, AXIS_PP, holder)
+    parts.comm.broadcast(full, AXIS_PP, holder)
     return full
 
 
@@ -177,18 +176,9 @@ def _buffer(parts: ProgramParts, name: str, staging: _Staging) -> torch.Tensor:
     value = staging.view(staging.full, bufs.shapes[name], bufs.dtypes[name])
     if parts.comm.index(AXIS_PP) == holder:
         value.copy_(bufs.local[name].detach())
-    _broadcast_from(parts, value, AXIS_PP, holder)
-    _broadcast_from(parts, value, AXIS_DP, 0)  # the replicas' statistics differ
+    parts.comm.broadcast(value, AXIS_PP, holder)
+    parts.comm.broadcast(value, AXIS_DP, 0)  # the replicas' statistics differ
     return value
-
-
-def _broadcast_from(parts: ProgramParts, tensor: torch.Tensor, axis: str, index: int) -> None:
-    """Broadcast `tensor` in place over `axis` from the rank at `index` on it."""
-    comm = parts.comm
-    if comm.size(axis) == 1:
-        return
-    src = comm.rank_of({**comm.coords, axis: index})
-    dist.broadcast(tensor, src=src, group=comm.groups[axis])
 
 
 def _assembles(parts: ProgramParts) -> bool:
@@ -224,7 +214,7 @@ def _join_tp(
     width = block // n
     for rank in range(n):
         piece = local if rank == me else received
-        _broadcast_from(parts, piece, axis, rank)
+        parts.comm.broadcast(piece, axis, rank)
         if slice_.padding:
             lo, hi = held_range(full.shape[dim], slice_, rank)
             full.narrow(dim, lo, hi - lo).copy_(piece.narrow(dim, 0, hi - lo))

@@ -34,6 +34,9 @@ DROPOUT = str(ROOT / "tests" / "models" / "module_dropout.py")
 IGNORED = str(ROOT / "tests" / "models" / "ignored_targets.py")
 OWN_LOSS = str(ROOT / "tests" / "models" / "own_loss_ignored.py")
 GPT_LOSS_FN = str(ROOT / "tests" / "models" / "gpt_loss_fn.py")
+# BatchNorm: under dp each replica's running statistics follow its own samples; the
+# model's (state_dict, export) are dp rank 0's, and evaluate must read those.
+BATCHNORM = str(ROOT / "tests" / "models" / "batchnorm.py")
 GPT_TP = (
     "shard *.attn.qkv col tp\nshard *.attn.proj row tp\n"
     "shard *.mlp.fc1 col tp\nshard *.mlp.fc2 row tp\n"
@@ -73,11 +76,14 @@ LAYOUTS: dict[str, tuple[str, dict[str, str], str]] = {
     "loss_fn_pp": (GPT_LOSS_FN, gpt_env(2, True), "mesh pp=2\nstage auto\nmicrobatches 2\n"),
     "module_dropout_tp_sp": (DROPOUT, {}, f"mesh tp=2\n{DROP_SP}"),
     "module_dropout_pp_dp": (DROPOUT, {}, "mesh pp=2 dp=2\nstage auto\nmicrobatches 2\n"),
+    "batchnorm_dp": (BATCHNORM, {}, "mesh dp=2\n"),
+    "batchnorm_dp_pp": (BATCHNORM, {}, "mesh dp=2 pp=2\nstage auto\n"),
 }  # fmt: skip
 CI = {
     "dp", "dp_zero3", "tp_vocab_loss", "tp_sp", "pp_gpipe", "pp_1f1b_accum", "pp_zb1",
     "pp_interleaved", "bf16_dp_pp_zero3", "3d_sp_vocab", "ignored_pp_dp", "ignored_vocab_tp",
     "own_loss_ignored_dp_accum", "loss_fn_pp", "module_dropout_tp_sp", "module_dropout_pp_dp",
+    "batchnorm_dp", "batchnorm_dp_pp",
 }  # fmt: skip
 EVAL_STEP = 50  # the evaluated batch: sample_batch(8, 50), a batch no step trains on
 
@@ -185,6 +191,7 @@ def trajectory_case(spec: str, model: str, env: dict[str, str], evaluate: bool) 
             "left": left,
             "evals": evals,
             "state": program.state_dict(),
+            "buffers": {k: v.clone() for k, v in program.parts.buffers.local.items()},
         }
 
 
@@ -228,6 +235,8 @@ TRAJECTORIES = {
     "dropout_pp_zero3_bf16": (
         DROPOUT, "mesh pp=2 dp=2\nstage auto\nmicrobatches 2\nzero 3\nprecision bf16\n"
     ),
+    # evaluate reads dp rank 0's running statistics on every replica, then gives each its own
+    "batchnorm_dp": (BATCHNORM, "mesh dp=2\n"),
 }  # fmt: skip
 
 
@@ -243,6 +252,8 @@ def test_a_step_after_evaluate_is_bitwise_the_step_without_it(gloo_pool: Any, la
         assert a["losses"] == b["losses"]  # bitwise
         assert a["stats"] == b["stats"] and a["steps_done"] == b["steps_done"] == 3
         assert all(not held for held in b["left"]), b["left"]
+        assert a["buffers"].keys() == b["buffers"].keys()
+        assert all(torch.equal(v, b["buffers"][k]) for k, v in a["buffers"].items())
     for name, tensor in plain[0]["state"].items():
         assert torch.equal(tensor, mixed[0]["state"][name]), name
     # Before and after a step evaluate the same weights the same way: eval mode is

@@ -172,7 +172,9 @@ AUDITED = {
     ("runtime/metrics.py", "gather_max"): "step time and peak memory, a tensor on `device`",
     ("runtime/program.py", "Program._tied_reduce"): "a parameter's gradient: device",
     ("runtime/nonfinite.py", "first_nonfinite_param"): "index made on parts.device",
-    ("runtime/gather.py", "_broadcast_from"): "values moved or made on parts.device",
+    # runtime/gather.py's state tensors and eval_mode.replica_zero_buffers' live buffers:
+    # moved or made on parts.device.
+    ("runtime/collectives.py", "Comm.broadcast"): "state and buffers on parts.device",
     # Zero3.full_local and GradSync.full_local (bf16 masters): `out` on the shard's device.
     ("runtime/master_weights.py", "assemble_from_shards"): "views of a shard-device tensor",
     # Object collectives pickle on the current device: build_comm makes it this rank's.

@@ -77,13 +77,18 @@ LAYOUTS: dict[str, tuple[str, dict[str, str], str]] = {
     "module_dropout_tp_sp": (DROPOUT, {}, f"mesh tp=2\n{DROP_SP}"),
     "module_dropout_pp_dp": (DROPOUT, {}, "mesh pp=2 dp=2\nstage auto\nmicrobatches 2\n"),
     "batchnorm_dp": (BATCHNORM, {}, "mesh dp=2\n"),
+    # compiled graphs traced in training mode, recomputed modules: eval mode switches both
+    "module_dropout_compile_dp": (DROPOUT, {}, "mesh dp=2\ncompile\n"),
+    "module_dropout_recompute_pp": (DROPOUT, {"DROP_P": "0.1"},  # p=0.5: the step moved
+                                    # the eval loss < 1e-4 (the check below needs more)
+                                    "mesh pp=2\nstage auto\nmicrobatches 2\nrecompute layers[*]\n"),
     "batchnorm_dp_pp": (BATCHNORM, {}, "mesh dp=2 pp=2\nstage auto\n"),
 }  # fmt: skip
 CI = {
     "dp", "dp_zero3", "tp_vocab_loss", "tp_sp", "pp_gpipe", "pp_1f1b_accum", "pp_zb1",
     "pp_interleaved", "bf16_dp_pp_zero3", "3d_sp_vocab", "ignored_pp_dp", "ignored_vocab_tp",
     "own_loss_ignored_dp_accum", "loss_fn_pp", "module_dropout_tp_sp", "module_dropout_pp_dp",
-    "batchnorm_dp", "batchnorm_dp_pp",
+    "batchnorm_dp", "batchnorm_dp_pp", "module_dropout_compile_dp", "module_dropout_recompute_pp",
 }  # fmt: skip
 EVAL_STEP = 50  # the evaluated batch: sample_batch(8, 50), a batch no step trains on
 

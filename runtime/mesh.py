@@ -122,7 +122,17 @@ def init_world(mesh: MeshPlan, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     if not dist.is_initialized():
         if uses_cuda(backend()):
             torch.cuda.set_device(device_for_rank())
-        dist.init_process_group(backend(), timeout=timedelta(seconds=timeout_s))
+        try:
+            dist.init_process_group(backend(), timeout=timedelta(seconds=timeout_s))
+        except dist.DistStoreError as err:  # a peer not there within the timeout
+            raise RuntimeFault(
+                f"not every rank joined the process group within {timeout_s:g} s, the "
+                f"collective timeout (torch: {err})",
+                rank=int(os.environ.get("RANK", "0")),
+                hint="a rank that is slow to start (importing torch and building the model "
+                "on a loaded machine) needs a longer --timeout; one that failed before "
+                "joining printed its own error above",
+            ) from None
 
 
 def build_comm(mesh: MeshPlan) -> Comm:

@@ -113,7 +113,9 @@ def test_a_bad_fault_is_refused_before_any_rank_starts(
 
 def test_a_rank_that_raises_ends_every_rank_with_its_rank_step_and_exception() -> None:
     # No hang: parc_run's subprocess timeout (120 s) fails the test if the run never ends.
-    done, _ = parc_run("--steps", "6", "--timeout", "10", "--inject-fault", "raise@1:2")
+    # The collective timeout also bounds the ranks' joining (runtime/mesh.py): 10 s failed
+    # there once on a loaded machine, a rank still starting; the raise ends the run at once.
+    done, _ = parc_run("--steps", "6", "--timeout", "60", "--inject-fault", "raise@1:2")
     assert done.returncode != 0
     assert (
         "error: [rank 1, step 2] the step raised RuntimeError: injected fault raise@1:2"
@@ -124,13 +126,14 @@ def test_a_rank_that_raises_ends_every_rank_with_its_rank_step_and_exception() -
 
 
 def test_a_stuck_rank_is_ended_by_the_collective_timeout() -> None:
-    done, seconds = parc_run("--steps", "6", "--timeout", "5", "--inject-fault", "hang@1:2")
+    # 10 s: the ranks must also join within it (a loaded machine can start one 5 s late).
+    done, seconds = parc_run("--steps", "6", "--timeout", "10", "--inject-fault", "hang@1:2")
     assert done.returncode != 0
-    # Its peer waits one collective timeout (5 s, not the default 300 s, which would pass
+    # Its peer waits one collective timeout (10 s, not the default 300 s, which would pass
     # parc_run's 120 s limit), then fails, and the agent stops both.
-    assert seconds >= 5, f"took {seconds:.0f} s"
-    assert "error: [rank 0, step 2] a collective failed: Timed out waiting 5000ms" in done.stderr
-    assert "raise --timeout (now 5 s)" in done.stderr
+    assert seconds >= 10, f"took {seconds:.0f} s"
+    assert "error: [rank 0, step 2] a collective failed: Timed out waiting 10000ms" in done.stderr
+    assert "raise --timeout (now 10 s)" in done.stderr
     assert "Traceback" not in done.stderr
 
 
@@ -197,6 +200,37 @@ def test_groups_made_after_init_world_wait_no_longer_than_its_timeout(
     seen = json.loads(out.read_text())
     assert 1.5 < seen["waited"] < 10, seen
     assert "Timed out" in seen["error"]
+
+
+_ALONE = """
+from parc.compiler.plan import MeshPlan
+from parc.errors import RuntimeFault
+from parc.runtime.mesh import init_world
+try:
+    init_world(MeshPlan((("dp", 2),)), timeout_s=2.0)
+except RuntimeFault as err:
+    print(err)
+"""
+
+
+def test_a_rank_whose_peer_never_joins_the_world_says_so_within_the_timeout() -> None:
+    # `parc run --timeout 10` on a loaded machine: a peer still importing after 10 s gave
+    # "[rank 0] internal error: DistStoreError: wait timeout after 10000ms" and a traceback.
+    port = subprocess.run(
+        [sys.executable, "-c", "import socket; s = socket.socket(); s.bind(('', 0)); "
+         "print(s.getsockname()[1])"], capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+    env["MASTER_PORT"] = port
+    done = subprocess.run(
+        [sys.executable, "-c", _ALONE], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.stdout.startswith(
+        "error: [rank 0] not every rank joined the process group within 2 s, the collective "
+        "timeout (torch: "
+    ), (done.stdout, done.stderr)
+    assert "hint: a rank that is slow to start" in done.stdout
+    assert "Traceback" not in done.stdout + done.stderr
 
 
 # ---------------------------------------------------------------- recovery

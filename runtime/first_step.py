@@ -9,7 +9,8 @@ read is not always the gradient: Adam, NAdam, RAdam, Adagrad, RMSprop, ... with 
 steps a fresh instance of the model's optimizer once (compiler/optimizer_rebuild.py
 `construct_like`: its class and each group's settings, no call of the model file's
 factory) from the initial parameters with a run's step-0 gradients, and reads the
-sign of the update.
+sign of the update that the gradient decides (`_jump_sign`: less the update a zero
+gradient gives, which is all a decoupled decay moves).
 
 Measured: a probe's classifier (Adam, amsgrad, weight decay 0.01, lr 1e-2) under
 dp=2 × tp=2, zero 3, bf16 had inp.bias[17] at gradient 1.34e-3 on one device and
@@ -61,13 +62,32 @@ def first_step_signs(
     def signs(grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         stepped = {n: g for n, g in grads.items() if groups.get(n, -1) >= 0 and n in initial}
         moved = _step_once(opt, settings, groups, initial, stepped)
-        if moved is None:
+        still = _step_once(opt, settings, groups, initial, _zeros(stepped))
+        if moved is None or still is None:
             return gradient_signs(grads)
         out = gradient_signs(grads)  # a parameter in no group keeps its gradient's sign
-        out.update({n: -torch.sign(m) for n, m in moved.items()})
+        lrs = {n: float(settings[groups[n]]["lr"]) for n in moved}
+        out.update({n: -_jump_sign(m, still[n], lrs[n]) for n, m in moved.items()})
         return out
 
     return signs
+
+
+def _zeros(grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: torch.zeros_like(g) for n, g in grads.items()}
+
+
+def _jump_sign(moved: torch.Tensor, still: torch.Tensor, lr: float) -> torch.Tensor:
+    """The sign of the part of a first update that the gradient decides: the update
+    (`moved`) less the one a zero gradient gives (`still`) where they differ by more than
+    lr / 2, else the update's own. A decoupled decay (AdamW's −lr·wd·p) moves both alike,
+    and where wd·|p| ≥ 1 it outweighs the gradient's ±lr: the update's own sign then
+    stays put while rounding flips the gradient's part by 2·lr. A coupled decay (Adam's
+    g + wd·p) is read inside the step: the two differ by 2·lr only where the sign of
+    g + wd·p is not that of wd·p (elsewhere by Adam's ε), and the update's own sign is
+    then the same. A step that is not ±lr (SGD's −lr·g) keeps the update's sign."""
+    diff = moved - still
+    return torch.where(diff.abs() > lr / 2, torch.sign(diff), torch.sign(moved))
 
 
 def _step_once(

@@ -55,3 +55,15 @@ def test_the_first_step_reads_coupled_decay_and_maximize() -> None:
     # AdamW's decoupled decay is no part of what m̂/√v̂ reads: the gradients' signs.
     assert _adam_signs(torch.optim.AdamW, weight_decay=0.01).tolist() == [1.0, 1.0, -1.0]
     assert _adam_signs(torch.optim.Adam, maximize=True).tolist() == [-1.0, -1.0, 1.0]
+
+
+def test_a_decoupled_decay_outweighing_the_step_keeps_the_gradients_signs() -> None:
+    # AdamW at weight decay 10: p = -0.12 decays by lr·1.2, more than its ±lr Adam step,
+    # so the whole update's sign is p's whatever the gradient; rounding that flips the
+    # gradient still moves the element 2·lr, so the flip is read from the gradient's part
+    # (the update less a zero gradient's). It read [1, 1, 1] before.
+    assert _adam_signs(torch.optim.AdamW, weight_decay=10.0).tolist() == [1.0, 1.0, -1.0]
+    # Coupled decay 10 × p (-1.2, -1.2, 0.5) decides what Adam reads, whatever g.
+    assert _adam_signs(torch.optim.Adam, weight_decay=10.0).tolist() == [-1.0, -1.0, 1.0]
+    # SGD steps by -lr·(g + wd·p), no jump: the update's own sign, as before.
+    assert _adam_signs(torch.optim.SGD, weight_decay=0.01).tolist() == [1.0, -1.0, -1.0]

@@ -81,6 +81,11 @@ def test_a_cluster_prints_as_text_that_parses_back() -> None:
         ("preset=h100 nodes=two", ("nodes=two: must be a whole number",)),
         ("preset=h100 tflops=fast", ("tflops=fast: not a number", "e.g. tflops=400")),
         ("preset=h100 usable=1.5", ("usable is a fraction of mem, at most 1; got 1.5",)),
+        # nan and inf priced every step as 0 s ("nan TFLOP/s" in the report, exit 0)
+        ("preset=h100 tflops=nan", ("tflops=nan: must be a finite number",)),
+        ("preset=h100 fp32_tflops=inf", ("fp32_tflops=inf: must be a finite number",)),
+        ("preset=h100 tflops=1e400", ("tflops=1e400: must be a finite number",)),
+        ("preset=h100 usable=nan", ("usable=nan: must be a finite number",)),
     ],
 )
 def test_bad_cluster_text_says_what_and_how_to_fix(text: str, expected: tuple[str, ...]) -> None:

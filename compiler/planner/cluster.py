@@ -28,6 +28,7 @@ Preset rates are about 40% of the GPU's dense datasheet peak at each precision
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from dataclasses import dataclass, replace
 from enum import Enum
@@ -42,6 +43,11 @@ from ..report_table import human_bytes
 __all__ = ["PRESETS", "Cluster", "ComputeRate", "Fp32Math", "parse_cluster", "parse_size"]
 
 GB, GIB = 10**9, 2**30
+
+
+def _positive(value: float) -> bool:
+    """Finite and above 0 (nan and inf would price a step at 0 s or nan)."""
+    return math.isfinite(value) and value > 0
 
 
 class Fp32Math(str, Enum):
@@ -89,10 +95,10 @@ class Cluster:
 
     def __post_init__(self) -> None:
         for key in ("nodes", "gpus", "mem", "tflops", "intra", "inter", "usable"):
-            if getattr(self, key) <= 0:
+            if not _positive(getattr(self, key)):
                 raise _error(f"{key} must be positive, got {getattr(self, key)}", None)
         for key in ("tf32_tflops", "fp32_tflops"):
-            if getattr(self, key) is not None and getattr(self, key) <= 0:
+            if getattr(self, key) is not None and not _positive(getattr(self, key)):
                 raise _error(f"{key} must be positive, got {getattr(self, key)}", None)
         if self.usable > 1:
             raise _error(f"usable is a fraction of mem, at most 1; got {self.usable}", None)
@@ -303,6 +309,8 @@ def _number(key: str, value: str, text: str) -> float:
         number = float(value)
     except ValueError:
         raise _error(f"{key}={value}: not a number", text, f"e.g. {key}=400") from None
+    if not math.isfinite(number):  # nan would price every step as 0 s
+        raise _error(f"{key}={value}: must be a finite number", text, f"e.g. {key}=400")
     return number
 
 

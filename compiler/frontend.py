@@ -103,9 +103,10 @@ def as_spec(spec: Spec | str | Path) -> Spec:
 
 
 def _exists(text: str) -> bool:
-    """Whether one line of text names an existing file or directory."""
+    """Whether one line of text names an existing file or directory ('' is the empty
+    spec, not the current directory that `Path('')` names)."""
     try:
-        return "\n" not in text and Path(text).exists()
+        return bool(text) and "\n" not in text and Path(text).exists()
     except (OSError, ValueError):  # too long for a name, or a NUL in it: spec text
         return False
 

@@ -12,7 +12,8 @@ starts. Any other exception is a parc bug: it is reported as an internal error
 (exit 3) and `--debug` shows where.
 
 The argument types and the option groups of `parc run` and `parc check` are in
-parc/cli_options.py.
+parc/cli_options.py; the output paths each command writes, and the inputs none of them
+may be, in parc/cli_outputs.py.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import signal
 import sys
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from parc.cli_options import (
     add_run_options,
     positive,
 )
+from parc.cli_outputs import check_outputs
 from parc.errors import ModelError, ParcError
 
 __all__ = ["main"]
@@ -256,7 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.argv = [a for a in argv if a != "--debug"] if args.command != "run" else argv
     run: Callable[[argparse.Namespace], int] = args.run
     try:
-        _check_outputs(args)
+        check_outputs(args)
         return run(args)
     except ParcError as exc:
         if args.debug:
@@ -271,67 +272,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _exited(exc, args.debug)
     except Exception as exc:
         return _unexpected(exc, args.debug)
-
-
-@dataclass(frozen=True, slots=True)
-class _Output:
-    """A path a command writes: `attr` of its arguments, given as `flag`."""
-
-    attr: str
-    flag: str
-    kind: str  # a PathKind name (compiler/output.py, imported only when there is a path)
-    example: str  # a file name for the hint when a directory is given instead
-    dir_if: tuple[str, str] | None = None  # (argument, value): then it names a directory
-    suffix: str | None = None  # the one format it writes: a file named otherwise is refused
-
-
-# What each command writes, checked before any work starts (a --log that cannot be
-# written must not fail after step 0 has trained).
-_OUTPUTS: dict[str, tuple[_Output, ...]] = {
-    "compile": (
-        _Output("output", "-o", "DIR", "plan"),
-        _Output("timeline", "--timeline", "FILE", "t.svg", suffix=".svg"),
-    ),
-    "plan": (_Output("output", "-o", "FILE", "best.par"),),
-    "run": (
-        _Output("log", "--log", "FILE", "log.jsonl"),
-        _Output("tensorboard", "--tensorboard", "DIR", "tb"),
-        _Output("checkpoint", "--checkpoint", "DIR", "c"),
-    ),
-    "export": (_Output("output", "-o", "FILE", "model.pt", dir_if=("format", "hf")),),
-    "demo": (_Output("out", "--out", "DIR", "demo"),),
-}
-
-
-def _check_outputs(args: argparse.Namespace) -> None:
-    """A ParcError naming the flag if one of the command's output paths cannot be written."""
-    given = [(o, getattr(args, o.attr, None)) for o in _OUTPUTS.get(args.command, ())]
-    if not any(path for _, path in given):
-        return
-    from pathlib import Path
-
-    from parc.compiler.output import PathKind, check_writable
-
-    for out, path in given:
-        if path:
-            as_dir = out.dir_if is not None and getattr(args, out.dir_if[0]) == out.dir_if[1]
-            kind = PathKind.DIR if as_dir else PathKind[out.kind]
-            check_writable(Path(path), kind, out.flag, out.example)
-            _check_suffix(out, Path(path))
-
-
-def _check_suffix(out: _Output, path: Path) -> None:
-    """A file named for another format (`--timeline t.png`) would hold what its name
-    does not say: refused, since parc draws in one format only."""
-    if out.suffix is None or path.suffix.lower() == out.suffix:
-        return
-    named = f"ends in {path.suffix}" if path.suffix else "has no extension"
-    raise ParcError(
-        f"{out.flag} {path}: the {out.attr} is written as {out.suffix.lstrip('.').upper()}, "
-        f"but the file name {named}",
-        hint=f"name a {out.suffix} file, e.g. {out.flag} {path.with_suffix(out.suffix)} "
-        "(convert it afterwards if you need another format)",
-    )
 
 
 def _signalled(sig: signal.Signals) -> int:

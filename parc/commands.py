@@ -69,11 +69,14 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 def _spec(args: argparse.Namespace, *, quiet: bool) -> Spec:
     """The spec a command compiles: its file with `--precision` and `--compile` applied
-    (parc/precision.py), each note on what that changed printed to stderr unless `quiet`."""
-    from parc.compiler.frontend import as_spec
+    (parc/precision.py), each note on what that changed printed to stderr unless `quiet`.
+
+    The argument is always a path: one that names no file is an error naming it, never
+    `.par` text (`parc compile zero model.py` must not compile the statement `zero`)."""
+    from parc.dsl import load_spec
     from parc.precision import override_compile, override_precision
 
-    done = override_precision(as_spec(args.spec), args.precision)
+    done = override_precision(load_spec(args.spec), args.precision)
     for note in () if quiet else done.notes:
         print(note, file=sys.stderr)
     return override_compile(done.spec, getattr(args, "compile", False))
@@ -246,9 +249,8 @@ def _model_with_schedule(
 def _spec_to_run(args: argparse.Namespace, ranked: bool) -> str:
     """What every rank compiles: the spec file, or with `--precision`/`--compile` the text
     it makes (checked by the launcher first, which also prints the notes, once)."""
-    if args.precision is None and not args.compile:
-        return str(args.spec)
-    return str(_spec(args, quiet=ranked))
+    spec = _spec(args, quiet=ranked)  # a rank of a bare torchrun reads the file here too
+    return str(args.spec) if args.precision is None and not args.compile else str(spec)
 
 
 def _run_options(args: argparse.Namespace, schedule: Schedule | None, ranked: bool) -> RunOptions:

@@ -318,11 +318,13 @@ def check_batch(spec: Spec, batch: int) -> BatchPlan:
     split = plan.dp * plan.grad_accum * plan.microbatches
     if batch >= split and batch % split == 0:
         return plan
-    anchor = (
-        spec.statement(Microbatches)
-        or spec.statement(GradAccum)
-        or (spec.mesh if spec.mesh.axes else None)
+    # The line of a factor the batch must split by (never a `microbatches 1` beside dp=2).
+    factors = (
+        (spec.statement(Microbatches), plan.microbatches),
+        (spec.statement(GradAccum), plan.grad_accum),
+        (spec.mesh if spec.mesh.axes else None, plan.dp),
     )
+    anchor = next((node for node, factor in factors if node is not None and factor > 1), None)
     raise PlanError(
         f"global batch {batch} is not divisible by dp {plan.dp} × grad_accum "
         f"{plan.grad_accum} × microbatches {plan.microbatches} = {split}",

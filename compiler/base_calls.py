@@ -15,7 +15,9 @@ call of the layer: a `shard` line had nothing to split. `reform_base_calls`:
 2. Replace the call by a `call_module` of the module's *base call*: a shallow copy of
    the module whose class is the base class (`nn.Embedding`, `nn.Linear`), sharing its
    parameter and buffer tables (the same tensors, the same names), put at the module's
-   path in the graph module (`is_base_call` tells it). The rest of the subclass's
+   path in the graph module (`is_base_call` tells it), which may not hold that path
+   yet (export names a table tied across modules by one name: BART's `model.shared`,
+   called as `model.encoder.embed_tokens`). The rest of the subclass's
    forward stays in the graph as it was, so the tensor-parallel rules place it like
    any op after the layer (a vocab lookup's partial sum is all-reduced before Gemma's
    scale multiplies it).
@@ -80,18 +82,17 @@ def reform_base_calls(gm: torch.fx.GraphModule, model: torch.nn.Module) -> list[
         bound = _bound(node)
         if bound is None or not _own_call(bound, model, name, module, params):
             continue
+        if name not in found:  # put first: fx's call_module looks its module up
+            found[name] = _base_call(module, base)
+            gm.add_submodule(name, found[name])  # with the parents the graph module lacks
         with gm.graph.inserting_before(node):
             call = gm.graph.call_module(name, (bound["input"],))
         call.meta = dict(node.meta)
         node.replace_all_uses_with(call)
         gm.graph.erase_node(node)
-        found.setdefault(name, _base_call(module, base))
     for node in list(gm.graph.nodes):  # a weight read under its tied name: now unread
         if node.op == "get_attr" and not node.users:
             gm.graph.erase_node(node)
-    for name, standin in found.items():
-        parent, _, leaf = name.rpartition(".")
-        setattr(gm.get_submodule(parent), leaf, standin)
     if found:
         gm.recompile()
     return list(found)

@@ -117,3 +117,29 @@ def test_a_subclass_that_overrides_forward_is_refused_by_name(
     rest = "".join(ln for ln in lines if ln.split()[1] not in dropped)
     with model_env({"LAYER_OVERRIDE": override}):
         assert analyse(rest, MODEL, batch=4).plan.shard_of(layer) is None
+
+
+TIED = str(ROOT / "tests" / "models" / "tied_scaled_embeddings.py")
+TIED_VOCAB = (
+    "mesh tp=2\nshard shared vocab tp\nshard encoder.embed_tokens vocab tp\n"
+    "shard decoder.embed_tokens vocab tp\nshard head col tp\n"
+)
+
+
+def test_a_subclass_called_by_another_name_of_a_tied_weight_is_captured() -> None:
+    # BART's scaled embeddings: export names the tied weight `shared.weight`, so the graph
+    # module held no `encoder.embed_tokens` to call, and every spec on the model failed
+    # with "cannot be captured with torch.export: AttributeError: Module has no attribute
+    # `embed_tokens`" (a probe found it on BartForConditionalGeneration).
+    analysis = analyse("mesh dp=2\n", TIED, batch=4)
+    gm, shared = analysis.gm, analysis.model.get_submodule("shared")
+    called = [str(n.target) for n in gm.graph.nodes if n.op == "call_module"]
+    assert {"encoder.embed_tokens", "decoder.embed_tokens"} <= set(called)
+    for name in ("encoder.embed_tokens", "decoder.embed_tokens"):
+        assert gm.get_submodule(name).weight is shared.weight
+
+
+@pytest.mark.multiprocess
+def test_a_tied_subclass_split_by_vocab_trains_as_one_device(gloo_pool: Any) -> None:
+    # SGD, the current tolerances (docs/architecture.md, Equivalence).
+    assert_equivalent(gloo_pool, TIED_VOCAB, TIED, env={}, steps=2, batch=4)

@@ -56,7 +56,8 @@ _INPUTS: dict[str, tuple[tuple[str, str], ...]] = {
         ("tokenizer", "the --tokenizer"),
         ("weights", "the --weights directory"),
     ),
-    "export": (("checkpoint", "the checkpoint"), ("model", "the model file")),
+    # an export into its checkpoint is refused by parc/commands.py, saying more
+    "export": (("model", "the model file"),),
 }
 
 

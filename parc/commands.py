@@ -150,9 +150,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     from parc.testing.faults import parse_faults
 
     parse_faults(args.inject_fault or "")  # a typo fails here, not as a traceback per rank
-    _spec(args, quiet=False)  # what --precision changes, said before the runs start
+    spec = _spec(args, quiet=False)  # read once (a pipe reads once); its notes said first
     result = run_check(
-        args.spec,
+        spec,
         args.model,
         steps=args.steps,
         batch=args.batch,
@@ -179,7 +179,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     ranked = under_torchrun()
     schedule = schedule_from_args(args, args.lr)  # every rank parses the same flags
-    opts = _run_options(args, schedule, ranked)
+    spec = _spec(args, quiet=ranked)  # read once: a pipe (/dev/stdin) reads once
+    opts = _run_options(args, schedule, _spec_to_run(args, spec, ranked), ranked)
     if ranked:
         code = _train_rank(opts, args.debug)
         mark("ended")  # parc ended this rank, not its own code (runtime/rank_ends.py)
@@ -195,7 +196,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     # Every spec and model error surfaces here, once, before any process starts.
     source = _model_with_schedule(args.model, schedule, args.lr)
-    analysis = analyse(_spec(args, quiet=True), source, batch=args.batch)
+    analysis = analyse(spec, source, batch=args.batch)
     for warning in analysis.plan.warnings:  # said once, before any process starts
         print(warning, file=sys.stderr)
     if args.data:  # the file and tokenizer every rank reads, checked once here
@@ -246,19 +247,31 @@ def _model_with_schedule(
     return source
 
 
-def _spec_to_run(args: argparse.Namespace, ranked: bool) -> str:
+def _spec_to_run(args: argparse.Namespace, spec: Spec, ranked: bool) -> str:
     """What every rank compiles: the spec file, or with `--precision`/`--compile` the text
-    it makes (checked by the launcher first, which also prints the notes, once)."""
-    spec = _spec(args, quiet=ranked)  # a rank of a bare torchrun reads the file here too
+    it makes (checked by the launcher first, which also prints the notes, once).
+
+    Every rank reads the file again, so the launcher refuses one that is not a regular
+    file: from a pipe (`/dev/stdin`, `<(...)`) the ranks would read nothing, an empty
+    spec, and train on one device what the launcher planned on several."""
+    if not ranked and not Path(args.spec).is_file():
+        raise ParcError(
+            f"spec {args.spec} is not a regular file: every rank of `parc run` reads the "
+            "spec again, and a pipe or device cannot be read twice",
+            hint="save the spec to a .par file and pass its path",
+        )
     return str(args.spec) if args.precision is None and not args.compile else str(spec)
 
 
-def _run_options(args: argparse.Namespace, schedule: Schedule | None, ranked: bool) -> RunOptions:
-    """What a rank of `parc run` runs, from its flags (runtime/launch.py RunOptions)."""
+def _run_options(
+    args: argparse.Namespace, schedule: Schedule | None, spec: str, ranked: bool
+) -> RunOptions:
+    """What a rank of `parc run` runs, from its flags and the spec to give it
+    (runtime/launch.py RunOptions)."""
     from parc.runtime.launch import RunOptions
 
     return RunOptions(
-        spec=_spec_to_run(args, ranked),
+        spec=spec,
         model=args.model,
         steps=args.steps,
         batch=args.batch,

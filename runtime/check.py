@@ -115,7 +115,7 @@ class CheckResult:
 
 
 def run_check(
-    spec_path: str,
+    spec_path: str | Spec,
     model_file: str,
     *,
     steps: int = 3,
@@ -139,7 +139,8 @@ def run_check(
     from parc.runtime.mesh import check_local_ranks, local_backend
     from parc.testing.pool import WorkerPool
 
-    overridden = override_precision(as_spec(spec_path), precision)
+    loaded = as_spec(spec_path)  # a Spec: `parc check` read its file once, a pipe too
+    overridden = override_precision(loaded, precision)
     spec = override_compile(overridden.spec, compiled)
     world = spec.mesh.world_size
     # One process per rank, on this machine: one GPU each under NCCL, else CPU processes
@@ -154,7 +155,7 @@ def run_check(
     with WorkerPool(world, timeout=timeout) as pool:
         measured = _measure(pool, str(spec), source.path, runs, fault=fault)
     return CheckResult(
-        spec_path,
+        loaded.filename if isinstance(spec_path, Spec) else spec_path,
         model_file,
         steps,
         batch,

@@ -7,18 +7,25 @@ command writes over a file it reads.
 - An output that is an input was overwritten: `parc plan model.py -o model.py` replaced
   the model file with a spec, `parc export ckpt model.py -o model.py` with a torch file,
   and `parc run ... --log model.py` appended JSON to it. Refused before any work.
+- A spec from a pipe (`echo ... | parc check /dev/stdin model.py`) was read twice: the
+  second read is empty, so `parc check` compared one device with one device, and `parc
+  run`'s ranks (which read the file again) trained another spec than the launcher's.
+  `parc check` reads it once; `parc run` refuses a spec that is not a regular file.
 - `parc run empty.par model.py --precision fp32` sent the ranks the empty spec text '',
   which they read as the path '' (the current directory): "cannot read spec file ''".
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from parc.cli import main
 from parc.compiler.frontend import as_spec
+from parc.errors import ParcError
 
 ROOT = Path(__file__).resolve().parent.parent
 GPT = str(ROOT / "examples" / "gpt.py")
@@ -90,3 +97,41 @@ def test_an_output_that_is_an_input_is_refused_and_the_input_kept(
 def test_the_empty_spec_text_is_the_empty_spec_not_the_current_directory() -> None:
     """What a rank of `parc run empty.par model.py --precision fp32` is given."""
     assert as_spec("").statements == ()
+
+
+@pytest.fixture
+def piped() -> Iterator[str]:
+    """A path that reads as `echo 'mesh dp=2' | parc ... /dev/stdin` does: the spec the
+    first time, nothing after."""
+    read, write = os.pipe()
+    os.write(write, b"mesh dp=2\n")
+    os.close(write)
+    yield f"/dev/fd/{read}"
+    os.close(read)
+
+
+def test_parc_check_reads_a_spec_from_a_pipe_once(
+    piped: str, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """`echo 'mesh dp=2' | parc check /dev/stdin model.py` read the pipe twice: the checked
+    run got what a second read gives (nothing: one device), compared with one device."""
+    import parc.runtime.check
+
+    def world_of(spec: object, *args: object, **kwargs: object) -> None:
+        raise ParcError(f"checked world {as_spec(spec).mesh.world_size}")  # type: ignore[arg-type]
+
+    monkeypatch.setattr(parc.runtime.check, "run_check", world_of)
+    assert _main(["check", piped, GPT]) == 2
+    assert "checked world 2" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("spec", ["/dev/null", "pipe"])
+def test_parc_run_refuses_a_spec_its_ranks_cannot_read_again(
+    spec: str, piped: str, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Every rank reads the spec file itself: from a pipe the launcher planned one spec
+    and the ranks read another (nothing: one device trained, exit 0)."""
+    path = spec if spec.startswith("/") else piped
+    assert _main(["run", path, GPT, "--steps", "1"]) == 2
+    out, err = capfd.readouterr()
+    assert f"spec {path} is not a regular file" in err and "save the spec" in err, out + err

@@ -48,7 +48,13 @@ from .export_twin import export_model, has_attr
 from .linear_forms import reform_linear_maps
 from .model_output import Path
 
-__all__ = ["CapturedOutput", "capture_model", "export_model", "strip_export_meta"]
+__all__ = [
+    "CapturedOutput",
+    "capture_model",
+    "export_model",
+    "raise_exported",
+    "strip_export_meta",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +71,17 @@ def capture_model(
     """Export `model` at `inputs` (its floating parameters as `compute` when given)
     and raise its graph (steps 1-4)."""
     exported, device = export_model(model, inputs, compute)
+    return raise_exported(exported, device, model, compute)
+
+
+def raise_exported(
+    exported: torch.export.ExportedProgram,
+    device: torch.device,
+    model: torch.nn.Module,
+    compute: torch.dtype | None,
+) -> CapturedOutput:
+    """Steps 2-4 on what `export_model` gave: parc's own work, so an exception here
+    other than a refusal is a parc bug, never the model's failing to export."""
     # The exported graph itself, its lifted inputs read back as attributes: what
     # `exported.module()` gives, without its deep copy of the graph and two more
     # compiles of its code (a tenth of a 70B capture).

@@ -186,14 +186,16 @@ def _exported(
     fx_error: CompileError | None,
     compute: torch.dtype | None,
 ) -> torch.fx.GraphModule:
-    from .capture import capture_model, strip_export_meta
+    from .capture import export_model, raise_exported, strip_export_meta
 
     try:
-        captured = capture_model(model, inputs, compute)
+        exported, device = export_model(model, inputs, compute)
     except (CompileError, ModelError):
         raise  # the capture's own refusal, naming the line
     except Exception as exc:
         raise export_error(exc, model, fx_error) from exc
+    # Not the model's failure past here: any other exception is parc's (an internal error).
+    captured = raise_exported(exported, device, model, compute)
     gm = captured.gm
     gm.meta["parc_capture"] = "export"
     functional_writes(gm)  # `h[:, :4] = 0`, recorded as a copy_ into a view of h

@@ -116,6 +116,9 @@ def format_check(result: CheckResult) -> str:
     ]
     if result.ok:
         lines.append("  EQUIVALENT: the parallel run trains the same model as one device")
+        # What holds the layout back (a gathered activation, statistics per replica) is
+        # worth reading even when it trains right.
+        lines += [f"  the plan warned: {w}" for w in result.warnings]
         return "\n".join(lines) + "\n"
     lines.append("  NOT EQUIVALENT: " + "; ".join(_where(result)))
     lines += [f"  the plan warned (a likely cause): {w}" for w in result.warnings]

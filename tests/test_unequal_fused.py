@@ -25,3 +25,17 @@ def test_the_gather_warning_names_the_fixed_offset_cut(split: str) -> None:
         assert "cuts 'qkv''s output at fixed offsets" in message, message
         assert "give each piece its own Linear" in message
         assert "`row` to consume" not in message
+
+
+@pytest.mark.multiprocess
+def test_parc_check_says_the_plans_warnings_when_equivalent_too() -> None:
+    # They were printed only beside NOT EQUIVALENT, as likely causes: a user checking
+    # this layout never read that its attention runs unsplit on every rank.
+    from parc.runtime.check import format_check, run_check
+
+    with model_env({"UNEQUAL_SPLIT": "0"}):
+        result = run_check("mesh tp=2\nshard qkv col tp\n", MODEL, steps=2, batch=4)
+    text = format_check(result)
+    assert result.ok, text
+    warned = [line for line in text.splitlines() if line.startswith("  the plan warned: ")]
+    assert any("all-gathered first" in line for line in warned), text

@@ -57,6 +57,7 @@ from parc.runtime.collectives import Comm
 from parc.runtime.materialise import materialise
 from parc.runtime.mesh import build_comm, device_for_rank
 from parc.runtime.program import Program
+from parc.runtime.training_rng import RandomState, training_stream
 
 __all__ = ["CannotDeferWarning", "compile"]
 
@@ -103,6 +104,7 @@ def compile(
     source = model if isinstance(model, ModelSource) else load_model(model)
     spec = override_compile(override_precision(as_spec(spec), precision).spec, compiled)
     device = device or device_for_rank()
+    callers = RandomState.capture(device)  # given back as they were (runtime/training_rng.py)
     factory = optimizer or source.configure_optimizer
     options = {
         "batch": batch,
@@ -118,8 +120,9 @@ def compile(
     except CannotDefer as why:
         comm, program, source = _built_whole(*build, why, weights)
     parts = assemble(program, comm, source=source, optimizer=factory, device=device)
-    _seed_random_streams(seed, comm.index(AXIS_DP), comm.index(AXIS_PP))
-    return Program(parts)
+    stream = training_stream(seed, comm.index(AXIS_DP), comm.index(AXIS_PP), device)
+    callers.restore()
+    return Program(parts, stream)
 
 
 def _check_factory(optimizer: object) -> None:
@@ -205,21 +208,3 @@ def _fallback_words(analysis: Analysis, why: CannotDefer) -> str:
         "host memory during compile, not only its own shards"
         + (f" (to fix: {why.hint})" if why.hint else "")
     )
-
-
-def _seed_random_streams(seed: int, dp_index: int, pp_index: int) -> None:
-    """Give each (dp replica, pipeline stage) its own random stream for training.
-
-    Every rank built the model from `seed`, so their generators are in the same state:
-    left so, every replica would draw the same dropout masks for its samples and every
-    stage the same masks for its layers (correlated noise one device never has). Ranks
-    of one tp group keep one stream: a dropout on a replicated activation must drop the
-    same elements on each of them, or the replicas of that activation drift apart.
-    Replica 0 of stage 0 keeps the single-device stream.
-    """
-    if dp_index == 0 and pp_index == 0:
-        return
-    stream = (seed * 1_000_003 + dp_index * 7_919 + pp_index * 104_729 + 1) % 2**63
-    torch.manual_seed(stream)
-    if torch.cuda.is_available():
-        torch.cuda.manual_seed_all(stream)

@@ -18,8 +18,41 @@ from typing import Any
 import torch
 
 from parc.compiler.model import off_batch
+from parc.errors import RuntimeFault
 
-__all__ = ["batch_problems"]
+__all__ = ["batch_problems", "check_batch"]
+
+
+def check_batch(
+    input_shapes: Sequence[Sequence[int]],
+    xs: Sequence[Any] | None,
+    targets: Any,
+    expected: int,
+    at: tuple[int, int],
+    *,
+    read: bool = True,
+    share: bool = False,
+) -> None:
+    """Raise a RuntimeFault at `at` (rank, step) listing `batch_problems` (the global
+    batch, or with `share` a rank's share of it), if any. Under `step` every rank checks
+    the same batch and raises the same error."""
+    problems = batch_problems(input_shapes, xs, targets, expected, read=read)
+    if not problems:
+        return
+    given = (
+        "each rank's share must have the same shapes every step"
+        if share
+        else "sample_batch must return the same shapes every step, as must the batches your "
+        "own loop gives step and evaluate"
+    )
+    raise RuntimeFault(
+        "the batch does not match the compiled program: " + "; ".join(problems),
+        rank=at[0],
+        step=at[1],
+        hint=f"{given} (the pipeline boundaries and shards were sized for them); compile "
+        "with the batch you train, and drop an epoch's last, smaller batch "
+        "(DataLoader(..., drop_last=True))",
+    )
 
 
 def batch_problems(

@@ -60,6 +60,7 @@ from .eval_mode import eval_mode, refuse_baked, replica_zero_buffers
 from .loss_counts import counts_loss
 from .master_weights import COMPUTE_DTYPE, upcast
 from .parts import ProgramParts
+from .same_batch import different_batches, metric_world, same_batch
 
 __all__ = ["Evaluator", "forward_actions", "microbatches_of"]
 
@@ -99,6 +100,7 @@ class _Call:
     per_call: float | None
     scan: TargetScan | None
     unchecked: list[torch.Tensor]
+    fingerprint: torch.Tensor | None  # the global batch's (same_batch.py); None for a share
 
 
 class Evaluator:
@@ -126,17 +128,19 @@ class Evaluator:
         targets: torch.Tensor | None,
         per_call: float | None,
         scan: TargetScan | None,
+        fingerprint: torch.Tensor | None = None,
     ) -> float:
         """The global batch's mean loss from this rank's share: `xs` its inputs ([] where
         no stage reads them), `targets` (None without the last stage); `per_call` and
-        `scan` as `parc.runtime.loss_counts.tokens_per_call` gives them."""
+        `scan` as `parc.runtime.loss_counts.tokens_per_call` gives them; `fingerprint`
+        the global batch's, checked the same on every rank (same_batch.py)."""
         parts, plan, comm = self.parts, self.parts.plan, self.parts.comm
         xs = [x.to(parts.device) for x in xs]
         if plan.mixed:  # floating inputs enter at the compute dtype, as in a step
             xs = cast_inputs(xs, COMPUTE_DTYPE)
         ys = targets.to(parts.device) if targets is not None else None
         unchecked = [targets] if targets is not None else []
-        self._call = _Call(per_call, scan, unchecked)
+        self._call = _Call(per_call, scan, unchecked, fingerprint)
         counts, losses = OwnLossCounts(), []
         stats, comm.stats = comm.stats, CommStats()  # the step's counters stay the step's
         m, rows = plan.microbatches, plan.batch.micro
@@ -176,13 +180,18 @@ class Evaluator:
         mean loss over counted targets becomes the global batch's (T / N), as in a step."""
         parts, plan = self.parts, self.parts.plan
         mine = counts_loss(parts, parts.comm)
-        total = torch.zeros(3, dtype=torch.float64, device=parts.device)
+        total = torch.zeros(5, dtype=torch.float64, device=parts.device)
         for loss in losses if mine else ():
             total[0] += loss.reshape(()).to(torch.float64)
         if mine and counts.calls:
             total[1], total[2] = counts.totals(parts.device)
+        fingerprint = self._call.fingerprint if self._call is not None else None
+        if fingerprint is not None:  # same_batch.py: f and f², summed exactly
+            total[3], total[4] = fingerprint, fingerprint**2
         parts.comm.metric_sum(total)
-        loss_sum, counted, targets = total.tolist()
+        loss_sum, counted, targets, prints, print_squares = total.tolist()
+        if fingerprint is not None and not same_batch(metric_world(), prints, print_squares):
+            raise different_batches(rank=parts.comm.rank, step=None, doing="Program.evaluate")
         loss = loss_sum / (plan.dp * plan.microbatches * plan.grad_accum)
         if counted != targets:
             loss *= targets / counted if counted else math.nan

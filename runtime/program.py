@@ -21,8 +21,9 @@ device: see clip.py.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -34,11 +35,10 @@ from parc.compiler.model_output import input_tensors
 from parc.compiler.ops.own_loss import OWN_LOSS_COUNTS, OwnLossCounts
 from parc.compiler.saved import cast_inputs
 from parc.dsl.ast import AXIS_DP, AXIS_PP
-from parc.errors import RuntimeFault
 from parc.runtime.pipeline.executor import StageExecutor
 from parc.runtime.pipeline.user_checks import checked_loss
 
-from .batch_checks import batch_problems
+from .batch_checks import check_batch
 from .clip import NormLayout, check_max_norm, clip_grads, flag_and_square_sum, scale_grads
 from .collectives import CommKind
 from .compiled import compile_seconds
@@ -48,7 +48,11 @@ from .loss_counts import counts_loss, tokens_per_call
 from .master_weights import COMPUTE_DTYPE, upcast
 from .nonfinite import first_nonfinite_param, grad_views, nonfinite_fault
 from .parts import ProgramParts
+from .run_errors import in_program_call
+from .same_batch import batch_fingerprint, different_batches, metric_world, same_batch
 from .step_hooks import StepHooks
+from .trainable import Trainable
+from .training_rng import RandomState
 
 __all__ = ["Program", "ProgramParts", "StepHooks"]
 
@@ -62,13 +66,16 @@ class _Share:
     ys: torch.Tensor | None
     per_call: float | None
     scan: TargetScan | None
+    fingerprint: torch.Tensor | None = None  # the global batch's (same_batch.py); None for a share
 
 
 class Program:
     """One rank's compiled program."""
 
-    def __init__(self, parts: ProgramParts) -> None:
+    def __init__(self, parts: ProgramParts, stream: RandomState | None = None) -> None:
         self.parts = parts
+        # Training's random stream (dropout's), apart from the caller's generators.
+        self.random = stream or RandomState.capture(parts.device)
         self.plan = parts.plan
         self.comm = parts.comm
         self.optimizer = parts.optimizer
@@ -78,6 +85,8 @@ class Program:
         self.skip_nonfinite = False
         self._per_call: float | None = None  # DefaultLoss.per_call of the current step
         self._scan: TargetScan | None = None  # the step's targets, read once (default loss)
+        self._fingerprint: torch.Tensor | None = None  # the step's global batch's (same_batch.py)
+        self._trainable = Trainable.of(parts.local_params)  # requires_grad as compiled
         self.skipped: list[tuple[int, str]] = []  # (step, what was not finite)
         # The last step's global gradient norm (before clipping), the same on every rank.
         self.last_grad_norm = math.nan
@@ -124,10 +133,8 @@ class Program:
 
     def step(self, inputs: Any, targets: Any) -> float:
         """Forward, backward, gradient sync and optimizer step for one global batch."""
-        with self.comm.active():
-            share = self._global_share(inputs, targets)
-            self._per_call, self._scan = share.per_call, share.scan
-            return self._step(share.xs, share.ys)
+        with self.comm.active(), self._call("Program.step"):
+            return self._step(self._global_share(inputs, targets))
 
     def step_local(self, inputs: Any, targets: Any) -> float:
         """`step` on this rank's share of the global batch: its `plan.batch.per_replica`
@@ -135,10 +142,8 @@ class Program:
         read them (`parts.needs_inputs`: None elsewhere), `targets` only on one holding the
         last stage (None elsewhere). The loss is the global batch's, as `step` returns it.
         A share that does not match the compiled program is a RuntimeFault on its rank."""
-        with self.comm.active():
-            share = self._local_share(inputs, targets)
-            self._per_call, self._scan = share.per_call, share.scan
-            return self._step(share.xs, share.ys)
+        with self.comm.active(), self._call("Program.step_local"):
+            return self._step(self._local_share(inputs, targets))
 
     # ------------------------------------------------------------ evaluation
 
@@ -147,17 +152,22 @@ class Program:
         rank, as `step`: the same batch contract and dp slicing, the same loss): no
         gradient, no optimizer step, nothing of the training state changes (parameters,
         optimizer, `steps_done`, `comm_stats`, the random stream). See runtime/evaluate.py."""
-        with self.comm.active():
+        with self.comm.active(), self._call("Program.evaluate"):
             share = self._global_share(inputs, targets)
-            return self._evaluator().run(share.xs, share.ys, share.per_call, share.scan)
+            run = self._evaluator().run
+            return run(share.xs, share.ys, share.per_call, share.scan, share.fingerprint)
 
     def evaluate_local(self, inputs: Any, targets: Any) -> float:
         """`evaluate` on this rank's share of the global batch, given as `step_local`
         takes it (inputs where `parts.needs_inputs`, targets on the last stage, None
         elsewhere); the loss is the global batch's."""
-        with self.comm.active():
+        with self.comm.active(), self._call("Program.evaluate_local"):
             share = self._local_share(inputs, targets)
             return self._evaluator().run(share.xs, share.ys, share.per_call, share.scan)
+
+    def _call(self, doing: str) -> contextlib.AbstractContextManager[None]:
+        """A failed collective in the block, raised naming this rank and step (run_errors.py)."""
+        return in_program_call(rank=self.comm.rank, step=self.steps_done, doing=doing)
 
     def _evaluator(self) -> Evaluator:
         """The forward-only runs, made on the first evaluation (runtime/evaluate.py)."""
@@ -169,12 +179,14 @@ class Program:
         """This rank's dp slice of a global batch (checked) and the default loss's count
         of the global batch's targets (runtime/loss_counts.py), for `step` and `evaluate`."""
         xs = list(input_tensors(inputs))
-        self._check_batch(xs, targets, self.plan.batch.global_batch, read=True)
+        shapes, at = self.parts.input_shapes, (self.comm.rank, self.steps_done)
+        check_batch(shapes, xs, targets, self.plan.batch.global_batch, at)
         b = self.plan.batch.per_replica
         start = self.comm.index(AXIS_DP) * b
         per_call, scan = tokens_per_call(self.parts, self.comm, targets)
         ys = targets[start : start + b]
-        return _Share([x[start : start + b] for x in xs], ys, per_call, scan)
+        fingerprint = batch_fingerprint(xs, targets, world=metric_world())
+        return _Share([x[start : start + b] for x in xs], ys, per_call, scan, fingerprint)
 
     def _local_share(self, inputs: Any, targets: Any) -> _Share:
         """A rank's own share (checked: `step_local`), what its stages read of it, and the
@@ -182,14 +194,22 @@ class Program:
         xs = list(input_tensors(inputs)) if self.parts.needs_inputs else None
         ys = targets if self.parts.holds_last_stage else None
         per_replica, last = self.plan.batch.per_replica, self.parts.holds_last_stage
-        self._check_batch(xs, ys, per_replica, read=last, given="each rank's share must have")
+        shapes, at = self.parts.input_shapes, (self.comm.rank, self.steps_done)
+        check_batch(shapes, xs, ys, per_replica, at, read=last, share=True)
         per_call, scan = tokens_per_call(self.parts, self.comm, ys, shared=True)
         return _Share(xs or [], ys, per_call, scan)
 
-    def _step(self, xs: list[torch.Tensor], targets: torch.Tensor | None) -> float:
-        """The step on this rank's dp share: `xs` its input tensors ([] on a rank whose
-        stages read none), `targets` (None on a rank without the last stage)."""
+    def _step(self, share: _Share) -> float:
+        """The step on this rank's dp share: its input tensors ([] on a rank whose stages
+        read none), its targets (None on a rank without the last stage)."""
         plan, comm = self.plan, self.comm
+        self._trainable.check(self.parts.local_params, rank=comm.rank, step=self.steps_done)
+        xs, targets = share.xs, share.ys
+        self._per_call, self._scan, self._fingerprint = (
+            share.per_call,
+            share.scan,
+            share.fingerprint,
+        )
         comm.stats.reset()
         comm.step = self.steps_done
         self.parts.sync.release_stale()
@@ -201,7 +221,7 @@ class Program:
         ys = targets.to(self.parts.device) if targets is not None else None
         losses: list[torch.Tensor] = []  # on the device: read once, in _global_loss
         counts = OwnLossCounts()  # the model's own mean loss' targets (ops/own_loss.py)
-        with OWN_LOSS_COUNTS.activated(counts):
+        with OWN_LOSS_COUNTS.activated(counts), self.random.active():
             self._rounds(losses, xs, ys)
         self._unchecked_targets = None  # a stage without the loss never reads them
         self.parts.sync.finish(self._tied_reduce)
@@ -283,28 +303,6 @@ class Program:
             raise fault
         self.skipped.append((self.steps_done, fault.message))
 
-    def _check_batch(
-        self,
-        xs: Sequence[torch.Tensor] | None,
-        targets: Any,
-        expected: int,
-        *,
-        read: bool,
-        given: str = "sample_batch must return",
-    ) -> None:
-        """The batch (`expected` rows) must match the traced contract: the inputs unless
-        None, the targets when `read`. Under `step` every rank checks the same batch and
-        raises the same error."""
-        problems = batch_problems(self.parts.input_shapes, xs, targets, expected, read=read)
-        if problems:
-            raise RuntimeFault(
-                "the batch does not match the compiled program: " + "; ".join(problems),
-                rank=self.comm.rank,
-                step=self.steps_done,
-                hint=f"{given} the same shapes every step (the pipeline boundaries and shards "
-                "were sized for them); compile with the batch you train",
-            )
-
     def _tied_reduce(self, name: str, grad: torch.Tensor) -> None:
         group = self.parts.tied.get(name)
         if group is not None:
@@ -330,14 +328,18 @@ class Program:
         mine = self._counts_loss()
         # On the rank's device, with no read before the reduction: NCCL reduces no CPU
         # tensors, and each read of a device tensor waits for the device.
-        total = torch.zeros(5, dtype=torch.float64, device=self.parts.device)
+        total = torch.zeros(7, dtype=torch.float64, device=self.parts.device)
         for loss in losses if mine else ():
             total[0] += loss.reshape(()).to(torch.float64)
         total[1], total[2] = flag, square_sum
         if mine and counts.calls:
             total[3], total[4] = counts.totals(self.parts.device)
+        if self._fingerprint is not None:  # same_batch.py: f and f², summed exactly
+            total[5], total[6] = self._fingerprint, self._fingerprint**2
         comm.metric_sum(total)
-        loss_sum, flagged, squares, counted, targets = total.tolist()
+        loss_sum, flagged, squares, counted, targets, prints, print_squares = total.tolist()
+        if self._fingerprint is not None and not same_batch(metric_world(), prints, print_squares):
+            raise different_batches(rank=comm.rank, step=self.steps_done, doing="Program.step")
         loss = loss_sum / (plan.dp * plan.microbatches * plan.grad_accum)
         norm = math.sqrt(squares)  # NaN or inf on a non-finite step
         if counted != targets:  # some targets ignored: each call divided its sum by its n
@@ -385,7 +387,8 @@ class Program:
         On the ranks that keep it, `build_model().load_state_dict(program.state_dict())`
         loads strictly.
         """
-        return gather_full_state(self.parts, rank0_only=rank0_only, cpu_offload=cpu_offload)
+        with self._call("Program.state_dict"):
+            return gather_full_state(self.parts, rank0_only=rank0_only, cpu_offload=cpu_offload)
 
     def iter_state(
         self, *, rank0_only: bool = True, cpu_offload: bool = True

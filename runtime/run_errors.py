@@ -25,7 +25,36 @@ from collections.abc import Iterator
 from parc import blame
 from parc.errors import ParcError, RuntimeFault, first_line
 
-__all__ = ["collectives_located", "located"]
+__all__ = ["CollectiveFailure", "collectives_located", "in_program_call", "located"]
+
+
+class CollectiveFailure(RuntimeFault):
+    """A collective failed inside a `Program` call (`in_program_call`): a peer failed or
+    is stuck, or the ranks called the program differently."""
+
+
+@contextlib.contextmanager
+def in_program_call(*, rank: int, step: int, doing: str) -> Iterator[None]:
+    """Raise a collective that fails in the block as a CollectiveFailure naming `rank`
+    and `step`. In a user's own loop a rank that skipped a step, ran one more, or
+    evaluated while the others stepped got gloo's bare RuntimeError ("Timed out waiting
+    20000ms for recv operation to complete"), naming no rank, step or likely cause
+    (found by a probe). Anything else propagates as it is."""
+    try:
+        yield
+    except Exception as exc:
+        if isinstance(exc, ParcError) or not _comm_failure(exc):
+            raise
+        raise CollectiveFailure(
+            f"a collective failed: {_strip_source(first_line(exc))}",
+            rank=rank,
+            step=step,
+            hint=f"this rank was in {doing}; another rank failed or is stuck (its error is "
+            "printed too), or the ranks called the program differently: every rank must "
+            "call step, evaluate, state_dict and the checkpoint functions the same number "
+            "of times, in the same order; if the run is only slow, raise the process "
+            "group's timeout (init_process_group(timeout=...))",
+        ) from exc
 
 
 @contextlib.contextmanager
@@ -63,6 +92,8 @@ def collectives_located(*, rank: int, doing: str, timeout: float) -> Iterator[No
 def _fault(
     exc: BaseException, rank: int, step: int | None, doing: str, timeout: float, hint: str | None
 ) -> ParcError:
+    if isinstance(exc, CollectiveFailure):  # parc run's ranks call alike: the timeout's
+        exc.hint = _TIMEOUT_HINT.format(timeout=timeout)
     if isinstance(exc, RuntimeFault) and exc.rank is None:
         exc.rank, exc.step = rank, exc.step if exc.step is not None else step
     if isinstance(exc, ParcError):
@@ -73,8 +104,7 @@ def _fault(
             f"a collective failed: {_strip_source(text)}",
             rank=rank,
             step=step,
-            hint="another rank failed or is stuck (its error is printed too); if the run is "
-            f"only slow, raise --timeout (now {timeout:g} s)",
+            hint=_TIMEOUT_HINT.format(timeout=timeout),
         )
     where = blame.where(exc)
     return RuntimeFault(
@@ -83,6 +113,12 @@ def _fault(
         step=step,
         hint=hint or "run again with --debug for the whole traceback",
     )
+
+
+_TIMEOUT_HINT = (
+    "another rank failed or is stuck (its error is printed too); if the run is only slow, "
+    "raise --timeout (now {timeout:g} s)"
+)
 
 
 def _comm_failure(exc: BaseException) -> bool:

@@ -98,7 +98,7 @@ def streams_and_replicas(spec: str, steps: int) -> dict[str, Any]:
     source = load_model(MODEL)
     program = parc_compile(spec, source, batch=8)
     peek = torch.Generator()
-    peek.set_state(torch.random.get_rng_state())  # a copy: training's stream does not move
+    peek.set_state(program.random.cpu)  # a copy: training's stream does not move
     draw = torch.rand(16, generator=peek)
     for step in range(steps):
         program.step(*source.batch(8, step))

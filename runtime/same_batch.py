@@ -1,0 +1,85 @@
+"""Whether every rank was given the same global batch (`Program.step`, `Program.evaluate`).
+
+`step` and `evaluate` take the whole global batch on every rank, each rank keeping
+what its coordinates read (its dp rows; its tp shard of the activations). A loop
+that draws the batch from a generator seeded per rank (`torch.manual_seed(base +
+rank)`, or the global generator `parc.compile` seeds per dp replica and stage)
+gives each rank another batch: the replicas train on rows of different batches and
+a tp group combines shards of different activations, a training no device runs,
+silently (found by a probe). So each rank hashes its batch into a small integer
+`f` (its tensors' shapes and dtypes, and a weighted sum of the bytes of an evenly
+strided sample of each CPU tensor's elements, fixed random weights; a tensor already
+on a device contributes its shape and dtype only), with tensor ops that read nothing
+on the host, and the step's one metric all-reduce carries `f` and `f * f`. Over `n`
+ranks every `f` is the same exactly when `n * Σf² == (Σf)²` (Cauchy–Schwarz), exact
+in float64 because the terms are integers small enough for the world: checked
+before the optimizer step, the same verdict on every rank.
+
+    >>> import torch
+    >>> f = int(batch_fingerprint([torch.arange(8)], torch.arange(8), world=2))
+    >>> same_batch(2, 2 * f, 2 * f * f), same_batch(2, f + 1, f * f + 1)
+    (True, False)
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from parc.errors import RuntimeFault
+
+__all__ = ["batch_fingerprint", "different_batches", "metric_world", "same_batch"]
+
+SAMPLED = 4096  # elements hashed per tensor: a few microseconds, whatever the batch's size
+_WEIGHTS: list[torch.Tensor] = []  # one fixed random weight per sampled byte, made once
+
+
+def metric_world() -> int:
+    """How many ranks `Comm.metric_sum` sums over: the whole world."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def batch_fingerprint(
+    xs: Sequence[torch.Tensor], targets: torch.Tensor, *, world: int
+) -> torch.Tensor:
+    """A hash of the global batch: a 0-d int64 tensor below 2**bits, where `world` of them
+    and of their squares sum exactly in float64 (at most 2**20). Computed with tensor
+    ops, never read on the host: the step's one read is the metric all-reduce's."""
+    bits = min(20, (52 - world.bit_length()) // 2)
+    if not _WEIGHTS:
+        g = torch.Generator().manual_seed(20_261_207)
+        _WEIGHTS.append(torch.randint(1, 1 << 20, (SAMPLED * 16,), generator=g))
+    weights = _WEIGHTS[0]
+    total = torch.zeros((), dtype=torch.int64)
+    for i, t in enumerate([*xs, targets]):
+        described = hashlib.blake2b(f"{i} {tuple(t.shape)} {t.dtype}".encode(), digest_size=4)
+        total += int.from_bytes(described.digest(), "little")
+        if t.device.type == "cpu" and t.numel():
+            flat = t.detach().reshape(-1)
+            sample = flat[:: max(1, flat.numel() // SAMPLED)][:SAMPLED].contiguous()
+            data = sample.view(torch.uint8).to(torch.int64)  # the bits, whatever the dtype
+            total += (2 * i + 1) * (data * weights[: data.numel()]).sum()
+    return total % (1 << bits)
+
+
+def same_batch(world: int, total: float, squares: float) -> bool:
+    """Whether `world` fingerprints summing to `total`, their squares to `squares`, are all
+    equal (each is an integer, so both sums are exact)."""
+    return world * int(squares) == int(total) ** 2
+
+
+def different_batches(*, rank: int, step: int | None, doing: str) -> RuntimeFault:
+    return RuntimeFault(
+        f"the ranks were given different global batches in {doing}: every rank must be "
+        "given the same global batch, each keeps its own share of it"
+        + ("; the update was not applied" if doing.endswith("step") else ""),
+        rank=rank,
+        step=step,
+        hint="draw each batch the same way on every rank (a generator seeded by the step, "
+        "`torch.Generator().manual_seed(step)`, not the global one, which parc.compile "
+        "seeds per dp replica and pipeline stage and a rank-dependent torch.manual_seed "
+        "changes), or give each rank only its own share with step_local / evaluate_local",
+    )

@@ -35,7 +35,7 @@ import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from parc.dsl.ast import ScheduleKind
+from parc.dsl.ast import MAX_GRAD_ACCUM, MAX_MICROBATCHES, ScheduleKind
 
 from ..memory_model import MemoryModel
 from ..report import human_bytes
@@ -115,8 +115,10 @@ def _rank(ev: Evaluation) -> tuple[float, ...]:
     return (ev.time.total, c.zero, c.recompute, (c.tp > 1) + (c.pp > 1), c.grad_accum)
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def _divisors(n: int, limit: int) -> list[int]:
+    """The divisors of `n` up to `limit`: O(limit), so a cluster of 10^20 GPUs or a batch
+    of 10^9 samples is searched in the time of a small one (a scan to `n` never ended)."""
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
 
 
 def _candidates(
@@ -127,7 +129,7 @@ def _candidates(
     for tp in sorted(profile.tp):  # Step 1
         if world % tp:
             continue
-        for pp in (p for p in _divisors(world // tp) if p <= units):
+        for pp in _divisors(world // tp, units):
             dp = world // (tp * pp)
             if batch % dp:
                 continue
@@ -171,8 +173,11 @@ def _variants(profile: ModelProfile, tp: int) -> Iterator[tuple[bool, bool, bool
 
 
 def _splits(replica: int, pp: int) -> Iterator[tuple[int, int]]:
-    for m in _divisors(replica) if pp > 1 else [1]:
-        for a in _divisors(replica // m):
+    """(microbatches, grad_accum) a replica's batch splits into, within what a spec may
+    say (`microbatches` ≤ 4096, `grad_accum` ≤ 65536: beyond, the written spec would be
+    refused, and interleaving 5000 microbatches raised inside the search)."""
+    for m in _divisors(replica, MAX_MICROBATCHES) if pp > 1 else [1]:
+        for a in _divisors(replica // m, MAX_GRAD_ACCUM):
             yield m, a
 
 

@@ -1,6 +1,7 @@
 """The `parc` command line: a thin layer over the Python API.
 
-Exit codes: 0 success, 1 a check or run that failed, 2 a user mistake, 3 a bug in
+Exit codes (also in `parc --help`): 0 success, 1 a check or run that failed (or a
+`parc plan` that found no spec that fits), 2 a user mistake, 3 a bug in
 parc, 128 + N a stop by signal N (130 Ctrl-C, 143 SIGTERM: the processes parc
 started are stopped first).
 
@@ -45,7 +46,11 @@ EXIT_ERROR, EXIT_INTERNAL = commands.EXIT_ERROR, 3
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="parc", description="A declarative parallelism compiler for PyTorch."
+        prog="parc",
+        description="A declarative parallelism compiler for PyTorch.",
+        epilog="exit codes: 0 success; 1 a check or run failed, or `parc plan` found no spec "
+        "that fits; 2 a user mistake (a bad spec, model, flag or path); 3 a bug in parc; "
+        "128 + N stopped by signal N (130 Ctrl-C, 143 SIGTERM)",
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

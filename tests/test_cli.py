@@ -350,3 +350,13 @@ def test_console_script_error_exits_2_without_traceback() -> None:
     assert done.stderr.startswith("error: running the model on its sample batch failed at node")
     assert f"{ROOT / model}:14: h = torch.tanh(self.embed(x))" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_the_exit_codes_are_in_parc_help(capsys: pytest.CaptureFixture[str]) -> None:
+    """README's exit codes, where a user looks first; `parc plan` with no spec that fits is 1."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    said = " ".join(capsys.readouterr().out.split())
+    for code in ("0 success", "1 a check or run failed, or `parc plan` found no spec", "2 a user"):
+        assert code in said, said
+    assert "3 a bug in parc" in said and "128 + N stopped by signal N" in said

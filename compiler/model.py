@@ -304,6 +304,15 @@ def _check_call(fn: Any, name: str, path: str) -> None:
         ) from None
 
 
+def _is_file(path: Path) -> bool:
+    """`path.is_file()`, False where the name cannot be looked up (too long: Path.is_file
+    raises OSError for ENAMETOOLONG, which was reported as a bug in parc)."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
+
+
 def load_model(source: str | Path | ModuleType) -> ModelSource:
     """Load a model file by path (or take an already imported module) and check it."""
     if isinstance(source, ModuleType):
@@ -311,7 +320,7 @@ def load_model(source: str | Path | ModuleType) -> ModelSource:
         path = str(getattr(module, "__file__", "") or module.__name__)
     else:
         file = Path(source)
-        if not file.is_file():
+        if not _is_file(file):
             raise ModelError("no such model file", file=str(source))
         module = _import_file(file)
         path = str(file.resolve())

@@ -37,7 +37,7 @@ from parc.cli_options import (
     positive,
 )
 from parc.cli_outputs import check_outputs
-from parc.errors import ModelError, ParcError
+from parc.errors import ModelError, ParcError, clip
 
 __all__ = ["main"]
 
@@ -276,7 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:
         return _exited(exc, args.debug)
     except Exception as exc:
-        return _unexpected(exc, args.debug)
+        return _unexpected(exc, args.debug, argv)
 
 
 def _signalled(sig: signal.Signals) -> int:
@@ -306,14 +306,23 @@ def _exited(exc: SystemExit, debug: bool) -> int:
     return EXIT_ERROR
 
 
-def _unexpected(exc: Exception, debug: bool) -> int:
-    """A signal torchrun's agent turned into an exception, the user's code failing (exit 2),
-    or, when neither, a bug in parc (exit 3)."""
+def _unexpected(exc: Exception, debug: bool, argv: Sequence[str]) -> int:
+    """A signal torchrun's agent turned into an exception, the user's code failing or a
+    path the user gave that the system refuses (exit 2), or, when none, a bug in parc
+    (exit 3)."""
     sig = getattr(exc, "sigval", None)  # torch.distributed.elastic's SignalException
     if isinstance(sig, signal.Signals):
         return _signalled(sig)
     if debug:
         traceback.print_exc()
+    if isinstance(exc, OSError) and _given(exc.filename, argv):
+        # e.g. ENAMETOOLONG from Path.is_file() on a --weights or --tokenizer path
+        error = ParcError(
+            f"{clip(str(exc.filename))}: {exc.strerror or exc}",
+            hint="check the path given on the command line",
+        )
+        print(str(error), file=sys.stderr)
+        return EXIT_ERROR
     frame = blame.raised_by_user(exc)
     if frame is not None:
         print(str(blame.user_error(exc, frame)), file=sys.stderr)
@@ -324,6 +333,19 @@ def _unexpected(exc: Exception, debug: bool) -> int:
         file=sys.stderr,
     )
     return EXIT_INTERNAL
+
+
+def _given(filename: object, argv: Sequence[str]) -> bool:
+    """Whether an OSError's file is a path of the command line or under one (also in
+    its absolute form): `ckpt/parc.json` of `parc export ckpt ...`."""
+    if not isinstance(filename, str) or not filename:
+        return False
+    path = Path(filename)
+    return any(
+        path.is_relative_to(given) or path.is_relative_to(given.absolute())
+        for given in (Path(a) for a in argv if not a.startswith("-"))
+        if given.parts  # not '' or '.': everything is under those
+    )
 
 
 def entry() -> None:

@@ -135,3 +135,27 @@ def test_parc_run_refuses_a_spec_its_ranks_cannot_read_again(
     assert _main(["run", path, GPT, "--steps", "1"]) == 2
     out, err = capfd.readouterr()
     assert f"spec {path} is not a regular file" in err and "save the spec" in err, out + err
+
+
+LONG = "x" * 5000  # longer than a file name may be (NAME_MAX 255): ENAMETOOLONG
+TOO_LONG = [
+    ["compile", "{spec}", LONG],
+    ["run", "{spec}", "{model}", "--weights", LONG],
+    ["check", "{spec}", "{model}", "--weights", LONG],
+    ["run", "{spec}", "{model}", "--data", "{spec}", "--tokenizer", LONG],
+    ["run", "{spec}", "{model}", "--data", LONG],
+    ["export", LONG, "{model}", "-o", "{ckpt}/model.pt"],
+]
+
+
+@pytest.mark.parametrize("argv", TOO_LONG, ids=lambda a: " ".join(x[:12] for x in a[:1] + a[3:4]))
+def test_a_path_too_long_for_the_system_is_a_user_error_not_a_bug(
+    argv: list[str], inputs: dict[str, Path], capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Path.is_file() raises for ENAMETOOLONG (it returns False only for a missing file):
+    a --weights, --tokenizer, checkpoint or model path too long was 'internal error: OSError
+    ... this is a bug in parc' (exit 3)."""
+    assert _main([a.format(**inputs) for a in argv]) == 2
+    err = capfd.readouterr().err
+    assert "File name too long" in err or "no such model file" in err, err[:300]
+    assert "internal error" not in err and "Traceback" not in err, err[:300]

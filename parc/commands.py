@@ -137,11 +137,24 @@ def _write_rank_code(analysis: object, out: Path) -> None:
     written = rank_code(analysis)
     for rank, code in written.items():
         write_atomic(out / f"rank{rank}.py", code)
-    # An earlier compile's ranks past this world would sit beside this plan.json.
+    # An earlier compile's ranks past this world would sit beside this plan.json; a
+    # rank<N>.py parc did not write (its first line is not parc's header) is the user's.
     for stale in out.glob("rank*.py"):
         number = stale.stem.removeprefix("rank")
-        if number.isdecimal() and int(number) not in written:
+        if number.isdecimal() and int(number) not in written and _written_by_parc(stale):
             stale.unlink()
+
+
+def _written_by_parc(path: Path) -> bool:
+    """Whether `path` starts as parc's generated rank code does (compiler/codegen.py)."""
+    try:
+        with path.open("rb") as f:
+            return f.read(len(_RANK_HEADER)) == _RANK_HEADER
+    except OSError:
+        return False
+
+
+_RANK_HEADER = b"# parc: rank "
 
 
 def cmd_check(args: argparse.Namespace) -> int:

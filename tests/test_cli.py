@@ -198,6 +198,19 @@ def test_a_smaller_world_compiled_into_the_same_directory_leaves_no_old_ranks(
     assert sorted(p.name for p in out_dir.iterdir()) == ["plan.json", "rank0.py", "rank1.py"]
 
 
+def test_a_rank_file_parc_did_not_write_is_kept(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # `-o .` in a directory holding the user's own rank7.py deleted it (a probe of the CLI).
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    (out_dir / "rank7.py").write_text("print('my own file')\n")
+    assert (
+        run(capsys, "compile", _write(tmp_path, "s.par", "mesh dp=2\n"), GPT, "-o", out_dir)[0] == 0
+    )
+    assert (out_dir / "rank7.py").read_text() == "print('my own file')\n"
+
+
 def test_rank_code_shows_the_order_one_stage_runs_its_microbatches(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

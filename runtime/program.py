@@ -51,7 +51,7 @@ from .parts import ProgramParts
 from .run_errors import in_program_call
 from .same_batch import batch_fingerprint, different_batches, metric_world, same_batch
 from .step_hooks import StepHooks
-from .trainable import Trainable
+from .trainable import Trainable, check_grad_mode
 from .training_rng import RandomState
 
 __all__ = ["Program", "ProgramParts", "StepHooks"]
@@ -203,6 +203,7 @@ class Program:
         """The step on this rank's dp share: its input tensors ([] on a rank whose stages
         read none), its targets (None on a rank without the last stage)."""
         plan, comm = self.plan, self.comm
+        check_grad_mode(rank=comm.rank, step=self.steps_done)
         self._trainable.check(self.parts.local_params, rank=comm.rank, step=self.steps_done)
         xs, targets = share.xs, share.ys
         self._per_call, self._scan, self._fingerprint = (

@@ -1,4 +1,5 @@
-"""Which parameters a Program trains, as compiled: `requires_grad` changed after is refused.
+"""Which parameters a Program trains, as compiled: `requires_grad` changed after is refused,
+and so is a step with gradients off.
 
 parc reads `requires_grad` when it compiles: a frozen parameter gets no gradient
 buffer, dp reduction or optimizer state, a trainable one does. A probe froze a module
@@ -6,6 +7,12 @@ of a user's loop mid-run (`p.requires_grad_(False)` on the parameters a rank hol
 under dp and ZeRO its weights went on moving, stepped with stale momentum and a zero
 gradient, silently (tp and pp happened to leave them). So `Program.step` refuses any
 change on every layout, on the rank that sees it, before any collective.
+
+A step called inside `torch.no_grad()` or `torch.inference_mode()` (a loop that wraps
+its validation and its training alike) raised torch's "element 0 of tensors does not
+require grad" under dp, and under pp one stage raised while its peer waited in a
+receive until the process group's timeout (found by a probe): `check_grad_mode`
+refuses it on every rank alike, before any collective.
 """
 
 from __future__ import annotations
@@ -17,7 +24,21 @@ import torch
 
 from parc.errors import RuntimeFault
 
-__all__ = ["Trainable"]
+__all__ = ["Trainable", "check_grad_mode"]
+
+
+def check_grad_mode(*, rank: int, step: int) -> None:
+    """Raise a RuntimeFault when gradients are off (no_grad or inference_mode)."""
+    if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
+        return
+    raise RuntimeFault(
+        "Program.step was called with gradients off (inside torch.no_grad() or "
+        "torch.inference_mode()): a step trains (forward, backward and the optimizer step)",
+        rank=rank,
+        step=step,
+        hint="call step outside no_grad and inference_mode; for a forward-only loss use "
+        "program.evaluate, which turns gradients off itself",
+    )
 
 
 @dataclass(frozen=True, slots=True)

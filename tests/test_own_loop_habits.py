@@ -113,6 +113,33 @@ def test_freezing_a_parameter_after_compile_is_refused(gloo_pool: Any, spec: str
         assert "set requires_grad in build_model, before parc.compile" in error
 
 
+def _step_without_gradients(spec: str) -> dict[str, Any]:
+    source, program = _compile(spec, "0")
+    errors = []
+    for off in (torch.no_grad, torch.inference_mode):
+        try:
+            with off():
+                program.step(*source.batch(8, 0))
+        except Exception as exc:
+            errors.append(str(exc))
+    loss = program.step(*source.batch(8, 0))  # nothing was left half done
+    return {"errors": errors, "loss": loss, "steps": program.steps_done}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("spec", ["mesh dp=2\n", "mesh pp=2\nstage auto\nmicrobatches 2\n"])
+def test_a_step_with_gradients_off_is_refused_on_every_rank(gloo_pool: Any, spec: str) -> None:
+    # dp raised torch's "element 0 of tensors does not require grad"; under pp one stage
+    # raised while the other waited in a receive until the group's timeout.
+    ranks = gloo_pool(2).run(_step_without_gradients, spec)
+    for rank in ranks:
+        assert len(rank["errors"]) == 2, rank["errors"]
+        for error in rank["errors"]:
+            assert "Program.step was called with gradients off (inside torch.no_grad()" in error
+            assert "use program.evaluate" in error
+        assert rank["steps"] == 1 and math.isfinite(rank["loss"])
+
+
 # ------------------------------------------------------------------ the caller's generator
 
 

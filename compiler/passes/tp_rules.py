@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from parc.dsl.ast import ShardKind
 
 from ..linear_forms import linear_form
+from ..ops.writes import copied, filled, zeroed
 from .placement import Partial, Placement, Replicate, Shard
 from .tp_context import Decision, Misaligned, NotDivisible, OpContext, Rule
 from .tp_view_rules import (
@@ -50,6 +51,7 @@ from .tp_view_rules import (
     transpose,
     unbind,
 )
+from .tp_write_rules import WRITE_RULES
 
 __all__ = [
     "METADATA_OPS",
@@ -355,6 +357,10 @@ RULES: dict[object, Rule] = {
     (nn.Linear, ShardKind.ROW): linear_row,
     (nn.Embedding, ShardKind.COL): embedding_col,
     (nn.Embedding, ShardKind.VOCAB): embedding_vocab,
+    copied: binary,  # `t.copy_(src)` out of place: src broadcast to t's shape
+    filled: binary,
+    zeroed: unary,
+    **WRITE_RULES,  # tp_write_rules.py: new_empty and the like, items_set
 }
 
 PARTIAL_RULES: dict[object, Rule] = {

@@ -335,11 +335,12 @@ class Program:
         total[1], total[2] = flag, square_sum
         if mine and counts.calls:
             total[3], total[4] = counts.totals(self.parts.device)
-        if self._fingerprint is not None:  # same_batch.py: f and f², summed exactly
-            total[5], total[6] = self._fingerprint, self._fingerprint**2
+        fingerprint, self._fingerprint = self._fingerprint, None  # nothing kept past the step
+        if fingerprint is not None:  # same_batch.py: f and f², summed exactly
+            total[5], total[6] = fingerprint, fingerprint**2
         comm.metric_sum(total)
         loss_sum, flagged, squares, counted, targets, prints, print_squares = total.tolist()
-        if self._fingerprint is not None and not same_batch(metric_world(), prints, print_squares):
+        if fingerprint is not None and not same_batch(metric_world(), prints, print_squares):
             raise different_batches(rank=comm.rank, step=self.steps_done, doing="Program.step")
         loss = loss_sum / (plan.dp * plan.microbatches * plan.grad_accum)
         norm = math.sqrt(squares)  # NaN or inf on a non-finite step

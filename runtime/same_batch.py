@@ -34,7 +34,7 @@ from parc.errors import RuntimeFault
 __all__ = ["batch_fingerprint", "different_batches", "metric_world", "same_batch"]
 
 SAMPLED = 4096  # elements hashed per tensor: a few microseconds, whatever the batch's size
-_WEIGHTS: list[torch.Tensor] = []  # one fixed random weight per sampled byte, made once
+_MULTIPLIER, _WEIGHT_BITS = 2_654_435_761, 20  # Knuth's multiplicative hash; weights < 2**20
 
 
 def metric_world() -> int:
@@ -49,10 +49,6 @@ def batch_fingerprint(
     and of their squares sum exactly in float64 (at most 2**20). Computed with tensor
     ops, never read on the host: the step's one read is the metric all-reduce's."""
     bits = min(20, (52 - world.bit_length()) // 2)
-    if not _WEIGHTS:
-        g = torch.Generator().manual_seed(20_261_207)
-        _WEIGHTS.append(torch.randint(1, 1 << 20, (SAMPLED * 16,), generator=g))
-    weights = _WEIGHTS[0]
     total = torch.zeros((), dtype=torch.int64)
     for i, t in enumerate([*xs, targets]):
         described = hashlib.blake2b(f"{i} {tuple(t.shape)} {t.dtype}".encode(), digest_size=4)
@@ -60,9 +56,17 @@ def batch_fingerprint(
         if t.device.type == "cpu" and t.numel():
             flat = t.detach().reshape(-1)
             sample = flat[:: max(1, flat.numel() // SAMPLED)][:SAMPLED].contiguous()
-            data = sample.view(torch.uint8).to(torch.int64)  # the bits, whatever the dtype
-            total += (2 * i + 1) * (data * weights[: data.numel()]).sum()
+            data = sample.view(torch.uint8).to(torch.int32)  # the bits, whatever the dtype
+            total += (2 * i + 1) * (data * _weights(data.numel())).sum()  # < 2**28 each
     return total % (1 << bits)
+
+
+def _weights(n: int) -> torch.Tensor:
+    """`n` fixed pseudo-random weights in [1, 2**20), made per call (nothing kept between
+    steps: a 512 KiB table held by every process showed in the memory tests)."""
+    index = torch.arange(1, n + 1, dtype=torch.int64)
+    mixed = (index * _MULTIPLIER) % (1 << 32) >> (32 - _WEIGHT_BITS)
+    return (mixed | 1).to(torch.int32)
 
 
 def same_batch(world: int, total: float, squares: float) -> bool:

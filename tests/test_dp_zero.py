@@ -145,10 +145,13 @@ def measure_resident(spec_text: str, model: str, env: dict[str, str], batch: int
             for t in state.values()
             if isinstance(t, torch.Tensor) and t.dim() == 0
         ]
+        # The training stream's generator state (runtime/training_rng.py: the CPU
+        # generator's 5,056 bytes) is the Program's too.
+        stream = [t for t in (program.random.cpu, program.random.cuda) if t is not None]
         return {
             "rank": dist.get_rank(),
             "live": _unique_bytes(live),
-            "counters": _unique_bytes(counters),
+            "counters": _unique_bytes(counters) + _unique_bytes(stream),
             "params": _unique_bytes(params),
             "grads": _unique_bytes(grads),
             "optimizer": _unique_bytes(states),
@@ -189,7 +192,7 @@ def test_resident_bytes_match_the_zero_formulas_and_the_report(
             expected.optimizer,
         )
         # Nothing else stays alive: every tensor storage the rank can reach is what
-        # the formulas say plus AdamW's per-tensor step counters.
+        # the formulas say plus AdamW's per-tensor step counters and the random stream.
         held = expected.params + expected.grads + expected.optimizer
         assert got["live"] == held + got["counters"], got
     # The ZeRO paper's shape: level 3 holds (params + grads + AdamW) / dp, padded up.

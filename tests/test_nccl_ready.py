@@ -207,6 +207,9 @@ HOST_TENSORS = {
     ("runtime/text_data.py", "TextData._batches"): "window offsets into the host tokens",
     ("runtime/text_data.py", "_encode"): "token ids of the text file, host data",
     ("runtime/text_data.py", "_tokens"): "the text file's token stream, host data",
+    # Program._global_loss copies the 0-d hash into its metric tensor on the device.
+    ("runtime/same_batch.py", "batch_fingerprint"): "the host batch's hash, a 0-d tensor",
+    ("runtime/same_batch.py", "_weights"): "the hash's weights, multiplied with host data",
 }
 
 

@@ -185,7 +185,8 @@ class Program:
         start = self.comm.index(AXIS_DP) * b
         per_call, scan = tokens_per_call(self.parts, self.comm, targets)
         ys = targets[start : start + b]
-        fingerprint = batch_fingerprint(xs, targets, world=metric_world())
+        world = metric_world()  # alone, a rank has no other batch to agree with
+        fingerprint = batch_fingerprint(xs, targets, world=world) if world > 1 else None
         return _Share([x[start : start + b] for x in xs], ys, per_call, scan, fingerprint)
 
     def _local_share(self, inputs: Any, targets: Any) -> _Share:

@@ -27,7 +27,9 @@ from .passes.pipeline_split import StageGraph
 from .rank_program import RankProgram, compile_rank
 from .schedule_actions import Action, one_at_a_time
 
-__all__ = ["rank_code"]
+__all__ = ["RANK_HEADER", "rank_code"]
+
+RANK_HEADER = "# parc: rank "  # each rank file's first line starts so (parc compile -o)
 
 
 def rank_code(analysis: Analysis, *, bucket_elems: int = DEFAULT_BUCKET_ELEMS) -> dict[int, str]:
@@ -45,7 +47,7 @@ def _render(rank: int, program: RankProgram, s: int) -> str:
     stage: StageGraph = program.stages[s]
     coords = ", ".join(f"{k}={v}" for k, v in program.coords.items()) or "single device"
     header = [
-        f"# parc: rank {rank} ({coords}), pipeline stage {stage.stage}",
+        f"{RANK_HEADER}{rank} ({coords}), pipeline stage {stage.stage}",
         f"# receives: {', '.join(map(str, stage.recv)) or 'nothing'}",
         f"# sends:    {', '.join(map(str, stage.send)) or 'nothing'}",
         f"# model inputs used: {list(stage.model_inputs)}",

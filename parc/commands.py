@@ -147,14 +147,14 @@ def _write_rank_code(analysis: object, out: Path) -> None:
 
 def _written_by_parc(path: Path) -> bool:
     """Whether `path` starts as parc's generated rank code does (compiler/codegen.py)."""
+    from parc.compiler.codegen import RANK_HEADER
+
+    header = RANK_HEADER.encode()
     try:
         with path.open("rb") as f:
-            return f.read(len(_RANK_HEADER)) == _RANK_HEADER
+            return f.read(len(header)) == header
     except OSError:
         return False
-
-
-_RANK_HEADER = b"# parc: rank "
 
 
 def cmd_check(args: argparse.Namespace) -> int:

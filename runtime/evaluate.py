@@ -60,7 +60,7 @@ from .eval_mode import eval_mode, refuse_baked, replica_zero_buffers
 from .loss_counts import counts_loss
 from .master_weights import COMPUTE_DTYPE, upcast
 from .parts import ProgramParts
-from .same_batch import different_batches, metric_world, same_batch
+from .same_batch import batches_agree, different_batches, put_fingerprint
 
 __all__ = ["Evaluator", "forward_actions", "microbatches_of"]
 
@@ -186,11 +186,10 @@ class Evaluator:
         if mine and counts.calls:
             total[1], total[2] = counts.totals(parts.device)
         fingerprint = self._call.fingerprint if self._call is not None else None
-        if fingerprint is not None:  # same_batch.py: f and f², summed exactly
-            total[3], total[4] = fingerprint, fingerprint**2
+        put_fingerprint(total, 3, fingerprint)
         parts.comm.metric_sum(total)
         loss_sum, counted, targets, prints, print_squares = total.tolist()
-        if fingerprint is not None and not same_batch(metric_world(), prints, print_squares):
+        if not batches_agree(fingerprint, prints, print_squares):
             raise different_batches(rank=parts.comm.rank, step=None, doing="Program.evaluate")
         loss = loss_sum / (plan.dp * plan.microbatches * plan.grad_accum)
         if counted != targets:

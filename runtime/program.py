@@ -49,7 +49,13 @@ from .master_weights import COMPUTE_DTYPE, upcast
 from .nonfinite import first_nonfinite_param, grad_views, nonfinite_fault
 from .parts import ProgramParts
 from .run_errors import in_program_call
-from .same_batch import batch_fingerprint, different_batches, metric_world, same_batch
+from .same_batch import (
+    batch_fingerprint,
+    batches_agree,
+    different_batches,
+    metric_world,
+    put_fingerprint,
+)
 from .step_hooks import StepHooks
 from .trainable import Trainable, check_grad_mode
 from .training_rng import RandomState
@@ -85,7 +91,6 @@ class Program:
         self.skip_nonfinite = False
         self._per_call: float | None = None  # DefaultLoss.per_call of the current step
         self._scan: TargetScan | None = None  # the step's targets, read once (default loss)
-        self._fingerprint: torch.Tensor | None = None  # the step's global batch's (same_batch.py)
         self._trainable = Trainable.of(parts.local_params)  # requires_grad as compiled
         self.skipped: list[tuple[int, str]] = []  # (step, what was not finite)
         # The last step's global gradient norm (before clipping), the same on every rank.
@@ -207,11 +212,7 @@ class Program:
         check_grad_mode(rank=comm.rank, step=self.steps_done)
         self._trainable.check(self.parts.local_params, rank=comm.rank, step=self.steps_done)
         xs, targets = share.xs, share.ys
-        self._per_call, self._scan, self._fingerprint = (
-            share.per_call,
-            share.scan,
-            share.fingerprint,
-        )
+        self._per_call, self._scan = share.per_call, share.scan
         comm.stats.reset()
         comm.step = self.steps_done
         self.parts.sync.release_stale()
@@ -232,7 +233,9 @@ class Program:
         # Before the optimizer step: a NaN/inf must never reach the parameters (nonfinite.py).
         views = ((view, self._counts[name]) for name, view in grad_views(self.parts))
         flag, square_sum = flag_and_square_sum(views, self.parts.device)  # clip.py
-        loss, flagged, self.last_grad_norm = self._global_loss(losses, flag, square_sum, counts)
+        loss, flagged, self.last_grad_norm = self._global_loss(
+            losses, flag, square_sum, counts, share.fingerprint
+        )
         # A flag may be a finite norm whose squares overflowed: only the exact search can tell.
         param = first_nonfinite_param(self.parts) if flagged and math.isfinite(loss) else None
         if param is not None or not math.isfinite(loss):
@@ -320,10 +323,12 @@ class Program:
         flag: torch.Tensor,
         square_sum: torch.Tensor,
         counts: OwnLossCounts,
+        fingerprint: torch.Tensor | None,
     ) -> tuple[float, int, float]:
         """The mean loss over the global batch, how many ranks flagged their gradients
         (`flag`: clip.flag_and_square_sum) and the global gradient norm (`square_sum`: this
-        rank's share of its square, clip.py). One all-reduce and the step's one host sync.
+        rank's share of its square, clip.py), with the batch's `fingerprint` checked alike
+        on every rank (same_batch.py). One all-reduce and the step's one host sync.
         A model's own mean loss over counted targets (`counts`, compiler/ops/own_loss.py)
         becomes the global batch's here: the loss, norm and gradients times T / N."""
         plan, comm = self.plan, self.comm
@@ -336,12 +341,10 @@ class Program:
         total[1], total[2] = flag, square_sum
         if mine and counts.calls:
             total[3], total[4] = counts.totals(self.parts.device)
-        fingerprint, self._fingerprint = self._fingerprint, None  # nothing kept past the step
-        if fingerprint is not None:  # same_batch.py: f and f², summed exactly
-            total[5], total[6] = fingerprint, fingerprint**2
+        put_fingerprint(total, 5, fingerprint)
         comm.metric_sum(total)
         loss_sum, flagged, squares, counted, targets, prints, print_squares = total.tolist()
-        if fingerprint is not None and not same_batch(metric_world(), prints, print_squares):
+        if not batches_agree(fingerprint, prints, print_squares):
             raise different_batches(rank=comm.rank, step=self.steps_done, doing="Program.step")
         loss = loss_sum / (plan.dp * plan.microbatches * plan.grad_accum)
         norm = math.sqrt(squares)  # NaN or inf on a non-finite step

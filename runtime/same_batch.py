@@ -31,7 +31,14 @@ import torch.distributed as dist
 
 from parc.errors import RuntimeFault
 
-__all__ = ["batch_fingerprint", "different_batches", "metric_world", "same_batch"]
+__all__ = [
+    "batch_fingerprint",
+    "batches_agree",
+    "different_batches",
+    "metric_world",
+    "put_fingerprint",
+    "same_batch",
+]
 
 SAMPLED = 4096  # elements hashed per tensor: a few microseconds, whatever the batch's size
 _MULTIPLIER, _WEIGHT_BITS = 2_654_435_761, 20  # Knuth's multiplicative hash; weights < 2**20
@@ -73,6 +80,19 @@ def same_batch(world: int, total: float, squares: float) -> bool:
     """Whether `world` fingerprints summing to `total`, their squares to `squares`, are all
     equal (each is an integer, so both sums are exact)."""
     return world * int(squares) == int(total) ** 2
+
+
+def put_fingerprint(total: torch.Tensor, at: int, fingerprint: torch.Tensor | None) -> None:
+    """Write `f` and `f²` into `total[at]` and `total[at + 1]`, the metric all-reduce's
+    slots for them (left 0 without a fingerprint: a share, or a rank alone)."""
+    if fingerprint is not None:
+        total[at], total[at + 1] = fingerprint, fingerprint**2
+
+
+def batches_agree(fingerprint: torch.Tensor | None, prints: float, squares: float) -> bool:
+    """Whether the summed slots (`put_fingerprint`) say every rank's fingerprint is the
+    same; True without one (nothing to compare)."""
+    return fingerprint is None or same_batch(metric_world(), prints, squares)
 
 
 def different_batches(*, rank: int, step: int | None, doing: str) -> RuntimeFault:

@@ -159,16 +159,23 @@ class Comm:
         self.stats.add(CommKind.REDUCE_SCATTER, axis, inp)
         return reduce_scatter_flat(out, inp, group=self._group(axis), async_op=async_op)
 
-    def post_p2p(self, ops: list[tuple[CommKind, torch.Tensor, int]], axis: str) -> list[Any]:
+    def post_p2p(
+        self, ops: list[tuple[CommKind, torch.Tensor, int]], axis: str, *, batched: bool = True
+    ) -> list[Any]:
         """Post sends and receives (kind, tensor, global peer rank) as one batch; the
         handles to wait for (one per op under gloo, one for the batch under NCCL). A
-        received tensor may be read, and a sent one changed, only after every wait."""
-        p2p_ops = []
+        received tensor may be read, and a sent one changed, only after every wait.
+        `batched=False` (gloo, whose ops progress each on its own: `p2p_independent`)
+        posts each op by itself, in order: the same ops and handles without
+        `batch_isend_irecv`'s coalescing bookkeeping, tens of microseconds a batch on
+        a pipeline's critical path."""
+        fns = []
         for kind, tensor, peer in ops:
             self.stats.add(kind, axis, tensor)
-            fn = dist.isend if kind is CommKind.SEND else dist.irecv
-            p2p_ops.append(dist.P2POp(fn, tensor, peer))
-        return list(dist.batch_isend_irecv(p2p_ops))
+            fns.append((dist.isend if kind is CommKind.SEND else dist.irecv, tensor, peer))
+        if not batched:
+            return [fn(tensor, peer) for fn, tensor, peer in fns]
+        return list(dist.batch_isend_irecv([dist.P2POp(*op) for op in fns]))
 
     def p2p_independent(self, axis: str, device: torch.device) -> bool:
         """Whether point-to-point ops of `device`'s tensors over `axis` progress each on

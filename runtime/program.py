@@ -23,56 +23,37 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from parc.compiler.default_loss import DefaultLoss, TargetScan
-from parc.compiler.model_output import input_tensors
 from parc.compiler.ops.own_loss import OWN_LOSS_COUNTS, OwnLossCounts
 from parc.compiler.saved import cast_inputs
-from parc.dsl.ast import AXIS_DP, AXIS_PP
+from parc.dsl.ast import AXIS_PP
 from parc.runtime.pipeline.executor import StageExecutor
 from parc.runtime.pipeline.user_checks import checked_loss
 
-from .batch_checks import check_batch
+from .batch_share import Share, global_share, local_share
 from .clip import NormLayout, check_max_norm, clip_grads, flag_and_square_sum, scale_grads
 from .collectives import CommKind
 from .compiled import compile_seconds
 from .evaluate import Evaluator
 from .gather import gather_full_state, iter_full_state
-from .loss_counts import counts_loss, tokens_per_call
+from .loss_counts import counts_loss
 from .master_weights import COMPUTE_DTYPE, upcast
 from .nonfinite import first_nonfinite_param, grad_views, nonfinite_fault
 from .parts import ProgramParts
 from .run_errors import in_program_call
-from .same_batch import (
-    batch_fingerprint,
-    batches_agree,
-    different_batches,
-    metric_world,
-    put_fingerprint,
-)
+from .same_batch import Fingerprint, batches_agree, different_batches, put_fingerprint
 from .step_hooks import StepHooks
 from .trainable import Trainable, check_grad_mode
 from .training_rng import RandomState
 
 __all__ = ["Program", "ProgramParts", "StepHooks"]
-
-
-@dataclass(frozen=True, slots=True)
-class _Share:
-    """What a rank trains or evaluates on: its input tensors, its targets (None on a rank
-    without the last stage), and the default loss's divisor and target scan."""
-
-    xs: list[torch.Tensor]
-    ys: torch.Tensor | None
-    per_call: float | None
-    scan: TargetScan | None
-    fingerprint: torch.Tensor | None = None  # the global batch's (same_batch.py); None for a share
 
 
 class Program:
@@ -139,7 +120,7 @@ class Program:
     def step(self, inputs: Any, targets: Any) -> float:
         """Forward, backward, gradient sync and optimizer step for one global batch."""
         with self.comm.active(), self._call("Program.step"):
-            return self._step(self._global_share(inputs, targets))
+            return self._step(global_share(self.parts, inputs, targets, step=self.steps_done))
 
     def step_local(self, inputs: Any, targets: Any) -> float:
         """`step` on this rank's share of the global batch: its `plan.batch.per_replica`
@@ -148,7 +129,7 @@ class Program:
         last stage (None elsewhere). The loss is the global batch's, as `step` returns it.
         A share that does not match the compiled program is a RuntimeFault on its rank."""
         with self.comm.active(), self._call("Program.step_local"):
-            return self._step(self._local_share(inputs, targets))
+            return self._step(local_share(self.parts, inputs, targets, step=self.steps_done))
 
     # ------------------------------------------------------------ evaluation
 
@@ -158,16 +139,17 @@ class Program:
         gradient, no optimizer step, nothing of the training state changes (parameters,
         optimizer, `steps_done`, `comm_stats`, the random stream). See runtime/evaluate.py."""
         with self.comm.active(), self._call("Program.evaluate"):
-            share = self._global_share(inputs, targets)
+            share = global_share(self.parts, inputs, targets, step=self.steps_done)
             run = self._evaluator().run
-            return run(share.xs, share.ys, share.per_call, share.scan, share.fingerprint)
+            prints = share.fingerprint.value() if share.fingerprint is not None else None
+            return run(share.xs, share.ys, share.per_call, share.scan, prints)
 
     def evaluate_local(self, inputs: Any, targets: Any) -> float:
         """`evaluate` on this rank's share of the global batch, given as `step_local`
         takes it (inputs where `parts.needs_inputs`, targets on the last stage, None
         elsewhere); the loss is the global batch's."""
         with self.comm.active(), self._call("Program.evaluate_local"):
-            share = self._local_share(inputs, targets)
+            share = local_share(self.parts, inputs, targets, step=self.steps_done)
             return self._evaluator().run(share.xs, share.ys, share.per_call, share.scan)
 
     def _call(self, doing: str) -> contextlib.AbstractContextManager[None]:
@@ -180,32 +162,7 @@ class Program:
             self._evaluation = Evaluator(self.parts)
         return self._evaluation
 
-    def _global_share(self, inputs: Any, targets: Any) -> _Share:
-        """This rank's dp slice of a global batch (checked) and the default loss's count
-        of the global batch's targets (runtime/loss_counts.py), for `step` and `evaluate`."""
-        xs = list(input_tensors(inputs))
-        shapes, at = self.parts.input_shapes, (self.comm.rank, self.steps_done)
-        check_batch(shapes, xs, targets, self.plan.batch.global_batch, at)
-        b = self.plan.batch.per_replica
-        start = self.comm.index(AXIS_DP) * b
-        per_call, scan = tokens_per_call(self.parts, self.comm, targets)
-        ys = targets[start : start + b]
-        world = metric_world()  # alone, a rank has no other batch to agree with
-        fingerprint = batch_fingerprint(xs, targets, world=world) if world > 1 else None
-        return _Share([x[start : start + b] for x in xs], ys, per_call, scan, fingerprint)
-
-    def _local_share(self, inputs: Any, targets: Any) -> _Share:
-        """A rank's own share (checked: `step_local`), what its stages read of it, and the
-        default loss's count summed over the world, for `step_local` and `evaluate_local`."""
-        xs = list(input_tensors(inputs)) if self.parts.needs_inputs else None
-        ys = targets if self.parts.holds_last_stage else None
-        per_replica, last = self.plan.batch.per_replica, self.parts.holds_last_stage
-        shapes, at = self.parts.input_shapes, (self.comm.rank, self.steps_done)
-        check_batch(shapes, xs, ys, per_replica, at, read=last, share=True)
-        per_call, scan = tokens_per_call(self.parts, self.comm, ys, shared=True)
-        return _Share(xs or [], ys, per_call, scan)
-
-    def _step(self, share: _Share) -> float:
+    def _step(self, share: Share) -> float:
         """The step on this rank's dp share: its input tensors ([] on a rank whose stages
         read none), its targets (None on a rank without the last stage)."""
         plan, comm = self.plan, self.comm
@@ -225,7 +182,7 @@ class Program:
         losses: list[torch.Tensor] = []  # on the device: read once, in _global_loss
         counts = OwnLossCounts()  # the model's own mean loss' targets (ops/own_loss.py)
         with OWN_LOSS_COUNTS.activated(counts), self.random.active():
-            self._rounds(losses, xs, ys)
+            self._rounds(losses, xs, ys, share.fingerprint)
         self._unchecked_targets = None  # a stage without the loss never reads them
         self.parts.sync.finish(self._tied_reduce)
         self.hooks.synced(self.steps_done)
@@ -250,10 +207,15 @@ class Program:
         return loss
 
     def _rounds(
-        self, losses: list[torch.Tensor], xs: list[torch.Tensor], ys: torch.Tensor | None
+        self,
+        losses: list[torch.Tensor],
+        xs: list[torch.Tensor],
+        ys: torch.Tensor | None,
+        fingerprint: Fingerprint | None,
     ) -> None:
         """The step's grad_accum pipeline rounds on this rank's share; each microbatch's
-        loss is appended to `losses`."""
+        loss is appended to `losses`. The batch's `fingerprint` is hashed with the
+        gradient buffers' making, where the rank first idles."""
         plan = self.plan
         rounds, m = plan.grad_accum, plan.microbatches
         chunk = plan.batch.micro
@@ -275,8 +237,19 @@ class Program:
                 last_round=r == rounds - 1,
                 # Gradient buffers (re)made in the step, not after it (ZeRO-2 holds only
                 # its gradient shards between steps), where the rank first idles.
-                before_backward=self.parts.sync.prepare if r == 0 else None,
+                before_backward=self._idle_work(fingerprint) if r == 0 else None,
             )
+
+    def _idle_work(self, fingerprint: Fingerprint | None) -> Callable[[], None]:
+        """What a step does where its rank first idles: make the gradient buffers and
+        hash the batch (same_batch.Fingerprint)."""
+
+        def work() -> None:
+            self.parts.sync.prepare()
+            if fingerprint is not None:
+                fingerprint.value()
+
+        return work
 
     def _loss(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
         """The model's loss (checked: its error names the model's loss_fn), then the hooks'.
@@ -323,7 +296,7 @@ class Program:
         flag: torch.Tensor,
         square_sum: torch.Tensor,
         counts: OwnLossCounts,
-        fingerprint: torch.Tensor | None,
+        fingerprint: Fingerprint | None,
     ) -> tuple[float, int, float]:
         """The mean loss over the global batch, how many ranks flagged their gradients
         (`flag`: clip.flag_and_square_sum) and the global gradient norm (`square_sum`: this
@@ -341,10 +314,11 @@ class Program:
         total[1], total[2] = flag, square_sum
         if mine and counts.calls:
             total[3], total[4] = counts.totals(self.parts.device)
-        put_fingerprint(total, 5, fingerprint)
+        mine_print = fingerprint.value() if fingerprint is not None else None
+        put_fingerprint(total, 5, mine_print)
         comm.metric_sum(total)
         loss_sum, flagged, squares, counted, targets, prints, print_squares = total.tolist()
-        if not batches_agree(fingerprint, prints, print_squares):
+        if not batches_agree(mine_print, prints, print_squares):
             raise different_batches(rank=comm.rank, step=self.steps_done, doing="Program.step")
         loss = loss_sum / (plan.dp * plan.microbatches * plan.grad_accum)
         norm = math.sqrt(squares)  # NaN or inf on a non-finite step
@@ -408,4 +382,5 @@ class Program:
         nothing yields nothing, and a loop may stop early (`break`): the closed generator
         still joins the remaining gathers (runtime/gather.py).
         """
-        return iter_full_state(self.parts, rank0_only=rank0_only, cpu_offload=cpu_offload)
+        with self._call("Program.iter_state"):
+            yield from iter_full_state(self.parts, rank0_only=rank0_only, cpu_offload=cpu_offload)

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from parc.errors import RuntimeFault
 
 __all__ = [
+    "Fingerprint",
     "batch_fingerprint",
     "batches_agree",
     "different_batches",
@@ -66,6 +67,26 @@ def batch_fingerprint(
             data = sample.view(torch.uint8).to(torch.int32)  # the bits, whatever the dtype
             total += (2 * i + 1) * (data * _weights(data.numel())).sum()  # < 2**28 each
     return total % (1 << bits)
+
+
+class Fingerprint:
+    """`batch_fingerprint` of a global batch, computed once, when first asked for: a step
+    asks where its rank first idles (`Program._rounds`, with the gradient buffers), so
+    that the hash's few hundred microseconds stay off the pipeline's critical path on a
+    rank that starts the pipeline; its metric all-reduce reads it last."""
+
+    def __init__(self, xs: Sequence[torch.Tensor], targets: torch.Tensor, *, world: int) -> None:
+        self._batch: tuple[Sequence[torch.Tensor], torch.Tensor] | None = (xs, targets)
+        self._world = world
+        self._value: torch.Tensor | None = None
+
+    def value(self) -> torch.Tensor:
+        if self._value is None:
+            assert self._batch is not None
+            xs, targets = self._batch
+            self._value = batch_fingerprint(xs, targets, world=self._world)
+            self._batch = None  # the batch's tensors are not kept past the hash
+        return self._value
 
 
 def _weights(n: int) -> torch.Tensor:

@@ -240,3 +240,48 @@ def test_a_rank_that_runs_one_step_more_gets_an_error_naming_it_and_the_cause(
     )
     assert "this rank was in Program.step" in text
     assert "every rank must call step, evaluate, state_dict and the checkpoint" in text
+
+
+_UNEVEN_STATE = """
+import os, sys
+import torch
+import parc
+from parc.compiler.model import load_model
+
+source = load_model(sys.argv[1])
+program = parc.compile("mesh dp=2\\nzero 3\\n", source, batch=8, optimizer=torch.optim.SGD)
+rank = int(os.environ["RANK"])
+program.step(*source.batch(8, 0))
+if rank == 1:  # rank 1 alone gathers the state; rank 0 has left
+    try:
+        for _ in program.iter_state():
+            pass
+    except Exception as exc:
+        with open(os.path.join(sys.argv[2], "rank1"), "w") as out:
+            out.write(type(exc).__name__ + ": " + str(exc))
+parc.finish()
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_a_rank_that_gathers_the_state_alone_gets_an_error_naming_iter_state(
+    tmp_path: Path,
+) -> None:
+    # iter_state's gathers ran outside the Program's failure wrapper: gloo's bare
+    # RuntimeError, naming no rank, step or likely cause.
+    script = tmp_path / "uneven_state.py"
+    script.write_text(_UNEVEN_STATE)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    with model_env({"DROP_P": "0"}):
+        done = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             "--nproc-per-node", "2", str(script), MODEL, str(tmp_path)],
+            capture_output=True, text=True, timeout=170,
+            env={**env, "OMP_NUM_THREADS": "1", "DROP_P": "0"},
+        )  # fmt: skip
+    text = (tmp_path / "rank1").read_text()
+    assert text.startswith("CollectiveFailure: error: [rank 1, step 1] a collective failed: "), (
+        text + done.stderr
+    )
+    assert "this rank was in Program.iter_state" in text

@@ -333,7 +333,8 @@ class StageExecutor:
                 ops += [(CommKind.RECV, b, peer) for b in bufs]
         if not ops:
             return None
-        posted = Posted(self.comm.post_p2p(ops, AXIS_PP), len(ops))
+        works = self.comm.post_p2p(ops, AXIS_PP, batched=not self.post_ahead)
+        posted = Posted(works, len(ops))
         sent = [t for kind, t, _ in ops if kind is CommKind.SEND]
         if sent and self.post_ahead:  # gloo: the receiver's thread runs now (posting.py)
             hand_over_cpu()

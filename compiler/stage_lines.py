@@ -3,7 +3,8 @@
 Step 1 of compiler/stages.py's explicit stages, without the graph:
 
 1. Every pattern's modules take its line's stage; a module named (itself, inside or
-   around a named one) by two lines with different ids is an overlap.
+   around a named one) by two patterns is an overlap (different ids) or a repeat (one id,
+   `layers[0:2], layers.1 -> 0`); both are errors at the later pattern.
 2. Ranges over one list (`layers[0:4]`, `layers[6:12]`) must not leave a gap: an entry
    between them that no line names any part of. A part named on its own closes the gap
    at its entry (`stage auto` prints `layers[0:2], layers.2.attn -> 0` and
@@ -33,25 +34,80 @@ NamedModules = dict[str, tuple[int, Stage]]
 
 def named_modules(spec: Spec, modules: dict[str, torch.nn.Module]) -> NamedModules:
     """The modules the `stage` lines name, with their stage ids and lines; a PlanError at
-    the line to change for an overlap or a gap between ranges."""
+    the line to change for an overlap, a module named twice, or a gap between ranges."""
     # Step 1
     named: NamedModules = {}
+    by: dict[str, Pattern] = {}  # the pattern that named each module, for messages
     for stmt in spec.stages:
         for pattern in stmt.patterns:
-            for name in match_modules(spec, pattern, modules):
+            found = match_modules(spec, pattern, modules)
+            for name in found:
                 prior = _overlapping(named, name)
-                if prior is not None and prior[1][0] != stmt.stage:
-                    raise PlanError(
-                        f"'{name}' is in stage {stmt.stage} here and in stage {prior[1][0]} "
-                        f"(line {prior[1][1].span.line}, as '{prior[0]}'): stages overlap",
-                        spec.locate(pattern.span),
-                        hint="give every module exactly one stage",
-                        names=(name, prior[0]),
-                    )
-                named[name] = (stmt.stage, stmt)
+                if prior is not None:
+                    _raise_named_twice(spec, (name, stmt, pattern), prior, by[prior[0]])
+            for name in found:
+                named[name], by[name] = (stmt.stage, stmt), pattern
     # Step 2
     _check_range_gaps(spec, named, modules)
     return named
+
+
+def _raise_named_twice(
+    spec: Spec,
+    here: tuple[str, Stage, Pattern],
+    prior: tuple[str, tuple[int, Stage]],
+    prior_pattern: Pattern,
+) -> NoReturn:
+    """Two patterns name one module (or one inside the other): in two stages an overlap,
+    in one a repeat (`layers[0:2], layers.1 -> 0`)."""
+    name, stmt, pattern = here
+    other, (stage, line) = prior
+    if stage != stmt.stage:
+        raise PlanError(
+            f"'{name}' is in stage {stmt.stage} here and in stage {stage} "
+            f"(line {line.span.line}, as '{other}'): stages overlap",
+            spec.locate(pattern.span),
+            hint=_overlap_hint(pattern, prior_pattern, line),
+            names=(name, other),
+        )
+    inner = max(name, other, key=len)  # the one both patterns name
+    there = "on this line" if line is stmt else f"on line {line.span.line}"
+    raise PlanError(
+        f"'{inner}' is named twice for stage {stage}: here by '{pattern}' and {there} by "
+        f"'{prior_pattern}'",
+        spec.locate(pattern.span),
+        hint=f"remove '{pattern}' or narrow one of the two patterns: name every module "
+        "once (a module inside a named one is in its stage already)",
+        names=(name, other),
+    )
+
+
+def _overlap_hint(pattern: Pattern, prior: Pattern, line: Stage) -> str:
+    """How to part two patterns that share modules: two ranges over one list meet
+    without overlapping (`layers[0:3]`, `layers[2:4]`: end the first at 2)."""
+    here, there = pattern.segments, prior.segments
+    same_list = (
+        here
+        and there
+        and isinstance(here[-1], IndexRange)
+        and isinstance(there[-1], IndexRange)
+        and (pattern.anchored, here[:-1], here[-1].name)
+        == (prior.anchored, there[:-1], there[-1].name)
+    )
+    if same_list:
+        first, second = there[-1], here[-1]
+        assert isinstance(first, IndexRange) and isinstance(second, IndexRange)
+        if first.start < second.start:
+            ended = IndexRange(first.name, first.start, second.start)
+            fixed = dataclasses.replace(prior, segments=(*there[:-1], ended))
+            return (
+                f"give every module exactly one stage: end line {line.span.line}'s range "
+                f"where this one starts ('{fixed}'), or start this one where it ends"
+            )
+    return (
+        f"give every module exactly one stage: remove the module from '{pattern}' here or "
+        f"from '{prior}' on line {line.span.line}"
+    )
 
 
 def _overlapping(named: NamedModules, name: str) -> tuple[str, tuple[int, Stage]] | None:

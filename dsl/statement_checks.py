@@ -1,6 +1,12 @@
 """The `.par` checks across lines: a statement that may appear once appears once, none
-appears twice, and `stage auto` excludes explicit stage lines. Called by dsl/parser.py
-on the statements it parsed; each mistake is a SpecError at the later statement."""
+appears twice, no pattern is written twice in `stage` lines, and `stage auto` excludes
+explicit stage lines. Called by dsl/parser.py on the statements it parsed; each mistake
+is a SpecError at the later statement (or pattern).
+
+A pattern written twice in stage lines names the same modules twice: for one stage id it
+is redundant (a copy-paste slip, often with another range meant), for two it puts them
+in two stages. Patterns that differ in text but share modules (`layers[0:3]` and
+`layers[2:4]`) need the model: compiler/stage_lines.py refuses those."""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ from parc.dsl.ast import (
     GradAccum,
     Mesh,
     Microbatches,
+    Pattern,
     PrecisionStmt,
     Reduce,
     Schedule,
@@ -77,3 +84,39 @@ def check_statements(statements: Sequence[Statement], source: SourceText) -> Non
                 hint="use either 'stage auto' or explicit stage lines",
             )
         first.setdefault(kind, statement)
+    _check_stage_patterns([s for s in statements if isinstance(s, Stage)], source)
+
+
+def _check_stage_patterns(stages: Sequence[Stage], source: SourceText) -> None:
+    """No pattern is written twice across the `stage` lines (compared as it prints:
+    `layers[:2]` is `layers[0:2]`)."""
+    seen: dict[str, tuple[Pattern, Stage]] = {}
+    for stage in stages:
+        for pattern in stage.patterns:
+            first, line = seen.setdefault(str(pattern), (pattern, stage))
+            if first is pattern:
+                continue
+            here, there = _written(pattern, source), _written(first, source)
+            as_written = "" if here == there else f", written '{clip(there)}'"
+            if line.stage != stage.stage:
+                raise source.error(
+                    f"'{clip(here)}' is in stage {stage.stage} here and in stage {line.stage} "
+                    f"(line {line.span.line}{as_written}): stages overlap",
+                    pattern.span,
+                    hint="give every module exactly one stage: remove the pattern from one "
+                    "of the two lines",
+                )
+            where = "of this line" if line is stage else f"on line {line.span.line}"
+            raise source.error(
+                f"'{clip(here)}' is named twice for stage {stage.stage}: here and at column "
+                f"{first.span.column} {where}{as_written}",
+                pattern.span,
+                hint="remove one of them; if another range was meant, write that one",
+            )
+
+
+def _written(pattern: Pattern, source: SourceText) -> str:
+    """The pattern as the file spells it (`layers[:2]`), or as it prints if built in code."""
+    span = pattern.span
+    text = source.line(span.line)[span.column - 1 : span.end_column - 1]
+    return text or str(pattern)

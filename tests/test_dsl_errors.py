@@ -77,6 +77,10 @@ CASES: list[tuple[str, str, int, tuple[str, ...]]] = [
     ("stage auto\nstage auto", "2:1", 10, ("'stage auto' is given twice", "line 1")),
     ("stage auto\nstage wte -> 0", "2:1", 14, ("'stage auto' cannot be combined", "line 1")),
     ("stage wte -> 0\n\nstage auto", "3:1", 10, ("cannot be combined", "line 1")),
+    # a pattern written twice in stage lines (patterns that only share modules need the model)
+    ("stage wte, wte -> 0", "1:12", 3, ("'wte' is named twice for stage 0", "column 7 of this")),
+    ("stage a[0:2] -> 0\nstage b, a[:2] -> 0", "2:10", 5, ("'a[:2]' is named twice", "line 1")),
+    ("stage a[0:2] -> 0\nstage a[0:2] -> 1", "2:7", 6, ("in stage 1 here and in stage 0",)),
     # single values
     ("microbatches", "1:13", 1, ("expected a number after 'microbatches'",)),
     ("microbatches 0", "1:14", 1, ("number of microbatches", "at least 1", "got 0")),

@@ -46,7 +46,7 @@ def in_program_call(*, rank: int, step: int, doing: str) -> Iterator[None]:
         if isinstance(exc, ParcError) or not _comm_failure(exc):
             raise
         raise CollectiveFailure(
-            f"a collective failed: {_strip_source(first_line(exc))}",
+            _collective_failed(exc),
             rank=rank,
             step=step,
             hint=f"this rank was in {doing}; another rank failed or is stuck (its error is "
@@ -101,7 +101,7 @@ def _fault(
     text = first_line(exc)
     if _comm_failure(exc):
         return RuntimeFault(
-            f"a collective failed: {_strip_source(text)}",
+            _collective_failed(exc),
             rank=rank,
             step=step,
             hint=_TIMEOUT_HINT.format(timeout=timeout),
@@ -129,6 +129,11 @@ def _comm_failure(exc: BaseException) -> bool:
         isinstance(exc, RuntimeError)
         and any(s in text for s in ("gloo", "Timed out", "Connection closed by peer"))
     )
+
+
+def _collective_failed(exc: BaseException) -> str:
+    """The message of a failed collective, as every wrapper words it."""
+    return f"a collective failed: {_strip_source(first_line(exc))}"
 
 
 def _strip_source(text: str) -> str:

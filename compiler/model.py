@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from parc.dsl.encoding import SAMPLE_BYTES, converted, wide_encoding
 from parc.errors import ModelError, first_line
 
 from .data_context import DataContext, epoch_batches
@@ -231,14 +232,15 @@ def _import_file(path: Path) -> ModuleType:
         code = f": {exc.text.strip()}" if exc.text else ""
         where = exc.filename if exc.filename and exc.filename != resolved else None
         if exc.lineno is None:  # not Python text at all (a binary file, NUL bytes)
-            raise ModelError(
-                f"is not a Python file: {exc.msg}", file=where or str(path), hint=None
-            ) from exc
+            raise _not_python_error(Path(where or path), exc.msg) from exc
+        fix = f"fix line {exc.lineno}"
+        if "codec can't decode" in exc.msg:  # a Latin-1 'é' in a UTF-8 source file
+            fix = f"line {exc.lineno} is not UTF-8: save the file as UTF-8 or retype it"
         raise ModelError(
             f"syntax error at line {exc.lineno}: {exc.msg}{code}"
             + (f" (imported by the model file {path})" if where else ""),
             file=where or str(path),
-            hint=f"fix line {exc.lineno}; `python {path}` shows the same error",
+            hint=f"{fix}; `python {path}` shows the same error",
         ) from exc
     except Exception as exc:
         del sys.modules[name]
@@ -250,6 +252,21 @@ def _import_file(path: Path) -> ModuleType:
             hint="parc imports the model file as Python; it must import without errors",
         ) from exc
     return module
+
+
+def _not_python_error(path: Path, reason: str) -> ModelError:
+    """A file Python cannot read as source: named as UTF-16/32 where its bytes show it
+    (an editor's "Unicode"), since Python reads source files as UTF-8."""
+    with contextlib.suppress(OSError), path.open("rb") as f:
+        wide = wide_encoding(f.read(SAMPLE_BYTES))
+        if wide is not None:
+            return ModelError(
+                f"is not UTF-8 text: it is {wide.name}; Python reads source files as UTF-8",
+                file=str(path),
+                hint="re-save it as UTF-8 (an editor's 'encoding' setting), or convert it: "
+                f"`{converted(wide, str(path))}`",
+            )
+    return ModelError(f"is not a Python file: {reason}", file=str(path), hint=None)
 
 
 def _function(module: ModuleType, name: str, path: str, required: bool) -> Any:

@@ -13,7 +13,6 @@ column and a caret, never a lark exception or a lark terminal name.
 
 from __future__ import annotations
 
-import codecs
 import re
 from collections.abc import Iterator
 from enum import Enum
@@ -61,12 +60,12 @@ from parc.dsl.syntax_errors import (
     SourceText,
     did_you_mean,
     negative_index_error,
-    not_utf8_error,
     syntax_error,
     token_span,
 )
 from parc.errors import SpecError, clip
 
+from .encoding import decode_spec
 from .statement_checks import check_statements
 
 __all__ = ["STATEMENT_KEYWORDS", "load_spec", "parse_spec"]
@@ -128,12 +127,7 @@ def load_spec(path: str | Path) -> Spec:
             f"cannot read spec file '{path}': {err.strerror or err}",
             hint="check the path; spec files are UTF-8 text",
         ) from None
-    data = data.removeprefix(codecs.BOM_UTF8)  # an editor's mark, not text
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise not_utf8_error(data, err, str(path)) from None
-    return parse_spec(text, filename=str(path))
+    return parse_spec(decode_spec(data, str(path)), filename=str(path))
 
 
 @cache

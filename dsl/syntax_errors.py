@@ -4,8 +4,8 @@ The parser (`parc.dsl.parser`) reads `.par` text with lark; when the grammar
 refuses a line, `syntax_error` says what was expected in the user's words
 ("expected '->' and a stage number after 'layers[0:2]'"), never with a lark
 terminal name, and points a caret at the bad token. `SourceText` quotes the
-offending line in every error the parser raises; `not_utf8_error` places a
-file's undecodable bytes the same way. A token quoted in a message
+offending line in every error the parser raises (dsl/encoding.py places a
+file's undecodable bytes the same way). A token quoted in a message
 is clipped to 60 characters (`parc.errors.clip`) and the echoed line is cut
 around the caret (`parc.errors.format_caret`), so a 2 MB token makes a short
 error, not a 6 MB one.
@@ -32,7 +32,6 @@ __all__ = [
     "SourceText",
     "did_you_mean",
     "negative_index_error",
-    "not_utf8_error",
     "syntax_error",
     "token_span",
 ]
@@ -100,25 +99,6 @@ def negative_index_error(source: SourceText, number: Span, written: str, name: s
         number,
         hint=f"name the modules by their own indices, e.g. '{clip(name)}[4:6]' for the last "
         "two of 6",
-    )
-
-
-def not_utf8_error(data: bytes, err: UnicodeDecodeError, filename: str) -> SpecError:
-    """Bytes that are not UTF-8, placed by line and column as every spec error is."""
-    # Everything before the bad bytes decodes; line ends as `parse_spec` reads them.
-    before = data[: err.start].decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
-    line = before.count("\n") + 1
-    column = len(before) - before.rfind("\n")
-    text = data.decode("utf-8", errors="replace").replace("\r\n", "\n").replace("\r", "\n")
-    source = SourceText(filename, tuple(text.split("\n")))
-    bad = data[err.start : err.end]
-    shown = ("byte " if len(bad) == 1 else "bytes ") + " ".join(f"0x{b:02x}" for b in bad)
-    return source.error(
-        f"the spec is not UTF-8 text: {shown} here cannot be read as UTF-8 ({err.reason}; "
-        "shown as \ufffd)",
-        Span(line, column, column + 1),
-        hint="save the file as UTF-8 (an editor's 'encoding' setting, or `iconv -t utf-8`), "
-        "or retype the character",
     )
 
 

@@ -16,12 +16,16 @@ loop that seeds or draws from the global generator between steps (`torch.manual_
 (base + rank)`, a habit) left a tp group's ranks with different streams: its
 replicated weights drifted apart, silently (found by a probe). Now it moves nothing
 training draws, and training moves nothing of the caller's.
+
+A checkpoint saves each rank's stream and a load under the same mesh restores it
+(runtime/checkpoint/rng.py), so a resumed run draws the masks the uninterrupted one
+draws: before, a resume restarted the streams from the seed (other masks, other losses).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +45,20 @@ class RandomState:
     def capture(device: torch.device) -> RandomState:
         cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
         return RandomState(device, torch.get_rng_state(), cuda)
+
+    def states(self) -> dict[str, torch.Tensor]:
+        """The generators' states by device type, as a checkpoint stores them: "cpu", and
+        "cuda" on a CUDA device (each a 1-d uint8 tensor)."""
+        states = {"cpu": self.cpu}
+        if self.cuda is not None:
+            states["cuda"] = self.cuda
+        return states
+
+    def continue_from(self, states: Mapping[str, torch.Tensor]) -> None:
+        """Draw on from `states` (as `states()` gives them: a saved stream's)."""
+        self.cpu = states["cpu"].clone()
+        if self.cuda is not None:
+            self.cuda = states["cuda"].clone()
 
     def restore(self) -> None:
         torch.set_rng_state(self.cpu)

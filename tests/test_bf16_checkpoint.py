@@ -32,6 +32,7 @@ from test_checkpoint import (  # the same model, sizes and pool cases as the fp3
 )
 
 from parc.compiler.model import load_model
+from parc.runtime.checkpoint.rng import RNG
 from parc.runtime.checkpoint.store import load_checkpoint, quiet_single_process, save_checkpoint
 from parc.runtime.equivalence import model_env
 from parc.runtime.export import export_program, export_state_dict
@@ -96,7 +97,8 @@ def _computes_rounded(program: Any) -> bool:
 
 
 def _contents(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint, whole (one process): parameters, optimizer state."""
+    """Every tensor of a checkpoint, whole (one process): parameters, optimizer state; not
+    the random streams (`rng.`: a row per rank, restored only under the same mesh)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -105,7 +107,7 @@ def _contents(path: Path) -> dict[str, torch.Tensor]:
     out = {
         key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
         for key, entry in entries
-        if isinstance(entry, TensorStorageMetadata)
+        if isinstance(entry, TensorStorageMetadata) and not key.startswith(RNG)
     }
     with quiet_single_process():
         dcp.load(out, storage_reader=reader, no_dist=True)

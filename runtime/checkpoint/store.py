@@ -13,7 +13,9 @@ Layout independence. Every tensor is stored under its name in the full model
 and its full shape: `model.<param>` (a tied weight once, under its first name),
 `buffer.<name>` (persistent buffers, whole: checkpoint_buffers.py),
 `optim.<state>.<param>` (checkpoint_optim.py), `optim.param_groups` and, when
-the run has one, `lr_scheduler` (the scheduler's `state_dict()`: its step). A rank
+the run has one, `lr_scheduler` (the scheduler's `state_dict()`: its step); and
+`rng.<generator>`, every rank's training random stream (dropout's), a row per
+rank, restored when loaded under the same mesh (checkpoint/rng.py). A rank
 writes only what it holds, as boxes of those full tensors
 (checkpoint_layout.py): its tensor-parallel slice (each block of a fused
 weight is a box of its own), its ZeRO flat shard cut at parameter boundaries,
@@ -97,6 +99,7 @@ from .layout import MODEL, OPTIM, model_pieces, optimized_names, rank_layout
 from .manifest import write_manifest
 from .optim import GROUPS, OptimizerLoad, StateSpec, hyperparameters, optimizer_pieces
 from .planners import PieceLoadPlanner, PieceSavePlanner
+from .rng import saved_stream, stream_pieces
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
@@ -153,6 +156,7 @@ def save_checkpoint(
     layout = rank_layout(parts)
     pieces = model_pieces(parts, layout, loading=False) + optimizer_pieces(parts, layout)
     pieces += buffer_pieces(parts, loading=False)
+    pieces += stream_pieces(program, program.random.states())
     objects: dict[str, Any] = {GROUPS: hyperparameters(parts.optimizer)}
     if scheduler is not None:
         objects[SCHEDULER] = scheduler.state_dict()
@@ -184,6 +188,9 @@ def load_checkpoint(
     Call on every rank. `directory` may also be one checkpoint (`DIR/step-<N>`).
     `scheduler` (built over `program.optimizer` before the load) continues from the
     saved one's state, so the next step trains with exactly the lr it would have.
+    Each rank's training random stream (`program.random`) continues from the saved one
+    under the same mesh; from a checkpoint saved under another mesh or before parc saved
+    streams it stays as compiled (checkpoint/rng.py).
     """
     path = checkpoint_path(directory)
     info = read_info(path)
@@ -204,6 +211,8 @@ def load_checkpoint(
     optimizer = OptimizerLoad(parts, layout, states)
     pieces = model_pieces(parts, layout, loading=True) + optimizer.pieces
     pieces += buffer_pieces(parts, loading=True)
+    stream = saved_stream(metadata, info, program)  # {}: the stream stays as compiled
+    pieces += stream_pieces(program, stream)
     saved = metadata.state_dict_metadata
     state: dict[str, Any] = {GROUPS: None} if GROUPS in saved else {}
     if scheduler is not None and SCHEDULER in saved:
@@ -216,6 +225,8 @@ def load_checkpoint(
             no_dist=not _distributed(),
         )
     optimizer.install(state.get(GROUPS), str(path))
+    if stream:
+        program.random.continue_from(stream)
     if parts.plan.mixed:
         # The bf16 compute copies from the fp32 masters just read, as after an optimizer
         # step (zero 1/2 then all-gather the bf16 flat parameters): bitwise what the saved

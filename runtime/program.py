@@ -72,7 +72,7 @@ class Program:
         self.skip_nonfinite = False
         self._per_call: float | None = None  # DefaultLoss.per_call of the current step
         self._scan: TargetScan | None = None  # the step's targets, read once (default loss)
-        self._trainable = Trainable.of(parts.local_params)  # requires_grad as compiled
+        self._trainable = Trainable.of(parts)  # requires_grad as compiled
         self.skipped: list[tuple[int, str]] = []  # (step, what was not finite)
         # The last step's global gradient norm (before clipping), the same on every rank.
         self.last_grad_norm = math.nan
@@ -167,7 +167,7 @@ class Program:
         read none), its targets (None on a rank without the last stage)."""
         plan, comm = self.plan, self.comm
         check_grad_mode(rank=comm.rank, step=self.steps_done)
-        self._trainable.check(self.parts.local_params, rank=comm.rank, step=self.steps_done)
+        self._trainable.check(rank=comm.rank, step=self.steps_done)
         xs, targets = share.xs, share.ys
         self._per_call, self._scan = share.per_call, share.scan
         comm.stats.reset()

@@ -8,6 +8,14 @@ under dp and ZeRO its weights went on moving, stepped with stale momentum and a 
 gradient, silently (tp and pp happened to leave them). So `Program.step` refuses any
 change on every layout, on the rank that sees it, before any collective.
 
+What a loop can freeze is not only `ProgramParts.local_params`: under ZeRO-3 that
+is empty, and the stage graphs hold placeholders named as the model's parameters
+(the flat shards stand behind them), so freezing those went unnoticed and the
+weights kept moving; freezing the optimizer's tensors (ZeRO 1/2 flat shards, fp32
+masters) went unnoticed under zero 1, and under zero 3 raised torch's bare "element
+0 of tensors does not require grad" (found by probes). So every tensor that stands
+for a parameter is watched: the rank's own, its stage graphs' and its optimizer's.
+
 A step called inside `torch.no_grad()` or `torch.inference_mode()` (a loop that wraps
 its validation and its training alike) raised torch's "element 0 of tensors does not
 require grad" under dp, and under pp one stage raised while its peer waited in a
@@ -17,12 +25,15 @@ refuses it on every rank alike, before any collective.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from parc.errors import RuntimeFault
+
+if TYPE_CHECKING:
+    from parc.runtime.parts import ProgramParts
 
 __all__ = ["Trainable", "check_grad_mode"]
 
@@ -43,22 +54,23 @@ def check_grad_mode(*, rank: int, step: int) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Trainable:
-    """Each held parameter's `requires_grad` when the Program was made."""
+    """Every tensor a loop may freeze that stands for a parameter of the model, named as
+    an error names it, with its `requires_grad` when the Program was made."""
 
-    flags: Mapping[str, bool]
+    watched: tuple[tuple[str, torch.Tensor, bool], ...]
 
     @staticmethod
-    def of(params: Mapping[str, torch.nn.Parameter]) -> Trainable:
-        return Trainable({name: p.requires_grad for name, p in params.items()})
+    def of(parts: ProgramParts) -> Trainable:
+        return Trainable(tuple((name, t, t.requires_grad) for name, t in _watched(parts)))
 
-    def check(self, params: Mapping[str, torch.nn.Parameter], *, rank: int, step: int) -> None:
-        """Raise a RuntimeFault naming the first parameter whose `requires_grad` changed."""
-        for name, p in params.items():
-            if p.requires_grad == self.flags[name]:
+    def check(self, *, rank: int, step: int) -> None:
+        """Raise a RuntimeFault naming the first tensor whose `requires_grad` changed."""
+        for name, tensor, flag in self.watched:
+            if tensor.requires_grad == flag:
                 continue
-            now = "frozen" if not p.requires_grad else "unfrozen"
+            now = "frozen" if not tensor.requires_grad else "unfrozen"
             raise RuntimeFault(
-                f"parameter '{name}' was {now} (requires_grad={p.requires_grad}) after "
+                f"{name} was {now} (requires_grad={tensor.requires_grad}) after "
                 "parc.compile; parc reads requires_grad when it compiles (a frozen parameter "
                 "gets no gradient, reduction or optimizer state, a trainable one does)",
                 rank=rank,
@@ -67,3 +79,20 @@ class Trainable:
                 "training part of the model mid-run, give it its own parameter group in the "
                 "optimizer factory and set that group's lr to 0",
             )
+
+
+def _watched(parts: ProgramParts) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor), each tensor once: the rank's parameters, its stage graphs' (under
+    ZeRO-3 placeholders named as the model's), then the optimizer's (flat shards, masters)."""
+    named = [*parts.local_params.items()]
+    named += [(n, p) for stage in parts.stages.values() for n, p in stage.gm.named_parameters()]
+    found = [(f"parameter '{n}'", p) for n, p in named]
+    for g, group in enumerate(parts.optimizer.param_groups):
+        found += [
+            (f"the optimizer's tensor param_groups[{g}]['params'][{i}]", p)
+            for i, p in enumerate(group["params"])
+        ]
+    unique: dict[int, tuple[str, torch.Tensor]] = {}
+    for name, tensor in found:  # zero 0 fp32: one tensor in all three, named as the model's
+        unique.setdefault(id(tensor), (name, tensor))
+    return list(unique.values())

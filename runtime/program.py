@@ -45,6 +45,7 @@ from .evaluate import Evaluator
 from .gather import gather_full_state, iter_full_state
 from .loss_counts import counts_loss
 from .master_weights import COMPUTE_DTYPE, upcast
+from .metric_exchange import MetricSum
 from .nonfinite import first_nonfinite_param, grad_views, nonfinite_fault
 from .parts import ProgramParts
 from .run_errors import in_program_call
@@ -54,6 +55,11 @@ from .trainable import Trainable, check_grad_mode
 from .training_rng import RandomState
 
 __all__ = ["Program", "ProgramParts", "StepHooks"]
+
+# The step's metrics, summed over the world in one reduction (Program._global_loss): the
+# loss, the non-finite flag, the squared gradient norm, the own loss's counted and all
+# targets, the batch fingerprint and its square.
+_METRICS = 7
 
 
 class Program:
@@ -168,6 +174,7 @@ class Program:
         plan, comm = self.plan, self.comm
         check_grad_mode(rank=comm.rank, step=self.steps_done)
         self._trainable.check(rank=comm.rank, step=self.steps_done)
+        metrics = MetricSum.post(_METRICS, self.parts.device)  # summed in _global_loss
         xs, targets = share.xs, share.ys
         self._per_call, self._scan = share.per_call, share.scan
         comm.stats.reset()
@@ -191,7 +198,7 @@ class Program:
         views = ((view, self._counts[name]) for name, view in grad_views(self.parts))
         flag, square_sum = flag_and_square_sum(views, self.parts.device)  # clip.py
         loss, flagged, self.last_grad_norm = self._global_loss(
-            losses, flag, square_sum, counts, share.fingerprint
+            losses, flag, square_sum, counts, share.fingerprint, metrics
         )
         # A flag may be a finite norm whose squares overflowed: only the exact search can tell.
         param = first_nonfinite_param(self.parts) if flagged and math.isfinite(loss) else None
@@ -297,18 +304,20 @@ class Program:
         square_sum: torch.Tensor,
         counts: OwnLossCounts,
         fingerprint: Fingerprint | None,
+        metrics: MetricSum,
     ) -> tuple[float, int, float]:
         """The mean loss over the global batch, how many ranks flagged their gradients
         (`flag`: clip.flag_and_square_sum) and the global gradient norm (`square_sum`: this
         rank's share of its square, clip.py), with the batch's `fingerprint` checked alike
-        on every rank (same_batch.py). One all-reduce and the step's one host sync.
+        on every rank (same_batch.py). One sum over the world (`metrics`, posted at the
+        step's start: metric_exchange.py) and the step's one host sync.
         A model's own mean loss over counted targets (`counts`, compiler/ops/own_loss.py)
         becomes the global batch's here: the loss, norm and gradients times T / N."""
         plan, comm = self.plan, self.comm
         mine = self._counts_loss()
         # On the rank's device, with no read before the reduction: NCCL reduces no CPU
         # tensors, and each read of a device tensor waits for the device.
-        total = torch.zeros(7, dtype=torch.float64, device=self.parts.device)
+        total = torch.zeros(_METRICS, dtype=torch.float64, device=self.parts.device)
         for loss in losses if mine else ():
             total[0] += loss.reshape(()).to(torch.float64)
         total[1], total[2] = flag, square_sum
@@ -316,7 +325,7 @@ class Program:
             total[3], total[4] = counts.totals(self.parts.device)
         mine_print = fingerprint.value() if fingerprint is not None else None
         put_fingerprint(total, 5, mine_print)
-        comm.metric_sum(total)
+        metrics.total(total)
         loss_sum, flagged, squares, counted, targets, prints, print_squares = total.tolist()
         if not batches_agree(mine_print, prints, print_squares):
             raise different_batches(rank=comm.rank, step=self.steps_done, doing="Program.step")

@@ -168,7 +168,11 @@ AUDITED = {
     ("runtime/collectives.py", "Comm.all_gather"): "ZeRO shards and tp ops: device",
     ("runtime/collectives.py", "Comm.reduce_scatter"): "gradient buckets, ZeRO: device",
     ("runtime/collectives.py", "Comm.post_p2p"): "activations, and buffers on self.device",
-    ("runtime/collectives.py", "Comm.metric_sum"): "Program._global_loss, device tensor",
+    ("runtime/collectives.py", "Comm.metric_sum"): "evaluate's and shares' sums: device",
+    # Under gloo on the CPU only (MetricSum._rows is None elsewhere): the all-reduce of
+    # Program._global_loss's device tensor, or point-to-point sends and receives of it.
+    ("runtime/metric_exchange.py", "MetricSum.__init__"): "rows made on `device`",
+    ("runtime/metric_exchange.py", "MetricSum.total"): "Program._global_loss, device tensor",
     ("runtime/metrics.py", "gather_max"): "step time and peak memory, a tensor on `device`",
     ("runtime/program.py", "Program._tied_reduce"): "a parameter's gradient: device",
     ("runtime/nonfinite.py", "first_nonfinite_param"): "index made on parts.device",

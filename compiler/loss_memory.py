@@ -35,8 +35,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx
 
-from parc.dsl.ast import AXIS_PP
-
 from .default_loss import DefaultLoss
 from .layout import param_slices
 from .plan import Plan
@@ -111,13 +109,13 @@ def padded_params(plan: Plan, model: torch.nn.Module) -> tuple[tuple[str, int, i
 
 
 def peaks_with_loss(est: Estimate, plan: Plan) -> tuple[int, ...]:
-    """Per rank (in `est.memory`'s order), its peak with the default loss's bytes on the
-    last stage's ranks (`LossMemory.at_peak` of the last stage's microbatches in flight):
-    what the planner's `Memory.total` prices."""
+    """Per pp rank (every rank of one holds the same bytes: `RankMemories`), its peak with
+    the default loss's bytes on the last stage's pp rank (`LossMemory.at_peak` of the last
+    stage's microbatches in flight): what the planner's `Memory.total` prices. One value
+    per pp rank, not per rank: `mesh dp=4294967296` asked 2^32 ranks and never finished."""
     loss = est.loss.at_peak(est.in_flight[-1] if est.in_flight else 1) if est.loss else 0
     last = plan.stage_to_rank[plan.num_stages - 1]
     return tuple(
-        max(m.activation_peak + loss * (plan.mesh.coords(m.rank).get(AXIS_PP, 0) == last),
-            m.step_peak)
-        for m in est.memory
-    )  # fmt: skip
+        max(m.activation_peak + loss * (pp_rank == last), m.step_peak)
+        for pp_rank, m in enumerate(est.memory.by_stage)
+    )

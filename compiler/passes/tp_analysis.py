@@ -346,7 +346,8 @@ class _Walk:
         kinds = {s.kind for s in steps}
         if ConvKind.ALL_GATHER in kinds and node.op != "output" and not self._on_shard(value):
             origin = self.origin.get(value)
-            warning = msg.gather_warning(node, self.gm, value, have, origin, self._span(origin))
+            span = self._span(origin)
+            warning = msg.gather_warning(node, self.gm, value, have, origin, span, tp=self.tp)
             if self.strict:
                 raise msg.strict_error(warning, node)
             self.warnings.append(warning)

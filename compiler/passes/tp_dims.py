@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 import torch.fx
 
 from .placement import ArgPath
@@ -18,6 +19,7 @@ from .placement import ArgPath
 __all__ = [
     "arg",
     "index_dim",
+    "index_item",
     "norm_dim",
     "output_metas",
     "shape_paths",
@@ -104,27 +106,63 @@ def index_dim(index: Any, ndim: int, dim: int, is_tensor: Any) -> int | None:
     """Where dim `dim` of a tensor goes under `x[index]`; None if it is indexed into.
 
     Only basic indexing keeps a dim: `:` on it, and ints, slices, `None` and
-    `...` elsewhere. `is_tensor(value)` tells tensor indices (advanced indexing).
+    `...` elsewhere, or one list of ints (or 1-dim integer tensor) elsewhere, which
+    keeps its dim in place. `is_tensor(value)` tells tensor indices.
     """
+    found = index_item(index, ndim, dim, is_tensor)
+    return found[0] if found is not None and found[2] == slice(None) else None
+
+
+def index_item(
+    index: Any, ndim: int, dim: int, is_tensor: Any
+) -> tuple[int, ArgPath | None, Any] | None:
+    """(where dim `dim` goes under `x[index]`, the path of the index item on it within
+    `index` (`()` for a bare item, `(i,)` in a tuple; None when no item names the dim),
+    that item (`slice(None)` when none names it)); None when the dim goes away or the
+    index is not one this can follow (a tensor index; more than one list, which moves
+    the dims it makes; a mask or a many-dim tensor)."""
     items = index if isinstance(index, tuple) else (index,)
-    if any(is_tensor(item) for item in items):
+    lists = [i for i, item in enumerate(items) if _advanced(item, is_tensor)]
+    if len(lists) > 1 or any(not _one_dim(items[i], is_tensor) for i in lists):
         return None
     consuming = sum(1 for item in items if item is not None and item is not Ellipsis)
     src = out = 0
-    for item in items:
+    for i, item in enumerate(items):
+        path: ArgPath = (i,) if isinstance(index, tuple) else ()
         if item is Ellipsis:
             skip = ndim - consuming
             if src <= dim < src + skip:
-                return out + dim - src
+                return out + dim - src, None, slice(None)
             src, out = src + skip, out + skip
         elif item is None:
             out += 1
-        elif isinstance(item, slice):
+        elif isinstance(item, slice) or i in lists:  # a slice or one list keeps its dim
             if src == dim:
-                return out if item == slice(None) else None
+                return (out, path, item) if isinstance(item, slice) else None
             src, out = src + 1, out + 1
         else:  # an int (or an int-valued fx node): the dim goes away
             if src == dim:
                 return None
             src += 1
-    return out + dim - src
+    return out + dim - src, None, slice(None)
+
+
+def _advanced(item: Any, is_tensor: Any) -> bool:
+    """A list or tensor index (advanced indexing)."""
+    return isinstance(item, list | tuple) or bool(is_tensor(item))
+
+
+def _one_dim(item: Any, is_tensor: Any) -> bool:
+    """An advanced index that gives one dim in place of the one it indexes: a list of
+    ints, or a 1-dim integer tensor (Falcon's `qkv[..., [-2], :]`, exported as a
+    constant tensor)."""
+    if is_tensor(item):
+        meta = item.meta.get("tensor_meta")
+        shape, dtype = getattr(meta, "shape", ()), getattr(meta, "dtype", None)
+        return (
+            len(shape) == 1
+            and dtype is not None
+            and not dtype.is_floating_point
+            and (dtype is not torch.bool)
+        )
+    return all(isinstance(i, int) and not isinstance(i, bool) for i in item)

@@ -23,6 +23,7 @@ from ..trace import node_source
 from ..write_rules import view_chain
 from .placement import NodeRewrite, Placement, Shard
 from .tp_context import Misaligned, NotDivisible
+from .tp_cuts import cut_reason
 
 __all__ = [
     "blocks_error",
@@ -77,15 +78,21 @@ def _cuts_at_offsets(node: torch.fx.Node) -> bool:
     return False
 
 
-def _fix_gather(node: torch.fx.Node, gm: torch.fx.GraphModule, origin: str | None) -> str:
+def _fix_gather(node: torch.fx.Node, gm: torch.fx.GraphModule, origin: str | None, tp: int) -> str:
     if node.op == "call_module" and linear_form(gm.get_submodule(str(node.target))) is not None:
         return f"shard '{node.target}' row so it takes the sharded input as it is"
     pair = f"'{origin}'" if origin else "the col layer"
-    if _cuts_at_offsets(node):
+    reason = cut_reason(node, tp)
+    if reason is not None and not reason.unequal:
         return (
-            f"this cuts {pair}'s output at fixed offsets (a fused q/k/v of unequal widths), "
-            "which tp's equal column blocks cannot follow: give each piece its own Linear "
-            f"and shard those col, or leave {pair} replicated"
+            f"this cuts {pair}'s output at fixed offsets {reason.why}: use a tp size that "
+            f"divides them, or leave {pair} replicated"
+        )
+    if reason is not None or _cuts_at_offsets(node):
+        why = reason.why if reason else "(a fused q/k/v of unequal widths)"
+        return (
+            f"this cuts {pair}'s output at fixed offsets {why}: give each piece its own "
+            f"Linear and shard those col, or leave {pair} replicated"
         )
     return f"shard a Linear after {pair} `row` to consume its output sharded, or unshard {pair}"
 
@@ -97,13 +104,15 @@ def gather_warning(
     have: Placement,
     origin: str | None,
     span: SourceSpan | None,
+    *,
+    tp: int,
 ) -> PlanWarning:
     """An op with no rule for a sharded input: it is all-gathered (correct, slower)."""
     source = f" (sharded by '{origin}')" if origin else ""
     return PlanWarning(
         f"{describe(node, gm)}{_at(node)} has no tensor-parallel rule for its input "
         f"'{value.name}' placed {have}{source}: it is all-gathered first (correct, slower); "
-        f"to avoid it, {_fix_gather(node, gm, origin)}",
+        f"to avoid it, {_fix_gather(node, gm, origin, tp)}",
         span,
     )
 

@@ -3,15 +3,18 @@
 compiler/layout.py says along which dim each parameter is cut (the memory
 report reads it too). One thing it cannot see is the graph: a col layer whose
 output is split into k equal parts (a fused qkv `split(C, dim=2)`, a `chunk(2)`
-of a gated MLP, a `view(B, T, 3, n_head, head_dim)`) must cut each of those
-parts over the axis separately, or rank i would hold q and half of k. So
+of a gated MLP, a `view(B, T, 3, n_head, head_dim)`, Phi-3's slices at fixed offsets
+of one width: tp_cuts.py) must cut each of those parts over the axis separately, or
+rank i would hold q and half of k. A view that puts heads first and is read along
+the next dim (BLOOM's (heads, 3, head_dim), Falcon's grouped (groups, heads + 2,
+head_dim)) is one block: each rank holds whole heads or groups. So
 `col_blocks` finds k from the graph, and `param_placements` gives every sharded
 parameter its `Shard(dim, blocks)`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import operator
 
 import torch
 import torch.fx
@@ -23,8 +26,8 @@ from ..layout import canonical_names, param_slices
 from ..plan import Plan
 from . import tp_messages as msg
 from .placement import Shard
-from .tp_dims import arg, norm_dim, output_metas, view_groups
-from .tp_rules import TRANSPARENT_OPS
+from .tp_cuts import consumers, slice_blocks
+from .tp_dims import arg, index_dim, norm_dim, output_metas, view_groups
 
 __all__ = ["check_blocks", "col_blocks", "param_placements"]
 
@@ -40,8 +43,11 @@ def col_blocks(gm: torch.fx.GraphModule, plan: Plan) -> dict[str, int]:
         if shard is None or shard.kind is not ShardKind.COL:
             continue
         ndim = len(node.meta["tensor_meta"].shape)
-        parts = (_parts(user, source, ndim) for user, source in _consumers(node))
+        found = list(consumers(node))
+        parts = (_parts(user, source, ndim) for user, source in found)
         k = next((k for k in parts if k > 1), 1)
+        if k == 1:
+            k = slice_blocks(node, found, plan.tp)
         if k > 1:
             out[node.name] = k
     return out
@@ -58,17 +64,6 @@ def check_blocks(
         if k > 1 and out % (k * plan.tp):
             span = msg.shard_span(spec, plan, str(node.target))
             raise msg.blocks_error(node, out, k, plan, span)
-
-
-def _consumers(node: torch.fx.Node) -> Iterator[tuple[torch.fx.Node, torch.fx.Node]]:
-    """(user, the value it reads) past ops that keep the layout (gelu, contiguous, ...)."""
-    stack = [(user, node) for user in node.users]
-    while stack:
-        user, source = stack.pop()
-        if user.op != "call_module" and user.target in TRANSPARENT_OPS and user.args[0] is source:
-            stack.extend((u, user) for u in user.users)
-        else:
-            yield user, source
 
 
 def _parts(user: torch.fx.Node, source: torch.fx.Node, ndim: int) -> int:
@@ -93,6 +88,8 @@ def _selects_along(view: torch.fx.Node, dst: tuple[int, ...], dim: int, other: i
     """Whether a user of the view picks entries along `dim` and not `other` (BLOOM's
     (heads, 3, head_dim) read as `[..., 0, :]`: the q/k/v index is the second dim, so
     the first is heads, each rank's whole ones under a contiguous split)."""
+    if any(_indexes_along(user, len(dst), dim, other) for user in view.users):
+        return True  # Falcon's grouped (groups, heads + 2, head_dim) read as `[..., :-2, :]`
     without = dst[:dim] + dst[dim + 1 :]
     if without == dst[:other] + dst[other + 1 :]:
         return False  # as many heads as parts: the shapes cannot tell
@@ -102,6 +99,17 @@ def _selects_along(view: torch.fx.Node, dst: tuple[int, ...], dim: int, other: i
         if any(m is not None and tuple(m.shape) == without for m in metas):
             return True
     return False
+
+
+def _indexes_along(user: torch.fx.Node, ndim: int, dim: int, other: int) -> bool:
+    """Whether `user` is `view[index]` that indexes into `dim` and leaves `other` whole."""
+    if user.target is not operator.getitem or len(user.args) < 2:
+        return False
+    index = user.args[1]
+    is_node = lambda v: isinstance(v, torch.fx.Node)  # noqa: E731
+    return index_dim(index, ndim, dim, is_node) is None and (
+        index_dim(index, ndim, other, is_node) is not None
+    )
 
 
 def param_placements(

@@ -37,6 +37,7 @@ from ..ops.writes import copied, filled, zeroed
 from .placement import Partial, Placement, Replicate, Shard
 from .tp_context import Decision, Misaligned, NotDivisible, OpContext, Rule
 from .tp_view_rules import (
+    EXPANDS,
     along_dim,
     cat,
     complex_view,
@@ -343,7 +344,7 @@ RULES: dict[object, Rule] = {
     **{op: repeat_interleave for op in ("repeat_interleave", torch.repeat_interleave)},
     **{op: layer_norm for op in (F.layer_norm, F.rms_norm)},
     **{op: complex_view for op in (torch.view_as_complex, torch.view_as_real)},
-    "expand": expand,
+    **{op: expand for op in EXPANDS},
     getattr: attribute,
     "repeat": repeat,
     operator.getitem: index,

@@ -16,10 +16,12 @@ import torch.fx
 
 from .placement import ArgPath, Placement, Replicate, Shard
 from .tp_context import Decision, NotDivisible, OpContext
-from .tp_dims import arg, index_dim, norm_dim, shape_paths, view_groups
+from .tp_dims import arg, index_item, norm_dim, shape_paths, view_groups
 
 __all__ = [
+    "EXPANDS",
     "along_dim",
+    "block_span",
     "cat",
     "complex_view",
     "expand",
@@ -29,10 +31,17 @@ __all__ = [
     "repeat",
     "repeat_interleave",
     "reshape",
+    "slice_bounds",
     "split",
     "transpose",
     "unbind",
 ]
+
+
+EXPANDS: tuple[Any, ...] = (
+    "expand", "broadcast_to", torch.broadcast_to, torch.ops.aten.broadcast_to.default,
+)  # fmt: skip
+"""Ops that broadcast a tensor to a shape given as arguments (the `expand` rule)."""
 
 
 def reshape(ctx: OpContext) -> Decision | None:
@@ -90,8 +99,8 @@ def _one_head_before(node: torch.fx.Node, groups: list, at: int) -> bool:
 
 def _shape_args(node: torch.fx.Node) -> dict[int, ArgPath] | None:
     """Output dim -> the argument that gives its size; None if the shape is opaque."""
-    method = node.op == "call_method" and node.target in ("view", "reshape", "expand")
-    if method or node.target is torch.reshape:
+    method = node.op == "call_method" and node.target in ("view", "reshape", *EXPANDS)
+    if method or node.target in (torch.reshape, *EXPANDS[1:]):
         paths = shape_paths(node, 1)
     elif node.target == "unflatten" or node.target is torch.unflatten:
         ndim = len(node.args[0].meta["tensor_meta"].shape)  # type: ignore[union-attr]
@@ -123,7 +132,7 @@ def complex_view(ctx: OpContext) -> Decision | None:
 
 
 def expand(ctx: OpContext) -> Decision | None:
-    """`expand` keeps a sharded dim (it is never a broadcast size-1 dim)."""
+    """`expand`/`broadcast_to` keep a sharded dim (it is never a broadcast size-1 dim)."""
     x = ctx.arg(0)
     s = ctx.sharded(x)
     if s is None:
@@ -161,18 +170,59 @@ def permute(ctx: OpContext) -> Decision | None:
 
 
 def index(ctx: OpContext) -> Decision | None:
-    """`x[...]` with basic indexing that leaves the sharded dim whole."""
+    """`x[...]` with basic indexing that leaves the sharded dim whole, or slices it at
+    block boundaries (`qkv[..., :C]`, `qkv[..., C:2 * C]` of a fused S(d, 3)): the blocks
+    the slice covers, each still split over the axis, with the bounds made local."""
     x = ctx.arg(0)
     s = ctx.sharded(x)
     if s is None:
         return None
-    d = index_dim(
+    shape = ctx.shape(x)
+    if any(p != Replicate() for n, p in ctx.placements.items() if n is not x):
+        return None  # a sharded tensor index
+    found = index_item(
         ctx.arg(1),
-        len(ctx.shape(x)),
+        len(shape),
         s.dim,
         lambda v: isinstance(v, torch.fx.Node) and v in ctx.placements,
     )
-    return None if d is None else Decision(Shard(d, s.blocks))
+    if found is None:
+        return None
+    out, path, item = found
+    if item == slice(None):
+        return Decision(Shard(out, s.blocks))
+    assert path is not None and isinstance(item, slice)
+    # One block is left alone: a slice of it is no piece of a fused output (and a padded
+    # vocabulary, compiler/passes/tp_padding.py, is one block whose size tp does not divide).
+    covered = block_span(item, shape[s.dim], s.blocks) if s.blocks > 1 else None
+    if covered is None:
+        return None
+    bounds = (("start", item.start), ("stop", item.stop))
+    sizes = tuple((1, *path, part) for part, bound in bounds if bound)
+    return Decision(Shard(out, covered), sizes=sizes)
+
+
+def block_span(item: slice, size: int, blocks: int) -> int | None:
+    """How many of the `blocks` equal blocks of a dim of `size` the slice `item` takes, when
+    it starts and stops at block boundaries; else None."""
+    bounds = slice_bounds(item, size)
+    block = size // blocks
+    if bounds is None or bounds[0] % block or bounds[1] % block:
+        return None
+    return (bounds[1] - bounds[0]) // block
+
+
+def slice_bounds(item: slice, size: int) -> tuple[int, int] | None:
+    """[start, stop) that `item` takes of a dim of `size`, when its bounds are constants
+    within the dim (or absent), its step 1 and it takes something; else None."""
+    constant = all(
+        b is None or (isinstance(b, int) and not isinstance(b, bool) and -size <= b <= size)
+        for b in (item.start, item.stop)
+    )
+    if item.step not in (None, 1) or not constant:
+        return None
+    start, stop, _ = item.indices(size)
+    return (start, stop) if stop > start else None
 
 
 def split(ctx: OpContext) -> Decision | None:

@@ -78,10 +78,11 @@ def set_items(ctx: OpContext) -> Decision | None:
 
 
 def _view_ndim(index: Any, ndim: int) -> int:
-    """How many dims `x[index]` has, for an `x` of `ndim` dims (basic indexing)."""
+    """How many dims `x[index]` has, for an `x` of `ndim` dims (basic indexing; a list keeps
+    its dim)."""
     items = index if isinstance(index, tuple) else (index,)
     dropped = sum(1 for item in items if item is not None and item is not Ellipsis
-                  and not isinstance(item, slice))  # fmt: skip
+                  and not isinstance(item, slice | list | tuple))  # fmt: skip
     added = sum(1 for item in items if item is None)
     return ndim - dropped + added
 

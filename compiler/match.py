@@ -35,11 +35,41 @@ def match_modules(spec: Spec, pattern: Pattern, modules: dict[str, torch.nn.Modu
             "patterns name modules, not parameters: a parameter the model holds itself "
             "(outside any submodule) needs no line, it goes to the stages that read it"
         )
+    there = _what_is_there(pattern, modules)
+    hint = f"{hint} ({there})" if hint and there else hint or there
     raise PlanError(
         f"pattern '{clip(pattern)}' matches no module of the model",
         spec.locate(pattern.span),
         hint=hint,
     )
+
+
+def _what_is_there(pattern: Pattern, modules: dict[str, torch.nn.Module]) -> str | None:
+    """What a pattern that matches nothing could name instead: the children of what its
+    first segments match (`*.attn.nothing`: '*.attn' holds qkv, proj), else the model's
+    top-level modules."""
+    parent = dataclasses.replace(pattern, segments=pattern.segments[:-1])
+    held = _children(match_names(parent, modules), modules) if parent.segments else []
+    if held and all(name.isdecimal() for name in held):
+        return f"'{clip(parent)}' is a list of {len(held)}, indices 0 to {len(held) - 1}"
+    if held:
+        return f"'{clip(parent)}' holds {_listed(held)}"
+    top = [name for name in modules if name and "." not in name]
+    return f"the model's top-level modules are {_listed(top)}" if top else None
+
+
+def _children(parents: list[str], modules: dict[str, torch.nn.Module]) -> list[str]:
+    """The distinct last names of the modules directly inside `parents`, in model order."""
+    out: dict[str, None] = {}
+    for parent in parents:
+        for name, _ in modules[parent].named_children():
+            out.setdefault(name)
+    return list(out)
+
+
+def _listed(names: list[str], most: int = 8) -> str:
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(clip(n) for n in names[:most]) + more
 
 
 def _check_ranges(

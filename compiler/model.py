@@ -220,8 +220,12 @@ def _import_file(path: Path) -> ModuleType:
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, resolved)
-    if spec is None or spec.loader is None:
-        raise ModelError("cannot be imported as a Python file", file=str(path))
+    if spec is None or spec.loader is None:  # no .py suffix: a spec passed as the model?
+        raise ModelError(
+            "cannot be imported as a Python file (its name does not end in .py)",
+            file=str(path),
+            hint=f"{_MODEL_HINT}; the spec goes first: `parc compile SPEC.par MODEL.py`",
+        )
     module = importlib.util.module_from_spec(spec)
     # Registered before exec so pickling functions by reference and dataclasses work.
     sys.modules[name] = module
@@ -330,6 +334,9 @@ def _is_file(path: Path) -> bool:
         return False
 
 
+_MODEL_HINT = "pass the model's .py file, which defines build_model() (e.g. examples/gpt.py)"
+
+
 def load_model(source: str | Path | ModuleType) -> ModelSource:
     """Load a model file by path (or take an already imported module) and check it."""
     if isinstance(source, ModuleType):
@@ -338,6 +345,10 @@ def load_model(source: str | Path | ModuleType) -> ModelSource:
     else:
         file = Path(source)
         if not _is_file(file):
+            if file.is_dir():
+                raise ModelError(
+                    "is a directory, not a model file", file=str(source), hint=_MODEL_HINT
+                )
             raise ModelError("no such model file", file=str(source))
         module = _import_file(file)
         path = str(file.resolve())

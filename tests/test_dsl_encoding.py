@@ -89,3 +89,15 @@ def test_parc_compile_reports_a_utf16_spec_without_a_traceback(
     err = capsys.readouterr().err
     assert err.startswith(f"{path}:1:1: error: the spec is not UTF-8 text: it is UTF-16")
     assert "Traceback" not in err
+
+
+def test_a_directory_or_a_spec_given_as_the_model_says_which_file_to_pass(tmp_path: Path) -> None:
+    # A directory was "no such model file"; a .par in the model's place had no hint.
+    with pytest.raises(ModelError) as caught:
+        load_model(tmp_path)
+    assert caught.value.message == "is a directory, not a model file"
+    spec = tmp_path / "spec.par"
+    spec.write_text(SPEC)
+    with pytest.raises(ModelError) as caught:
+        load_model(spec)
+    assert "the spec goes first" in (caught.value.hint or "")

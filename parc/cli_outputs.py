@@ -56,7 +56,7 @@ _INPUTS: dict[str, tuple[tuple[str, str], ...]] = {
         ("tokenizer", "the --tokenizer"),
         ("weights", "the --weights directory"),
     ),
-    # an export into its checkpoint is refused by parc/commands.py, saying more
+    # an export into its checkpoint is refused by parc/export_command.py, saying more
     "export": (("model", "the model file"),),
 }
 

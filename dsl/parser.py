@@ -58,6 +58,7 @@ from parc.dsl.ast import (
 from parc.dsl.syntax_errors import (
     STATEMENT_KEYWORDS,
     SourceText,
+    comment_hint,
     did_you_mean,
     negative_index_error,
     syntax_error,
@@ -256,7 +257,9 @@ class _Builder(Transformer[Token, Any]):
             raise self._source.error(
                 f"expected '->' and a stage number after '{clip(word)}'",
                 Span(meta.line, end, end + 1),
-                hint="did you mean 'stage auto'?" if did_you_mean(word, ["auto"]) else None,
+                hint="did you mean 'stage auto'?"
+                if did_you_mean(word, ["auto"])
+                else comment_hint(self._source.line(meta.line), end + 2),
             )
         return StageAuto(_meta_span(meta))
 

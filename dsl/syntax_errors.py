@@ -30,6 +30,7 @@ from parc.errors import SourceSpan, SpecError, clip
 __all__ = [
     "STATEMENT_KEYWORDS",
     "SourceText",
+    "comment_hint",
     "did_you_mean",
     "negative_index_error",
     "syntax_error",
@@ -178,7 +179,24 @@ def syntax_error(err: UnexpectedInput, source: SourceText) -> SpecError:
     if previous:
         expected += f" after '{clip(previous.group(1))}'"
     message = f"{bad}; {expected}" if bad else expected
-    return source.error(message, span, hint=_nested_index_hint(token, before))
+    hint = _nested_index_hint(token, before)
+    comment = comment_hint(text, column)
+    cut_short = ends_line and not isinstance(err, UnexpectedCharacters)
+    if cut_short and comment is not None:  # the line ran short at a '#': `shard mlp#x col tp`
+        at = text.index("#") + 1
+        span, hint = Span(line, at, at + 1), comment
+    return source.error(message, span, hint=hint)
+
+
+def comment_hint(text: str, column: int) -> str | None:
+    """Where a statement ends short of `column` at a '#', that the rest is a comment."""
+    at = text.find("#", 0, column - 1)
+    if at < 0:
+        return None
+    return (
+        f"'#' starts a comment, so '{clip(text[at:].rstrip())}' is not read: write the "
+        "whole statement before it (names in patterns are letters, digits and '_')"
+    )
 
 
 def _character(char: str) -> str:

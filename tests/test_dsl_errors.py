@@ -234,3 +234,16 @@ def test_an_open_ended_negative_range_quotes_what_was_written() -> None:
     # It said "expected a number after '2:'", quoting neither the index nor its list.
     err = _raise("mesh pp=2\nstage layers[-2:] -> 0\n")
     assert "'2:'" not in err.message and err.hint is not None and "layers[4:6]" in err.hint
+
+
+@pytest.mark.parametrize(
+    ("text", "where", "comment"),
+    [("shard mlp#x col tp", (1, 10), "'#x col tp'"), ("stage wte # -> 0", (1, 10), "'# -> 0'")],
+)
+def test_a_statement_cut_short_by_a_comment_says_so(
+    text: str, where: tuple[int, int], comment: str
+) -> None:
+    # It said "expected a shard kind after 'mlp'" with the caret past the line's end.
+    err = _raise(text)
+    assert (err.line, err.column) == where
+    assert err.hint is not None and f"'#' starts a comment, so {comment} is not read" in err.hint

@@ -6,6 +6,7 @@ JSON-serialisable dict.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -126,12 +127,27 @@ def _stage_lines(plan: Plan, est: Estimate) -> list[str]:
     if plan.num_stages > plan.pp:
         lines.append(f"  virtual stages: {rank_stages_text(plan)}")
     lines += [f"  {split}" for split in plan.split_modules]
+    unnamed = _unwritable(plan) if plan.stage_auto else None
     if plan.stage_auto and plan.split_modules:
         lines.append("  no `stage` lines write this split (a module is on one stage there)")
+    elif unnamed is not None:
+        lines.append(
+            f"  no `stage` lines write this split: '{unnamed}' cannot be named in a pattern "
+            "(names are ASCII letters, digits and '_'); rename it in the model to pin it"
+        )
     elif plan.stage_auto:
         lines.append("  the same split as stage lines (replace `stage auto` with them to pin it):")
         lines += [f"    {line}" for line in stage_lines(plan)]
     return lines
+
+
+def _unwritable(plan: Plan) -> str | None:
+    """The first module of a stage a `stage` line cannot name (`self.entrée`), or None."""
+    for modules in plan.stage_modules:
+        for name in modules:
+            if not re.fullmatch(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*", name):
+                return name
+    return None
 
 
 def rank_stages_text(plan: Plan) -> str:

@@ -6,6 +6,7 @@ A leaf of the planner: `PlanResult.spec_text` (advise.py) and the plan report
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 from ..plan import compress_names
@@ -47,11 +48,7 @@ def spec_text(result: PlanResult, ev: Evaluation, path: str = "SPEC.par") -> str
         layouts = p.sequence if c.sequence else p.vocab if c.vocab else p.tp
         lines += list(layouts[c.tp].shard_lines)
     if c.pp > 1:  # stage s runs on pp rank s % pp (interleaved: `virtual` stages per rank)
-        bounds = zip((0, *c.cuts), (*c.cuts, len(p.units)))
-        lines += [
-            f"stage {compress_names(p.units[lo:hi], p.anchored)} -> {s}"
-            for s, (lo, hi) in enumerate(bounds)
-        ]
+        lines += _stage_lines(p.units, p.anchored, c.cuts, c.virtual)
         lines += [f"microbatches {c.microbatches}", f"schedule {c.schedule}"]
     if c.dp > 1 and c.zero:
         lines.append(f"zero {c.zero}")
@@ -60,3 +57,27 @@ def spec_text(result: PlanResult, ev: Evaluation, path: str = "SPEC.par") -> str
     if c.recompute:
         lines += [f"recompute {pattern}" for pattern in p.recompute_patterns]
     return "\n".join(lines) + "\n"
+
+
+def _stage_lines(
+    units: tuple[str, ...], anchored: tuple[str, ...], cuts: tuple[int, ...], virtual: int
+) -> list[str]:
+    """The cuts as stage lines. A unit a pattern cannot spell (`self.entrée`: names are
+    ASCII) is left out where it joins the stage of its inputs anyway (not the first of
+    a stage after the first); where that cannot pin the cuts, `stage auto` and why."""
+    lines = []
+    for s, (lo, hi) in enumerate(zip((0, *cuts), (*cuts, len(units)))):
+        named = tuple(u for u in units[lo:hi] if _WRITABLE.fullmatch(u))
+        if not named or (s > 0 and not _WRITABLE.fullmatch(units[lo])):
+            odd = next(u for u in units if not _WRITABLE.fullmatch(u))
+            return [
+                f"# stage auto: no stage line can name '{odd}' (patterns are ASCII); the "
+                "estimate is for the planner's cuts, which stage auto may place elsewhere",
+                "stage auto",
+                *([f"virtual_stages {virtual}"] if virtual > 1 else []),
+            ]
+        lines.append(f"stage {compress_names(named, anchored)} -> {s}")
+    return lines
+
+
+_WRITABLE = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")

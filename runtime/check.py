@@ -154,24 +154,38 @@ def run_check(
     )
     with WorkerPool(world, timeout=timeout) as pool:
         measured = _measure(pool, str(spec), source.path, runs, fault=fault)
+    name = loaded.filename if isinstance(spec_path, Spec) else spec_path
+    return _result(name, model_file, runs, plan, opt_class, measured, overridden.notes)
+
+
+def _result(
+    spec_name: str,
+    model_file: str,
+    runs: _Runs,
+    plan: Plan,
+    opt_class: str,
+    measured: _Measured,
+    notes: tuple[str, ...],
+) -> CheckResult:
+    """The CheckResult of a finished check: what ran (`runs`, `plan`) and what it measured."""
     return CheckResult(
-        loaded.filename if isinstance(spec_path, Spec) else spec_path,
+        spec_name,
         model_file,
-        steps,
-        batch,
-        optimizer,
+        runs.steps,
+        runs.batch,
+        runs.optimizer,
         Tolerance(),
         measured.comparison,
         tuple(str(w) for w in plan.warnings),
         opt_class,
         measured.twin_loss_diff,
-        weights,
+        runs.weights,
         plan.precision,
         plan.reduce,
         measured.gap,
-        overridden.notes,
-        clip,
-        lr_schedule=lr_schedule,
+        notes,
+        runs.clip,
+        lr_schedule=runs.lr_schedule,
         calibration=measured.calibration,
         twin_in_order=measured.in_order,
     )

@@ -184,7 +184,7 @@ def _torchrun_args(
 
 def _exit_reason(code: int) -> str:
     """`exit code 2`, or `killed by SIGKILL` for a negative code (torch reports signals so);
-    130 is a rank that stopped on SIGINT (parc/commands.py)."""
+    130 is a rank that stopped on SIGINT (parc/command_base.py, used by parc/run_command.py)."""
     if code == 130:
         return "exit code 130: interrupted by SIGINT"
     if code < 0:

@@ -216,6 +216,20 @@ parc.finish()
 """
 
 
+def _torchrun_two_ranks(script_text: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """Run `script_text` as a 2-rank torchrun job (argv: the model, `tmp_path`)."""
+    script = tmp_path / "script.py"
+    script.write_text(script_text)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    with model_env({"DROP_P": "0"}):
+        return subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             "--nproc-per-node", "2", str(script), MODEL, str(tmp_path)],
+            capture_output=True, text=True, timeout=170,
+            env={**env, "OMP_NUM_THREADS": "1", "DROP_P": "0"},
+        )  # fmt: skip
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_a_rank_that_runs_one_step_more_gets_an_error_naming_it_and_the_cause(
@@ -223,16 +237,7 @@ def test_a_rank_that_runs_one_step_more_gets_an_error_naming_it_and_the_cause(
 ) -> None:
     # gloo's bare RuntimeError before ("Read error [127.0.0.1]:7048: Connection reset by
     # peer. ... GLHF!"), naming no rank, step or likely cause.
-    script = tmp_path / "uneven.py"
-    script.write_text(_UNEVEN)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
-    with model_env({"DROP_P": "0"}):
-        done = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone",
-             "--nproc-per-node", "2", str(script), MODEL, str(tmp_path)],
-            capture_output=True, text=True, timeout=170,
-            env={**env, "OMP_NUM_THREADS": "1", "DROP_P": "0"},
-        )  # fmt: skip
+    done = _torchrun_two_ranks(_UNEVEN, tmp_path)
     assert not (tmp_path / "rank0").exists(), (tmp_path / "rank0").read_text()
     text = (tmp_path / "rank1").read_text()
     assert text.startswith("CollectiveFailure: error: [rank 1, step 1] a collective failed: "), (
@@ -270,16 +275,7 @@ def test_a_rank_that_gathers_the_state_alone_gets_an_error_naming_iter_state(
 ) -> None:
     # iter_state's gathers ran outside the Program's failure wrapper: gloo's bare
     # RuntimeError, naming no rank, step or likely cause.
-    script = tmp_path / "uneven_state.py"
-    script.write_text(_UNEVEN_STATE)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
-    with model_env({"DROP_P": "0"}):
-        done = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone",
-             "--nproc-per-node", "2", str(script), MODEL, str(tmp_path)],
-            capture_output=True, text=True, timeout=170,
-            env={**env, "OMP_NUM_THREADS": "1", "DROP_P": "0"},
-        )  # fmt: skip
+    done = _torchrun_two_ranks(_UNEVEN_STATE, tmp_path)
     text = (tmp_path / "rank1").read_text()
     assert text.startswith("CollectiveFailure: error: [rank 1, step 1] a collective failed: "), (
         text + done.stderr

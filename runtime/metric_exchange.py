@@ -17,7 +17,9 @@ that came earlier have filled them already) and adds the rows in rank order. The
 last rank to arrive waits for nobody; every rank adds the same rows in the same
 order, elementwise, so every rank gets the same sums, bit for bit. The messages
 travel on their own tag (`TAG`), apart from the pipeline's point-to-point
-traffic, whose matching is by order on tag 0. Elsewhere (NCCL: device tensors,
+traffic, whose matching is by order on tag 0; gloo's collectives match on slots
+that carry a collective's own prefix beside their running tag, so none of them
+pairs with a point-to-point message whatever its count has reached. Elsewhere (NCCL: device tensors,
 one kernel; a larger world, whose n·(n−1) messages a ring's 2·(n−1) steps beat)
 `total` is the all-reduce.
 

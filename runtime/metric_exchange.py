@@ -23,12 +23,18 @@ pairs with a point-to-point message whatever its count has reached. Elsewhere (N
 one kernel; a larger world, whose n·(n−1) messages a ring's 2·(n−1) steps beat)
 `total` is the all-reduce.
 
-A step posts once and sums once, in that order on every rank; a step that fails
-between them leaves its world broken anyway (a pipeline's receives are posted
-ahead in the same way).
+A step posts once and sums once, in that order on every rank. A step that raises
+between the two (the model's forward, on every rank alike) leaves its receives
+posted, and gloo cannot take a receive back: the next step's messages would fill
+those stale buffers and its own receives would wait forever (found by the suite,
+whose pool runs many programs in one world). So each sum travels on a tag of its
+own, `TAG` plus the count of sums this process has posted (every rank posts once
+a step, so the counts agree): a stale receive waits on a tag nobody sends again.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 import torch.distributed as dist
@@ -36,7 +42,9 @@ import torch.distributed as dist
 __all__ = ["MAX_WORLD", "TAG", "MetricSum"]
 
 MAX_WORLD = 8  # beyond, n·(n−1) small messages a step: the all-reduce's ring instead
-TAG = 7_001  # the metric messages' tag; the pipeline's sends and receives use tag 0
+TAG = 1 << 20  # the first sum's tag, then one more a sum; the pipeline's p2p uses tag 0
+_TAGS = 1 << 30  # tags TAG .. TAG + _TAGS - 1, in turn (gloo's p2p tags are 31-bit)
+_posted = itertools.count()  # sums posted by this process, the same count on every rank
 
 
 class MetricSum:
@@ -47,10 +55,14 @@ class MetricSum:
         self._rank = dist.get_rank() if self._world > 1 else 0
         self._size = size
         self._rows: torch.Tensor | None = None
+        self._tag = TAG
         self._receives: list[object] = []
         if 1 < self._world <= MAX_WORLD and _gloo_on(device):
             self._rows = torch.zeros(self._world, size, dtype=torch.float64, device=device)
-            self._receives = [dist.irecv(self._rows[peer], peer, tag=TAG) for peer in self._peers()]
+            self._tag = TAG + next(_posted) % _TAGS
+            self._receives = [
+                dist.irecv(self._rows[peer], peer, tag=self._tag) for peer in self._peers()
+            ]
 
     @staticmethod
     def post(size: int, device: torch.device) -> MetricSum:
@@ -69,7 +81,7 @@ class MetricSum:
         if self._rows is None:
             dist.all_reduce(t)
             return t
-        sends = [dist.isend(t, peer, tag=TAG) for peer in self._peers()]
+        sends = [dist.isend(t, peer, tag=self._tag) for peer in self._peers()]
         for work in [*self._receives, *sends]:
             work.wait()  # type: ignore[attr-defined]
         self._receives = []

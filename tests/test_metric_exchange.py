@@ -114,3 +114,18 @@ def test_a_pipeline_step_sums_its_metrics_without_an_all_reduce(
     # round trip to peers that had waited in it.
     spec = "mesh pp=2\nstage auto\nmicrobatches 2\n"
     assert gloo_pool(2).run(_world_all_reduces, spec) == [[0, 0], [0, 0]]
+
+
+def _after_a_step_that_raised() -> list[float]:
+    """Case: a sum posted and never taken (its step raised), then a sum that is."""
+    MetricSum.post(2, torch.device("cpu"))  # its receives stay posted: gloo has no cancel
+    metrics = MetricSum.post(2, torch.device("cpu"))
+    return metrics.total(torch.tensor([dist.get_rank() + 1.0, 1.0], dtype=torch.float64)).tolist()
+
+
+def test_a_sum_after_a_step_that_raised_between_post_and_sum_completes(
+    gloo_pool: PoolFactory,
+) -> None:
+    # Found by the suite: with one tag for every sum, the stale receives of a step whose
+    # forward raised took the next sum's messages and its own waited forever.
+    assert gloo_pool(2).run(_after_a_step_that_raised) == [[3.0, 2.0], [3.0, 2.0]]

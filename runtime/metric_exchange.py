@@ -16,12 +16,12 @@ sends this rank's values to every other rank, waits for the receives (the ranks
 that came earlier have filled them already) and adds the rows in rank order. The
 last rank to arrive waits for nobody; every rank adds the same rows in the same
 order, elementwise, so every rank gets the same sums, bit for bit. The messages
-travel on their own tag (`TAG`), apart from the pipeline's point-to-point
-traffic, whose matching is by order on tag 0; gloo's collectives match on slots
-that carry a collective's own prefix beside their running tag, so none of them
-pairs with a point-to-point message whatever its count has reached. Elsewhere (NCCL: device tensors,
-one kernel; a larger world, whose n·(n−1) messages a ring's 2·(n−1) steps beat)
-`total` is the all-reduce.
+travel on tags of their own (from `TAG` on, below), apart from the pipeline's
+point-to-point traffic, whose matching is by order on tag 0; gloo's collectives
+match on slots that carry a collective's own prefix beside their running tag, so
+none of them pairs with a point-to-point message whatever its count has reached.
+Elsewhere (NCCL: device tensors, one kernel; a larger world, whose n·(n−1)
+messages a ring's 2·(n−1) steps beat) `total` is the all-reduce.
 
 A step posts once and sums once, in that order on every rank. A step that raises
 between the two (the model's forward, on every rank alike) leaves its receives
@@ -56,7 +56,7 @@ class MetricSum:
         self._size = size
         self._rows: torch.Tensor | None = None
         self._tag = TAG
-        self._receives: list[object] = []
+        self._receives: list[dist.Work | None] = []  # None: a rank outside the group
         if 1 < self._world <= MAX_WORLD and _gloo_on(device):
             self._rows = torch.zeros(self._world, size, dtype=torch.float64, device=device)
             self._tag = TAG + next(_posted) % _TAGS
@@ -83,7 +83,8 @@ class MetricSum:
             return t
         sends = [dist.isend(t, peer, tag=self._tag) for peer in self._peers()]
         for work in [*self._receives, *sends]:
-            work.wait()  # type: ignore[attr-defined]
+            if work is not None:
+                work.wait()
         self._receives = []
         self._rows[self._rank] = t
         summed = self._rows[0].clone()

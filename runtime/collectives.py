@@ -30,6 +30,8 @@ from parc.compiler.ops.collectives import (
 )
 from parc.errors import RuntimeFault
 
+from .same_batch import metric_world
+
 __all__ = [
     "Comm",
     "CommKind",
@@ -196,7 +198,7 @@ class Comm:
 
     def metric_sum(self, t: torch.Tensor) -> torch.Tensor:
         """Sum a small metric (e.g. the loss) over all ranks; not counted as training traffic."""
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if metric_world() > 1:
             dist.all_reduce(t)
         return t
 

@@ -39,6 +39,8 @@ import itertools
 import torch
 import torch.distributed as dist
 
+from .same_batch import metric_world
+
 __all__ = ["MAX_WORLD", "TAG", "MetricSum"]
 
 MAX_WORLD = 8  # beyond, n·(n−1) small messages a step: the all-reduce's ring instead
@@ -51,7 +53,7 @@ class MetricSum:
     """One step's metric sum over the world: posted at the step's start, `total` at its end."""
 
     def __init__(self, size: int, device: torch.device) -> None:
-        self._world = dist.get_world_size() if dist.is_initialized() else 1
+        self._world = metric_world()
         self._rank = dist.get_rank() if self._world > 1 else 0
         self._size = size
         self._rows: torch.Tensor | None = None

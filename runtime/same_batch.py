@@ -46,7 +46,8 @@ _MULTIPLIER, _WEIGHT_BITS = 2_654_435_761, 20  # Knuth's multiplicative hash; we
 
 
 def metric_world() -> int:
-    """How many ranks `Comm.metric_sum` sums over: the whole world."""
+    """How many ranks the metric sums (`Comm.metric_sum`, `MetricSum`) sum over: the
+    whole world; 1 without a process group."""
     return dist.get_world_size() if dist.is_initialized() else 1
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +30,7 @@ from parc.compiler.ops.collectives import (
 )
 from parc.errors import RuntimeFault
 
+from .local_p2p import LocalLinks
 from .same_batch import metric_world
 
 __all__ = [
@@ -162,7 +163,12 @@ class Comm:
         return reduce_scatter_flat(out, inp, group=self._group(axis), async_op=async_op)
 
     def post_p2p(
-        self, ops: list[tuple[CommKind, torch.Tensor, int]], axis: str, *, batched: bool = True
+        self,
+        ops: list[tuple[CommKind, torch.Tensor, int]],
+        axis: str,
+        *,
+        batched: bool = True,
+        links: LocalLinks | None = None,
     ) -> list[Any]:
         """Post sends and receives (kind, tensor, global peer rank) as one batch; the
         handles to wait for (one per op under gloo, one for the batch under NCCL). A
@@ -170,14 +176,24 @@ class Comm:
         `batched=False` (gloo, whose ops progress each on its own: `p2p_independent`)
         posts each op by itself, in order: the same ops and handles without
         `batch_isend_irecv`'s coalescing bookkeeping, tens of microseconds a batch on
-        a pipeline's critical path."""
+        a pipeline's critical path; there an op to a peer of `links` (same host:
+        `local_links`) goes through its shared-memory link instead of gloo."""
         fns = []
         for kind, tensor, peer in ops:
             self.stats.add(kind, axis, tensor)
             fns.append((dist.isend if kind is CommKind.SEND else dist.irecv, tensor, peer))
         if not batched:
-            return [fn(tensor, peer) for fn, tensor, peer in fns]
+            return [
+                (links and links.post(fn is dist.isend, tensor, peer)) or fn(tensor, peer)
+                for fn, tensor, peer in fns
+            ]
         return list(dist.batch_isend_irecv([dist.P2POp(*op) for op in fns]))
+
+    def local_links(self, axis: str, peers: Iterable[int]) -> LocalLinks | None:
+        """Shared-memory links to the same-host ones of `peers` (global ranks on `axis`),
+        for `post_p2p` (runtime/local_p2p.py); None where there are none. Collective
+        over the axis's group; only where its ops progress each on their own."""
+        return LocalLinks.between(self._group(axis), peers)
 
     def p2p_independent(self, axis: str, device: torch.device) -> bool:
         """Whether point-to-point ops of `device`'s tensors over `axis` progress each on

@@ -192,6 +192,8 @@ AUDITED = {
     ("compiler/ops/vocab.py", "_VocabCrossEntropy.forward"): "logits' statistics: device",
     ("runtime/materialise.py", "_first_problem"): "objects",
     ("runtime/eval_mode.py", "refuse_baked"): "objects",
+    # Only where the pp ops progress each on their own (gloo on the CPU), never NCCL.
+    ("runtime/local_p2p.py", "LocalLinks.between"): "objects",
 }
 
 # Tensors made without a device in these files, and why none reaches a collective.

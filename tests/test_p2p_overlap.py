@@ -53,10 +53,10 @@ class _Logged:
 def _patched_post(*, wait_at_once: bool, log: list[tuple[str, int]]) -> Iterator[None]:
     post = Comm.post_p2p
 
-    def patched(self: Comm, ops: Any, axis: str, *, batched: bool = True) -> list[Any]:
+    def patched(self: Comm, ops: Any, axis: str, **how: Any) -> list[Any]:
         batch = sum(1 for kind, _ in log if kind == "post")
         log.append(("post", batch))
-        works = [_Logged(w, batch, log) for w in post(self, ops, axis, batched=batched)]
+        works = [_Logged(w, batch, log) for w in post(self, ops, axis, **how)]
         if wait_at_once:
             for work in works:
                 work.wait()

@@ -140,6 +140,9 @@ class StageExecutor:
         self._early: list[tuple[Posted, list[torch.Tensor]]] = []
         # Global rank of every stage's pp rank, at this rank's other coordinates.
         self.rank_of_stage = tuple(comm.rank_of({**coords, AXIS_PP: r}) for r in stage_to_rank)
+        # Same-host peers' messages through shared memory (runtime/local_p2p.py).
+        peers = set(self.rank_of_stage) - {comm.rank}
+        self.links = comm.local_links(AXIS_PP, peers) if post_ahead else None
         self._order: tuple[Sequence[Action], ActionOrder] | None = None  # the last tuple run
 
     def run(
@@ -162,7 +165,26 @@ class StageExecutor:
 
         With `post_ahead` (gloo) some receives are posted a compute ahead of their batch
         and some sends right after their compute, every wait where it was: which ones, and
-        why the simulator's proof still holds, is `parc.runtime.pipeline.posting`."""
+        why the simulator's proof still holds, is `parc.runtime.pipeline.posting`.
+
+        A run that raises closes the executor's shared-memory links, whose messages in
+        flight no later run could pair (runtime/local_p2p.py)."""
+        try:
+            return self._run(actions, inputs, targets, scale, last_round, before_backward)
+        except BaseException:
+            if self.links is not None:
+                self.links.close()
+            raise
+
+    def _run(
+        self,
+        actions: Sequence[Action],
+        inputs: Sequence[Sequence[torch.Tensor]],
+        targets: Sequence[Any],
+        scale: float,
+        last_round: bool,
+        before_backward: Callable[[], None] | None,
+    ) -> list[torch.Tensor]:
         order = self._order_of(actions)
         actions = order.actions
         states = {
@@ -333,7 +355,7 @@ class StageExecutor:
                 ops += [(CommKind.RECV, b, peer) for b in bufs]
         if not ops:
             return None
-        works = self.comm.post_p2p(ops, AXIS_PP, batched=not self.post_ahead)
+        works = self.comm.post_p2p(ops, AXIS_PP, batched=not self.post_ahead, links=self.links)
         posted = Posted(works, len(ops))
         sent = [t for kind, t, _ in ops if kind is CommKind.SEND]
         if sent and self.post_ahead:  # gloo: the receiver's thread runs now (posting.py)

@@ -246,6 +246,8 @@ class Link:
             return fn(*args)
         except BlockingIOError:
             raise
+        except (ConnectionResetError, BrokenPipeError):  # it closed with notices unread
+            self._peer_gone("closed the link")
         except OSError as err:
             self._peer_gone(f"broke the link ({err})")
 

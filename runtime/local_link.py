@@ -106,16 +106,16 @@ class Link:
         self._out: _Ring | None = None
         self._head = self._freed = 0
         self._unacked: deque[tuple[int, int]] = deque()
-        # Receiving side: the peer's rings, the notices come (message k -> ring, offset),
+        # Receiving side: the peer's rings, the notices come (message k -> where),
         # messages taken out of order (k -> taken) and what each ring still holds.
         self._rings: dict[int, _Ring] = {}
-        self._notices: dict[int, tuple[int, int]] = {}
+        self._notices: dict[int, tuple[int, int, int]] = {}  # k -> ring, offset, bytes
         self._arrived = 0
         self._taken: set[int] = set()
         self._acked = 0  # messages acknowledged: every one below this was taken
         self._holding: dict[int, int] = {}
         self._posted = 0  # receives posted: the next one takes message `_posted`
-        self._partial = b""
+        self._partial, self._partial_fds = b"", list[int]()  # a notice read in parts
 
     # ------------------------------------------------------------------ sending
 
@@ -170,8 +170,15 @@ class Link:
         """Wait for message `k` and copy it into contiguous `buffer`."""
         while k not in self._notices:
             self._read_one(block=True)
-        ring_id, off = self._notices.pop(k)
+        ring_id, off, sent = self._notices.pop(k)
         n = buffer.numel() * buffer.element_size()
+        if n != sent:  # the executor sends each boundary's contract: a bug if it differs
+            raise RuntimeFault(
+                f"pipeline message {k} from rank {self.peer} has {sent} bytes, but its "
+                f"receive's buffer {buffer.dtype}{list(buffer.shape)} holds {n}",
+                rank=self.rank,
+                hint="both ranks must run the same compiled program",
+            )
         if n:
             ring = self._rings[ring_id]
             buffer.reshape(-1).view(torch.uint8).copy_(ring.bytes[off : off + n])
@@ -212,12 +219,13 @@ class Link:
         if not data:
             self._peer_gone("closed the link")
         self._partial += data
+        self._partial_fds += fds
         if len(self._partial) < _NOTE.size:
             return True
         kind, ring_id, off, n = _NOTE.unpack(self._partial)
-        self._partial = b""
+        fds, self._partial, self._partial_fds = self._partial_fds, b"", []
         if kind == _DATA:
-            self._notices[self._arrived] = (ring_id, off)
+            self._notices[self._arrived] = (ring_id, off, n)
             self._arrived += 1
             self._holding[ring_id] = self._holding.get(ring_id, 0) + 1
         elif kind == _RING:

@@ -6,7 +6,8 @@ A `Link` on each end of a socket pair, in one process:
 - a ring without room grows (a send never waits for its receiver) and the old ring
   is dropped once its messages are taken; in a steady stream the ring is reused;
 - a peer that closes its end, or sends nothing within the timeout, is a
-  RuntimeFault naming it, not a hang.
+  RuntimeFault naming it, not a hang; so is a message of another size than the
+  buffer its receive was given.
 
 Across processes (gloo pool, one host):
 - a pp=2 program's executor links its peer; its losses and parameters are bitwise
@@ -99,6 +100,14 @@ def test_a_steady_stream_wraps_around_one_ring(monkeypatch: pytest.MonkeyPatch) 
         receiver.receive(k, buffer)
         assert torch.equal(buffer, t), f"message {i}"
     assert sender._out is not None and sender._out.id == 0  # never grew
+
+
+def test_a_message_of_another_size_than_its_receive_is_a_fault() -> None:
+    sender, receiver = _pair()
+    k = receiver.post_receive()
+    sender.send(torch.zeros(3))
+    with pytest.raises(RuntimeFault, match=r"has 12 bytes, but its receive's buffer"):
+        receiver.receive(k, torch.empty(4))
 
 
 def test_a_closed_peer_is_a_fault_naming_it() -> None:

@@ -49,11 +49,16 @@ P2P_ENV = "PARC_P2P"  # "gloo": no shared-memory links
 
 def host_id() -> str | None:
     """This process's host, as far as shared memory and abstract sockets go: its host
-    name, the kernel's boot id and its network namespace (None if one cannot be read)."""
+    name, the kernel's boot id and its network namespace; None where one cannot be
+    read or this process cannot make a link (no memfd, no abstract Unix socket)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
         netns = os.stat("/proc/self/ns/net").st_ino
+        if not hasattr(os, "memfd_create"):
+            return None
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.bind(f"\0parc-p2p-probe-{secrets.token_hex(8)}")
     except OSError:
         return None
     return f"{socket.gethostname()}|{boot}|{netns}"

@@ -11,12 +11,14 @@ upcast first), on logits of N positions (per microbatch) and V classes:
   alive at once: `peak` = `held` + 4·N·V.
 - **loss parallel** (the logits stay sharded, c = ceil(V/tp) columns, the padding
   columns of a vocabulary tp does not divide included): `tp_vocab_cross_entropy`
-  (compiler/ops/vocab.py) keeps the rank's (N, c) logits (their masked copy when
-  padded) and per position the log-sum-exp (4), the local target (8), its owner
-  mask and the valid mask (1 + 1), and the count (8): `held` = 4·N·c + 14·N + 8
-  (the targets themselves are not kept: the local ones are).
-  Its forward makes the (N, c) exponentials of the log-sum-exp and gathers 2·N·tp
-  values: `peak` = `held` + 4·N·c + 8·N·tp. No (N, V) tensor on any rank.
+  (compiler/ops/vocab.py) keeps the (N, c) exponentials its log-sum-exp makes
+  (exp of the logits less their row's max; the padding columns' zero) and per
+  position exp(max − log-sum-exp) (4), the local target (8), its owner mask and
+  the valid mask (1 + 1), and the count (8): `held` = 4·N·c + 14·N + 8 (the
+  targets themselves are not kept: the local ones are).
+  Its forward reads the (N, c) logits (or their masked copy when padded) while it
+  makes the exponentials, and gathers 2·N·tp values: `peak` = `held` + 4·N·c +
+  8·N·tp. No (N, V) tensor on any rank.
 
 A model-file `loss_fn` is the user's code and is not priced (`LossMemory.priced`
 False); a loss the model computes in forward is part of the graph, and so of the

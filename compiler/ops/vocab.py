@@ -80,7 +80,11 @@ def tp_vocab_cross_entropy(
 
 class _VocabCrossEntropy(torch.autograd.Function):
     """Forward: log-sum-exp over the axis from the ranks' own; backward: softmax − one-hot
-    on this rank's columns (rank-local: every rank has the whole log-sum-exp)."""
+    on this rank's columns (rank-local: every rank has the whole log-sum-exp).
+
+    Forward keeps exp(logits − m) (m: the row's own max), which its log-sum-exp makes
+    anyway, instead of the logits: the softmax is then that times exp(m − lse) per row,
+    one pass over the shard where recomputing it from the logits took three."""
 
     @staticmethod
     def forward(
@@ -102,18 +106,21 @@ class _VocabCrossEntropy(torch.autograd.Function):
         owned = (local >= 0) & (local < cols)  # the ignore index is below every rank's range
         local = local.masked_fill(~owned, 0)
         picked = logits.gather(1, local.unsqueeze(1)).squeeze(1).masked_fill(~owned, 0.0)
-        mine = torch.stack([torch.logsumexp(logits, dim=1), picked])  # (2, N)
+        top = logits.amax(dim=1)
+        top = top.masked_fill(top.isinf(), 0.0)  # a row of padding only: exp(-inf) = 0
+        shifted = (logits - top.unsqueeze(1)).exp_()
+        mine = torch.stack([shifted.sum(dim=1).log_().add_(top), picked])  # (2, N)
         parts = all_gather_flat(mine, axis).view(n, 2, -1)  # cross-entropy over vocab shards
         lse, target = torch.logsumexp(parts[:, 0], dim=0), parts[:, 1].sum(dim=0)
         valid = targets != ignore_index
         count = valid.sum() if per_call is None else logits.new_tensor(per_call)
-        ctx.save_for_backward(logits, lse, local, owned, valid, count)
+        ctx.save_for_backward(shifted, (top - lse).exp_(), local, owned, valid, count)
         return ((lse - target) * valid).sum() / count
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        logits, lse, local, owned, valid, count = ctx.saved_tensors
-        out = torch.exp(logits - lse.unsqueeze(1))
-        out.scatter_add_(1, local.unsqueeze(1), -owned.to(out.dtype).unsqueeze(1))
-        out.mul_((valid.to(out.dtype) * grad / count).unsqueeze(1))
+        shifted, rescale, local, owned, valid, count = ctx.saved_tensors
+        scale = valid.to(shifted.dtype) * grad / count  # per row
+        out = shifted * (rescale * scale).unsqueeze(1)  # the softmax, scaled
+        out.scatter_add_(1, local.unsqueeze(1), -(owned.to(out.dtype) * scale).unsqueeze(1))
         return out, None, None, None, None, None

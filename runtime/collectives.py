@@ -31,6 +31,7 @@ from parc.compiler.ops.collectives import (
 from parc.errors import RuntimeFault
 
 from .local_p2p import LocalLinks
+from .local_sum import LocalSum
 from .same_batch import metric_world
 
 __all__ = [
@@ -108,6 +109,8 @@ class Comm:
         # reduce_scatter its own part of it, uncounted. A declared testing hook
         # (`skip-grad-sync`, parc/testing/faults.py); empty in every real run.
         self.unsummed_axes: set[str] = set()
+        # Per axis, made at its first all-reduce: same-host sums (runtime/local_sum.py).
+        self._local_sums: dict[str, LocalSum | None] = {}
 
     def size(self, axis: str) -> int:
         return self.sizes.get(axis, 1)
@@ -132,11 +135,22 @@ class Comm:
     # Over an axis of size 1 these are local copies: no process group, no traffic counted.
 
     def all_reduce(self, t: torch.Tensor, axis: str, *, async_op: bool = False) -> Any:
-        """In-place sum over `axis`."""
+        """In-place sum over `axis`; where the axis's ranks share this host and its ops
+        progress each on its own (gloo on the CPU), through shared memory (local_sum.py)."""
         if self.size(axis) == 1 or axis in self.unsummed_axes:
             return _DONE
         self.stats.add(CommKind.ALL_REDUCE, axis, t)
-        return dist.all_reduce(t, group=self._group(axis), async_op=async_op)
+        if axis not in self._local_sums:  # every rank of the axis is here too
+            independent = self.p2p_independent(axis, t.device)
+            self._local_sums[axis] = LocalSum.of(self._group(axis)) if independent else None
+        local = self._local_sums[axis]
+        if local is None:
+            return dist.all_reduce(t, group=self._group(axis), async_op=async_op)
+        handle = local.post(t) if t.is_contiguous() else _CopyBack(t, local)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
 
     def all_gather(
         self, out: torch.Tensor, inp: torch.Tensor, axis: str, *, async_op: bool = False
@@ -217,6 +231,21 @@ class Comm:
         if metric_world() > 1:
             dist.all_reduce(t)
         return t
+
+
+class _CopyBack:
+    """A same-host sum of a non-contiguous tensor: of a contiguous copy, copied back."""
+
+    def __init__(self, t: torch.Tensor, local: LocalSum) -> None:
+        self.t, self.copy = t, t.contiguous()
+        self.handle: Any = local.post(self.copy)
+
+    def wait(self) -> bool:
+        if self.handle is not None:
+            self.handle.wait()
+            self.t.copy_(self.copy)
+            self.handle = None
+        return True
 
 
 class _Done:

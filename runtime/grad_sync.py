@@ -68,6 +68,11 @@ from .sync_protocol import TiedReduce
 __all__ = ["GradSync"]
 
 
+def _not_ready() -> bool:
+    """A handle without `ready` (gloo's): completed where the sync waits for it."""
+    return False
+
+
 class GradSync:
     """Averages gradients over `axis` for one rank's parameters, at ZeRO level 0, 1 or 2.
 
@@ -246,6 +251,11 @@ class GradSync:
             unit.fill_missing()
         if self.zero == 0:
             assert unit.grad is not None
+            # Sums already here (same-host, runtime/local_sum.py) complete now, which
+            # frees their bytes in the links' rings: only a few units stay in flight.
+            for other in self.units:
+                if other.work is not None and getattr(other.work, "ready", _not_ready)():
+                    self._complete(other)
             # Partial -> Replicate over dp: all-reduce of the unit's gradient.
             unit.work = self.comm.all_reduce(unit.grad, self.axis, async_op=True)
             return

@@ -18,7 +18,8 @@ pipeline's critical path waits for one to be scheduled. A `Link` instead:
   the bytes out into the receive buffer; no other thread runs;
 - acknowledges each message taken, in the order sent, so that the sender can
   reuse its bytes. A sender whose ring has no room for a message makes a new
-  ring twice as large (at least four messages of that size) and passes it on:
+  ring twice as large (and of two such messages at least; the first ring holds two,
+  64 KiB at least) and passes it on:
   a send never waits for its receiver. A receiver drops an old ring once every
   message in it has been taken.
 
@@ -33,6 +34,7 @@ then gets a `RuntimeFault` naming that peer at once, not at the timeout.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import socket
@@ -51,7 +53,7 @@ __all__ = ["Link"]
 _NOTE = struct.Struct("<BIQQ")  # kind, ring id, offset, bytes (RING: size; ACK: count)
 _DATA, _RING, _ACK = 0, 1, 2
 _ALIGN = 64  # each message starts on a cache line
-_MIN_RING = 4 << 20
+_MIN_RING = 64 << 10
 _T = TypeVar("_T")
 _FD = struct.Struct("i")
 _FD_SPACE = socket.CMSG_SPACE(_FD.size)
@@ -59,18 +61,24 @@ _FD_SPACE = socket.CMSG_SPACE(_FD.size)
 
 @dataclass
 class _Ring:
-    """A shared-memory ring of bytes, mapped in this process."""
+    """A shared-memory ring of bytes, mapped in this process. A tensor over it exists
+    only while a message is copied in or read: the ring is the link's buffer, as
+    gloo's and NCCL's are theirs, not a tensor the program holds."""
 
     id: int
     size: int
-    bytes: torch.Tensor  # uint8, over the mapping
     mapping: mmap.mmap
 
     @staticmethod
     def of_fd(ring_id: int, fd: int, size: int) -> _Ring:
         """The ring of memory file `fd` (left open: the caller closes it)."""
-        mapping = mmap.mmap(fd, size)
-        return _Ring(ring_id, size, torch.frombuffer(mapping, dtype=torch.uint8), mapping)
+        return _Ring(ring_id, size, mmap.mmap(fd, size))
+
+    def bytes(self, off: int, n: int) -> torch.Tensor:
+        """Bytes [off, off + n) of the ring, as a uint8 tensor over them."""
+        if not n:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(self.mapping, dtype=torch.uint8, count=n, offset=off)
 
 
 def _receive(sock: socket.socket, n: int, flags: int) -> tuple[bytes, list[int]]:
@@ -115,6 +123,8 @@ class Link:
         self._acked = 0  # messages acknowledged: every one below this was taken
         self._holding: dict[int, int] = {}
         self._posted = 0  # receives posted: the next one takes message `_posted`
+        self._open: dict[int, int] = {}  # messages taken and not released -> their ring
+        self._discarded: set[int] = set()  # messages no receive will wait for
         self._partial, self._partial_fds = b"", list[int]()  # a notice read in parts
 
     # ------------------------------------------------------------------ sending
@@ -125,7 +135,7 @@ class Link:
         n = t.numel() * t.element_size()
         ring, off, span = self._room(n)
         if n:
-            ring.bytes[off : off + n].copy_(t.reshape(-1).view(torch.uint8))
+            ring.bytes(off, n).copy_(t.reshape(-1).view(torch.uint8))
         self._unacked.append((ring.id, span))
         self._write(_NOTE.pack(_DATA, ring.id, off, n))
 
@@ -139,7 +149,7 @@ class Link:
             if self._head - self._freed + span <= ring.size:
                 self._head += span
                 return ring, off, span
-        size = max(_MIN_RING, 4 * _aligned(n), 2 * ring.size if ring is not None else 0)
+        size = max(_MIN_RING, 2 * _aligned(n), 2 * ring.size if ring is not None else 0)
         ring = self._new_ring(0 if ring is None else ring.id + 1, size)
         self._head, self._freed = _aligned(n), 0
         return ring, 0, _aligned(n)
@@ -168,21 +178,47 @@ class Link:
 
     def receive(self, k: int, buffer: torch.Tensor) -> None:
         """Wait for message `k` and copy it into contiguous `buffer`."""
+        n = buffer.numel() * buffer.element_size()
+        if n:
+            buffer.reshape(-1).view(torch.uint8).copy_(self.take(k, buffer))
+        else:
+            self.take(k, buffer)
+        self.release(k)
+
+    def arrived(self, k: int) -> bool:
+        """Whether message `k` is here (`take` would not wait); reads what has come."""
+        if k not in self._notices:
+            self._read_ready()
+        return k in self._notices
+
+    def take(self, k: int, like: torch.Tensor) -> torch.Tensor:
+        """Wait for message `k`, a tensor of `like`'s bytes; its bytes in the ring, read
+        in place until `release(k)`."""
         while k not in self._notices:
             self._read_one(block=True)
         ring_id, off, sent = self._notices.pop(k)
-        n = buffer.numel() * buffer.element_size()
-        if n != sent:  # the executor sends each boundary's contract: a bug if it differs
+        n = like.numel() * like.element_size()
+        if n != sent:  # the same program on both ranks sends what the other expects
             raise RuntimeFault(
-                f"pipeline message {k} from rank {self.peer} has {sent} bytes, but its "
-                f"receive's buffer {buffer.dtype}{list(buffer.shape)} holds {n}",
+                f"message {k} from rank {self.peer} has {sent} bytes, but its "
+                f"receive's buffer {like.dtype}{list(like.shape)} holds {n}",
                 rank=self.rank,
                 hint="both ranks must run the same compiled program",
             )
-        if n:
-            ring = self._rings[ring_id]
-            buffer.reshape(-1).view(torch.uint8).copy_(ring.bytes[off : off + n])
-        self._release(k, ring_id)
+        self._open[k] = ring_id
+        return self._rings[ring_id].bytes(off, n)
+
+    def release(self, k: int) -> None:
+        """Done with message `k` (taken): its bytes may be reused."""
+        self._release(k, self._open.pop(k))
+
+    def discard(self, k: int) -> None:
+        """Message `k`'s receive will never be waited for: release it when it comes."""
+        if k in self._notices:
+            ring_id, _, _ = self._notices.pop(k)
+            self._release(k, ring_id)
+        elif k not in self._open:
+            self._discarded.add(k)
 
     def _release(self, k: int, ring_id: int) -> None:
         """Mark message k taken; acknowledge the taken messages in sending order."""
@@ -196,8 +232,9 @@ class Link:
             self._taken.remove(self._acked)
             self._acked += 1
             count += 1
-        if count:
-            self._write(_NOTE.pack(_ACK, 0, 0, count))
+        if count:  # a peer that is gone needs no acknowledgement (a wait on it says so)
+            with contextlib.suppress(RuntimeFault):
+                self._write(_NOTE.pack(_ACK, 0, 0, count))
 
     # ------------------------------------------------------------------- wiring
 
@@ -225,9 +262,12 @@ class Link:
         kind, ring_id, off, n = _NOTE.unpack(self._partial)
         fds, self._partial, self._partial_fds = self._partial_fds, b"", []
         if kind == _DATA:
+            self._holding[ring_id] = self._holding.get(ring_id, 0) + 1
             self._notices[self._arrived] = (ring_id, off, n)
             self._arrived += 1
-            self._holding[ring_id] = self._holding.get(ring_id, 0) + 1
+            if self._arrived - 1 in self._discarded:
+                self._discarded.remove(self._arrived - 1)
+                self.discard(self._arrived - 1)
         elif kind == _RING:
             try:
                 self._rings[ring_id] = _Ring.of_fd(ring_id, fds[0], n)

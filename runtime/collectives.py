@@ -30,8 +30,8 @@ from parc.compiler.ops.collectives import (
 )
 from parc.errors import RuntimeFault
 
+from .local_group import LocalGroup
 from .local_p2p import LocalLinks
-from .local_sum import LocalSum
 from .same_batch import metric_world
 
 __all__ = [
@@ -109,8 +109,8 @@ class Comm:
         # reduce_scatter its own part of it, uncounted. A declared testing hook
         # (`skip-grad-sync`, parc/testing/faults.py); empty in every real run.
         self.unsummed_axes: set[str] = set()
-        # Per axis, made at its first all-reduce: same-host sums (runtime/local_sum.py).
-        self._local_sums: dict[str, LocalSum | None] = {}
+        # Per axis, made at its first collective: same-host ones (runtime/local_group.py).
+        self._local_groups: dict[str, LocalGroup | None] = {}
 
     def size(self, axis: str) -> int:
         return self.sizes.get(axis, 1)
@@ -134,23 +134,25 @@ class Comm:
 
     # Over an axis of size 1 these are local copies: no process group, no traffic counted.
 
+    def _local(self, axis: str, device: torch.device) -> LocalGroup | None:
+        """The axis's same-host collectives (runtime/local_group.py), made at its first
+        collective (every rank of the axis makes it there too); None: gloo's or NCCL's."""
+        if axis not in self._local_groups:
+            independent = self.p2p_independent(axis, device)
+            self._local_groups[axis] = LocalGroup.of(self._group(axis)) if independent else None
+        return self._local_groups[axis]
+
     def all_reduce(self, t: torch.Tensor, axis: str, *, async_op: bool = False) -> Any:
         """In-place sum over `axis`; where the axis's ranks share this host and its ops
-        progress each on its own (gloo on the CPU), through shared memory (local_sum.py)."""
+        progress each on its own (gloo on the CPU), through shared memory."""
         if self.size(axis) == 1 or axis in self.unsummed_axes:
             return _DONE
         self.stats.add(CommKind.ALL_REDUCE, axis, t)
-        if axis not in self._local_sums:  # every rank of the axis is here too
-            independent = self.p2p_independent(axis, t.device)
-            self._local_sums[axis] = LocalSum.of(self._group(axis)) if independent else None
-        local = self._local_sums[axis]
+        local = self._local(axis, t.device)
         if local is None:
             return dist.all_reduce(t, group=self._group(axis), async_op=async_op)
-        handle = local.post(t) if t.is_contiguous() else _CopyBack(t, local)
-        if async_op:
-            return handle
-        handle.wait()
-        return None
+        flat = _flat_out(t)
+        return _finished(_CopyBack(t, flat, local.all_reduce(flat)), async_op)
 
     def all_gather(
         self, out: torch.Tensor, inp: torch.Tensor, axis: str, *, async_op: bool = False
@@ -160,7 +162,12 @@ class Comm:
             out.copy_(inp.reshape(out.shape))
             return _DONE
         self.stats.add(CommKind.ALL_GATHER, axis, out)
-        return all_gather_flat(out, inp, group=self._group(axis), async_op=async_op)
+        local = self._local(axis, out.device)
+        if local is None:
+            return all_gather_flat(out, inp, group=self._group(axis), async_op=async_op)
+        flat = _flat_out(out)
+        handle = local.all_gather(flat, inp.reshape(-1))
+        return _finished(_CopyBack(out, flat, handle), async_op)
 
     def reduce_scatter(
         self, out: torch.Tensor, inp: torch.Tensor, axis: str, *, async_op: bool = False
@@ -174,7 +181,12 @@ class Comm:
             out.copy_(inp.reshape(-1)[i * n : (i + 1) * n].view_as(out))
             return _DONE
         self.stats.add(CommKind.REDUCE_SCATTER, axis, inp)
-        return reduce_scatter_flat(out, inp, group=self._group(axis), async_op=async_op)
+        local = self._local(axis, out.device)
+        if local is None:
+            return reduce_scatter_flat(out, inp, group=self._group(axis), async_op=async_op)
+        flat = _flat_out(out)
+        handle = local.reduce_scatter(flat, inp.reshape(-1))
+        return _finished(_CopyBack(out, flat, handle), async_op)
 
     def post_p2p(
         self,
@@ -233,19 +245,37 @@ class Comm:
         return t
 
 
-class _CopyBack:
-    """A same-host sum of a non-contiguous tensor: of a contiguous copy, copied back."""
+def _flat_out(t: torch.Tensor) -> torch.Tensor:
+    """A flat tensor for a same-host collective to write: `t`'s own memory where it is
+    contiguous, else a copy that `_CopyBack` copies back."""
+    return t.view(-1) if t.is_contiguous() else t.contiguous().view(-1)
 
-    def __init__(self, t: torch.Tensor, local: LocalSum) -> None:
-        self.t, self.copy = t, t.contiguous()
-        self.handle: Any = local.post(self.copy)
+
+class _CopyBack:
+    """A same-host collective's handle whose result, written into `flat`, lands in `t`
+    (a no-op where `flat` is `t`'s own memory)."""
+
+    def __init__(self, t: torch.Tensor, flat: torch.Tensor, handle: Any) -> None:
+        self.t, self.flat, self.handle = t, flat, handle
+
+    def ready(self) -> bool:
+        return bool(self.handle.ready())
 
     def wait(self) -> bool:
         if self.handle is not None:
             self.handle.wait()
-            self.t.copy_(self.copy)
+            if self.flat.data_ptr() != self.t.data_ptr():
+                self.t.copy_(self.flat.view_as(self.t))
             self.handle = None
         return True
+
+
+def _finished(handle: _CopyBack, async_op: bool) -> Any:
+    """`handle` to wait on, or (a synchronous call) waited for already: None, as gloo's."""
+    if async_op:
+        return handle
+    handle.wait()
+    return None
 
 
 class _Done:

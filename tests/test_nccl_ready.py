@@ -198,6 +198,8 @@ AUDITED = {
 
 # Tensors made without a device in these files, and why none reaches a collective.
 HOST_TENSORS = {
+    ("runtime/local_link.py", "_Ring.bytes"): "an empty message's bytes; links exist only "
+    "where collectives run on the CPU (gloo), never beside NCCL",
     ("runtime/check.py", "_check_optimizer"): "a probe parameter, in the owner process",
     ("runtime/checkpoint/optim.py", "OptimizerLoad._scalar"): "an optimizer step count: "
     "torch keeps it on the CPU; filled by DCP's reads, not by a collective",

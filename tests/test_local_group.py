@@ -1,10 +1,12 @@
-"""Same-host all-reduce through the links (runtime/local_sum.py), on the gloo pool.
+"""Same-host collectives through the links (runtime/local_group.py), on the gloo pool.
 
 - Every rank gets the same bits, the sum in rank order, for values whose float sum
   depends on the order, with handles waited for in any order; a handle dropped
-  unwaited leaves the next sum pairing with its own messages.
-- dp=2 and tp=2 programs train bitwise like the same programs on gloo
-  (`PARC_P2P=gloo`), and no all-reduce reaches gloo.
+  unwaited leaves the next sum pairing with its own messages; a gather puts every
+  rank's part in its place, a reduce-scatter gives each rank its part's sum.
+- dp=2 (zero 0, 1 and 3), tp=2 and tp=2 with sequence parallel programs train
+  bitwise like the same programs on gloo (`PARC_P2P=gloo`), and none of their
+  collectives reaches gloo.
 - The gradient sync completes the sums that have come while backward runs, so the
   rings need not hold every bucket at once: with rings sized for eight buckets (of
   the model's 220 kB) and every sum ready at each launch, no ring grows.
@@ -21,9 +23,9 @@ import torch
 import torch.distributed as dist
 from helpers import GPT
 
-from parc.runtime import local_link, local_sum
+from parc.runtime import collectives, local_group, local_link
+from parc.runtime.local_group import LocalGroup
 from parc.runtime.local_p2p import P2P_ENV
-from parc.runtime.local_sum import LocalSum
 from parc.testing.pool import WorkerPool
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
@@ -34,16 +36,25 @@ PoolFactory = Callable[[int], WorkerPool]
 def _sums() -> list[list[float]]:
     """Case: three sums over the world, waited for last first, one dropped unwaited."""
     rank = dist.get_rank()
-    local = LocalSum.of(dist.group.WORLD)
+    local = LocalGroup.of(dist.group.WORLD)
     assert local is not None
     values = [[0.1 * (rank + 1), 1e16 if rank == 0 else 1.0, -3.0 * rank, k] for k in range(3)]
     tensors = [torch.tensor(v, dtype=torch.float64) for v in values]
-    handles = [local.post(t) for t in tensors]
+    handles = [local.all_reduce(t) for t in tensors]
     for handle in reversed(handles):
         handle.wait()
-    local.post(torch.full((4,), 7.0, dtype=torch.float64))  # dropped: never waited for
+    local.all_reduce(torch.full((4,), 7.0, dtype=torch.float64))  # dropped: never waited for
     after = torch.tensor([float(rank)], dtype=torch.float64)
-    local.post(after).wait()
+    local.all_reduce(after).wait()
+    n, me = len(local.ranks), local.index
+    gathered = torch.empty(2 * n)
+    local.all_gather(gathered, torch.tensor([me, -me], dtype=torch.float32)).wait()
+    part = torch.empty(2, dtype=torch.float64)
+    rows = torch.tensor([[10.0 * j + me, 0.1 * (me + 1)] for j in range(n)], dtype=torch.float64)
+    local.reduce_scatter(part, rows.reshape(-1)).wait()
+    assert gathered.tolist() == [float(v) for j in range(n) for v in (j, -j)]
+    sums = [_in_order(10.0 * me + r for r in range(n)), _in_order(0.1 * (r + 1) for r in range(n))]
+    assert part.tolist() == sums, (part.tolist(), sums)
     return [t.tolist() for t in tensors] + [after.tolist()]
 
 
@@ -56,9 +67,7 @@ def _in_order(values: Any) -> float:
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_every_rank_gets_the_sum_in_rank_order_bit_for_bit(
-    gloo_pool: PoolFactory, world: int
-) -> None:
+def test_every_rank_gets_the_same_bits_in_rank_order(gloo_pool: PoolFactory, world: int) -> None:
     results = gloo_pool(world).run(_sums)
     assert all(r == results[0] for r in results), results  # bitwise: == on floats
     for k, row in enumerate(results[0][:3]):
@@ -81,6 +90,10 @@ _ENV = {
 _SPECS = {
     "dp2": "mesh dp=2\n",
     "tp2": "mesh tp=2\nshard layers.*.mlp.fc1 col tp\nshard layers.*.mlp.fc2 row tp\n",
+    "zero1": "mesh dp=2\nzero 1\n",
+    "zero3": "mesh dp=2\nzero 3\n",
+    "sp": "mesh tp=2\nshard layers.*.mlp.fc1 col tp\nshard layers.*.mlp.fc2 row tp\n"
+    "sequence_parallel tp\n",
 }
 
 
@@ -92,18 +105,28 @@ def _train(spec: str, transport: str, min_ring: int | None) -> dict[str, Any]:
     from parc.runtime.equivalence import make_optimizer, model_env
 
     os.environ[P2P_ENV] = "gloo" if transport == "gloo" else ""
-    kept_min, kept_reduce = local_link._MIN_RING, dist.all_reduce
+    kept_min = local_link._MIN_RING
     calls = {"n": 0}
+    # Every way a step's collectives reach gloo: the all-reduce, Comm's flat aliases.
+    kept = {
+        (dist, "all_reduce"): dist.all_reduce,
+        (collectives, "all_gather_flat"): collectives.all_gather_flat,
+        (collectives, "reduce_scatter_flat"): collectives.reduce_scatter_flat,
+    }
 
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls["n"] += 1
-        return kept_reduce(*args, **kwargs)
+    def counted(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls["n"] += 1
+            return fn(*args, **kwargs)
+
+        return call
 
     local_link._MIN_RING = min_ring or kept_min
-    dist.all_reduce = counted
-    kept_ready = local_sum._Summing.ready
+    for (module, name), fn in kept.items():
+        setattr(module, name, counted(fn))
+    kept_ready = local_group._Posted.ready
     if min_ring is not None:  # every earlier sum completed at each launch (see the test)
-        local_sum._Summing.ready = lambda self: True  # type: ignore[method-assign]
+        local_group._Posted.ready = lambda self: True  # type: ignore[method-assign]
     try:
         with model_env(_ENV):
             source = load_model(GPT)
@@ -113,12 +136,14 @@ def _train(spec: str, transport: str, min_ring: int | None) -> dict[str, Any]:
             program = parc_compile(spec, source, batch=8, optimizer=optimizer, **kwargs)
             losses = [program.step(*source.batch(8, step)) for step in range(3)]
     finally:
-        dist.all_reduce, local_link._MIN_RING = kept_reduce, kept_min
-        local_sum._Summing.ready = kept_ready  # type: ignore[method-assign]
+        for (module, name), fn in kept.items():
+            setattr(module, name, fn)
+        local_link._MIN_RING = kept_min
+        local_group._Posted.ready = kept_ready  # type: ignore[method-assign]
         os.environ.pop(P2P_ENV, None)
     rings = [
         link._out.id
-        for local in program.comm._local_sums.values()
+        for local in program.comm._local_groups.values()
         if local is not None
         for link in local.links.links.values()
         if link._out is not None

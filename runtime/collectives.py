@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -151,8 +151,7 @@ class Comm:
         local = self._local(axis, t.device)
         if local is None:
             return dist.all_reduce(t, group=self._group(axis), async_op=async_op)
-        flat = _flat_out(t)
-        return _finished(_CopyBack(t, flat, local.all_reduce(flat)), async_op)
+        return _on_links(t, local.all_reduce, async_op)
 
     def all_gather(
         self, out: torch.Tensor, inp: torch.Tensor, axis: str, *, async_op: bool = False
@@ -165,9 +164,7 @@ class Comm:
         local = self._local(axis, out.device)
         if local is None:
             return all_gather_flat(out, inp, group=self._group(axis), async_op=async_op)
-        flat = _flat_out(out)
-        handle = local.all_gather(flat, inp.reshape(-1))
-        return _finished(_CopyBack(out, flat, handle), async_op)
+        return _on_links(out, lambda flat: local.all_gather(flat, inp.reshape(-1)), async_op)
 
     def reduce_scatter(
         self, out: torch.Tensor, inp: torch.Tensor, axis: str, *, async_op: bool = False
@@ -184,9 +181,7 @@ class Comm:
         local = self._local(axis, out.device)
         if local is None:
             return reduce_scatter_flat(out, inp, group=self._group(axis), async_op=async_op)
-        flat = _flat_out(out)
-        handle = local.reduce_scatter(flat, inp.reshape(-1))
-        return _finished(_CopyBack(out, flat, handle), async_op)
+        return _on_links(out, lambda flat: local.reduce_scatter(flat, inp.reshape(-1)), async_op)
 
     def post_p2p(
         self,
@@ -245,10 +240,17 @@ class Comm:
         return t
 
 
-def _flat_out(t: torch.Tensor) -> torch.Tensor:
-    """A flat tensor for a same-host collective to write: `t`'s own memory where it is
-    contiguous, else a copy that `_CopyBack` copies back."""
-    return t.view(-1) if t.is_contiguous() else t.contiguous().view(-1)
+def _on_links(out: torch.Tensor, post: Callable[[torch.Tensor], Any], async_op: bool) -> Any:
+    """A same-host collective (runtime/local_group.py) whose result lands in `out`:
+    `post` is given a flat tensor to write, `out`'s own memory where it is contiguous,
+    else a copy that the handle copies back. The handle, or None once waited for
+    (a synchronous call, as gloo's)."""
+    flat = out.view(-1) if out.is_contiguous() else out.contiguous().view(-1)
+    handle = _CopyBack(out, flat, post(flat))
+    if async_op:
+        return handle
+    handle.wait()
+    return None
 
 
 class _CopyBack:
@@ -268,14 +270,6 @@ class _CopyBack:
                 self.t.copy_(self.flat.view_as(self.t))
             self.handle = None
         return True
-
-
-def _finished(handle: _CopyBack, async_op: bool) -> Any:
-    """`handle` to wait on, or (a synchronous call) waited for already: None, as gloo's."""
-    if async_op:
-        return handle
-    handle.wait()
-    return None
 
 
 class _Done:

@@ -29,7 +29,7 @@ sends) each time it reads, and drains what is there at every send, so that
 acknowledgements never fill the socket's buffer.
 
 A peer that ends (normally or not) closes its socket: a rank waiting on the link
-then gets a `RuntimeFault` naming that peer at once, not at the timeout.
+then gets a `LinkFailure` naming that peer at once, not at the timeout.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ import torch
 
 from parc.errors import RuntimeFault
 
-__all__ = ["Link"]
+__all__ = ["Link", "LinkFailure"]
 
 _NOTE = struct.Struct("<BIQQ")  # kind, ring id, offset, bytes (RING: size; ACK: count)
 _DATA, _RING, _ACK = 0, 1, 2
@@ -79,6 +79,12 @@ class _Ring:
         if not n:
             return torch.empty(0, dtype=torch.uint8)
         return torch.frombuffer(self.mapping, dtype=torch.uint8, count=n, offset=off)
+
+
+class LinkFailure(RuntimeError):
+    """A link's peer is gone or sent nothing within the timeout: worded as gloo words a
+    failed collective, and read as one (`parc.runtime.run_errors`), which names this
+    rank, its step and the likely cause."""
 
 
 def _receive(sock: socket.socket, n: int, flags: int) -> tuple[bytes, list[int]]:
@@ -162,7 +168,7 @@ class Link:
             note = _NOTE.pack(_RING, ring_id, 0, size)
             self._call(socket.send_fds, self.sock, [note], [fd])
         except BlockingIOError:
-            self._peer_gone(f"read nothing for {self.timeout:g} s, the collective timeout")
+            self._peer_gone(self._timed_out("to read its message"))
         finally:
             os.close(fd)  # the mappings keep the memory
         self._out = ring
@@ -233,7 +239,7 @@ class Link:
             self._acked += 1
             count += 1
         if count:  # a peer that is gone needs no acknowledgement (a wait on it says so)
-            with contextlib.suppress(RuntimeFault):
+            with contextlib.suppress(LinkFailure):
                 self._write(_NOTE.pack(_ACK, 0, 0, count))
 
     # ------------------------------------------------------------------- wiring
@@ -251,10 +257,10 @@ class Link:
             data, fds = self._call(_receive, self.sock, want, flags)
         except BlockingIOError:  # nothing there; blocking: nothing came within the timeout
             if block:
-                self._peer_gone(f"sent nothing for {self.timeout:g} s, the collective timeout")
+                self._peer_gone(self._timed_out("for its message"))
             return False
         if not data:
-            self._peer_gone("closed the link")
+            self._peer_gone(f"Connection closed by peer rank {self.peer}")
         self._partial += data
         self._partial_fds += fds
         if len(self._partial) < _NOTE.size:
@@ -285,7 +291,7 @@ class Link:
         try:
             self._call(self.sock.sendall, data)
         except BlockingIOError:  # the peer read nothing within the timeout
-            self._peer_gone(f"read nothing for {self.timeout:g} s, the collective timeout")
+            self._peer_gone(self._timed_out("to read its message"))
 
     def _call(self, fn: Callable[..., _T], *args: Any) -> _T:
         """`fn(*args)` on the socket, its failures raised as this link's RuntimeFault
@@ -295,16 +301,15 @@ class Link:
         except BlockingIOError:
             raise
         except (ConnectionResetError, BrokenPipeError):  # it closed with notices unread
-            self._peer_gone("closed the link")
+            self._peer_gone(f"Connection closed by peer rank {self.peer}")
         except OSError as err:
-            self._peer_gone(f"broke the link ({err})")
+            self._peer_gone(f"the link to rank {self.peer} broke ({err})")
+
+    def _timed_out(self, what: str) -> str:
+        return f"Timed out waiting {self.timeout * 1000:.0f}ms for rank {self.peer} {what}"
 
     def _peer_gone(self, what: str) -> NoReturn:
-        raise RuntimeFault(
-            f"pipeline peer rank {self.peer} {what}",
-            rank=self.rank,
-            hint=f"rank {self.peer} stopped or failed: its own error (in its log) says why",
-        )
+        raise LinkFailure(f"{what} (shared-memory link)")
 
     def close(self) -> None:
         self.sock.close()

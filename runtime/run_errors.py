@@ -7,7 +7,8 @@ turns whatever the block raises into one readable error:
 
 - a ParcError passes through (a RuntimeFault gets the rank and step if it lacks them);
 - a failed collective (gloo's "Connection closed by peer", "Timed out waiting
-  ...", any `torch.distributed.DistError`): "a collective failed while ...",
+  ...", any `torch.distributed.DistError`, a same-host link's `LinkFailure`):
+  "a collective failed while ...",
   with the hint that another rank failed or is stuck, or that --timeout is short;
 - DCP's CheckpointException (a BaseException wrapping each rank's failure) is
   unwrapped: a ParcError inside is raised as is, anything else as below;
@@ -124,8 +125,10 @@ _TIMEOUT_HINT = (
 def _comm_failure(exc: BaseException) -> bool:
     import torch.distributed as dist
 
+    from .local_link import LinkFailure
+
     text = str(exc)
-    return isinstance(exc, dist.DistError) or (
+    return isinstance(exc, dist.DistError | LinkFailure) or (
         isinstance(exc, RuntimeError)
         and any(s in text for s in ("gloo", "Timed out", "Connection closed by peer"))
     )

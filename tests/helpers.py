@@ -21,6 +21,16 @@ from parc.runtime.equivalence import (
 
 ROOT = Path(__file__).resolve().parent.parent
 GPT = str(ROOT / "examples" / "gpt.py")
+# examples/gpt.py at its smallest that still has 4 blocks and a tied head: the
+# pipeline-transport tests' model (a few milliseconds a step).
+TINY_GPT_ENV = {
+    "GPT_LAYERS": "4",
+    "GPT_DIM": "16",
+    "GPT_HEADS": "2",
+    "GPT_VOCAB": "48",
+    "GPT_SEQ": "8",
+    "GPT_TIE": "1",
+}
 MLP = str(ROOT / "examples" / "mlp.py")
 LLAMA = str(ROOT / "examples" / "llama.py")
 # Megatron's plan for a Hugging Face Llama (model.layers[i].self_attn / .mlp).

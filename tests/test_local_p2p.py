@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import GPT
+from helpers import GPT, TINY_GPT_ENV
 
 from parc.errors import RuntimeFault
 from parc.runtime import local_link
@@ -129,14 +129,7 @@ def test_a_silent_peer_is_a_fault_at_the_timeout() -> None:
 
 # ---------------------------------------------------------------- across processes
 
-_ENV = {
-    "GPT_LAYERS": "4",
-    "GPT_DIM": "16",
-    "GPT_HEADS": "2",
-    "GPT_VOCAB": "48",
-    "GPT_SEQ": "8",
-    "GPT_TIE": "1",
-}
+_ENV = TINY_GPT_ENV
 _SPEC = "mesh pp=2\nstage auto\nmicrobatches 4\nschedule {schedule}\n"
 
 

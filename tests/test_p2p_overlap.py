@@ -17,21 +17,14 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import GPT
+from helpers import GPT, TINY_GPT_ENV
 
 from parc.runtime.collectives import Comm
 from parc.runtime.equivalence import make_optimizer, model_env
 
 pytestmark = pytest.mark.multiprocess
 
-_ENV = {
-    "GPT_LAYERS": "4",
-    "GPT_DIM": "16",
-    "GPT_HEADS": "2",
-    "GPT_VOCAB": "48",
-    "GPT_SEQ": "8",
-    "GPT_TIE": "1",
-}
+_ENV = TINY_GPT_ENV
 
 
 class _Logged:

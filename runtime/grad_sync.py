@@ -56,6 +56,8 @@ the compute copies from the masters, drops the masters' gradients and
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 
 from parc.compiler.layout import FlatUnit
@@ -66,11 +68,6 @@ from .master_weights import MasterWeights, MixedPrecision, assemble_from_shards
 from .sync_protocol import TiedReduce
 
 __all__ = ["GradSync"]
-
-
-def _not_ready() -> bool:
-    """A handle without `ready` (gloo's): completed where the sync waits for it."""
-    return False
 
 
 class GradSync:
@@ -100,6 +97,7 @@ class GradSync:
         self.armed = False
         self.masters: MasterWeights | None = None  # under bf16: what the optimizer steps
         self.units = make_units(named, units, tied)
+        self._on_links: deque[Unit] = deque()  # zero 0's sums on links, in launch order
         # parameter -> (unit, position in it)
         self._names = {n: (u.order, j) for u in self.units for j, n in enumerate(u.spec.params)}
         # Zero 2's pre-hook runs before AccumulateGrad reads `.grad`.
@@ -251,13 +249,17 @@ class GradSync:
             unit.fill_missing()
         if self.zero == 0:
             assert unit.grad is not None
-            # Sums already here (same-host, runtime/local_sum.py) complete now, which
-            # frees their bytes in the links' rings: only a few units stay in flight.
-            for other in self.units:
-                if other.work is not None and getattr(other.work, "ready", _not_ready)():
-                    self._complete(other)
+            # Same-host sums already here complete now, freeing the links' rings (a link's
+            # messages come in order: the ready ones are the oldest; local_group.py).
+            links = self._on_links
+            while links and (links[0].work is None or links[0].work.ready()):
+                if links[0].work is not None:
+                    self._complete(links[0])
+                links.popleft()
             # Partial -> Replicate over dp: all-reduce of the unit's gradient.
             unit.work = self.comm.all_reduce(unit.grad, self.axis, async_op=True)
+            if hasattr(unit.work, "ready"):
+                links.append(unit)
             return
         assert unit.shard is not None
         # One reduce-scatter in flight: the previous one completes (zero 1 copies its
@@ -313,6 +315,7 @@ class GradSync:
         for unit in self.units:
             if unit.work is not None:
                 self._complete(unit)
+        self._on_links.clear()
 
     def _reduce_tied(self, tied_reduce: TiedReduce) -> None:
         """Sum each weight tied across stages over the ranks holding it, in the order of

@@ -1,4 +1,4 @@
-"""One pipeline link between two ranks on the same host: messages through shared memory.
+"""One link between two ranks on the same host: messages through shared memory.
 
 gloo moves a point-to-point message through TCP, by its own threads: the
 receiver's gloo thread must run to read the bytes off the socket, then wake the
@@ -268,12 +268,12 @@ class Link:
         kind, ring_id, off, n = _NOTE.unpack(self._partial)
         fds, self._partial, self._partial_fds = self._partial_fds, b"", []
         if kind == _DATA:
+            k, self._arrived = self._arrived, self._arrived + 1
             self._holding[ring_id] = self._holding.get(ring_id, 0) + 1
-            self._notices[self._arrived] = (ring_id, off, n)
-            self._arrived += 1
-            if self._arrived - 1 in self._discarded:
-                self._discarded.remove(self._arrived - 1)
-                self.discard(self._arrived - 1)
+            self._notices[k] = (ring_id, off, n)
+            if k in self._discarded:
+                self._discarded.remove(k)
+                self.discard(k)
         elif kind == _RING:
             try:
                 self._rings[ring_id] = _Ring.of_fd(ring_id, fds[0], n)
@@ -294,7 +294,7 @@ class Link:
             self._peer_gone(self._timed_out("to read its message"))
 
     def _call(self, fn: Callable[..., _T], *args: Any) -> _T:
-        """`fn(*args)` on the socket, its failures raised as this link's RuntimeFault
+        """`fn(*args)` on the socket, its failures raised as this link's LinkFailure
         (BlockingIOError passes: the caller says what waiting for nothing means)."""
         try:
             return fn(*args)

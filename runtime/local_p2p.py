@@ -95,7 +95,8 @@ class _Receiving:
 
 
 class LocalLinks:
-    """This rank's links to its same-host pp peers (the module); `post` routes one op."""
+    """This rank's links to its same-host peers in one group (the module); `post` routes
+    one point-to-point op."""
 
     def __init__(self, links: dict[int, Link], rank: int) -> None:
         self.links, self.rank = links, rank
@@ -103,8 +104,9 @@ class LocalLinks:
 
     @staticmethod
     def between(group: Any, peers: Iterable[int]) -> LocalLinks | None:
-        """Links to the same-host ones of `peers` (global ranks in `group`, the pp
-        group); None when none is (or `PARC_P2P=gloo`). Collective over `group`."""
+        """Links to the same-host ones of `peers` (global ranks in `group`: the pp group,
+        or an axis's for `parc.runtime.local_group`); None when none is (or
+        `PARC_P2P=gloo`). Collective over `group`."""
         if os.environ.get(P2P_ENV, "").lower() == "gloo":
             return None
         rank = dist.get_rank()
@@ -183,9 +185,10 @@ def _connect_to(name: str, peer: int, rank: int, timeout: float) -> socket.socke
 
 def _not_there(peer: int, rank: int, timeout: float) -> RuntimeFault:
     return RuntimeFault(
-        f"pipeline peer rank {peer} did not connect its shared-memory link within "
-        f"{timeout:g} s, the collective timeout",
+        f"peer rank {peer} did not connect its shared-memory link within {timeout:g} s, "
+        "the collective timeout",
         rank=rank,
-        hint=f"rank {peer} stopped or failed while compiling: its own error says why; "
-        f"{P2P_ENV}=gloo sends pipeline messages through gloo instead",
+        hint=f"rank {peer} stopped or failed before it came to the link (when its program "
+        f"was made, or at the group's first collective): its own error says why; "
+        f"{P2P_ENV}=gloo keeps every message on gloo instead",
     )
